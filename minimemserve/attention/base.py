@@ -1,0 +1,132 @@
+"""The attention-backend interface and the per-step batch metadata every backend reads.
+
+A step's batch is a list of sequence slices. Each slice has a block table (the
+sequence's MemPool block ids, in order), ``num_computed`` tokens whose KV is already in
+the pool and ``num_new`` tokens computed now. Slices with more than one new token
+(prefill chunks) come first, single-token slices (decodes) after; the model runner
+orders them so. The new tokens of all slices are flattened into one ``[T, ...]`` batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """What one sequence contributes to a step."""
+
+    block_table: list[int]
+    num_computed: int  # tokens already in the KV pool (cached prefix + earlier chunks)
+    num_new: int  # tokens whose KV is written and whose queries are computed now
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step tensors shared by every layer (built once per step by ``prepare``).
+
+    Index tensors live on the compute device. Prefill slices (``num_new > 1``) come first:
+    slices ``[0, num_prefills)`` own tokens ``[0, num_prefill_tokens)``; the remaining
+    ``num_decodes`` slices own one token each.
+    """
+
+    positions: torch.Tensor  # int64 [T] absolute position of each new token
+    slot_mapping: torch.Tensor  # int64 [T] block_id * block_size + offset of each new token
+    query_start_loc: torch.Tensor  # int32 [B+1] cumulative new-token counts
+    context_lens: torch.Tensor  # int32 [B] tokens already cached before this step
+    seq_lens: torch.Tensor  # int32 [B] context_lens + new tokens
+    block_tables: torch.Tensor  # int32 [B, max_blocks] padded with 0
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decodes: int
+    max_query_len: int
+    max_seq_len: int
+    # host copies, so backends that loop on the CPU need no device sync
+    query_lens_host: list[int]
+    context_lens_host: list[int]
+    seq_lens_host: list[int]
+    block_size: int
+
+
+def build_metadata(slices: list[SeqSlice], block_size: int, device) -> AttentionMetadata:
+    """Build ``AttentionMetadata`` for ``slices`` (prefills first, then single-token decodes)."""
+    if not slices:
+        raise ValueError("a step needs at least one sequence")
+    num_prefills = 0
+    for i, s in enumerate(slices):
+        if s.num_new <= 0:
+            raise ValueError(f"slice {i} has no new tokens")
+        if s.num_new > 1:
+            if i != num_prefills:
+                raise ValueError("prefill slices must come before decode slices")
+            num_prefills += 1
+        if len(s.block_table) * block_size < s.num_computed + s.num_new:
+            raise ValueError(
+                f"slice {i}: {len(s.block_table)} blocks cannot hold "
+                f"{s.num_computed + s.num_new} tokens"
+            )
+    q_lens = [s.num_new for s in slices]
+    ctx = [s.num_computed for s in slices]
+    seq = [c + q for c, q in zip(ctx, q_lens)]
+    positions: list[int] = []
+    slots: list[int] = []
+    for s in slices:
+        for p in range(s.num_computed, s.num_computed + s.num_new):
+            positions.append(p)
+            slots.append(s.block_table[p // block_size] * block_size + p % block_size)
+    max_blocks = max(len(s.block_table) for s in slices)
+    table = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in slices]
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+
+    def t(x, dtype):
+        return torch.tensor(x, dtype=dtype, device=device)
+
+    return AttentionMetadata(
+        positions=t(positions, torch.int64),
+        slot_mapping=t(slots, torch.int64),
+        query_start_loc=t(starts, torch.int32),
+        context_lens=t(ctx, torch.int32),
+        seq_lens=t(seq, torch.int32),
+        block_tables=t(table, torch.int32),
+        num_prefills=num_prefills,
+        num_prefill_tokens=starts[num_prefills],
+        num_decodes=len(slices) - num_prefills,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq),
+        query_lens_host=q_lens,
+        context_lens_host=ctx,
+        seq_lens_host=seq,
+        block_size=block_size,
+    )
+
+
+class AttentionBackend(Protocol):
+    """How the model computes attention over the paged, aggregated KV pool.
+
+    A backend is built over one pool tensor ``[num_blocks, L, 2, block_size, n_kv, head_dim]``
+    (it never allocates KV itself). ``forward`` first stores the new tokens' K and V of
+    layer ``layer_id`` into their slots, then returns attention of the new queries over
+    the cached prefix and the new tokens (causal).
+    """
+
+    name: str
+
+    def prepare(self, slices: list[SeqSlice]) -> AttentionMetadata:
+        """Build the per-step metadata once; every layer reuses it."""
+        ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, n_heads, head_dim]
+        k: torch.Tensor,  # [T, n_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, n_kv_heads, head_dim]
+        layer_id: int,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, n_heads, head_dim]
+        """Store K/V of the new tokens for ``layer_id`` and attend."""
+        ...

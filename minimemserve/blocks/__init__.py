@@ -1,0 +1,1 @@
+"""Block layout and the refcounted block allocator (plain Python, no torch)."""
