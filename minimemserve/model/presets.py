@@ -1,0 +1,323 @@
+"""Tiny random Llama checkpoints written as real Hugging Face directories.
+
+A preset is a small Llama-2-shaped model with random weights and a sentencepiece tokenizer
+trained on real ShareGPT text. It is written once with ``transformers`` (config.json,
+model.safetensors, tokenizer.model) and cached, so tests, benchmarks and examples load it
+through exactly the same path as a downloaded checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import inspect
+import io
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minimemserve.data import sharegpt_text
+from minimemserve.errors import ConfigError
+from minimemserve.model.tokenizer import TOKENIZER_FILENAME, Tokenizer
+
+__all__ = [
+    "PRESETS",
+    "Preset",
+    "preset_dir",
+    "sharegpt_text",
+    "train_tokenizer",
+    "write_random_llama",
+]
+
+CACHE_ENV = "MINIMEMSERVE_CACHE"
+DEFAULT_CACHE = Path("~/.cache/minimemserve")
+# Bump when the files a preset writes change, so stale cache directories are not reused.
+PRESET_FORMAT_VERSION = 1
+# Hex digits of the parameter hash in a preset's directory name.
+_HASH_CHARS = 10
+# Sentencepiece skips longer input lines; ShareGPT has code blocks and long paragraphs.
+_MAX_SENTENCE_BYTES = 16384
+# Characters covered by single pieces; the rarest remainder goes through byte fallback.
+_CHARACTER_COVERAGE = 0.9995
+# Sentencepiece's own deterministic-order limit: above this it samples the input.
+_MAX_TRAINING_LINES = 2_000_000
+# Spread of the random RMSNorm gains around 1, so a model that ignores them is caught.
+_NORM_WEIGHT_STD = 0.1
+BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
+
+
+def train_tokenizer(
+    out_path: str | Path,
+    vocab_size: int,
+    text_lines: Iterable[str],
+    *,
+    model_type: str = "bpe",
+    num_threads: int = 2,
+) -> Path:
+    """Train a Llama-style sentencepiece model on ``text_lines`` and write it to ``out_path``.
+
+    Pieces: ``<unk>``=0, ``<s>``=1, ``</s>``=2, then 256 byte pieces (byte fallback, so any
+    text encodes), then learned pieces; no padding piece. The normalizer is the identity,
+    so ``decode(encode(text)) == text``. Input order is kept (no sampling), so the same lines
+    give the same model. The caller bounds training time by bounding the input.
+    """
+    import sentencepiece as spm
+
+    lines = [line for line in text_lines if line]
+    if not lines:
+        raise ConfigError("train_tokenizer needs at least one non-empty text line")
+    if len(lines) > _MAX_TRAINING_LINES:
+        raise ConfigError(
+            f"train_tokenizer got {len(lines)} lines; keep it under {_MAX_TRAINING_LINES}"
+        )
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines),
+            model_writer=model,
+            model_type=model_type,
+            vocab_size=vocab_size,
+            byte_fallback=True,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            pad_id=-1,
+            character_coverage=_CHARACTER_COVERAGE,
+            split_digits=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=True,
+            allow_whitespace_only_pieces=True,
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            max_sentence_length=_MAX_SENTENCE_BYTES,
+            num_threads=num_threads,
+            minloglevel=2,
+        )
+    except RuntimeError as exc:
+        raise ConfigError(f"sentencepiece training failed (vocab {vocab_size}): {exc}") from exc
+    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(model.getvalue())
+    os.replace(tmp, out_path)
+    return out_path
+
+
+def _randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Give every weight a scale at which logits differ clearly between tokens.
+
+    Matrices get N(0, 1/fan_in) (embeddings N(0, 1)), norm gains 1 + N(0, 0.1²). HF's own
+    init (std 0.02) makes a tiny model's logits nearly flat, so greedy ties would be common.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.dim() == 1:
+                noise = torch.randn(param.shape, generator=generator) * _NORM_WEIGHT_STD
+                param.copy_(1.0 + noise)
+            elif name.endswith("embed_tokens.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator))
+            else:
+                std = 1.0 / math.sqrt(param.shape[1])  # weight is [out, in]
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+
+def _rope_kwargs(rope_theta: float, rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"rope_theta": rope_theta}
+    if rope_scaling is not None:
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        kwargs["rope_scaling"] = {"rope_type": rope_type, "factor": float(rope_scaling["factor"])}
+    return kwargs
+
+
+def write_random_llama(
+    out_dir: str | Path,
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    max_position_embeddings: int = 2048,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict[str, Any] | None = None,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    tokenizer_model: Path | None = None,
+    shards: int = 1,
+) -> Path:
+    """Write a random-weight Llama checkpoint with ``transformers`` into ``out_dir``.
+
+    The directory gets ``config.json`` (bos=1, eos=2), fp32 safetensors weights (split into
+    about ``shards`` files with an index when ``shards > 1``) and, if ``tokenizer_model`` is
+    given, a copy of it as ``tokenizer.model``; its size must equal ``vocab_size``.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if shards < 1:
+        raise ConfigError(f"shards must be >= 1, got {shards}")
+    if tokenizer_model is not None:
+        tokenizer_size = Tokenizer.from_file(tokenizer_model).vocab_size
+        if tokenizer_size != vocab_size:
+            raise ConfigError(
+                f"vocab_size {vocab_size} does not match the tokenizer's {tokenizer_size} "
+                f"pieces ({tokenizer_model})"
+            )
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        **_rope_kwargs(rope_theta, rope_scaling),
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).float().eval()
+    _randomize_(model, seed)  # a tied lm_head shares the embedding tensor, so stays tied
+
+    save_kwargs: dict[str, Any] = {}
+    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+        save_kwargs["safe_serialization"] = True
+    if shards > 1:
+        total_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+        save_kwargs["max_shard_size"] = max(1, math.ceil(total_bytes / shards))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, **save_kwargs)
+    written = out_dir / TOKENIZER_FILENAME
+    if tokenizer_model is not None and Path(tokenizer_model).resolve() != written.resolve():
+        shutil.copyfile(tokenizer_model, written)
+    return out_dir
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Everything that determines a preset's files; its hash names the cache directory."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    seed: int = 0
+    tokenizer_chars: int = 4_000_000  # ShareGPT characters the tokenizer is trained on
+
+    def digest(self) -> str:
+        """Short hash of every field (and the format version), stable across runs."""
+        fields = dataclasses.asdict(self) | {"format": PRESET_FORMAT_VERSION}
+        blob = json.dumps(fields, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:_HASH_CHARS]
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`write_random_llama` for this preset."""
+        fields = dataclasses.asdict(self)
+        del fields["name"], fields["tokenizer_chars"]
+        return fields
+
+
+PRESETS: dict[str, Preset] = {
+    # ~32M parameters: big enough to show real compute, small enough for a 2-core CPU.
+    "tiny": Preset(
+        name="tiny",
+        vocab_size=8000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ),
+    "tiny-mha": Preset(
+        name="tiny-mha",
+        vocab_size=8000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    ),
+}
+
+
+def _cache_root(cache_dir: str | Path | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``lock_path`` (a no-op where fcntl is absent)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the atomic rename alone keeps the cache consistent
+        yield
+        return
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build(preset: Preset, out_dir: Path) -> None:
+    tokenizer_path = out_dir / TOKENIZER_FILENAME
+    train_tokenizer(tokenizer_path, preset.vocab_size, sharegpt_text(preset.tokenizer_chars))
+    write_random_llama(out_dir, **preset.model_kwargs(), tokenizer_model=tokenizer_path)
+
+
+def preset_dir(name: str | Preset = "tiny", cache_dir: str | Path | None = None) -> Path:
+    """The checkpoint directory of a preset, written on first use and cached after.
+
+    ``name`` is a key of :data:`PRESETS` or a :class:`Preset`. The cache root is
+    ``cache_dir``, else ``$MINIMEMSERVE_CACHE``, else ``~/.cache/minimemserve``; the
+    directory is ``<name>-<hash of the preset>``. It is built in a temporary directory and
+    renamed into place, under a file lock, so concurrent callers never see a partial one.
+    """
+    if isinstance(name, Preset):
+        preset = name
+    elif name in PRESETS:
+        preset = PRESETS[name]
+    else:
+        raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    root = _cache_root(cache_dir)
+    target = root / f"{preset.name}-{preset.digest()}"
+    if target.is_dir():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with _exclusive(root / f".{target.name}.lock"):
+        if target.is_dir():  # another process finished it while we waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+        try:
+            _build(preset, tmp)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not target.is_dir():
+                    raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
