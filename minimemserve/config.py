@@ -1,0 +1,119 @@
+"""Engine configuration and the deployment names (PD, PD-CC, 1P1D, 1P1D-CC1/2/3, xPyD...)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError
+
+DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of host RAM: 64k tokens of the tiny fp32 preset
+DEFAULT_GPU_KV_FRACTION = 0.5  # share of free GPU memory given to the hbm tier when unsized
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_CACHE_LEVELS = {"": 0, "CC1": 1, "CC2": 2, "CC3": 3, "CC": 3}
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What a config name means.
+
+    ``colocated`` deployments run prefill and decode in the same instance (PD, PD-CC);
+    otherwise ``num_prefill`` prefill and ``num_decode`` decode instances (xPyD).
+    ``cache_level`` is 0 (none), 1 for colocated caching (PD-CC), and 1/2/3 for the three
+    caching milestones on top of disaggregation (PD-Caching-1/2/3).
+    """
+
+    name: str
+    colocated: bool
+    num_prefill: int
+    num_decode: int
+    cache_level: int
+
+    @property
+    def caching(self) -> bool:
+        """Whether any context caching is on."""
+        return self.cache_level > 0
+
+
+def parse_config_name(name: str) -> Deployment:
+    """Parse ``PD``, ``PD-CC``, ``1P1D``, ``1P1D-CC[1|2|3]``, ``xPyD[-CC...]``."""
+    if not isinstance(name, str):
+        raise ConfigError(f"config name must be a string, got {name!r}")
+    if name == "PD":
+        return Deployment(name, True, 1, 1, 0)
+    if name == "PD-CC":
+        return Deployment(name, True, 1, 1, 1)
+    m = re.fullmatch(r"(\d+)P(\d+)D(?:-(CC[123]?))?", name)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ConfigError(
+            f"unknown config name {name!r}; expected PD, PD-CC, 1P1D, 1P1D-CC, 1P1D-CC1, "
+            "1P1D-CC2, 1P1D-CC3 or xPyD forms such as 1P2D-CC"
+        )
+    return Deployment(
+        name, False, int(m.group(1)), int(m.group(2)), _CACHE_LEVELS[m.group(3) or ""]
+    )
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32"`` / ``"float16"`` / ``"bfloat16"`` (or a torch dtype) to a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+    elif dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ConfigError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes and limits of one engine instance.
+
+    The hbm tier holds ``num_blocks`` blocks, or as many as ``kv_memory_bytes`` allows; with
+    neither given, 1 GiB on the CPU and half the free memory on CUDA.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_memory_bytes: int | None = None
+    dram_blocks: int = 0
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 512  # token budget per step; bounds a prefill chunk
+    max_model_len: int | None = None  # defaults to the model's context length
+    attention: str | None = None  # None: triton on CUDA, torch elsewhere
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes <= 0:
+            raise ConfigError(f"kv_memory_bytes must be positive, got {self.kv_memory_bytes}")
+        if self.dram_blocks < 0:
+            raise ConfigError(f"dram_blocks must be >= 0, got {self.dram_blocks}")
+        if self.max_num_seqs <= 0:
+            raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ConfigError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ConfigError(f"max_model_len must be > 1, got {self.max_model_len}")
+
+    def hbm_blocks(self, block_bytes: int, device: torch.device) -> int:
+        """Number of hbm blocks for a block of ``block_bytes`` bytes."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        budget = self.kv_memory_bytes
+        if budget is None:
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                budget = int(free * DEFAULT_GPU_KV_FRACTION)
+            else:
+                budget = DEFAULT_CPU_KV_BYTES
+        n = budget // block_bytes
+        if n <= 0:
+            raise ConfigError(f"a KV budget of {budget} bytes holds no {block_bytes}-byte block")
+        return n

@@ -1,0 +1,261 @@
+"""One engine instance: model + MemPool + local scheduler + recipe.
+
+The step is three lines: ``schedule → run model → postprocess``. The scheduler decides
+who computes how many tokens (and calls the pool through the recipe); the runner turns
+that into tensors; postprocess samples, checks stop conditions and runs the hooks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .attention import make_backend
+from .attention.base import SeqSlice
+from .blocks.layout import KVLayout
+from .config import EngineConfig, parse_config_name, resolve_dtype
+from .disagg.recipes import COLOCATED_RECIPES, Recipe
+from .errors import ConfigError, InvalidRequest, PoolExhausted
+from .mempool import MemPool
+from .model.config import ModelConfig
+from .model.llama import LlamaModel
+from .model.loader import load_weights
+from .model.tokenizer import Tokenizer
+from .request import Request, RequestOutput, Status
+from .sampling import SamplingParams, sample
+from .scheduler.local import LocalScheduler
+
+
+class ModelRunner:
+    """Turns a scheduled batch into one forward pass and the sampled tokens."""
+
+    def __init__(self, model: LlamaModel, backend, device: torch.device):
+        self.model = model
+        self.backend = backend
+        self.device = device
+
+    @torch.inference_mode()
+    def run(self, batch: list[tuple[Request, int]], generator: torch.Generator) -> list[int | None]:
+        """Compute ``batch`` (prefill chunks first, decodes after); a token per finished row."""
+        slices, ids, last_rows, sample_for = [], [], [], []
+        for req, n in batch:
+            start = req.num_computed
+            slices.append(SeqSlice(req.blocks, start, n))
+            ids.extend(req.all_token_ids[start : start + n])
+            if start + n == req.num_tokens:
+                last_rows.append(len(ids) - 1)
+                sample_for.append(req)
+        md = self.backend.prepare(slices)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
+        hidden = self.model(input_ids, self.backend, md)  # [T, hidden]
+        tokens: list[int] = []
+        if sample_for:
+            rows = torch.tensor(last_rows, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])  # [B, vocab] fp32
+            tokens = sample(
+                logits,
+                [r.params for r in sample_for],
+                [len(r.output_token_ids) for r in sample_for],
+                generator,
+            )
+        by_req = dict(zip(map(id, sample_for), tokens))
+        return [by_req.get(id(req)) for req, _ in batch]
+
+
+class Engine:
+    """A serving instance over one MemPool.
+
+    ``add_request`` validates and queues; ``step`` runs one iteration and returns the
+    requests that finished in it; ``has_unfinished`` says whether work remains. The
+    ``recipe`` (from ``config``) decides which pool calls run at each request hook.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        config: str = "PD",
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "float32",
+        engine_config: EngineConfig | None = None,
+        recipe: Recipe | None = None,
+        instance_id: str = "0",
+        pool_factory=None,
+    ):
+        self.deployment = parse_config_name(config)
+        if recipe is None:
+            if not self.deployment.colocated:
+                raise ConfigError(
+                    f"config {config!r} is disaggregated: build it with minimemserve.LLM or the "
+                    "disagg cluster, not a single Engine"
+                )
+            recipe = COLOCATED_RECIPES[self.deployment.cache_level]()
+        self.config = engine_config or EngineConfig()
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype)
+        model_dir = Path(model_dir)
+        self.model_config = ModelConfig.from_hf(model_dir)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        mc = self.model_config
+        self.max_model_len = min(
+            self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+
+        self.model = LlamaModel(mc)
+        self.model.load_hf_weights(load_weights(model_dir, mc, dtype=torch.float32))
+        self.model.to(device=self.device, dtype=self.dtype).eval()
+
+        layout = KVLayout(
+            mc.num_hidden_layers, self.config.block_size, mc.num_key_value_heads, mc.head_dim
+        )
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        num_blocks = self.config.hbm_blocks(layout.block_bytes(elem), self.device)
+        make_pool = pool_factory or MemPool
+        self.pool = make_pool(
+            layout,
+            num_blocks,
+            dram_blocks=self.config.dram_blocks,
+            device=self.device,
+            dtype=self.dtype,
+            instance_id=instance_id,
+        )
+        self.backend = make_backend(
+            self.config.attention,
+            self.pool.kv("hbm"),
+            layout,
+            mc.num_attention_heads,
+            mc.head_dim**-0.5,
+        )
+        self.recipe = recipe
+        self.scheduler = LocalScheduler(
+            self.pool, recipe, self.config.max_num_seqs, self.config.max_num_batched_tokens
+        )
+        self.runner = ModelRunner(self.model, self.backend, self.device)
+        self.generator = torch.Generator().manual_seed(self.config.seed)
+        self.requests: dict[str, Request] = {}
+        self.handoffs: list[Request] = []  # requests whose decode continues on another instance
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------
+    def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        """Token ids of ``prompt``, or a ``ValueError``/``PoolExhausted`` naming the problem."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("empty prompt")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if not ids:
+                raise InvalidRequest("empty prompt")
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"prompt too long: {len(ids)} tokens, the context holds {self.max_model_len} "
+                "(prompt plus at least one generated token)"
+            )
+        need = -(-min(len(ids) + params.max_tokens, self.max_model_len) // self.pool.block_size)
+        total = self.pool.stats()["hbm"]["total"]
+        if need > total:
+            raise PoolExhausted(
+                f"request needs {need} KV blocks but the pool has only {total} in all; "
+                "give the engine more KV memory or ask for fewer tokens"
+            )
+        return ids
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id."""
+        ids = self.validate(prompt, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise InvalidRequest(f"request id {rid!r} is already in use")
+        req = Request(rid, ids, params, arrival_time=arrival_time or time.perf_counter())
+        req.max_total_tokens = min(len(ids) + params.max_tokens, self.max_model_len)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def add_prefilled(self, req: Request) -> None:
+        """Queue a request that arrives with its KV in this pool (after a transfer)."""
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and release its blocks; returns its output, or None if unknown."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.remove(req)
+        req.finish_reason = "abort"
+        return self._finish(req)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request still waits or runs here."""
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule → run model → postprocess. Returns finished requests."""
+        batch = self.scheduler.schedule()
+        tokens = self.runner.run(batch, self.generator) if batch else []
+        return self._postprocess(batch, tokens)
+
+    def _postprocess(self, batch, tokens) -> list[RequestOutput]:
+        done = []
+        for req in self.scheduler.failed:
+            req.finish_reason = "error"
+            done.append(self._finish(req))
+        self.scheduler.failed.clear()
+        now = time.perf_counter()
+        for (req, n), tok in zip(batch, tokens):
+            req.num_computed += n
+            if tok is None:
+                continue
+            req.output_token_ids.append(tok)
+            req.metrics.output_tokens = len(req.output_token_ids)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                req.finish_reason = reason
+                self.scheduler.remove(req)
+                done.append(self._finish(req, now))
+            elif not req.prefilled:
+                req.prefilled = True
+                if not self.recipe.after_prefill(self.pool, req):
+                    self.scheduler.remove(req)
+                    self.requests.pop(req.request_id, None)
+                    req.status = Status.FINISHED
+                    self.handoffs.append(req)
+        return done
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if tok in p.stop_token_ids:
+            return "stop"
+        if not p.ignore_eos and tok in self.model_config.eos_token_ids:
+            return "stop"
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= req.max_total_tokens:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, now: float | None = None) -> RequestOutput:
+        self.recipe.on_finish(self.pool, req)
+        req.status = Status.FINISHED
+        req.metrics.finish_time = now or time.perf_counter()
+        self.requests.pop(req.request_id, None)
+        return req.to_output(self.tokenizer.decode(req.output_token_ids))

@@ -1,0 +1,108 @@
+"""Local scheduler: continuous batching with a per-step token budget, chunked prefill,
+and preemption by recompute when the pool is full. Plain Python: no tensors here."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ..errors import PoolExhausted
+from ..request import Request, Status
+
+
+class LocalScheduler:
+    """Decides, every step, which requests compute how many tokens.
+
+    Each step first gives every running request its pending tokens (one for a decode, a
+    chunk for an unfinished prefill) within ``max_num_batched_tokens``, then admits waiting
+    requests while budget, sequence slots and blocks remain, so new prompts join a running
+    decode batch. A long prompt is split into chunks, so it cannot stall decodes for
+    longer than one step. When a running request cannot get a block, the most recently
+    admitted request is preempted: its recipe releases (and, with caching, indexes) its
+    KV, and it is recomputed later.
+    """
+
+    def __init__(self, pool, recipe, max_num_seqs: int, max_num_batched_tokens: int):
+        self.pool = pool
+        self.recipe = recipe
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.failed: list[Request] = []  # requests that can never get blocks; the engine ends them
+
+    def add(self, req: Request) -> None:
+        """Queue a request (it keeps any blocks it arrives with, e.g. after a transfer)."""
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Forget a request (finished, aborted or handed off); its blocks are the caller's."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """The step's batch: ``(request, number of tokens to compute)`` pairs."""
+        budget = self.max_num_batched_tokens
+        batch: dict[Request, int] = {}
+        for req in list(self.running):
+            if req.status is not Status.RUNNING or budget == 0:
+                continue
+            n = min(req.num_pending, budget)
+            if self._grow(req, req.num_computed + n, batch):
+                batch[req] = n
+            budget = self.max_num_batched_tokens - sum(batch.values())  # victims give theirs back
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            arrived = not req.blocks  # requests handed over with KV keep their blocks
+            if arrived:
+                self.recipe.on_arrival(self.pool, req)
+            n = min(req.num_pending, budget)
+            try:
+                self._alloc_to(req, req.num_computed + n)
+            except PoolExhausted as e:
+                if arrived:
+                    self.recipe.on_preempt(self.pool, req)
+                if not self.running:  # nothing will ever free blocks for it: fail it
+                    self.waiting.popleft()
+                    req.error = f"PoolExhausted: {e}"
+                    self.failed.append(req)
+                    continue
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            batch[req] = n
+            budget -= n
+        return list(batch.items())
+
+    def _alloc_to(self, req: Request, num_tokens: int) -> None:
+        need = -(-num_tokens // self.pool.block_size) - len(req.blocks)
+        if need > 0:
+            req.blocks.extend(self.pool.alloc_mem(need))
+
+    def _grow(self, req: Request, num_tokens: int, batch: dict[Request, int]) -> bool:
+        """Give ``req`` blocks for ``num_tokens``, preempting newer requests if needed."""
+        while True:
+            try:
+                self._alloc_to(req, num_tokens)
+                return True
+            except PoolExhausted:
+                victim = self.running[-1]
+                self.preempt(victim)
+                batch.pop(victim, None)
+                if victim is req:
+                    return False
+
+    def preempt(self, req: Request) -> None:
+        """Release a running request's KV and put it first in line to be recomputed."""
+        self.recipe.on_preempt(self.pool, req)
+        self.running.remove(req)
+        req.status = Status.WAITING
+        req.metrics.preemptions += 1
+        self.waiting.appendleft(req)
