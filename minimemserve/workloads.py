@@ -48,6 +48,10 @@ REACT_MAX_OUTPUT_TOKENS = 100
 REACT_MIN_OUTPUT_TOKENS = 20
 # ... and a tool observation / the question is this long (min, max) in tokens.
 REACT_OBSERVATION_TOKENS = (16, 64)
+# ShareGPT defaults: turns per session and the cap on a turn's output, sized for the tiny
+# model's 2k context on a CPU.
+SHAREGPT_MAX_TURNS = 4
+SHAREGPT_MAX_OUTPUT_TOKENS = 64
 # Syllables the synthetic text is made of; any tokenizer splits them into a few pieces.
 _SYLLABLES = (
     "ka", "lo", "mi", "ren", "tas", "vo", "dun", "pe", "shi", "gar", "ul", "bre", "no", "fit",
@@ -384,8 +388,9 @@ def make_workload(
     steps per ReAct question; ``None`` takes the workload's default.
     """
     if name == "sharegpt":
-        return sharegpt_sessions(tokenizer, num_sessions, max_turns or 4, max_context,
-                                 max_output_tokens or 64, seed)
+        return sharegpt_sessions(tokenizer, num_sessions, max_turns or SHAREGPT_MAX_TURNS,
+                                 max_context, max_output_tokens or SHAREGPT_MAX_OUTPUT_TOKENS,
+                                 seed)
     if name == "loogle":
         return loogle_like(tokenizer, num_sessions, max_context, seed,
                            questions_per_doc=max_turns or LOOGLE_QUESTIONS_PER_DOC,

@@ -1,0 +1,547 @@
+"""The end-to-end benchmark: replay a workload against several configurations, side by side.
+
+``run_workload`` replays sessions against one engine in real time on one process: sessions
+arrive by a Poisson process, a session's next turn is submitted as soon as its previous
+turn finished, with a prompt built from the history and the engine's own output.
+``run_bench`` runs every configuration on the same sessions, checks the KV pool balance
+after each, prints a table, and writes JSON and plots. ``main`` is ``minimemserve bench``.
+
+Configurations are plugged in through a factory mapping a config name to a
+:class:`BenchTarget` (an engine-like object plus its pool check). The in-process configs
+"PD" and "PD-CC" are built with :func:`in_process_target`; the multi-process runtime adds
+e.g. ``{"1P1D": factory, "1P1D-CC": factory}`` through ``run_bench(factories=...)``. Its
+engine only needs the three calls of :class:`EngineLike`; an asynchronous runtime adapts by
+making ``step()`` wait a short while for results and return those that finished (possibly
+none), and ``has_unfinished()`` report requests still in flight anywhere in the cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from minimemserve.workloads import (
+    WORKLOADS,
+    Session,
+    TokenizerLike,
+    Turn,
+    build_prompt,
+    make_workload,
+    poisson_arrivals,
+    total_turns,
+)
+
+# Defaults of `minimemserve bench`, sized so both in-process configs finish in a few
+# minutes on a 2-core CPU with the tiny preset model.
+DEFAULT_CONFIGS = ("PD", "PD-CC")
+DEFAULT_WORKLOAD = "sharegpt"
+DEFAULT_SESSIONS = 16
+DEFAULT_RATE = 1.0  # sessions per second
+DEFAULT_OUT_DIR = "bench/results"
+# Warm-up requests run before the measured workload (compilation, allocator, caches).
+WARMUP_REQUESTS = 2
+WARMUP_PROMPT_TOKENS = 64
+WARMUP_OUTPUT_TOKENS = 8
+# Percentile reported beside the mean.
+TAIL_PERCENTILE = 99.0
+# Longest idle sleep while waiting for the next arrival, so progress stays responsive.
+MAX_IDLE_SLEEP_S = 0.05
+# A config is compared with its context-caching variant named "<config>-CC".
+CACHING_SUFFIX = "-CC"
+_METRICS = ("ttft", "jct", "tpot")
+
+
+class OutputLike(Protocol):
+    """What the driver reads from a finished request (``minimemserve.RequestOutput``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    error: str | None
+    metrics: Any  # ttft, latency, tpot, cached_tokens, prompt_tokens, output_tokens, ...
+
+
+class EngineLike(Protocol):
+    """The three engine calls the driver uses (``minimemserve.LLM.engine`` has them)."""
+
+    def add_request(self, prompt_token_ids: list[int], params: Any,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request; raise ``ValueError`` for a bad one."""
+        ...
+
+    def step(self) -> list[OutputLike]:
+        """Advance by one scheduler step; return the requests that finished in it."""
+        ...
+
+    def has_unfinished(self) -> bool:
+        """Whether any submitted request has not finished yet."""
+        ...
+
+
+@dataclass
+class BenchTarget:
+    """One configuration ready to benchmark.
+
+    ``check`` verifies the KV pool balance once the workload is done (raise, or return
+    False, when it is off); ``stats`` returns pool statistics for the report; ``close``
+    releases processes or memory.
+    """
+
+    engine: EngineLike
+    check: Callable[[], Any]
+    stats: Callable[[], Any] | None = None
+    close: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Engine settings shared by every configuration of a run (equal resources)."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """What a factory is given to build the target of one configuration."""
+
+    config: str
+    model_dir: Path
+    options: EngineOptions = field(default_factory=EngineOptions)
+
+
+TargetFactory = Callable[[TargetSpec], BenchTarget]
+
+
+def in_process_target(spec: TargetSpec) -> BenchTarget:
+    """A single in-process ``LLM`` of config ``spec.config`` ("PD" or "PD-CC")."""
+    from minimemserve import LLM
+
+    o = spec.options
+    llm = LLM(model_dir=spec.model_dir, config=spec.config, device=o.device, dtype=o.dtype,
+              block_size=o.block_size, num_blocks=o.num_blocks, max_num_seqs=o.max_num_seqs,
+              max_num_batched_tokens=o.max_num_batched_tokens, seed=o.seed)
+    return BenchTarget(engine=llm.engine, check=llm.pool.check, stats=llm.pool.stats)
+
+
+def default_factories() -> dict[str, TargetFactory]:
+    """The configurations ``run_bench`` knows without being told: the in-process ones."""
+    return {"PD": in_process_target, "PD-CC": in_process_target}
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def greedy_params(turn: Turn) -> Any:
+    """Sampling parameters of a benchmark turn: greedy, exactly ``turn.max_tokens`` tokens."""
+    from minimemserve import SamplingParams
+
+    return SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _record(out: OutputLike, session: Session, turn: int, arrival: float, config: str) -> dict:
+    m = out.metrics
+    return {
+        "config": config,
+        "session": session.id,
+        "turn": turn,
+        "arrival": arrival,
+        "prompt_tokens": len(out.prompt_token_ids),
+        "output_tokens": len(out.token_ids),
+        "cached_tokens": int(getattr(m, "cached_tokens", 0) or 0),
+        "ttft": getattr(m, "ttft", None),
+        "jct": getattr(m, "latency", None),
+        "tpot": getattr(m, "tpot", None),
+        "transferred_bytes": int(getattr(m, "transferred_bytes", 0) or 0),
+        "finish_reason": out.finish_reason,
+        "error": (out.error or "failed") if out.finish_reason == "error" else None,
+    }
+
+
+def run_workload(
+    engine: EngineLike,
+    sessions: Sequence[Session],
+    rate: float,
+    seed: int,
+    progress: bool = True,
+    config: str = "",
+    params_for: Callable[[Turn], Any] = greedy_params,
+) -> list[dict]:
+    """Replay ``sessions`` against ``engine`` in real time and return one record per turn.
+
+    Sessions start at Poisson arrival offsets (``rate`` sessions/s, ``seed``); the first
+    turn's ``arrival_time`` is its scheduled arrival, so queueing counts in its TTFT. A
+    turn is submitted when the previous turn of its session finished; for chained sessions
+    its prompt is that turn's prompt + output + the new user tokens. A turn the engine
+    rejects or fails is recorded with its ``error`` and ends its session.
+    Record keys: config, session, turn, arrival, prompt_tokens, output_tokens,
+    cached_tokens, ttft, jct, tpot, transferred_bytes, finish_reason, error.
+    """
+    from tqdm.auto import tqdm
+
+    arrivals = poisson_arrivals(rate, len(sessions), seed)
+    records: list[dict] = []
+    inflight: dict[str, tuple[int, int, float]] = {}  # request id -> (session, turn, arrival)
+    bar = tqdm(total=total_turns(sessions), disable=not progress, unit="req",
+               desc=f"{config or 'bench'} turns")
+    t0 = time.perf_counter()
+
+    def submit(si: int, k: int, history: Sequence[int], arrival: float) -> None:
+        session = sessions[si]
+        turn = session.turns[k]
+        prompt = build_prompt(session, k, history)
+        rid = f"{session.id}/{k}"
+        try:
+            engine.add_request(prompt, params_for(turn), request_id=rid, arrival_time=arrival)
+        except ValueError as exc:
+            records.append({
+                "config": config, "session": session.id, "turn": k, "arrival": arrival - t0,
+                "prompt_tokens": len(prompt), "output_tokens": 0, "cached_tokens": 0,
+                "ttft": None, "jct": None, "tpot": None, "transferred_bytes": 0,
+                "finish_reason": "error", "error": f"rejected: {exc}",
+            })
+            bar.update(len(session.turns) - k)
+            return
+        inflight[rid] = (si, k, arrival)
+
+    next_session = 0
+    try:
+        while next_session < len(sessions) or inflight:
+            now = time.perf_counter()
+            while next_session < len(sessions) and t0 + arrivals[next_session] <= now:
+                submit(next_session, 0, (), t0 + arrivals[next_session])
+                next_session += 1
+            if engine.has_unfinished():
+                for out in engine.step():
+                    if out.request_id not in inflight:
+                        continue  # not ours (e.g. a request added by someone else)
+                    si, k, arrival = inflight.pop(out.request_id)
+                    session = sessions[si]
+                    rec = _record(out, session, k, arrival - t0, config)
+                    records.append(rec)
+                    bar.update(1)
+                    if rec["error"] is not None:
+                        bar.update(len(session.turns) - k - 1)
+                    elif k + 1 < len(session.turns):
+                        history = [*out.prompt_token_ids, *out.token_ids]
+                        submit(si, k + 1, history, time.perf_counter())
+            elif inflight:
+                raise RuntimeError(f"the engine reports no unfinished requests but "
+                                   f"{len(inflight)} submitted turns never finished")
+            elif next_session < len(sessions):
+                wait = t0 + arrivals[next_session] - time.perf_counter()
+                time.sleep(min(max(wait, 0.0), MAX_IDLE_SLEEP_S))
+    finally:
+        bar.close()
+    return records
+
+
+def warm_up(engine: EngineLike, tokenizer: TokenizerLike, params_for=greedy_params) -> None:
+    """Run a few short requests to completion so one-time costs stay out of the measurement."""
+    ids = tokenizer.encode("warm up the engine before measuring " * 32, add_bos=True)
+    prompt = ids[:WARMUP_PROMPT_TOKENS]
+    for i in range(WARMUP_REQUESTS):
+        turn = Turn("warmup", 0, tuple(prompt[: len(prompt) - i]), WARMUP_OUTPUT_TOKENS)
+        engine.add_request(list(turn.user_tokens), params_for(turn), request_id=f"warmup-{i}")
+    while engine.has_unfinished():
+        engine.step()
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def _tail(values: Sequence[float]) -> float | None:
+    return float(np.percentile(values, TAIL_PERCENTILE)) if values else None
+
+
+def summarize(records: Iterable[dict]) -> dict[str, Any]:
+    """Mean and P99 of TTFT, JCT and TPOT, overall and for turns after the first.
+
+    Keys: ``requests``, ``errors``, ``{ttft,jct,tpot}_{mean,p99}`` and the same with a
+    ``_later`` suffix (turn > 0), ``cached_ratio`` (cached / prompt tokens, also
+    ``cached_ratio_later``), ``prompt_tokens``, ``output_tokens``, ``cached_tokens``,
+    ``transferred_bytes``. Failed requests count only in ``errors``; a statistic over no
+    values is None.
+    """
+    records = list(records)
+    ok = [r for r in records if r.get("error") is None]
+    later = [r for r in ok if r["turn"] > 0]
+    out: dict[str, Any] = {"requests": len(records), "errors": len(records) - len(ok)}
+    for suffix, group in (("", ok), ("_later", later)):
+        for metric in _METRICS:
+            values = [r[metric] for r in group if r.get(metric) is not None]
+            out[f"{metric}_mean{suffix}"] = _mean(values)
+            out[f"{metric}_p99{suffix}"] = _tail(values)
+        prompt = sum(r["prompt_tokens"] for r in group)
+        cached = sum(r["cached_tokens"] for r in group)
+        out[f"cached_ratio{suffix}"] = cached / prompt if prompt else None
+    out["prompt_tokens"] = sum(r["prompt_tokens"] for r in ok)
+    out["output_tokens"] = sum(r["output_tokens"] for r in ok)
+    out["cached_tokens"] = sum(r["cached_tokens"] for r in ok)
+    out["transferred_bytes"] = sum(r["transferred_bytes"] for r in ok)
+    return out
+
+
+def caching_ratios(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
+    """``{"X/X-CC": mean TTFT of later turns under X / under X-CC}`` for every such pair."""
+    ratios: dict[str, float | None] = {}
+    for name, base in summaries.items():
+        cc = summaries.get(name + CACHING_SUFFIX)
+        if cc is None:
+            continue
+        a, b = base.get("ttft_mean_later"), cc.get("ttft_mean_later")
+        ratios[f"{name}/{name}{CACHING_SUFFIX}"] = a / b if a and b else None
+    return ratios
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.1f}"
+
+
+def format_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
+    """A plain-text table of the per-config summaries (times in milliseconds)."""
+    header = ("config", "TTFT mean", "TTFT P99", "TTFT mean t>1", "JCT mean", "JCT P99",
+              "TPOT mean", "cached", "bytes", "errors")
+    rows = [header]
+    for name, s in summaries.items():
+        ratio = s.get("cached_ratio")
+        rows.append((
+            name, _ms(s["ttft_mean"]), _ms(s["ttft_p99"]), _ms(s["ttft_mean_later"]),
+            _ms(s["jct_mean"]), _ms(s["jct_p99"]), _ms(s["tpot_mean"]),
+            "-" if ratio is None else f"{ratio:.1%}", f"{s['transferred_bytes']:,}",
+            str(s["errors"]),
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [" | ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                        for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "(times in ms)\n" + "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def write_plots(records_by_config: Mapping[str, list[dict]],
+                summaries: Mapping[str, Mapping[str, Any]], prefix: Path) -> list[Path]:
+    """Bars of mean/P99 TTFT and JCT per config, and CDFs of TTFT and JCT; returns the paths."""
+    from matplotlib.figure import Figure
+
+    names = list(summaries)
+    bars = Figure(figsize=(10, 4), layout="tight")
+    x = np.arange(len(names))  # [configs]
+    width = 0.38
+    for ax, metric, title in zip(bars.subplots(1, 2), ("ttft", "jct"), ("TTFT", "JCT")):
+        for j, (stat, label) in enumerate((("mean", "mean"), ("p99", "P99"))):
+            vals = [(summaries[n][f"{metric}_{stat}"] or 0.0) for n in names]
+            ax.bar(x + (j - 0.5) * width, vals, width, label=label)
+        ax.set_xticks(x, names)
+        ax.set_ylabel("seconds")
+        ax.set_title(title)
+        ax.legend()
+    cdfs = Figure(figsize=(10, 4), layout="tight")
+    for ax, metric, title in zip(cdfs.subplots(1, 2), ("ttft", "jct"), ("TTFT", "JCT")):
+        for n in names:
+            vals = np.sort([r[metric] for r in records_by_config[n]
+                            if r.get("error") is None and r.get(metric) is not None])
+            if len(vals):
+                ax.step(vals, np.arange(1, len(vals) + 1) / len(vals), where="post", label=n)
+        ax.set_xlabel(f"{title} (s)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"CDF of {title}")
+        ax.legend()
+    paths = [prefix.with_name(f"{prefix.name}_{kind}.png") for kind in ("bars", "cdf")]
+    bars.savefig(paths[0], dpi=100)
+    cdfs.savefig(paths[1], dpi=100)
+    return paths
+
+
+# --------------------------------------------------------------------------- run_bench
+
+
+def _model_context(model_dir: Path) -> int:
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config["max_position_embeddings"])
+
+
+def _check_balance(config: str, target: BenchTarget) -> None:
+    if target.check() is False:
+        raise RuntimeError(f"KV pool balance check failed after the {config} run")
+
+
+def run_bench(
+    configs: Sequence[str] = DEFAULT_CONFIGS,
+    workload: str = DEFAULT_WORKLOAD,
+    num_sessions: int = DEFAULT_SESSIONS,
+    rate: float = DEFAULT_RATE,
+    max_turns: int | None = None,
+    model_dir: str | Path | None = None,
+    out_dir: str | Path | None = DEFAULT_OUT_DIR,
+    seed: int = 0,
+    max_output_tokens: int | None = None,
+    max_context: int | None = None,
+    options: EngineOptions | None = None,
+    factories: Mapping[str, TargetFactory] | None = None,
+    progress: bool = True,
+    verbose: bool = True,
+) -> dict[str, Any]:
+    """Run ``workload`` under every config in ``configs`` on the same sessions; compare.
+
+    ``model_dir`` None uses the tiny preset. ``max_context`` None is the model's context.
+    ``max_turns`` and ``max_output_tokens`` None take the workload's defaults (see
+    :func:`minimemserve.workloads.make_workload`).
+    ``factories`` adds or overrides configs (name -> :data:`TargetFactory`) on top of
+    :func:`default_factories`. Each config gets a fresh target, a warm-up (excluded), the
+    workload, and a pool-balance check. Prints a table when ``verbose``; with ``out_dir``
+    writes ``e2e_<workload>.json`` and ``e2e_<workload>_{bars,cdf}.png`` there. Returns
+    ``{"summaries", "ttft_later_ratio", "records", "pool_stats", "setup", "files"}``.
+    """
+    from minimemserve.model.tokenizer import Tokenizer
+
+    known = {**default_factories(), **(factories or {})}
+    if not configs:
+        raise ValueError("no configs to benchmark")
+    unknown = [c for c in configs if c not in known]
+    if unknown:
+        raise ValueError(f"unknown config(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(known))}")
+    if model_dir is None:
+        from minimemserve.model.presets import preset_dir
+
+        model_dir = preset_dir("tiny")
+    model_dir = Path(model_dir)
+    options = options or EngineOptions(seed=seed)
+    context = min(max_context or math.inf, _model_context(model_dir))
+    tokenizer = Tokenizer.from_dir(model_dir)
+    sessions = make_workload(workload, tokenizer, num_sessions, int(context), seed,
+                             max_turns=max_turns, max_output_tokens=max_output_tokens)
+    setup = {
+        "workload": workload, "sessions": len(sessions), "turns": total_turns(sessions),
+        "rate": rate, "seed": seed, "max_turns": max_turns, "max_context": int(context),
+        "max_output_tokens": max_output_tokens, "model_dir": str(model_dir),
+        "configs": list(configs), "options": asdict(options),
+    }
+    if verbose:
+        print(f"workload {workload}: {len(sessions)} sessions, {setup['turns']} turns, "
+              f"rate {rate}/s, context {int(context)}, model {model_dir}")
+
+    records: dict[str, list[dict]] = {}
+    pool_stats: dict[str, Any] = {}
+    for config in configs:
+        target = known[config](TargetSpec(config, model_dir, options))
+        try:
+            warm_up(target.engine, tokenizer)
+            start = time.perf_counter()
+            records[config] = run_workload(target.engine, sessions, rate, seed,
+                                           progress=progress, config=config)
+            wall = time.perf_counter() - start
+            _check_balance(config, target)
+            stats = target.stats() if target.stats else None
+            pool_stats[config] = {"wall_s": wall, "pool": _jsonable(stats)}
+        finally:
+            if target.close:
+                target.close()
+        if verbose:
+            print(f"{config}: {len(records[config])} requests in {wall:.1f} s, pool balanced")
+
+    summaries = {c: summarize(records[c]) for c in configs}
+    ratios = caching_ratios(summaries)
+    result: dict[str, Any] = {"setup": setup, "summaries": summaries, "ttft_later_ratio": ratios,
+                              "pool_stats": pool_stats, "records": records, "files": []}
+    if verbose:
+        print(format_table(summaries))
+        for pair, ratio in ratios.items():
+            shown = "-" if ratio is None else f"{ratio:.2f}x"
+            print(f"mean TTFT of turns after the first, {pair}: {shown}")
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        json_path = out / f"e2e_{workload}.json"
+        pngs = write_plots(records, summaries, out / f"e2e_{workload}")
+        result["files"] = [str(json_path), *map(str, pngs)]
+        json_path.write_text(json.dumps(result, indent=1))
+        if verbose:
+            print("wrote " + ", ".join(result["files"]))
+    return result
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as plain JSON data (dataclasses and objects become dicts, else strings)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "__dataclass_fields__"):
+        return _jsonable(asdict(value))
+    if hasattr(value, "__dict__"):
+        return _jsonable(vars(value))
+    return str(value)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``minimemserve bench``."""
+    p = argparse.ArgumentParser(
+        prog="minimemserve bench",
+        description="Replay a multi-turn workload under several configurations and compare "
+                    "TTFT, JCT and TPOT (mean and P99).")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help="comma-separated configurations (default: %(default)s)")
+    p.add_argument("--workload", choices=WORKLOADS, default=DEFAULT_WORKLOAD)
+    p.add_argument("--sessions", type=int, default=DEFAULT_SESSIONS,
+                   help="sessions (ShareGPT conversations, LooGLE documents, ReAct questions)")
+    p.add_argument("--rate", type=float, default=DEFAULT_RATE, help="session arrivals per second")
+    p.add_argument("--max-turns", type=int, default=None,
+                   help="turns per ShareGPT session (default 4), questions per LooGLE "
+                        "document (8) or steps per ReAct question (7)")
+    p.add_argument("--max-output-tokens", type=int, default=None,
+                   help="cap on output tokens per turn (defaults: sharegpt 64, loogle 32, "
+                        "react 100)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="cap on prompt + output per request (default: the model's context)")
+    p.add_argument("--model", default=None, help="HF Llama checkpoint dir (default: tiny preset)")
+    p.add_argument("--out", default=DEFAULT_OUT_DIR, help="where JSON and plots go")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per instance")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``minimemserve bench``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    start = time.perf_counter()
+    run_bench(
+        configs=configs, workload=args.workload, num_sessions=args.sessions, rate=args.rate,
+        max_turns=args.max_turns, max_output_tokens=args.max_output_tokens,
+        max_context=args.max_context, model_dir=args.model, out_dir=args.out, seed=args.seed,
+        options=EngineOptions(device=args.device, dtype=args.dtype, num_blocks=args.num_blocks,
+                              seed=args.seed),
+        progress=not args.no_progress,
+    )
+    print(f"benchmark took {time.perf_counter() - start:.1f} s")
+    return 0
