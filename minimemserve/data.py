@@ -110,6 +110,8 @@ def iter_json_list(stream: IO[bytes]) -> Iterator[Any]:
             # A number ending exactly at the buffer's end may continue in the next chunk.
             if end < len(buffer) or not refill():
                 break
+        if end == len(buffer) and not isinstance(element, (dict, list, str)):
+            return  # a scalar at the very end of a cut file may itself be cut
         pos = end
         first = False
         yield element

@@ -1,0 +1,97 @@
+"""Shared fixtures: a small ShareGPT-trained tokenizer and tiny random Llama checkpoints.
+
+Checkpoints are real HF directories written by ``transformers`` (config.json,
+model.safetensors, tokenizer.model), built once per test session and shared.
+
+- ``sp_tokenizer_path``: a 512-piece sentencepiece model trained on ~300 KB of ShareGPT.
+- ``tiny_llama_factory(**overrides)``: path of a tiny checkpoint; the keyword arguments of
+  ``write_random_llama`` override the defaults (vocab 512, hidden 64, intermediate 128,
+  2 layers, 4 heads, 2 KV heads, 512 positions). Same overrides, same directory.
+- ``tiny_llama_dir``: the default tiny checkpoint.
+- ``hf_model_from_dir(path)``: transformers' ``LlamaForCausalLM`` for a checkpoint, fp32,
+  eval mode, ``attn_implementation="eager"`` (plain matmul + softmax, the clearest reference).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(2)  # the test machine has 2 cores
+
+SP_VOCAB = 512
+SP_TRAINING_CHARS = 300_000
+TINY_LLAMA_DEFAULTS = dict(
+    vocab_size=SP_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def sp_tokenizer_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 512-piece sentencepiece model trained on ShareGPT text, once per session."""
+    from minimemserve.data import sharegpt_text
+    from minimemserve.model.presets import train_tokenizer
+
+    out = tmp_path_factory.mktemp("sp") / "tokenizer.model"
+    return train_tokenizer(out, SP_VOCAB, sharegpt_text(SP_TRAINING_CHARS))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_factory(
+    tmp_path_factory: pytest.TempPathFactory, sp_tokenizer_path: Path
+) -> Callable[..., Path]:
+    """Build (or reuse within the session) a tiny random Llama checkpoint directory."""
+    from minimemserve.model.presets import write_random_llama
+
+    built: dict[str, Path] = {}
+
+    def make(**overrides) -> Path:
+        kwargs = TINY_LLAMA_DEFAULTS | overrides
+        key = json.dumps(kwargs, sort_keys=True, default=str)
+        if key not in built:
+            if kwargs["vocab_size"] == SP_VOCAB:
+                kwargs.setdefault("tokenizer_model", sp_tokenizer_path)
+            out = tmp_path_factory.mktemp("tiny_llama")
+            built[key] = write_random_llama(out, **kwargs)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_llama_factory: Callable[..., Path]) -> Path:
+    """The default tiny checkpoint (GQA: 4 heads, 2 KV heads)."""
+    return tiny_llama_factory()
+
+
+@pytest.fixture(scope="session")
+def hf_model_from_dir() -> Callable[[Path], torch.nn.Module]:
+    """Load transformers' LlamaForCausalLM from a directory: fp32, eval, eager attention."""
+    from transformers import LlamaForCausalLM
+
+    def load(path: Path) -> torch.nn.Module:
+        model = LlamaForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager"
+        )
+        return model.eval()
+
+    return load

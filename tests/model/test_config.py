@@ -1,0 +1,155 @@
+"""ModelConfig: validation and parsing of HF config.json files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from minimemserve.errors import CheckpointError, ConfigError
+from minimemserve.model.config import ModelConfig, RopeScaling
+
+BASE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+)
+
+
+def write_config(tmp_path: Path, **fields) -> Path:
+    raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **BASE, **fields}
+    raw = {k: v for k, v in raw.items() if v is not ...}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+def test_defaults_derive_head_dim_kv_heads_and_eos_list():
+    cfg = ModelConfig(**BASE)
+    assert cfg.head_dim == 16
+    assert cfg.num_key_value_heads == 4
+    assert cfg.num_queries_per_kv == 1
+    assert cfg.eos_token_ids == (2,)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(hidden_size=0), "hidden_size"),
+        (dict(vocab_size=-3), "vocab_size"),
+        (dict(hidden_size=66), "not divisible by num_attention_heads"),
+        (dict(num_key_value_heads=3), "not divisible by num_key_value_heads"),
+        (dict(rms_norm_eps=0.0), "rms_norm_eps"),
+        (dict(rope_theta=-1.0), "rope_theta"),
+        (dict(eos_token_id=600), "outside the vocabulary"),
+        (dict(head_dim=15), "head_dim"),
+    ],
+)
+def test_invalid_values_raise_config_error(bad, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(**(BASE | bad))
+
+
+def test_config_is_frozen():
+    cfg = ModelConfig(**BASE)
+    with pytest.raises(AttributeError):
+        cfg.hidden_size = 128  # type: ignore[misc]
+
+
+def test_from_hf_gqa_and_quirks(tmp_path):
+    path = write_config(
+        tmp_path,
+        num_key_value_heads=2,
+        eos_token_id=[2, 7],
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        torch_dtype="bfloat16",
+        max_position_embeddings=4096,
+    )
+    cfg = ModelConfig.from_hf(path)
+    assert cfg.num_key_value_heads == 2 and cfg.num_queries_per_kv == 2
+    assert cfg.eos_token_id == 2 and cfg.eos_token_ids == (2, 7)
+    assert cfg.rms_norm_eps == 1e-5 and cfg.rope_theta == 500000.0
+    assert cfg.torch_dtype == "bfloat16" and cfg.max_position_embeddings == 4096
+    assert cfg.rope_scaling is None
+
+
+def test_from_hf_missing_kv_heads_means_mha(tmp_path):
+    cfg = ModelConfig.from_hf(write_config(tmp_path))
+    assert cfg.num_key_value_heads == cfg.num_attention_heads == 4
+
+
+def test_from_hf_rope_parameters_of_newer_transformers(tmp_path):
+    rope = {"rope_type": "linear", "factor": 4.0, "rope_theta": 20000.0}
+    cfg = ModelConfig.from_hf(write_config(tmp_path, rope_parameters=rope))
+    assert cfg.rope_theta == 20000.0
+    assert cfg.rope_scaling == RopeScaling(factor=4.0)
+
+
+def test_from_hf_legacy_rope_scaling_type_key(tmp_path):
+    path = write_config(tmp_path, rope_scaling={"type": "linear", "factor": 2.0})
+    cfg = ModelConfig.from_hf(path)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == 2.0
+    assert cfg.rope_scaling.to_dict() == {"rope_type": "linear", "factor": 2.0}
+
+
+def test_from_hf_default_rope_type_is_no_scaling(tmp_path):
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    assert ModelConfig.from_hf(write_config(tmp_path, rope_parameters=rope)).rope_scaling is None
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "yarn", "llama3"])
+def test_from_hf_unsupported_rope_type_is_named(tmp_path, rope_type):
+    path = write_config(tmp_path, rope_scaling={"rope_type": rope_type, "factor": 8.0})
+    with pytest.raises(CheckpointError, match=rope_type):
+        ModelConfig.from_hf(path)
+
+
+def test_direct_unsupported_rope_type_raises_config_error():
+    with pytest.raises(ConfigError, match="yarn"):
+        ModelConfig(**BASE, rope_scaling={"rope_type": "yarn", "factor": 2.0})
+
+
+def test_from_hf_foreign_architecture_is_named(tmp_path):
+    path = write_config(tmp_path, architectures=["MistralForCausalLM"], model_type="mistral")
+    with pytest.raises(CheckpointError, match="MistralForCausalLM"):
+        ModelConfig.from_hf(path)
+
+
+def test_from_hf_model_type_llama_without_architectures(tmp_path):
+    cfg = ModelConfig.from_hf(write_config(tmp_path, architectures=...))
+    assert cfg.hidden_size == 64
+
+
+def test_from_hf_missing_file_is_named(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json"):
+        ModelConfig.from_hf(tmp_path)
+
+
+def test_from_hf_missing_field_is_named(tmp_path):
+    path = write_config(tmp_path, intermediate_size=...)
+    with pytest.raises(CheckpointError, match="intermediate_size"):
+        ModelConfig.from_hf(path)
+
+
+def test_from_hf_invalid_value_becomes_checkpoint_error(tmp_path):
+    path = write_config(tmp_path, num_key_value_heads=3)
+    with pytest.raises(CheckpointError, match="num_key_value_heads"):
+        ModelConfig.from_hf(path)
+
+
+def test_from_hf_reads_a_transformers_checkpoint(tiny_llama_factory):
+    path = tiny_llama_factory(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    cfg = ModelConfig.from_hf(path)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
+    assert cfg.rope_scaling == RopeScaling(factor=2.0)
+    assert (cfg.bos_token_id, cfg.eos_token_id) == (1, 2)
+    assert cfg.max_position_embeddings == 512
+
+
+def test_num_parameters_matches_transformers(tiny_llama_dir, hf_model_from_dir):
+    cfg = ModelConfig.from_hf(tiny_llama_dir)
+    model = hf_model_from_dir(tiny_llama_dir)
+    assert cfg.num_parameters() == sum(p.numel() for p in model.parameters())

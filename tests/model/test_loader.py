@@ -1,0 +1,144 @@
+"""load_weights: round trip against transformers, shards, tied embeddings, every error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from minimemserve.errors import CheckpointError
+from minimemserve.model.config import ModelConfig
+from minimemserve.model.loader import expected_shapes, load_weights
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"num_key_value_heads": 4}, {"num_key_value_heads": 1, "num_hidden_layers": 3}],
+    ids=["gqa", "mha", "mqa"],
+)
+def test_round_trip_equals_hf_state_dict(tiny_llama_factory, hf_model_from_dir, overrides):
+    path = tiny_llama_factory(**overrides)
+    cfg = ModelConfig.from_hf(path)
+    weights = load_weights(path, cfg)
+    state = hf_model_from_dir(path).state_dict()
+    assert set(weights) == set(state) == set(expected_shapes(cfg))
+    for name, tensor in weights.items():
+        assert tensor.dtype == torch.float32
+        assert torch.equal(tensor, state[name]), name
+
+
+def test_weights_are_not_trivial(tiny_llama_dir):
+    weights = load_weights(tiny_llama_dir, ModelConfig.from_hf(tiny_llama_dir))
+    norm = weights["model.layers.0.input_layernorm.weight"]
+    assert not torch.allclose(norm, torch.ones_like(norm))
+    assert weights["model.layers.1.self_attn.q_proj.weight"].std() > 0.05
+
+
+def test_dtype_cast(tiny_llama_dir):
+    cfg = ModelConfig.from_hf(tiny_llama_dir)
+    full = load_weights(tiny_llama_dir, cfg)
+    half = load_weights(tiny_llama_dir, cfg, dtype=torch.float16)
+    assert all(t.dtype == torch.float16 for t in half.values())
+    name = "model.embed_tokens.weight"
+    torch.testing.assert_close(half[name].float(), full[name], atol=2e-3, rtol=1e-3)
+
+
+def test_sharded_checkpoint(tiny_llama_factory, hf_model_from_dir):
+    path = tiny_llama_factory(shards=3)
+    assert (path / "model.safetensors.index.json").is_file()
+    assert len(list(path.glob("model-*-of-*.safetensors"))) >= 2
+    cfg = ModelConfig.from_hf(path)
+    weights = load_weights(path, cfg)
+    state = hf_model_from_dir(path).state_dict()
+    assert all(torch.equal(weights[n], state[n]) for n in state)
+
+
+def test_tied_embeddings_without_lm_head(tiny_llama_factory, hf_model_from_dir):
+    path = tiny_llama_factory(tie_word_embeddings=True)
+    assert "lm_head.weight" not in load_file(path / "model.safetensors")
+    cfg = ModelConfig.from_hf(path)
+    weights = load_weights(path, cfg)
+    assert weights["lm_head.weight"] is weights["model.embed_tokens.weight"]
+    hf_head = hf_model_from_dir(path).lm_head.weight
+    assert torch.equal(weights["lm_head.weight"], hf_head)
+
+
+def test_missing_lm_head_without_tying_is_an_error(tiny_llama_dir, tmp_path):
+    path = copy_checkpoint(tiny_llama_dir, tmp_path / "ckpt")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="lm_head.weight"):
+        load_weights(path, ModelConfig.from_hf(path))
+
+
+def test_no_safetensors_file(tiny_llama_dir, tmp_path):
+    path = copy_checkpoint(tiny_llama_dir, tmp_path / "ckpt")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no safetensors"):
+        load_weights(path, ModelConfig.from_hf(path))
+
+
+def test_index_naming_a_missing_shard(tiny_llama_factory, tmp_path):
+    path = copy_checkpoint(tiny_llama_factory(shards=3), tmp_path / "ckpt")
+    shard = sorted(path.glob("model-*-of-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=shard.name):
+        load_weights(path, ModelConfig.from_hf(path))
+
+
+def test_missing_tensor_is_named(tiny_llama_dir, tmp_path):
+    path = copy_checkpoint(tiny_llama_dir, tmp_path / "ckpt")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing tensors.*layers\.1\.mlp\.up_proj"):
+        load_weights(path, ModelConfig.from_hf(path))
+
+
+def test_wrong_shape_names_tensor_expected_and_got(tiny_llama_dir, tmp_path):
+    path = copy_checkpoint(tiny_llama_dir, tmp_path / "ckpt")
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(64, 64)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError) as info:
+        load_weights(path, ModelConfig.from_hf(path))
+    message = str(info.value)
+    assert "model.layers.0.self_attn.k_proj.weight" in message
+    assert "(64, 64)" in message and "(32, 64)" in message
+
+
+def test_config_disagreeing_with_weights(tiny_llama_dir, tmp_path):
+    path = copy_checkpoint(tiny_llama_dir, tmp_path / "ckpt")
+    raw = json.loads((path / "config.json").read_text())
+    raw["intermediate_size"] = 256
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=r"mlp\.\w+_proj\.weight .* has shape"):
+        load_weights(path, ModelConfig.from_hf(path))
+
+
+def test_extra_layer_is_unexpected_but_inv_freq_is_ignored(tiny_llama_dir, tmp_path):
+    path = copy_checkpoint(tiny_llama_dir, tmp_path / "ckpt")
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(tensors, path / "model.safetensors")
+    cfg = ModelConfig.from_hf(path)
+    assert "model.layers.0.self_attn.rotary_emb.inv_freq" not in load_weights(path, cfg)
+    tensors["model.layers.2.input_layernorm.weight"] = torch.ones(64)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"unexpected tensors.*layers\.2"):
+        load_weights(path, cfg)
+
+
+def test_missing_directory(tmp_path, tiny_llama_dir):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_weights(tmp_path / "nowhere", ModelConfig.from_hf(tiny_llama_dir))

@@ -1,0 +1,158 @@
+"""Presets: tokenizer training, random checkpoints, the cached preset directory."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from minimemserve.data import sharegpt_text
+from minimemserve.errors import ConfigError
+from minimemserve.model import presets
+from minimemserve.model.config import ModelConfig
+from minimemserve.model.loader import load_weights
+from minimemserve.model.presets import (
+    PRESETS,
+    Preset,
+    preset_dir,
+    train_tokenizer,
+    write_random_llama,
+)
+from minimemserve.model.tokenizer import Tokenizer
+
+SMALL = Preset(
+    name="test-small",
+    vocab_size=400,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=128,
+    tokenizer_chars=50_000,
+)
+SMALL_MODEL = dict(
+    vocab_size=400,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
+
+
+@pytest.fixture(scope="module")
+def small_lines() -> list[str]:
+    return sharegpt_text(50_000)
+
+
+def test_train_tokenizer_is_deterministic(tmp_path, small_lines):
+    a = train_tokenizer(tmp_path / "a.model", 400, small_lines)
+    b = train_tokenizer(tmp_path / "b.model", 400, small_lines)
+    assert a.read_bytes() == b.read_bytes()
+    tok = Tokenizer.from_file(a)
+    assert tok.vocab_size == 400 and (tok.bos_id, tok.eos_id) == (1, 2)
+    assert tok.id_to_piece(0) == "<unk>" and tok.id_to_piece(3) == "<0x00>"
+
+
+def test_train_tokenizer_rejects_empty_input(tmp_path):
+    with pytest.raises(ConfigError, match="non-empty"):
+        train_tokenizer(tmp_path / "t.model", 300, ["", ""])
+
+
+def test_train_tokenizer_vocab_too_small_for_bytes(tmp_path, small_lines):
+    with pytest.raises(ConfigError, match="vocab 100"):
+        train_tokenizer(tmp_path / "t.model", 100, small_lines)
+
+
+def test_sharegpt_text_is_capped(small_lines):
+    total = sum(len(line) for line in small_lines)
+    assert 45_000 < total <= 50_000
+    assert all(line.strip() and "\n" not in line for line in small_lines)
+
+
+def test_write_random_llama_seeds(tmp_path):
+    def weights(seed, name):
+        out = write_random_llama(tmp_path / name, seed=seed, **SMALL_MODEL)
+        return load_weights(out, ModelConfig.from_hf(out))
+
+    a, b, c = weights(0, "a"), weights(0, "b"), weights(1, "c")
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+
+
+def test_write_random_llama_vocab_must_match_tokenizer(tmp_path, sp_tokenizer_path):
+    with pytest.raises(ConfigError, match="does not match the tokenizer"):
+        write_random_llama(tmp_path, tokenizer_model=sp_tokenizer_path, **SMALL_MODEL)
+
+
+def test_preset_table():
+    tiny, mha = PRESETS["tiny"], PRESETS["tiny-mha"]
+    assert (tiny.num_attention_heads, tiny.num_key_value_heads) == (8, 4)
+    assert (mha.num_attention_heads, mha.num_key_value_heads) == (8, 8)
+    assert tiny.digest() != mha.digest()
+    assert tiny.digest() == Preset(**vars(tiny)).digest()
+    cfg = ModelConfig(**{k: v for k, v in tiny.model_kwargs().items() if k != "seed"})
+    assert 30e6 < cfg.num_parameters() < 34e6
+
+
+def test_unknown_preset(tmp_path):
+    with pytest.raises(ConfigError, match="unknown preset 'huge'"):
+        preset_dir("huge", cache_dir=tmp_path)
+
+
+def test_preset_dir_is_cached_and_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv(presets.CACHE_ENV, str(tmp_path))
+    path = preset_dir(SMALL)
+    assert path.parent == tmp_path and path.name == f"test-small-{SMALL.digest()}"
+    mtimes = {p.name: p.stat().st_mtime_ns for p in path.iterdir()}
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("a cached preset was rebuilt")
+
+    monkeypatch.setattr(presets, "_build", no_rebuild)
+    assert preset_dir(SMALL) == path
+    assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == mtimes
+    assert not [p for p in tmp_path.iterdir() if p.is_dir() and p != path]  # no temp left
+
+    cfg = ModelConfig.from_hf(path)
+    assert (cfg.hidden_size, cfg.num_key_value_heads, cfg.vocab_size) == (32, 1, 400)
+    weights = load_weights(path, cfg)
+    assert weights["lm_head.weight"].shape == (400, 32)
+    assert Tokenizer.from_dir(path).vocab_size == 400
+
+
+def test_preset_dir_concurrent_callers_build_once(tmp_path, monkeypatch):
+    builds = []
+    real_build = presets._build
+
+    def counting_build(preset, out_dir):
+        builds.append(out_dir)
+        real_build(preset, out_dir)
+
+    monkeypatch.setattr(presets, "_build", counting_build)
+    results = [None] * 3
+
+    def call(i):
+        results[i] = preset_dir(SMALL, cache_dir=tmp_path)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1
+    assert len(set(results)) == 1 and results[0].is_dir()
+    assert (results[0] / "model.safetensors").is_file()
+
+
+def test_preset_dir_failed_build_leaves_nothing(tmp_path, monkeypatch):
+    def failing_build(preset, out_dir):
+        (out_dir / "partial").write_text("x")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(presets, "_build", failing_build)
+    with pytest.raises(RuntimeError, match="disk full"):
+        preset_dir(SMALL, cache_dir=tmp_path)
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]

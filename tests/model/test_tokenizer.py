@@ -1,0 +1,75 @@
+"""Tokenizer: sentencepiece round trips on real ShareGPT text, special ids, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from minimemserve.data import iter_sharegpt
+from minimemserve.errors import CheckpointError, InvalidRequest
+from minimemserve.model.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(sp_tokenizer_path) -> Tokenizer:
+    return Tokenizer.from_file(sp_tokenizer_path)
+
+
+def test_special_ids_and_size(tokenizer):
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)
+    assert tokenizer.vocab_size == 512
+    assert tokenizer.id_to_piece(1) == "<s>"
+
+
+def test_from_dir(tiny_llama_dir):
+    assert Tokenizer.from_dir(tiny_llama_dir).vocab_size == 512
+
+
+def test_from_dir_missing_file(tmp_path):
+    with pytest.raises(CheckpointError, match="tokenizer.model"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_round_trip_on_sharegpt(tokenizer):
+    # Conversations far past the training text, so unseen characters hit byte fallback.
+    messages = [
+        turn["value"]
+        for i, entry in enumerate(iter_sharegpt(limit=3000))
+        if i >= 2500
+        for turn in entry["conversations"]
+    ]
+    assert len(messages) > 1000
+    for text in messages:
+        ids = tokenizer.encode(text)
+        assert ids[0] == tokenizer.bos_id
+        assert all(0 <= i < tokenizer.vocab_size for i in ids)
+        assert tokenizer.decode(ids) == text
+
+
+def test_byte_fallback_covers_any_text(tokenizer):
+    text = "  two spaces, tab\t, emoji 🦙, 漢字, zero-width \u200b end"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert 0 not in tokenizer.encode(text)  # never <unk>
+
+
+def test_add_bos_flag(tokenizer):
+    with_bos = tokenizer.encode("hello world")
+    without = tokenizer.encode("hello world", add_bos=False)
+    assert with_bos == [1, *without]
+
+
+def test_decode_special_tokens(tokenizer):
+    ids = [tokenizer.bos_id, *tokenizer.encode("hi", add_bos=False), tokenizer.eos_id]
+    assert tokenizer.decode(ids) == "hi"
+    assert tokenizer.decode(ids, skip_special=False) == "<s>hi</s>"
+
+
+def test_bad_ids_and_input(tokenizer):
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        tokenizer.decode([5, 512])
+    with pytest.raises(InvalidRequest, match="str"):
+        tokenizer.encode(b"bytes")  # type: ignore[arg-type]
+
+
+def test_encode_empty(tokenizer):
+    assert tokenizer.encode("") == [1]
+    assert tokenizer.decode([]) == ""
