@@ -1,0 +1,80 @@
+"""Command line: ``minimemserve generate``, ``minimemserve bench``, ``minimemserve preset``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from . import LLM, SamplingParams
+
+    llm = LLM(
+        args.model,
+        config=args.config,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        attention=args.attention,
+    )
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    for out in llm.generate(args.prompt, params):
+        m = out.metrics
+        print(out.text)
+        print(
+            f"[{len(out.token_ids)} tokens, finish={out.finish_reason}, "
+            f"ttft={m.ttft * 1e3:.1f} ms, "
+            f"latency={m.latency * 1e3:.1f} ms, cached={m.cached_tokens}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _preset(args: argparse.Namespace) -> int:
+    from .model.presets import preset_dir
+
+    print(preset_dir(args.name))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``minimemserve`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from .benchmark import main as bench_main
+
+        return bench_main(argv[1:]) or 0
+    ap = argparse.ArgumentParser(prog="minimemserve", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("bench", help="compare PD, PD-CC, 1P1D, 1P1D-CC (see `minimemserve bench -h`)")
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("--model", default=None, help="HF checkpoint dir (default: the tiny preset)")
+    g.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    g.add_argument("--config", default="PD", help="PD, PD-CC, 1P1D, 1P1D-CC, ...")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--attention", default=None, choices=["torch", "triton", "flash-attn"])
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(fn=_generate)
+    p = sub.add_parser("preset", help="write (once) and print the path of a preset checkpoint")
+    p.add_argument("--name", default="tiny")
+    p.set_defaults(fn=_preset)
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""End-to-end engine tests: exactness against HF, continuous batching, preemption, caching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_pool_clean, hf_greedy
+
+from minimemserve import LLM, SamplingParams
+from minimemserve.config import EngineConfig
+from minimemserve.engine import Engine
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def prompts_of_lengths(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def run_all(engine: Engine) -> dict:
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] = o
+    return outs
+
+
+LENGTHS = [1, 2, 5, 9, 15, 16, 17, 23, 31, 32, 33, 40, 47, 60, 64, 77]
+
+
+@pytest.mark.parametrize(
+    "kv_heads,block_size,rope",
+    [
+        pytest.param(2, 16, None, id="gqa-bs16"),
+        pytest.param(4, 1, None, id="mha-bs1"),
+        pytest.param(2, 32, {"rope_type": "linear", "factor": 2.0}, id="gqa-bs32-linear"),
+    ],
+)
+def test_greedy_matches_hf_with_continuous_batching(
+    tiny_llama_factory, hf_model_from_dir, kv_heads, block_size, rope
+):
+    model_dir = tiny_llama_factory(num_key_value_heads=kv_heads, rope_scaling=rope)
+    max_new = 12
+    prompts = prompts_of_lengths(512, LENGTHS, seed=block_size)
+    expected = hf_greedy(hf_model_from_dir(model_dir), prompts, max_new)
+    # a small token budget chunks the long prompts; half the requests arrive mid-batch
+    ecfg = EngineConfig(
+        block_size=block_size, num_blocks=400, max_num_batched_tokens=40, max_num_seqs=12
+    )
+    engine = Engine(model_dir, engine_config=ecfg)
+    params = SamplingParams(max_tokens=max_new, **GREEDY)
+    ids = [engine.add_request(p, params) for p in prompts[:8]]
+    outs = {}
+    for _ in range(3):
+        outs.update({o.request_id: o for o in engine.step()})
+    ids += [engine.add_request(p, params) for p in prompts[8:]]
+    outs.update(run_all(engine))
+    got = [outs[i].token_ids for i in ids]
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"prompt {i} (len {len(prompts[i])}): {g} != {e}"
+    assert_pool_clean(engine.pool)
+
+
+def test_preemption_by_recompute_keeps_tokens(tiny_llama_dir):
+    prompts = prompts_of_lengths(512, [30, 41, 52, 25, 36, 47], seed=3)
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    roomy = Engine(tiny_llama_dir, engine_config=EngineConfig(num_blocks=200))
+    ids = [roomy.add_request(p, params) for p in prompts]
+    ref = run_all(roomy)
+    for config in ("PD", "PD-CC"):
+        # 16 blocks hold only ~3 of these requests at full length: later ones get preempted
+        tight = Engine(tiny_llama_dir, config=config, engine_config=EngineConfig(num_blocks=16))
+        tids = [tight.add_request(p, params) for p in prompts]
+        got = run_all(tight)
+        assert sum(o.metrics.preemptions for o in got.values()) > 0
+        for a, b in zip(ids, tids):
+            assert got[b].token_ids == ref[a].token_ids
+        assert_pool_clean(tight.pool)
+
+
+def test_caching_changes_nothing_but_speed(tiny_llama_dir):
+    """Multi-turn: turn k+1 = history + own answer + new text; PD and PD-CC agree."""
+    turns = prompts_of_lengths(512, [40, 13, 27, 9], seed=7)
+    results = {}
+    for config in ("PD", "PD-CC"):
+        llm = LLM(tiny_llama_dir, config=config, num_blocks=256)
+        history: list[int] = []
+        outs = []
+        for t in turns:
+            history = history + t
+            out = llm.generate([history], SamplingParams(max_tokens=10, **GREEDY))[0]
+            outs.append(out)
+            history = history + out.token_ids
+        results[config] = outs
+        assert_pool_clean(llm.pool)
+    for a, b in zip(results["PD"], results["PD-CC"]):
+        assert a.token_ids == b.token_ids
+    assert all(o.metrics.cached_tokens == 0 for o in results["PD"])
+    later = results["PD-CC"][1:]
+    assert all(o.metrics.cached_tokens > 0 for o in later)
+    # the previous answer is covered too (whole blocks of history + output)
+    assert later[0].metrics.cached_tokens >= 48
+
+
+def test_text_prompts_and_outputs(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, num_blocks=64)
+    outs = llm.generate(
+        ["Hello there, how are you?", "Write a poem"], SamplingParams(max_tokens=5, temperature=0.0)
+    )
+    assert all(1 <= len(o.token_ids) <= 5 for o in outs)
+    assert all(isinstance(o.text, str) for o in outs)
+    m = outs[0].metrics
+    assert m.ttft is not None and m.latency >= m.ttft > 0
+    assert outs[0].prompt_token_ids == llm.tokenizer.encode("Hello there, how are you?")
+    assert_pool_clean(llm.pool)
+
+
+def test_stop_token_and_max_tokens(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, num_blocks=64)
+    p = prompts_of_lengths(512, [20])[0]
+    free = llm.generate([p], SamplingParams(max_tokens=8, **GREEDY))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 8
+    stop = free.token_ids[3]
+    first = free.token_ids.index(stop)
+    out = llm.generate(
+        [p], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,))
+    )[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free.token_ids[: first + 1]
+    assert_pool_clean(llm.pool)
+
+
+def test_generation_capped_by_context(tiny_llama_factory):
+    model_dir = tiny_llama_factory(max_position_embeddings=64)
+    llm = LLM(model_dir, num_blocks=64)
+    out = llm.generate([list(range(3, 60))], SamplingParams(max_tokens=50, **GREEDY))[0]
+    assert out.finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.token_ids) == 64
+    assert_pool_clean(llm.pool)
+
+
+def test_seeded_sampling_is_reproducible_across_batching(tiny_llama_dir):
+    prompts = prompts_of_lengths(512, [12, 30, 7], seed=11)
+    params = SamplingParams(
+        max_tokens=10, temperature=0.8, top_k=50, top_p=0.9, seed=1234, ignore_eos=True
+    )
+    alone = [LLM(tiny_llama_dir, num_blocks=64).generate([p], params)[0].token_ids for p in prompts]
+    together = LLM(tiny_llama_dir, num_blocks=64, max_num_batched_tokens=16).generate(
+        prompts, params
+    )
+    assert [o.token_ids for o in together] == alone
+    other = LLM(tiny_llama_dir, num_blocks=64).generate(
+        prompts[:1], SamplingParams(max_tokens=10, temperature=0.8, seed=99, ignore_eos=True)
+    )
+    assert other[0].token_ids != alone[0]
+
+
+def test_top_k_one_is_greedy(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, num_blocks=64)
+    p = prompts_of_lengths(512, [25], seed=5)
+    a = llm.generate(p, SamplingParams(max_tokens=8, **GREEDY))[0].token_ids
+    b = llm.generate(
+        p, SamplingParams(max_tokens=8, temperature=1.5, top_k=1, seed=3, ignore_eos=True)
+    )[0].token_ids
+    c = llm.generate(
+        p, SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-6, seed=3, ignore_eos=True)
+    )[0].token_ids
+    assert a == b == c
