@@ -6,10 +6,11 @@ turn finished, with a prompt built from the history and the engine's own output.
 ``run_bench`` runs every configuration on the same sessions, checks the KV pool balance
 after each, prints a table, and writes JSON and plots. ``main`` is ``minimemserve bench``.
 
-Configurations are plugged in through a factory mapping a config name to a
-:class:`BenchTarget` (an engine-like object plus its pool check). The in-process configs
-"PD" and "PD-CC" are built with :func:`in_process_target`; the multi-process runtime adds
-e.g. ``{"1P1D": factory, "1P1D-CC": factory}`` through ``run_bench(factories=...)``. Its
+Configurations are plugged in through factories, each mapping a config name to a
+:class:`BenchTarget` (an engine-like object plus its pool check). Every name ``LLM``
+accepts ("PD", "PD-CC", and the in-process "1P1D", "1P1D-CC", ...) runs through
+:func:`in_process_target`; another runtime, such as the multi-process instances, plugs in
+with ``run_bench(factories={"1P1D": factory, ...})``, which takes precedence. Its
 engine only needs the three calls of :class:`EngineLike`; an asynchronous runtime adapts by
 making ``step()`` wait a short while for results and return those that finished (possibly
 none), and ``has_unfinished()`` report requests still in flight anywhere in the cluster.
@@ -128,19 +129,41 @@ TargetFactory = Callable[[TargetSpec], BenchTarget]
 
 
 def in_process_target(spec: TargetSpec) -> BenchTarget:
-    """A single in-process ``LLM`` of config ``spec.config`` ("PD" or "PD-CC")."""
+    """An in-process ``LLM`` of config ``spec.config``.
+
+    Covers every name ``LLM`` accepts: the colocated "PD" / "PD-CC" and the in-process
+    disaggregated forms ("1P1D", "1P1D-CC", ...). The pool check covers every instance.
+    """
     from minimemserve import LLM
 
     o = spec.options
-    llm = LLM(model_dir=spec.model_dir, config=spec.config, device=o.device, dtype=o.dtype,
+    llm = LLM(spec.model_dir, config=spec.config, device=o.device, dtype=o.dtype,
               block_size=o.block_size, num_blocks=o.num_blocks, max_num_seqs=o.max_num_seqs,
               max_num_batched_tokens=o.max_num_batched_tokens, seed=o.seed)
-    return BenchTarget(engine=llm.engine, check=llm.pool.check, stats=llm.pool.stats)
+
+    def check() -> bool:
+        return all(pool.check() is not False for pool in llm.pools)
+
+    def stats() -> list[Any]:
+        return [pool.stats() for pool in llm.pools]
+
+    return BenchTarget(engine=llm.engine, check=check, stats=stats)
 
 
-def default_factories() -> dict[str, TargetFactory]:
-    """The configurations ``run_bench`` knows without being told: the in-process ones."""
-    return {"PD": in_process_target, "PD-CC": in_process_target}
+def resolve_factory(config: str,
+                    factories: Mapping[str, TargetFactory] | None = None) -> TargetFactory:
+    """The factory of ``config``: from ``factories`` if listed there, else the in-process ``LLM``.
+
+    A separate runtime (e.g. multi-process "1P1D" instances) plugs in by passing
+    ``{"1P1D": factory}``; names it does not list fall back to :func:`in_process_target`,
+    which raises ``ConfigError`` for a name ``LLM`` does not know.
+    """
+    if factories and config in factories:
+        return factories[config]
+    from minimemserve.config import parse_config_name
+
+    parse_config_name(config)  # a clear ConfigError for an unknown name, before any work
+    return in_process_target
 
 
 # --------------------------------------------------------------------------- driver
@@ -167,6 +190,7 @@ def _record(out: OutputLike, session: Session, turn: int, arrival: float, config
         "jct": getattr(m, "latency", None),
         "tpot": getattr(m, "tpot", None),
         "transferred_bytes": int(getattr(m, "transferred_bytes", 0) or 0),
+        "preemptions": int(getattr(m, "preemptions", 0) or 0),
         "finish_reason": out.finish_reason,
         "error": (out.error or "failed") if out.finish_reason == "error" else None,
     }
@@ -212,7 +236,7 @@ def run_workload(
                 "config": config, "session": session.id, "turn": k, "arrival": arrival - t0,
                 "prompt_tokens": len(prompt), "output_tokens": 0, "cached_tokens": 0,
                 "ttft": None, "jct": None, "tpot": None, "transferred_bytes": 0,
-                "finish_reason": "error", "error": f"rejected: {exc}",
+                "preemptions": 0, "finish_reason": "error", "error": f"rejected: {exc}",
             })
             bar.update(len(session.turns) - k)
             return
@@ -407,21 +431,18 @@ def run_bench(
     ``model_dir`` None uses the tiny preset. ``max_context`` None is the model's context.
     ``max_turns`` and ``max_output_tokens`` None take the workload's defaults (see
     :func:`minimemserve.workloads.make_workload`).
-    ``factories`` adds or overrides configs (name -> :data:`TargetFactory`) on top of
-    :func:`default_factories`. Each config gets a fresh target, a warm-up (excluded), the
-    workload, and a pool-balance check. Prints a table when ``verbose``; with ``out_dir``
-    writes ``e2e_<workload>.json`` and ``e2e_<workload>_{bars,cdf}.png`` there. Returns
+    ``factories`` maps config names to :data:`TargetFactory`; other names run as an
+    in-process ``LLM`` (see :func:`resolve_factory`). Each config gets a fresh target, a
+    warm-up (excluded), the workload, and a pool-balance check. Prints a table when
+    ``verbose``; with ``out_dir`` writes ``e2e_<workload>.json`` and
+    ``e2e_<workload>_{bars,cdf}.png`` there. Returns
     ``{"summaries", "ttft_later_ratio", "records", "pool_stats", "setup", "files"}``.
     """
     from minimemserve.model.tokenizer import Tokenizer
 
-    known = {**default_factories(), **(factories or {})}
     if not configs:
         raise ValueError("no configs to benchmark")
-    unknown = [c for c in configs if c not in known]
-    if unknown:
-        raise ValueError(f"unknown config(s) {', '.join(unknown)}; "
-                         f"known: {', '.join(sorted(known))}")
+    known = {c: resolve_factory(c, factories) for c in configs}
     if model_dir is None:
         from minimemserve.model.presets import preset_dir
 

@@ -1,0 +1,224 @@
+"""The benchmark driver and report: replay against a scripted engine, summary math, end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from minimemserve.benchmark import (
+    BenchTarget,
+    caching_ratios,
+    format_table,
+    main,
+    run_bench,
+    run_workload,
+    summarize,
+    write_plots,
+)
+from minimemserve.workloads import Session, Turn
+
+
+@dataclass
+class _Req:
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    arrival: float
+    out: list[int] = field(default_factory=list)
+    first: float | None = None
+
+
+class ScriptedEngine:
+    """Generates token ``1000 + len(prompt) + i`` one per step for each running request."""
+
+    def __init__(self, reject_longer_than: int | None = None):
+        self.running: list[_Req] = []
+        self.added: list[tuple[str, list[int], float]] = []
+        self.reject_longer_than = reject_longer_than
+
+    def add_request(self, prompt_token_ids, params, request_id=None, arrival_time=None):
+        if self.reject_longer_than is not None and len(prompt_token_ids) > self.reject_longer_than:
+            raise ValueError("prompt too long")
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        self.added.append((request_id, list(prompt_token_ids), arrival))
+        self.running.append(_Req(request_id, list(prompt_token_ids), params.max_tokens, arrival))
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def step(self):
+        now = time.perf_counter()
+        done = []
+        for r in self.running:
+            r.out.append(1000 + len(r.prompt) + len(r.out))
+            r.first = r.first or now
+            if len(r.out) == r.max_tokens:
+                done.append(r)
+        self.running = [r for r in self.running if r not in done]
+        return [SimpleNamespace(
+            request_id=r.rid, prompt_token_ids=r.prompt, token_ids=r.out, finish_reason="length",
+            error=None,
+            metrics=SimpleNamespace(ttft=r.first - r.arrival, latency=now - r.arrival,
+                                    tpot=(now - r.first) / max(1, len(r.out) - 1),
+                                    cached_tokens=len(r.prompt) // 2, transferred_bytes=0),
+        ) for r in done]
+
+
+def _params(turn: Turn):
+    return SimpleNamespace(max_tokens=turn.max_tokens)
+
+
+def _sessions() -> list[Session]:
+    a = Session("a", (Turn("a", 0, (1, 5, 6), 2), Turn("a", 1, (7,), 3), Turn("a", 2, (8, 9), 1)))
+    b = Session("b", (Turn("b", 0, (2, 3), 4),), prefix_tokens=(1,), chain_outputs=False)
+    return [a, b]
+
+
+def test_run_workload_chains_history_and_own_output():
+    engine = ScriptedEngine()
+    records = run_workload(engine, _sessions(), rate=math.inf, seed=0, progress=False,
+                           config="X", params_for=_params)
+    assert len(records) == 4 and not engine.has_unfinished()
+    prompts = {rid: p for rid, p, _ in engine.added}
+    assert prompts["a/0"] == [1, 5, 6]
+    out0 = [1003, 1004]
+    assert prompts["a/1"] == [1, 5, 6, *out0, 7]
+    out1 = [1006, 1007, 1008]
+    assert prompts["a/2"] == [*prompts["a/1"], *out1, 8, 9]
+    assert prompts["b/0"] == [1, 2, 3]
+    by_key = {(r["session"], r["turn"]): r for r in records}
+    assert [by_key["a", k]["prompt_tokens"] for k in range(3)] == [3, 6, 11]
+    assert [by_key["a", k]["output_tokens"] for k in range(3)] == [2, 3, 1]
+    assert all(r["config"] == "X" and r["error"] is None for r in records)
+    # turns of one session run in order, each after the previous one finished
+    order = [rid for rid, _, _ in engine.added]
+    assert order.index("a/0") < order.index("a/1") < order.index("a/2")
+    arrivals = {rid: t for rid, _, t in engine.added}
+    assert arrivals["a/0"] < arrivals["a/1"] < arrivals["a/2"]
+
+
+def test_run_workload_respects_poisson_arrivals():
+    sessions = [Session(f"s{i}", (Turn(f"s{i}", 0, (1, 2), 1),)) for i in range(4)]
+    engine = ScriptedEngine()
+    start = time.perf_counter()
+    records = run_workload(engine, sessions, rate=20.0, seed=1, progress=False,
+                           params_for=_params)
+    from minimemserve.workloads import poisson_arrivals
+
+    offsets = poisson_arrivals(20.0, 4, 1)
+    assert time.perf_counter() - start >= offsets[-1]
+    assert [r["arrival"] for r in records] == pytest.approx(offsets, abs=1e-6)
+    submitted = [t for _, _, t in engine.added]
+    assert [t - submitted[0] for t in submitted] == pytest.approx(offsets, abs=1e-6)
+
+
+def test_run_workload_rejected_turn_ends_its_session():
+    engine = ScriptedEngine(reject_longer_than=5)
+    records = run_workload(engine, _sessions(), rate=math.inf, seed=0, progress=False,
+                           params_for=_params)
+    by_key = {(r["session"], r["turn"]): r for r in records}
+    assert by_key["a", 1]["error"].startswith("rejected: prompt too long")
+    assert ("a", 2) not in by_key
+    assert by_key["a", 0]["error"] is None and by_key["b", 0]["error"] is None
+
+
+def _rec(turn, ttft, jct, tpot, prompt=100, cached=0, error=None, nbytes=0):
+    return {"config": "X", "session": "s", "turn": turn, "prompt_tokens": prompt,
+            "output_tokens": 10, "cached_tokens": cached, "ttft": ttft, "jct": jct,
+            "tpot": tpot, "transferred_bytes": nbytes, "error": error}
+
+
+def test_summarize_math():
+    records = [_rec(0, 1.0, 2.0, 0.1, prompt=100, cached=0, nbytes=5),
+               _rec(1, 0.2, 1.0, 0.1, prompt=200, cached=150, nbytes=7),
+               _rec(2, 0.4, 1.4, None, prompt=300, cached=250),
+               _rec(1, 9.0, 9.0, 9.0, prompt=999, cached=999, error="boom", nbytes=1000)]
+    s = summarize(records)
+    assert s["requests"] == 4 and s["errors"] == 1
+    assert s["ttft_mean"] == pytest.approx((1.0 + 0.2 + 0.4) / 3)
+    assert s["ttft_mean_later"] == pytest.approx(0.3)
+    assert s["jct_mean"] == pytest.approx(4.4 / 3)
+    assert s["tpot_mean"] == pytest.approx(0.1)  # None excluded
+    assert s["ttft_p99_later"] == pytest.approx(0.2 + 0.99 * 0.2)  # linear interpolation
+    assert s["cached_ratio"] == pytest.approx(400 / 600)
+    assert s["cached_ratio_later"] == pytest.approx(400 / 500)
+    assert s["transferred_bytes"] == 12 and s["prompt_tokens"] == 600
+    values = list(np.linspace(0.0, 1.0, 101))
+    s = summarize([_rec(0, v, v, v) for v in values])
+    assert s["ttft_p99"] == pytest.approx(0.99)
+    assert s["ttft_mean_later"] is None and s["cached_ratio_later"] is None
+    assert summarize([])["ttft_mean"] is None
+
+
+def test_caching_ratios_and_table():
+    base = summarize([_rec(0, 1.0, 2.0, 0.1), _rec(1, 0.9, 2.0, 0.1)])
+    cc = summarize([_rec(0, 1.0, 2.0, 0.1), _rec(1, 0.3, 1.0, 0.1, cached=50)])
+    summaries = {"PD": base, "PD-CC": cc, "1P1D": base}
+    assert caching_ratios(summaries) == {"PD/PD-CC": pytest.approx(3.0)}
+    table = format_table(summaries)
+    assert "PD-CC" in table and "900.0" in table and "25.0%" in table
+
+
+def test_write_plots(tmp_path):
+    recs = {"PD": [_rec(0, 1.0, 2.0, 0.1), _rec(1, 0.5, 1.5, 0.1)],
+            "PD-CC": [_rec(0, 1.0, 2.0, 0.1), _rec(1, 0.1, 1.0, 0.1)]}
+    paths = write_plots(recs, {k: summarize(v) for k, v in recs.items()}, tmp_path / "e2e_x")
+    assert [p.name for p in paths] == ["e2e_x_bars.png", "e2e_x_cdf.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_bench_rejects_unknown_config_and_failed_balance(tiny_llama_dir, tmp_path):
+    pytest.importorskip("minimemserve.config")
+    with pytest.raises(ValueError, match="unknown config"):
+        run_bench(configs=("XYZ",), model_dir=tiny_llama_dir, out_dir=None, verbose=False)
+
+    def unbalanced(spec):
+        return BenchTarget(engine=ScriptedEngine(), check=lambda: False)
+
+    with pytest.raises(RuntimeError, match="balance"):
+        run_bench(configs=("FAKE",), factories={"FAKE": unbalanced}, num_sessions=1, rate=math.inf,
+                  max_turns=2, max_output_tokens=2, model_dir=tiny_llama_dir, out_dir=None,
+                  progress=False, verbose=False)
+
+
+def test_run_bench_end_to_end(tiny_llama_dir, tmp_path, capsys):
+    pytest.importorskip("minimemserve.engine")
+    result = run_bench(configs=("PD", "PD-CC"), workload="sharegpt", num_sessions=2,
+                       rate=math.inf, max_turns=2, max_output_tokens=8,
+                       model_dir=tiny_llama_dir, out_dir=tmp_path, progress=False)
+    printed = capsys.readouterr().out
+    assert "PD/PD-CC" in printed and "pool balanced" in printed
+    for config in ("PD", "PD-CC"):
+        recs = result["records"][config]
+        assert len(recs) == 4
+        assert {(r["session"], r["turn"]) for r in recs} == {
+            (s, t) for s in ("sharegpt-0", "sharegpt-1") for t in (0, 1)}
+        assert all(r["error"] is None and r["output_tokens"] >= 1 for r in recs)
+        assert all(r["ttft"] > 0 and r["jct"] >= r["ttft"] for r in recs)
+    pd = {(r["session"], r["turn"]): r for r in result["records"]["PD"]}
+    cc = {(r["session"], r["turn"]): r for r in result["records"]["PD-CC"]}
+    assert all(r["cached_tokens"] == 0 for r in pd.values())
+    for s in ("sharegpt-0", "sharegpt-1"):
+        assert cc[s, 1]["prompt_tokens"] == pd[s, 1]["prompt_tokens"]
+        # turn 2 reuses at least the whole blocks of turn 1's prompt
+        assert cc[s, 1]["cached_tokens"] >= (cc[s, 0]["prompt_tokens"] // 16) * 16 > 0
+    files = [tmp_path / "e2e_sharegpt.json", tmp_path / "e2e_sharegpt_bars.png",
+             tmp_path / "e2e_sharegpt_cdf.png"]
+    assert all(f.exists() for f in files)
+    saved = json.loads(files[0].read_text())
+    assert saved["summaries"]["PD-CC"]["cached_ratio_later"] > 0
+    assert set(saved["ttft_later_ratio"]) == {"PD/PD-CC"}
+
+
+def test_main_rejects_bad_workload(capsys):
+    with pytest.raises(SystemExit):
+        main(["--workload", "nope"])
+    assert "invalid choice" in capsys.readouterr().err
