@@ -364,7 +364,8 @@ def format_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def write_plots(records_by_config: Mapping[str, list[dict]],
-                summaries: Mapping[str, Mapping[str, Any]], prefix: Path) -> list[Path]:
+                summaries: Mapping[str, Mapping[str, Any]], prefix: Path,
+                title: str = "") -> list[Path]:
     """Bars of mean/P99 TTFT and JCT per config, and CDFs of TTFT and JCT; returns the paths."""
     from matplotlib.figure import Figure
 
@@ -391,6 +392,9 @@ def write_plots(records_by_config: Mapping[str, list[dict]],
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"CDF of {title}")
         ax.legend()
+    if title:
+        bars.suptitle(title)
+        cdfs.suptitle(title)
     paths = [prefix.with_name(f"{prefix.name}_{kind}.png") for kind in ("bars", "cdf")]
     bars.savefig(paths[0], dpi=100)
     cdfs.savefig(paths[1], dpi=100)
@@ -495,7 +499,9 @@ def run_bench(
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         json_path = out / f"e2e_{workload}.json"
-        pngs = write_plots(records, summaries, out / f"e2e_{workload}")
+        title = (f"{workload}: {len(sessions)} sessions, {setup['turns']} requests, "
+                 f"{rate} sessions/s, {model_dir.name}")
+        pngs = write_plots(records, summaries, out / f"e2e_{workload}", title=title)
         result["files"] = [str(json_path), *map(str, pngs)]
         json_path.write_text(json.dumps(result, indent=1))
         if verbose:
