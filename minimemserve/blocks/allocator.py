@@ -1,0 +1,112 @@
+"""A refcounted block allocator: a free list and one reference count per block id.
+
+Plain Python, no torch: block ids are ints in ``[0, num_blocks)``. A block is free when its
+count is 0 and it then sits in the free list exactly once. Every call validates its whole
+argument before changing anything, so a call that raises leaves the allocator as it was.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from minimemserve.errors import PoolExhausted
+
+
+class BlockAllocator:
+    """Hands out block ids with a reference count each.
+
+    ``alloc`` takes blocks from the free list with count 1; ``incref`` adds holders;
+    ``decref`` drops them and returns the blocks that reached 0 to the free list
+    (first-in, first-out, so recently freed blocks are reused last).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+        self._num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._refcount: list[int] = [0] * num_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        """Total blocks managed."""
+        return self._num_blocks
+
+    @property
+    def num_free(self) -> int:
+        """Blocks with no reference."""
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        """Take ``n`` free blocks, each with reference count 1."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"block count must be a non-negative int, got {n!r}")
+        if n > len(self._free):
+            raise PoolExhausted(
+                f"asked for {n} blocks but only {len(self._free)} of {self._num_blocks} are free"
+            )
+        free, rc = self._free, self._refcount
+        out = [free.popleft() for _ in range(n)]
+        for b in out:
+            rc[b] = 1
+        return out
+
+    def incref(self, blocks: Iterable[int]) -> None:
+        """Add one reference to each block (a block listed twice gains two)."""
+        blocks = list(blocks)
+        rc = self._refcount
+        for b in blocks:
+            self.check_id(b)
+            if rc[b] == 0:
+                raise ValueError(f"block {b} is free: take it with alloc, not incref")
+        for b in blocks:
+            rc[b] += 1
+
+    def decref(self, blocks: Iterable[int]) -> list[int]:
+        """Drop one reference from each block; return the blocks that became free."""
+        blocks = list(blocks)
+        rc = self._refcount
+        for b in blocks:
+            self.check_id(b)
+        if len(set(blocks)) == len(blocks):
+            for b in blocks:
+                if rc[b] == 0:
+                    raise ValueError(f"block {b} is already free (double free)")
+        else:
+            drops: dict[int, int] = {}
+            for b in blocks:
+                drops[b] = drops.get(b, 0) + 1
+            for b, k in drops.items():
+                if rc[b] < k:
+                    raise ValueError(
+                        f"block {b} has {rc[b]} references but {k} decrefs were asked (double free)"
+                    )
+        freed = []
+        for b in blocks:
+            rc[b] -= 1
+            if rc[b] == 0:
+                freed.append(b)
+        self._free.extend(freed)
+        return freed
+
+    def refcount(self, block: int) -> int:
+        """Current reference count of ``block``."""
+        self.check_id(block)
+        return self._refcount[block]
+
+    def refcounts(self) -> Sequence[int]:
+        """Every block's count, indexed by block id: a live view, never to be modified."""
+        return self._refcount
+
+    def free_blocks(self) -> list[int]:
+        """The free list in order (for audits)."""
+        return list(self._free)
+
+    def check_id(self, b: int) -> None:
+        """Raise ValueError unless ``b`` is a block id of this allocator."""
+        if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < self._num_blocks:
+            raise ValueError(f"block id {b!r} is out of range [0, {self._num_blocks})")
+
+    def __repr__(self) -> str:
+        return f"BlockAllocator(num_blocks={self._num_blocks}, free={len(self._free)})"
