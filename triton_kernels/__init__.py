@@ -67,7 +67,9 @@ def check_cache_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous head_dim (stride 1), got {t.stride()}")
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ"
+        )
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
     if k_cache.device != v_cache.device:

@@ -255,8 +255,9 @@ def paged_decode(
         o_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
         lse_strides = (0, 0)
     else:
-        o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
-                        device=q.device)
+        o = torch.empty(
+            (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
         lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
         o_strides = o.stride()
         lse_strides = lse.stride()[:2]
@@ -302,4 +303,3 @@ def paged_decode(
             num_warps=4,
         )
     return out
-
