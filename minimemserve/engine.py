@@ -42,7 +42,7 @@ class ModelRunner:
     def run(self, batch: list[tuple[Request, int]], generator: torch.Generator) -> list[int | None]:
         """Compute ``batch`` (prefill chunks first, decodes after); a token per finished row."""
         slices, ids, last_rows, sample_for = [], [], [], []
-        for req, n in batch:
+        for req, n in sorted(batch, key=lambda rn: rn[1] == 1):  # prefill chunks first
             start = req.num_computed
             slices.append(SeqSlice(req.blocks, start, n))
             ids.extend(req.all_token_ids[start : start + n])
@@ -85,6 +85,7 @@ class Engine:
         recipe: Recipe | None = None,
         instance_id: str = "0",
         pool_factory=None,
+        share_model_with: Engine | None = None,
     ):
         self.deployment = parse_config_name(config)
         if recipe is None:
@@ -97,17 +98,21 @@ class Engine:
         self.config = engine_config or EngineConfig()
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype)
-        model_dir = Path(model_dir)
-        self.model_config = ModelConfig.from_hf(model_dir)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
+        if share_model_with is not None:  # instances in one process share read-only weights
+            self.model_config = share_model_with.model_config
+            self.tokenizer = share_model_with.tokenizer
+            self.model = share_model_with.model
+        else:
+            model_dir = Path(model_dir)
+            self.model_config = ModelConfig.from_hf(model_dir)
+            self.tokenizer = Tokenizer.from_dir(model_dir)
+            self.model = LlamaModel(self.model_config)
+            self.model.load_hf_weights(load_weights(model_dir, self.model_config))
+            self.model.to(device=self.device, dtype=self.dtype).eval()
         mc = self.model_config
         self.max_model_len = min(
             self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
-
-        self.model = LlamaModel(mc)
-        self.model.load_hf_weights(load_weights(model_dir, mc, dtype=torch.float32))
-        self.model.to(device=self.device, dtype=self.dtype).eval()
 
         layout = KVLayout(
             mc.num_hidden_layers, self.config.block_size, mc.num_key_value_heads, mc.head_dim
@@ -163,7 +168,7 @@ class Engine:
                 "(prompt plus at least one generated token)"
             )
         need = -(-min(len(ids) + params.max_tokens, self.max_model_len) // self.pool.block_size)
-        total = self.pool.stats()["hbm"]["total"]
+        total = self.pool.capacity("hbm")
         if need > total:
             raise PoolExhausted(
                 f"request needs {need} KV blocks but the pool has only {total} in all; "

@@ -67,7 +67,7 @@ class RequestOutput:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: a request is hashable and equal only to itself
 class Request:
     """Mutable state of one request on one instance.
 

@@ -75,3 +75,68 @@ def release(pool, req: Request, cache: bool) -> None:
 
 
 COLOCATED_RECIPES = {0: Recipe, 1: CachingRecipe}
+
+
+class PrefillRecipe(Recipe):
+    """Prefill side of xPyD: compute the prompt, move its KV to a decode instance, hand off.
+
+    ``cache_level`` 0 is PD-Basic (``transfer``), 1 caches on P (``insert`` then
+    ``transfer``), 2 and 3 also let D keep what it has (``transfer_with_insert``: D matches
+    its own index and receives only the blocks it lacks).
+    """
+
+    def __init__(self, cache_level: int, pick_decode):
+        self.cache_level = cache_level
+        self.caching = cache_level >= 1
+        self.name = f"prefill-cc{cache_level}" if cache_level else "prefill"
+        self.pick_decode = pick_decode  # req -> decode instance (with .pool and .accept)
+
+    def on_arrival(self, pool, req: Request) -> None:
+        if self.caching:
+            match_prefix(pool, req)
+
+    def after_prefill(self, pool, req: Request) -> bool:
+        dst = self.pick_decode(req)
+        tokens = req.all_token_ids[: req.num_computed]
+        src = req.blocks[: -(-req.num_computed // pool.block_size)]
+        before = pool.stats()["counters"]["sent_bytes"]
+        if self.caching:
+            pool.insert(tokens, req.blocks)
+        if self.cache_level >= 2:
+            dst_blocks = pool.transfer_with_insert(dst.pool, tokens, src)
+        else:
+            dst_blocks = pool.transfer(dst.pool, src)
+        req.metrics.transferred_bytes += pool.stats()["counters"]["sent_bytes"] - before
+        pool.free_mem(req.blocks)
+        req.blocks = dst_blocks
+        dst.accept(req)
+        return False
+
+
+class DecodeRecipe(Recipe):
+    """Decode side of xPyD. Level 2 caches on D; level 3 also sends the decode-phase KV back
+    to the prefill instance (``transfer_with_insert``) so its next-turn hit covers the answer."""
+
+    def __init__(self, cache_level: int, prefill_pool_of):
+        self.cache_level = cache_level
+        self.caching = cache_level >= 2
+        self.name = f"decode-cc{cache_level}" if cache_level else "decode"
+        self.prefill_pool_of = prefill_pool_of  # req -> MemPool of the instance that prefilled it
+
+    def on_arrival(self, pool, req: Request) -> None:  # only after a preemption on D
+        if self.caching:
+            match_prefix(pool, req)
+
+    def on_finish(self, pool, req: Request) -> None:
+        if self.cache_level >= 3 and req.blocks and req.num_computed:
+            tokens = req.all_token_ids[: req.num_computed]
+            whole = len(tokens) // pool.block_size
+            if whole:
+                p_pool = self.prefill_pool_of(req)
+                before = pool.stats()["counters"]["sent_bytes"]
+                got = pool.transfer_with_insert(
+                    p_pool, tokens[: whole * pool.block_size], req.blocks[:whole]
+                )
+                p_pool.free_mem(got)  # P's index keeps its own references
+                req.metrics.transferred_bytes += pool.stats()["counters"]["sent_bytes"] - before
+        release(pool, req, cache=self.caching)
