@@ -1,0 +1,74 @@
+"""flash-attn backend: FlashAttention for the new tokens, the Triton kernels for the rest.
+
+Used only where the ``flash_attn`` package imports (the ``gpu`` extra, CUDA only). A
+prefill slice without a cached prefix is plain causal attention over its own tokens, which
+``flash_attn_varlen_func`` runs on the contiguous ``[T, H, D]`` batch. Slices with a cached
+prefix and decodes read the pool through its strides with ``prefix_prefill`` and
+``paged_decode``: flash-attn's paged API wants a ``[num_blocks, block_size, ...]`` cache
+with a contiguous block stride (and block sizes that are multiples of 256 in its paged
+kernels), which the aggregated layout's per-layer views are not.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from ..blocks.layout import KVLayout, layer_views
+from .base import AttentionMetadata
+from .triton_backend import TritonAttention
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn has no fp32 kernels
+
+
+def is_available() -> bool:
+    """Whether ``flash_attn`` is installed and a CUDA device is present."""
+    return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+
+
+class FlashAttnAttention(TritonAttention):
+    """Like ``TritonAttention``, with flash-attn for prefill slices that have no prefix."""
+
+    name = "flash-attn"
+
+    def __init__(self, kv_pool: torch.Tensor, layout: KVLayout, num_heads: int, scale: float):
+        try:
+            from flash_attn import flash_attn_varlen_func
+        except ImportError as e:
+            raise ImportError(
+                "the flash-attn backend needs the flash_attn package: install minimemserve's "
+                "`gpu` extra (pip install 'minimemserve[gpu]') on a CUDA machine, or use the "
+                "'triton' or 'torch' backend"
+            ) from e
+        if kv_pool.device.type != "cuda":
+            raise ValueError(f"the flash-attn backend needs a CUDA pool, got {kv_pool.device}")
+        super().__init__(kv_pool, layout, num_heads, scale)
+        self._varlen = flash_attn_varlen_func
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KV, D]
+        v: torch.Tensor,  # [T, KV, D]
+        layer_id: int,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Store K/V of ``layer_id`` and attend; returns ``[T, H, D]``."""
+        no_prefix = md.num_prefills > 0 and not any(md.context_lens_host[: md.num_prefills])
+        if not no_prefix or q.dtype not in FLASH_DTYPES or md.num_decodes:
+            return super().forward(q, k, v, layer_id, md)
+        # every slice is a fresh prefill: store K/V, then one varlen FlashAttention call
+        k_cache, v_cache = layer_views(self.kv_pool, self.layout, layer_id)
+        self._store_kv(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), md.slot_mapping)
+        return self._varlen(
+            q,
+            k,
+            v,
+            md.query_start_loc,
+            md.query_start_loc,
+            md.max_query_len,
+            md.max_query_len,
+            softmax_scale=self.scale,
+            causal=True,
+        )
