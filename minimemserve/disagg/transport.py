@@ -1,0 +1,1001 @@
+"""The KV data plane between instances: copy, shared memory, CUDA IPC and torch.distributed.
+
+A transfer moves whole aggregated blocks (``[num_blocks, L, 2, block_size, n_kv_heads,
+head_dim]`` pool tensors, block dimension first) from a sender's pool into blocks the
+receiver has already allocated. The fastest path available for a pair is picked by
+:func:`choose_transport`:
+
+* same process -> :class:`CopyTransport`, a plain tensor copy;
+* same host -> :class:`SharedMemoryTransport`: the receiver's pool tensor lives in shared
+  memory (:class:`SharedPoolTensor`: a POSIX segment for CPU, CUDA IPC for one GPU) and the
+  sender writes into it directly, one-sided;
+* different hosts -> :class:`GlooTransport`: ``torch.distributed`` point-to-point (gloo for
+  CPU tensors, NCCL for CUDA), two-sided: the receiver posts matching receives.
+
+The block ids on both sides come from the control plane (:mod:`minimemserve.disagg.control`);
+this module moves bytes only.
+
+Transfer modes (:class:`TransferMode`) exist so the benchmark can compare them:
+``by_layer`` sends each layer's K/V as that layer finishes, ``by_request`` sends the
+2*L per-layer pieces of each block (per-layer layout ``[L, 2, num_blocks, ...]``),
+``by_request_aggregated`` sends one piece per aggregated block and ``packed`` gathers all
+blocks into one buffer and sends it once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import mmap
+import os
+import secrets
+import socket
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+import torch
+
+from minimemserve.errors import ConfigError, TransferError
+
+LOOPBACK = "127.0.0.1"
+# Short on purpose: segment names show up in /dev/shm listings and macOS caps them at 31 chars.
+DEFAULT_SHM_PREFIX = "mms"
+# Where Linux keeps POSIX shared memory (what shm_open(3) creates files in).
+SHM_DIR = "/dev/shm"
+# A transfer of a few hundred MiB over loopback takes well under a second; a minute means
+# the peer is gone or hung.
+DEFAULT_TIMEOUT_S = 60.0
+# Gloo's TCP device uses this many I/O threads per group; more only adds contention on small
+# hosts (measured: 1 thread is both faster and steadier on 2 cores).
+GLOO_THREADS = 1
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", ""})
+
+IdList = Sequence[int] | torch.Tensor
+
+
+class TransportKind(str, Enum):
+    """Data paths, fastest first for a given pair."""
+
+    COPY = "copy"  # same process
+    CUDA_IPC = "cuda_ipc"  # same host, same GPU, one-sided
+    SHM = "shm"  # same host, CPU memory, one-sided
+    NCCL = "nccl"  # CUDA tensors across hosts or GPUs
+    GLOO = "gloo"  # CPU tensors across hosts
+
+    @property
+    def one_sided(self) -> bool:
+        """True when the sender writes the receiver's memory without the receiver acting."""
+        return self in (TransportKind.COPY, TransportKind.CUDA_IPC, TransportKind.SHM)
+
+
+class TransferMode(str, Enum):
+    """How a request's blocks are cut into pieces on the wire (see the module docstring)."""
+
+    BY_LAYER = "by_layer"
+    BY_REQUEST = "by_request"
+    AGGREGATED = "by_request_aggregated"
+    PACKED = "packed"
+
+
+def pieces_per_transfer(mode: TransferMode | str, num_layers: int, num_blocks: int) -> int:
+    """Number of separate sends (or copy calls) one transfer of ``num_blocks`` blocks takes."""
+    mode = TransferMode(mode)
+    if mode is TransferMode.BY_LAYER:
+        return num_layers
+    if mode is TransferMode.BY_REQUEST:
+        return 2 * num_layers * num_blocks
+    if mode is TransferMode.AGGREGATED:
+        return num_blocks
+    return 1
+
+
+# --------------------------------------------------------------------------------------------
+# shared pool tensors
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise TransferError(f"shared handle names an unknown dtype {name!r}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class SharedHandle:
+    """What a peer needs to map a :class:`SharedPoolTensor`: plain values only.
+
+    ``to_dict()`` gives a msgpack-able dict (ints, strings, bytes, lists); ``from_dict``
+    reads it back. ``kind`` is ``"cpu_shm"`` (``name`` is a segment in ``shm_dir``) or
+    ``"cuda_ipc"`` (``cuda`` holds the IPC handle fields). ``nbytes`` is the size of the
+    whole segment or storage the view lives in.
+    """
+
+    kind: str
+    name: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    storage_offset: int
+    dtype: str
+    nbytes: int
+    shm_dir: str = SHM_DIR
+    cuda: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A dict of plain values, safe to msgpack."""
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "shape": list(self.shape),
+            "strides": list(self.strides),
+            "storage_offset": self.storage_offset,
+            "dtype": self.dtype,
+            "nbytes": self.nbytes,
+            "shm_dir": self.shm_dir,
+            "cuda": self.cuda,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SharedHandle:
+        """Read a handle back from :meth:`to_dict` output; raises TransferError if malformed."""
+        try:
+            return cls(
+                kind=str(data["kind"]),
+                name=str(data["name"]),
+                shape=tuple(int(x) for x in data["shape"]),
+                strides=tuple(int(x) for x in data["strides"]),
+                storage_offset=int(data["storage_offset"]),
+                dtype=str(data["dtype"]),
+                nbytes=int(data["nbytes"]),
+                shm_dir=str(data.get("shm_dir", SHM_DIR)),
+                cuda=data.get("cuda"),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise TransferError(f"malformed shared-tensor handle: {e!r}") from e
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _map_segment(path: str, nbytes: int, create: bool) -> torch.Tensor:
+    """Map a shared segment as a flat uint8 tensor; the mapping lives as long as the tensor."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            try:
+                # reserve the pages now: writing to an over-committed tmpfs mapping is SIGBUS
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                os.close(fd)
+                fd = -1
+                _unlink_quietly(path)
+                raise ConfigError(
+                    f"cannot reserve {nbytes / 2**20:.1f} MiB of shared memory at {path}: {e}; "
+                    f"lower the pool size or enlarge {os.path.dirname(path)}"
+                ) from e
+        else:
+            size = os.fstat(fd).st_size
+            if size != nbytes:
+                raise TransferError(
+                    f"shared segment {path} has {size} bytes but the handle says {nbytes}"
+                )
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    # the tensor holds a buffer export of the mmap, so the mapping outlives this frame
+    return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+class SharedPoolTensor:
+    """A pool tensor another process on this host can write into, one-sided.
+
+    CPU: a POSIX shared-memory segment named ``{prefix}-{pid}-{random}`` in ``shm_dir``,
+    mapped into this process; the owner unlinks it on :meth:`close` (or when garbage
+    collected, or at interpreter exit), and the memory itself goes away once every
+    mapping, here and in peers, is dropped. CUDA: an ordinary device tensor exported through
+    CUDA IPC (peers on the same GPU map the same memory); keep the owner alive while peers
+    use it.
+
+    Create with :meth:`create`; publish :attr:`handle` (``handle.to_dict()``) to the peer,
+    which maps it with :func:`attach`.
+    """
+
+    def __init__(self, tensor: torch.Tensor, handle: SharedHandle, path: str | None) -> None:
+        """Wrap an already-shared tensor; use :meth:`create` instead."""
+        self.tensor = tensor
+        self.handle = handle
+        self._path = path
+        self._finalizer = (
+            weakref.finalize(self, _unlink_quietly, path) if path is not None else None
+        )
+
+    @classmethod
+    def create(
+        cls,
+        shape: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        prefix: str = DEFAULT_SHM_PREFIX,
+        shm_dir: str = SHM_DIR,
+    ) -> SharedPoolTensor:
+        """Allocate a zero-filled shared tensor of ``shape`` and ``dtype`` on ``device``."""
+        shape = tuple(int(s) for s in shape)
+        if not shape or any(s <= 0 for s in shape):
+            raise ValueError(f"shared tensor shape must be non-empty and positive, got {shape}")
+        if not prefix or "/" in prefix:
+            raise ValueError(f"shared-memory prefix must be a non-empty name, got {prefix!r}")
+        device = torch.device(device)
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        strides = _contiguous_strides(shape)
+        if device.type == "cuda":
+            tensor = torch.zeros(shape, dtype=dtype, device=device)
+            return cls(tensor, _cuda_handle(tensor), None)
+        if device.type != "cpu":
+            raise ValueError(f"shared pool tensors live on cpu or cuda, not {device}")
+        if not os.path.isdir(shm_dir):
+            raise ConfigError(f"shared-memory directory {shm_dir} does not exist on this host")
+        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+        path = os.path.join(shm_dir, name)
+        flat = _map_segment(path, nbytes, create=True)  # [nbytes] uint8, zero-filled by tmpfs
+        tensor = flat.view(dtype).view(shape)
+        handle = SharedHandle(
+            kind="cpu_shm",
+            name=name,
+            shape=shape,
+            strides=strides,
+            storage_offset=0,
+            dtype=_dtype_name(dtype),
+            nbytes=nbytes,
+            shm_dir=shm_dir,
+        )
+        return cls(tensor, handle, path)
+
+    @property
+    def name(self) -> str:
+        """The segment name (CPU) or a label of the IPC handle (CUDA)."""
+        return self.handle.name
+
+    def close(self) -> None:
+        """Unlink the segment (CPU) and drop this object's tensor reference. Idempotent.
+
+        Mappings still held (here or in peers) stay valid until they are dropped; no new
+        peer can attach after this.
+        """
+        if self._finalizer is not None:
+            self._finalizer()
+        self.tensor = None  # type: ignore[assignment]
+
+    def __enter__(self) -> SharedPoolTensor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+def _cuda_handle(tensor: torch.Tensor) -> SharedHandle:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(tensor)
+    (
+        _tcls,
+        size,
+        stride,
+        offset,
+        _scls,
+        dtype,
+        device,
+        ipc_handle,
+        storage_size,
+        storage_offset_bytes,
+        _requires_grad,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+    ) = args
+    return SharedHandle(
+        kind="cuda_ipc",
+        name=f"cuda:{device}:{ipc_handle.hex()[:16]}",
+        shape=tuple(size),
+        strides=tuple(stride),
+        storage_offset=int(offset),
+        dtype=_dtype_name(dtype),
+        nbytes=int(storage_size),
+        cuda={
+            "device": int(device),
+            "ipc_handle": bytes(ipc_handle),
+            "storage_offset_bytes": int(storage_offset_bytes),
+            "ref_counter_handle": bytes(ref_counter_handle),
+            "ref_counter_offset": int(ref_counter_offset),
+            "event_handle": bytes(event_handle) if event_handle is not None else None,
+            "event_sync_required": bool(event_sync_required),
+        },
+    )
+
+
+def attach(handle: SharedHandle | dict[str, Any]) -> torch.Tensor:
+    """Map a peer's shared pool tensor into this process; returns a writable view of it.
+
+    The mapping lasts as long as the returned tensor (and views of it). Raises
+    TransferError if the segment is gone or does not match the handle.
+    """
+    if isinstance(handle, dict):
+        handle = SharedHandle.from_dict(handle)
+    dtype = _dtype_from_name(handle.dtype)
+    if handle.kind == "cpu_shm":
+        if "/" in handle.name:
+            raise TransferError(f"bad shared segment name {handle.name!r}")
+        path = os.path.join(handle.shm_dir, handle.name)
+        try:
+            flat = _map_segment(path, handle.nbytes, create=False)  # [nbytes] uint8
+        except FileNotFoundError as e:
+            raise TransferError(f"shared segment {path} does not exist (owner closed?)") from e
+        return flat.view(dtype).as_strided(handle.shape, handle.strides, handle.storage_offset)
+    if handle.kind == "cuda_ipc":
+        return _attach_cuda(handle, dtype)
+    raise TransferError(f"unknown shared handle kind {handle.kind!r}")
+
+
+def _attach_cuda(handle: SharedHandle, dtype: torch.dtype) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    if not torch.cuda.is_available():
+        raise TransferError("a CUDA IPC handle cannot be attached without CUDA")
+    c = handle.cuda or {}
+    try:
+        return rebuild_cuda_tensor(
+            torch.Tensor,
+            torch.Size(handle.shape),
+            handle.strides,
+            handle.storage_offset,
+            torch.UntypedStorage,
+            dtype,
+            c["device"],
+            c["ipc_handle"],
+            handle.nbytes,
+            c["storage_offset_bytes"],
+            False,
+            c["ref_counter_handle"],
+            c["ref_counter_offset"],
+            c["event_handle"],
+            c["event_sync_required"],
+        )
+    except (KeyError, RuntimeError) as e:
+        raise TransferError(f"cannot open CUDA IPC handle {handle.name}: {e}") from e
+
+
+def remove_stale_segments(prefix: str = DEFAULT_SHM_PREFIX, shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink segments named ``{prefix}-{pid}-...`` whose owning process no longer exists.
+
+    A process killed with SIGKILL cannot unlink its segments; run this at start-up.
+    Returns the names removed.
+    """
+    removed = []
+    if not os.path.isdir(shm_dir):
+        return removed
+    for name in os.listdir(shm_dir):
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != prefix or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        try:
+            os.kill(pid, 0)
+            continue  # owner alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, someone else's
+        _unlink_quietly(os.path.join(shm_dir, name))
+        removed.append(name)
+    return removed
+
+
+class SharedTensorFactory:
+    """A ``tensor_factory`` for MemPool that places every tier tensor in shared memory.
+
+    ``factory(shape, dtype, device) -> Tensor`` (zero-filled); :meth:`handle_of` gives the
+    handle to publish for a tensor it made; :meth:`close` unlinks everything.
+    """
+
+    def __init__(self, prefix: str = DEFAULT_SHM_PREFIX, shm_dir: str = SHM_DIR) -> None:
+        """Segments get names ``{prefix}-{pid}-{random}`` in ``shm_dir``."""
+        self.prefix = prefix
+        self.shm_dir = shm_dir
+        self._owned: list[SharedPoolTensor] = []
+
+    def __call__(
+        self, shape: Sequence[int], dtype: torch.dtype, device: str | torch.device
+    ) -> torch.Tensor:
+        """Allocate one zero-filled shared tensor."""
+        shared = SharedPoolTensor.create(shape, dtype, device, self.prefix, self.shm_dir)
+        self._owned.append(shared)
+        return shared.tensor
+
+    def handle_of(self, tensor: torch.Tensor) -> SharedHandle:
+        """The handle of a tensor this factory made (the same tensor object or a full view)."""
+        for shared in self._owned:
+            t = shared.tensor
+            if t is not None and t.data_ptr() == tensor.data_ptr() and t.shape == tensor.shape:
+                return shared.handle
+        raise ValueError("tensor was not made by this SharedTensorFactory")
+
+    def close(self) -> None:
+        """Close every segment this factory made."""
+        for shared in self._owned:
+            shared.close()
+        self._owned.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# in-memory block copies (used by the same-process and same-host transports)
+
+
+def as_index(ids: IdList, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Block ids as an int64 tensor on ``device``."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            ids = ids.reshape(-1).to(torch.int64)
+        return ids.to(device)
+    return torch.tensor(list(ids), dtype=torch.int64, device=device)
+
+
+def _check_pair(
+    src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_ids: list[int], block_dim: int
+) -> None:
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+    if src.dtype != dst.dtype:
+        raise ValueError(f"dtype mismatch: source {src.dtype}, destination {dst.dtype}")
+    if src.dim() != dst.dim():
+        raise ValueError(f"rank mismatch: source {tuple(src.shape)}, dest {tuple(dst.shape)}")
+    s_shape = src.shape[:block_dim] + src.shape[block_dim + 1 :]
+    d_shape = dst.shape[:block_dim] + dst.shape[block_dim + 1 :]
+    if s_shape != d_shape:
+        raise ValueError(
+            f"block shape mismatch: source {tuple(src.shape)}, destination {tuple(dst.shape)}"
+        )
+    for name, ids, n in (
+        ("source", src_ids, src.shape[block_dim]),
+        ("destination", dst_ids, dst.shape[block_dim]),
+    ):
+        if ids and (min(ids) < 0 or max(ids) >= n):
+            raise ValueError(f"{name} block id out of range [0, {n}): {ids}")
+
+
+def _ids_list(ids: IdList) -> list[int]:
+    return ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
+
+
+def _contiguous_run(ids: list[int]) -> bool:
+    return all(b == a + 1 for a, b in zip(ids, ids[1:]))
+
+
+class Staging:
+    """A reusable gather buffer, so packed copies do not allocate (and page-fault) each time."""
+
+    def __init__(self) -> None:
+        """Start empty; grows to the largest request seen."""
+        self._buf: torch.Tensor | None = None
+
+    def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` (contents undefined), reusing memory when it fits."""
+        numel = 1
+        for s in shape:
+            numel *= s
+        buf = self._buf
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = self._buf = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
+
+def copy_blocks(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    src_ids: IdList,
+    dst_ids: IdList,
+    mode: TransferMode | str = TransferMode.PACKED,
+    staging: Staging | None = None,
+) -> int:
+    """Copy blocks ``src[src_ids]`` into ``dst[dst_ids]`` in ``mode``; returns the call count.
+
+    Aggregated tensors (``[num_blocks, L, 2, ...]``) for every mode but ``by_request``, which
+    takes per-layer tensors (``[L, 2, num_blocks, ...]``) and copies each of the 2*L pieces
+    of each block on its own. ``packed`` gathers into one buffer and scatters it with one
+    call (straight into ``dst`` when ``dst_ids`` is one ascending run).
+    """
+    mode = TransferMode(mode)
+    s_ids, d_ids = _ids_list(src_ids), _ids_list(dst_ids)
+    block_dim = 2 if mode is TransferMode.BY_REQUEST else 0
+    _check_pair(src, dst, s_ids, d_ids, block_dim)
+    if not s_ids:
+        return 0
+    if mode is TransferMode.AGGREGATED:
+        for s, d in zip(s_ids, d_ids):
+            dst[d].copy_(src[s])  # one [L, 2, bs, h, d] block
+        return len(s_ids)
+    if mode is TransferMode.BY_REQUEST:
+        num_layers = src.shape[0]
+        for s, d in zip(s_ids, d_ids):
+            for layer in range(num_layers):
+                for kv in range(2):
+                    dst[layer, kv, d].copy_(src[layer, kv, s])  # one [bs, h, d] piece
+        return 2 * num_layers * len(s_ids)
+    if mode is TransferMode.BY_LAYER:
+        for layer in range(src.shape[1]):
+            copy_layer(dst, src, layer, s_ids, d_ids, staging)
+        return src.shape[1]
+    staging = staging or Staging()
+    s_idx = as_index(s_ids, src.device)
+    if _contiguous_run(d_ids):
+        torch.index_select(src, 0, s_idx, out=dst[d_ids[0] : d_ids[0] + len(d_ids)])
+    else:
+        packed = staging.get((len(s_ids), *src.shape[1:]), src.dtype, src.device)
+        torch.index_select(src, 0, s_idx, out=packed)  # [n, L, 2, bs, h, d]
+        dst.index_copy_(0, as_index(d_ids, dst.device), packed.to(dst.device))
+    return 1
+
+
+def copy_layer(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    layer: int,
+    src_ids: IdList,
+    dst_ids: IdList,
+    staging: Staging | None = None,
+) -> None:
+    """Copy layer ``layer`` (K and V) of blocks ``src_ids`` into ``dst_ids`` (aggregated pools)."""
+    s_ids, d_ids = _ids_list(src_ids), _ids_list(dst_ids)
+    _check_pair(src, dst, s_ids, d_ids, 0)
+    if not 0 <= layer < src.shape[1]:
+        raise ValueError(f"layer {layer} out of range [0, {src.shape[1]})")
+    if not s_ids:
+        return
+    staging = staging or Staging()
+    packed = staging.get((len(s_ids), *src.shape[2:]), src.dtype, src.device)
+    s_idx = as_index(s_ids, src.device)
+    torch.index_select(src[:, layer], 0, s_idx, out=packed)  # [n, 2, bs, h, d]
+    dst[:, layer].index_copy_(0, as_index(d_ids, dst.device), packed.to(dst.device))
+
+
+# --------------------------------------------------------------------------------------------
+# transports
+
+
+class Transport(Protocol):
+    """Moves blocks of the sender's pool tensor into blocks the receiver allocated.
+
+    One-sided transports (``one_sided``) finish the write inside ``send_blocks``; two-sided
+    ones need the receiver to post the matching receive (see :class:`GlooTransport`).
+    """
+
+    kind: TransportKind
+
+    @property
+    def one_sided(self) -> bool:
+        """True when the receiver does nothing while the data moves."""
+        ...
+
+    def send_blocks(self, src: torch.Tensor, src_ids: IdList, dst_ids: IdList) -> None:
+        """Send blocks ``src[src_ids]`` into the receiver's ``dst_ids``."""
+        ...
+
+    def send_layer(self, src: torch.Tensor, layer: int, src_ids: IdList, dst_ids: IdList) -> None:
+        """Send layer ``layer`` (K and V) of blocks ``src_ids`` into the receiver's ``dst_ids``."""
+        ...
+
+    def close(self) -> None:
+        """Release what the transport holds (mappings, process groups)."""
+        ...
+
+
+class CopyTransport:
+    """Same-process transport: writes straight into the receiver's pool tensor.
+
+    ``mode`` picks how :meth:`send_blocks` copies; the default is one copy per aggregated
+    block on the CPU (a single pass over memory) and a packed gather/scatter on CUDA (two
+    kernels instead of one launch per block).
+    """
+
+    kind = TransportKind.COPY
+
+    def __init__(self, dst: torch.Tensor, mode: TransferMode | str | None = None) -> None:
+        """Write into ``dst``, the receiver's aggregated pool tensor."""
+        if dst.dim() < 2:
+            raise ValueError(f"a pool tensor has a block dimension and a block shape: {dst.shape}")
+        self.dst = dst
+        if mode is None:
+            mode = TransferMode.PACKED if dst.is_cuda else TransferMode.AGGREGATED
+        self.mode = TransferMode(mode)
+        self._staging = Staging()
+
+    @property
+    def one_sided(self) -> bool:
+        """Always true: the sender does the copy."""
+        return True
+
+    def send_blocks(
+        self,
+        src: torch.Tensor,
+        src_ids: IdList,
+        dst_ids: IdList,
+        mode: TransferMode | str | None = None,
+    ) -> int:
+        """Copy ``src[src_ids]`` into ``dst[dst_ids]``; returns the number of copy calls."""
+        calls = copy_blocks(self.dst, src, src_ids, dst_ids, mode or self.mode, self._staging)
+        self._finish()
+        return calls
+
+    def send_layer(self, src: torch.Tensor, layer: int, src_ids: IdList, dst_ids: IdList) -> None:
+        """Copy one layer of ``src[src_ids]`` into ``dst[dst_ids]``."""
+        copy_layer(self.dst, src, layer, src_ids, dst_ids, self._staging)
+        self._finish()
+
+    def _finish(self) -> None:
+        if self.dst.is_cuda:
+            # the peer reads after our "write done" message, so the copy must have landed
+            torch.cuda.current_stream(self.dst.device).synchronize()
+
+    def close(self) -> None:
+        """Drop the reference to the receiver's tensor."""
+        self.dst = None  # type: ignore[assignment]
+
+
+class SharedMemoryTransport(CopyTransport):
+    """Same-host transport: maps the receiver's shared pool tensor and writes it one-sided."""
+
+    def __init__(
+        self, handle: SharedHandle | dict[str, Any], mode: TransferMode | str | None = None
+    ) -> None:
+        """Attach the receiver's pool from its published handle."""
+        handle = handle if isinstance(handle, SharedHandle) else SharedHandle.from_dict(handle)
+        super().__init__(attach(handle), mode)
+        self.handle = handle
+        self.kind = TransportKind.CUDA_IPC if handle.kind == "cuda_ipc" else TransportKind.SHM
+
+
+def pick_free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that was free on ``host`` a moment ago (another process may still take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_store(
+    host: str = LOOPBACK, port: int = 0, world_size: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> torch.distributed.TCPStore:
+    """Start the rendezvous store (rank 0 does this); ``store.port`` is the port it got."""
+    return torch.distributed.TCPStore(
+        host,
+        port,
+        world_size,
+        True,
+        datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+@dataclass
+class Pending:
+    """Posted sends or receives; :meth:`wait` blocks until they land (and scatters staged data)."""
+
+    works: list[Any]
+    finish: Callable[[], None] | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    what: str = "transfer"
+    _done: bool = field(default=False, repr=False)
+
+    def wait(self) -> None:
+        """Wait for every piece; raises TransferError on a timeout or a broken peer."""
+        if self._done:
+            return
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        try:
+            for w in self.works:
+                w.wait(timeout)
+        except RuntimeError as e:
+            raise TransferError(f"{self.what} failed: {e}") from e
+        if self.finish is not None:
+            self.finish()
+        self._done = True
+
+
+class GlooTransport:
+    """Two-sided transport over ``torch.distributed`` point-to-point (gloo on CPU, NCCL on CUDA).
+
+    Both ends build one with their rank (0 or 1); rank 0 hosts the TCP store at
+    ``host:port`` (port 0 = pick a free one; read it from :attr:`port`, or start the store
+    yourself with :func:`start_store` to publish the port before the blocking rendezvous).
+    The process group is private to this object, not torch's global default group.
+
+    The sender calls ``send_blocks(src, src_ids, mode=...)``; the receiver calls
+    ``recv_blocks(dst, dst_ids, mode=...)`` with the same mode and number of blocks (the ids
+    come from the control plane, so nothing but KV travels here). ``wait=False`` returns a
+    :class:`Pending` so many transfers can be in flight at once; ``tag`` keeps them apart.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        host: str = LOOPBACK,
+        port: int = 0,
+        *,
+        store: torch.distributed.Store | None = None,
+        device: str | torch.device = "cpu",
+        bind_host: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        """Join the two-rank group; blocks until the peer joins (or ``timeout_s`` passes)."""
+        if rank not in (0, 1):
+            raise ValueError(f"GlooTransport connects two ranks, 0 and 1; got rank {rank}")
+        self.rank = rank
+        self.peer = 1 - rank
+        self.device = torch.device(device)
+        self.timeout_s = timeout_s
+        self.kind = TransportKind.NCCL if self.device.type == "cuda" else TransportKind.GLOO
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if store is None:
+            if rank == 1 and port == 0:
+                raise ValueError("rank 1 needs the port of rank 0's store")
+            try:
+                store = torch.distributed.TCPStore(
+                    host, port, 2, rank == 0, timeout, wait_for_workers=False
+                )
+            except (RuntimeError, TimeoutError) as e:
+                raise TransferError(f"cannot reach the store at {host}:{port}: {e}") from e
+        self.store = store
+        self.host = host
+        self.port = int(getattr(store, "port", port))
+        try:
+            if self.kind is TransportKind.NCCL:
+                opts = torch.distributed.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                self.pg = torch.distributed.ProcessGroupNCCL(store, rank, 2, opts)
+            else:
+                opts = torch.distributed.ProcessGroupGloo._Options()
+                opts._devices = [
+                    torch.distributed.ProcessGroupGloo.create_device(hostname=bind_host or host)
+                ]
+                opts._timeout = timeout
+                opts._threads = GLOO_THREADS
+                self.pg = torch.distributed.ProcessGroupGloo(store, rank, 2, opts)
+        except (RuntimeError, TimeoutError) as e:
+            raise TransferError(
+                f"rank {rank} could not join the transfer group at {host}:{self.port}: {e}"
+            ) from e
+        self._staging = Staging()
+
+    @property
+    def one_sided(self) -> bool:
+        """Always false: the receiver posts matching receives."""
+        return False
+
+    def _check(self, t: torch.Tensor) -> None:
+        if t.device.type != self.device.type:
+            raise ValueError(
+                f"{self.kind.value} transport moves {self.device.type} tensors, "
+                f"got one on {t.device}"
+            )
+
+    def _post(self, pieces: list[torch.Tensor], send: bool, tag: int) -> list[Any]:
+        op = self.pg.send if send else self.pg.recv
+        try:
+            return [op([p], self.peer, tag) for p in pieces]
+        except RuntimeError as e:
+            raise TransferError(f"rank {self.rank}: posting to peer {self.peer} failed: {e}") from e
+
+    def send_blocks(
+        self,
+        src: torch.Tensor,
+        src_ids: IdList,
+        dst_ids: IdList | None = None,
+        mode: TransferMode | str = TransferMode.PACKED,
+        *,
+        tag: int = 0,
+        wait: bool = True,
+    ) -> Pending:
+        """Send ``src[src_ids]`` cut as ``mode`` says (``dst_ids`` is the receiver's business).
+
+        ``by_request`` takes a per-layer pool ``[L, 2, num_blocks, ...]``, the other modes
+        an aggregated one.
+        """
+        self._check(src)
+        mode = TransferMode(mode)
+        ids = _ids_list(src_ids)
+        if mode is TransferMode.BY_LAYER:
+            pend = [
+                self.send_layer(src, layer, ids, tag=tag, wait=False)
+                for layer in range(src.shape[1])
+            ]
+            pieces_works = [w for p in pend for w in p.works]
+            result = Pending(pieces_works, None, self.timeout_s, f"send {mode.value}")
+        else:
+            if mode is TransferMode.PACKED:
+                packed = torch.index_select(src, 0, as_index(ids, src.device))  # [n, L, 2, ...]
+                pieces = [packed]
+            elif mode is TransferMode.AGGREGATED:
+                pieces = [src[b] for b in ids]  # each [L, 2, bs, h, d], contiguous
+            else:
+                pieces = [
+                    src[layer, kv, b]
+                    for b in ids
+                    for layer in range(src.shape[0])
+                    for kv in range(2)
+                ]  # [bs, h, d]
+            result = Pending(
+                self._post(pieces, True, tag),
+                None,
+                self.timeout_s,
+                f"send {mode.value} to rank {self.peer}",
+            )
+        if wait:
+            result.wait()
+        return result
+
+    def recv_blocks(
+        self,
+        dst: torch.Tensor,
+        dst_ids: IdList,
+        mode: TransferMode | str = TransferMode.PACKED,
+        *,
+        tag: int = 0,
+        wait: bool = True,
+    ) -> Pending:
+        """Receive into ``dst[dst_ids]`` what the peer sends with ``send_blocks`` in ``mode``."""
+        self._check(dst)
+        mode = TransferMode(mode)
+        ids = _ids_list(dst_ids)
+        what = f"receive {mode.value} from rank {self.peer}"
+        if mode is TransferMode.BY_LAYER:
+            pend = [
+                self.recv_layer(dst, layer, ids, tag=tag, wait=False)
+                for layer in range(dst.shape[1])
+            ]
+            works = [w for p in pend for w in p.works]
+            finishes = [p.finish for p in pend if p.finish is not None]
+            result = Pending(works, lambda: [f() for f in finishes], self.timeout_s, what)
+        elif mode is TransferMode.PACKED:
+            # a fresh buffer: several packed receives may be in flight at once
+            packed = torch.empty((len(ids), *dst.shape[1:]), dtype=dst.dtype, device=dst.device)
+            idx = as_index(ids, dst.device)
+            result = Pending(
+                self._post([packed], False, tag),
+                lambda: dst.index_copy_(0, idx, packed),
+                self.timeout_s,
+                what,
+            )
+        else:
+            if mode is TransferMode.AGGREGATED:
+                pieces = [dst[b] for b in ids]  # received in place, no staging
+            else:
+                pieces = [
+                    dst[layer, kv, b]
+                    for b in ids
+                    for layer in range(dst.shape[0])
+                    for kv in range(2)
+                ]
+            if any(not p.is_contiguous() for p in pieces):
+                raise ValueError("receiving in place needs a contiguous pool tensor")
+            result = Pending(self._post(pieces, False, tag), None, self.timeout_s, what)
+        if wait:
+            result.wait()
+        return result
+
+    def send_layer(
+        self,
+        src: torch.Tensor,
+        layer: int,
+        src_ids: IdList,
+        dst_ids: IdList | None = None,
+        *,
+        tag: int = 0,
+        wait: bool = True,
+    ) -> Pending:
+        """Send K and V of ``layer`` for blocks ``src_ids`` (aggregated pool) as one piece."""
+        self._check(src)
+        piece = torch.index_select(src[:, layer], 0, as_index(src_ids, src.device))  # [n, 2, ...]
+        result = Pending(
+            self._post([piece], True, tag),
+            None,
+            self.timeout_s,
+            f"send layer {layer} to rank {self.peer}",
+        )
+        if wait:
+            result.wait()
+        return result
+
+    def recv_layer(
+        self, dst: torch.Tensor, layer: int, dst_ids: IdList, *, tag: int = 0, wait: bool = True
+    ) -> Pending:
+        """Receive one layer sent by :meth:`send_layer` into blocks ``dst_ids``."""
+        self._check(dst)
+        ids = _ids_list(dst_ids)
+        piece = torch.empty((len(ids), *dst.shape[2:]), dtype=dst.dtype, device=dst.device)
+        idx = as_index(ids, dst.device)
+        result = Pending(
+            self._post([piece], False, tag),
+            lambda: dst[:, layer].index_copy_(0, idx, piece),
+            self.timeout_s,
+            f"receive layer {layer} from rank {self.peer}",
+        )
+        if wait:
+            result.wait()
+        return result
+
+    def send_tensor(self, t: torch.Tensor, tag: int = 0) -> None:
+        """Send one contiguous tensor (small signals, acknowledgements)."""
+        Pending(self._post([t], True, tag), None, self.timeout_s, "send").wait()
+
+    def recv_tensor(self, t: torch.Tensor, tag: int = 0) -> None:
+        """Receive one contiguous tensor into ``t``."""
+        Pending(self._post([t], False, tag), None, self.timeout_s, "receive").wait()
+
+    def close(self) -> None:
+        """Shut the process group down and drop the store. Idempotent."""
+        pg = getattr(self, "pg", None)
+        if pg is not None:
+            with contextlib.suppress(RuntimeError):
+                pg.shutdown()
+            self.pg = None
+        self.store = None
+
+    def __enter__(self) -> GlooTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _same_host(local_host: str, peer_host: str) -> bool:
+    if local_host == peer_host:
+        return True
+    return local_host in _LOOPBACK_NAMES and peer_host in _LOOPBACK_NAMES
+
+
+def choose_transport(
+    local_host: str,
+    peer_host: str,
+    same_process: bool,
+    device: str | torch.device = "cpu",
+    peer_device: str | torch.device | None = None,
+) -> TransportKind:
+    """The fastest data path between this instance and a peer.
+
+    Same process -> copy; same host -> shared memory (CPU) or CUDA IPC (both on the same
+    GPU); otherwise torch.distributed point-to-point (gloo for CPU, NCCL for CUDA). Hosts
+    are compared by name; loopback names count as this host.
+    """
+    device = torch.device(device)
+    peer = torch.device(peer_device) if peer_device is not None else device
+    if device.type != peer.type:
+        raise ValueError(f"peers keep KV on different device types: {device} and {peer}")
+    if same_process:
+        return TransportKind.COPY
+    if _same_host(local_host, peer_host):
+        if device.type == "cpu":
+            return TransportKind.SHM
+        if (device.index or 0) == (peer.index or 0):
+            return TransportKind.CUDA_IPC
+        return TransportKind.NCCL
+    return TransportKind.NCCL if device.type == "cuda" else TransportKind.GLOO
