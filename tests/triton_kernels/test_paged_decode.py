@@ -131,3 +131,22 @@ def test_num_splits_monotone(seq_len):
 def test_num_splits_rejects_nonpositive():
     with pytest.raises(ValueError, match="positive"):
         choose_num_splits(0, 8, 100, H200_SMS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size,group", [(1, 8), (16, 1), (32, 4)])
+def test_paged_decode_cuda(dtype, block_size, group):
+    lens = [1, 700, 4100, 33]
+    p = make_pool(lens, block_size, 2, 128, torch.float32, AGGREGATED, seed=group)
+    k_cache, v_cache = p.k_cache.to(dtype).cuda(), p.v_cache.to(dtype).cuda()
+    q = torch.randn(len(lens), 2 * group, 128).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = paged_decode(q.cuda(), k_cache, v_cache, p.block_tables.cuda(), seq_lens, 128**-0.5)
+    atol, rtol = TOLERANCES[dtype]
+    for b, n in enumerate(lens):
+        k = gather(k_cache.cpu(), p.tables[b], n)
+        v = gather(v_cache.cpu(), p.tables[b], n)
+        ref = attend(q[b : b + 1], k, v, 128**-0.5, causal_from=n - 1)[0]
+        torch.testing.assert_close(out[b].float().cpu(), ref, atol=atol, rtol=rtol)

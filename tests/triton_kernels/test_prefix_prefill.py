@@ -82,3 +82,30 @@ def test_prefix_prefill_rejects_bad_input():
         prefix_prefill(
             q.bfloat16(), k.bfloat16(), k.bfloat16(), kb, kb, p.block_tables, qsl, ctx, 0.1
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size,head_dim", [(1, 64), (16, 128), (32, 256)])
+def test_prefix_prefill_cuda(dtype, block_size, head_dim):
+    ctx, new, n_kv, group = [0, 300, 17], [257, 64, 130], 2, 4
+    p = make_pool([c + n for c, n in zip(ctx, new)], block_size, n_kv, head_dim, dtype=dtype,
+                  kind=AGGREGATED, seed=block_size)  # fmt: skip
+    q = torch.randn(sum(new), n_kv * group, head_dim).to(dtype)
+    k, v = (torch.randn(sum(new), n_kv, head_dim).to(dtype) for _ in range(2))
+    starts = [0, new[0], new[0] + new[1], sum(new)]
+    cuda = lambda t: t.cuda()  # noqa: E731
+    out = prefix_prefill(
+        *map(cuda, (q, k, v, p.k_cache, p.v_cache, p.block_tables)),
+        torch.tensor(starts, dtype=torch.int32, device="cuda"),
+        torch.tensor(ctx, dtype=torch.int32, device="cuda"),
+        head_dim**-0.5,
+    ).cpu()
+    atol, rtol = TOLERANCES[dtype]
+    for b, c in enumerate(ctx):
+        s, e = starts[b], starts[b + 1]
+        keys = torch.cat([gather(p.k_cache, p.tables[b], c), k[s:e]])
+        vals = torch.cat([gather(p.v_cache, p.tables[b], c), v[s:e]])
+        ref = attend(q[s:e], keys, vals, head_dim**-0.5, causal_from=c)
+        torch.testing.assert_close(out[s:e].float(), ref, atol=atol, rtol=rtol)
