@@ -1,0 +1,262 @@
+"""Micro-benchmark of the Triton attention kernels against the device peak and PyTorch SDPA.
+
+    python bench/kernels.py            # GPU: full sweep (~4 min on an H200); CPU: smoke check
+
+- decode: ``paged_decode`` at batch 1..256 x context 512..32k over an aggregated pool with
+  shuffled block tables; achieved GB/s = (K/V bytes read + q/out bytes) / time.
+- prefill: ``prefix_prefill`` over 4k-token sequences with 0 / 50 / 90 % of the tokens
+  cached; achieved TFLOP/s = 4 * D * H * (visible keys summed over queries) / time.
+- baseline: ``torch.nn.functional.scaled_dot_product_attention`` on the same data laid out
+  contiguously (``[B, H, S, D]``), timed side by side in the same run.
+
+Model shape: Llama-2-7B attention (32 query heads, head_dim 128) with 8 KV heads (GQA) for
+decode and 32 for prefill, block size 16, two layers in the pool (the kernels read layer 0
+through the aggregated strides). Timing: CUDA events, warm-up, median of repeats.
+Output: a table and ``bench/results/kernels.json``. Targets: decode >= 70 % of HBM bandwidth
+at batch 64 x 4k; prefill >= 60 % of SDPA's TFLOP/s at 4k tokens without a prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # the interpreter must be on before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch.nn.functional as F  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from minimemserve.blocks.layout import KVLayout, layer_views  # noqa: E402
+from triton_kernels import paged_decode, prefix_prefill  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "kernels.json"
+# (substring of the device name, HBM bytes/s, dense 16-bit tensor FLOP/s) from vendor sheets
+PEAKS = [
+    ("H200", 4.8e12, 989e12),
+    ("H100", 3.35e12, 989e12),
+    ("A100", 2.0e12, 312e12),
+    ("L40S", 0.864e12, 362e12),
+    ("A10", 0.6e12, 125e12),
+]
+HEADS, HEAD_DIM, BLOCK_SIZE, LAYERS = 32, 128, 16, 2
+DECODE_KV_HEADS = 8  # GQA group 4, as Llama-2-70B / Mistral; the kernel packs the group
+DECODE_BATCHES = (1, 8, 64, 256)
+DECODE_CONTEXTS = (512, 4096, 32768)
+MAX_POOL_BYTES = 24 * 2**30  # skip decode points whose pool would not fit comfortably
+PREFILL_TOKENS = 4096
+PREFILL_BATCH = 2
+PREFILL_CACHED = (0.0, 0.5, 0.9)
+WARMUP, REPEATS = 3, 15
+
+
+def device_peaks(device: torch.device) -> tuple[str, float | None, float | None]:
+    """Device name and its HBM bytes/s and 16-bit FLOP/s, or None where unknown."""
+    name = torch.cuda.get_device_name(device)
+    for key, bw, flops in PEAKS:
+        if key in name:
+            return name, bw, flops
+    return name, None, None
+
+
+def time_cuda(fn) -> float:
+    """Median seconds of ``fn()`` over REPEATS, after WARMUP calls, by CUDA events."""
+    for _ in range(WARMUP):
+        fn()
+    times = []
+    for _ in range(REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def paged_pool(seq_lens: list[int], n_kv: int, dtype: torch.dtype, device, seed: int = 0):
+    """Random aggregated pool, layer-0 views and shuffled block tables for ``seq_lens``."""
+    layout = KVLayout(LAYERS, BLOCK_SIZE, n_kv, HEAD_DIM)
+    need = [layout.num_blocks_for(n) for n in seq_lens]
+    num_blocks = sum(need) + 1
+    pool = torch.empty(layout.pool_shape(num_blocks), dtype=dtype, device=device)
+    pool.normal_()
+    ids = list(range(1, num_blocks))
+    random.Random(seed).shuffle(ids)
+    tables, i = [], 0
+    for n in need:
+        tables.append(ids[i : i + n])
+        i += n
+    width = max(need)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    k_cache, v_cache = layer_views(pool, layout, 0)
+    return pool, k_cache, v_cache, tables, bt.to(device)
+
+
+def contiguous(cache: torch.Tensor, tables: list[list[int]], length: int) -> torch.Tensor:
+    """``[B, n_kv, length, D]`` copy of the sequences' K or V (equal lengths)."""
+    idx = torch.tensor(tables, device=cache.device)  # [B, nb]
+    return cache[idx].flatten(1, 2)[:, :length].transpose(1, 2).contiguous()
+
+
+def bench_decode(batch: int, ctx: int, dtype, device) -> dict:
+    pool, k_cache, v_cache, tables, bt = paged_pool([ctx] * batch, DECODE_KV_HEADS, dtype, device)
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=dtype, device=device)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    scale = HEAD_DIM**-0.5
+    t = time_cuda(lambda: paged_decode(q, k_cache, v_cache, bt, lens, scale, max_seq_len=ctx))
+    kc, vc = contiguous(k_cache, tables, ctx), contiguous(v_cache, tables, ctx)
+    q4 = q.unsqueeze(2)  # [B, H, 1, D]
+    t_sdpa = time_cuda(lambda: F.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True))
+    elem = q.element_size()
+    moved = 2 * batch * ctx * DECODE_KV_HEADS * HEAD_DIM * elem + 2 * q.numel() * elem
+    return {"batch": batch, "context": ctx, "ms": t * 1e3, "gbps": moved / t / 1e9,
+            "sdpa_ms": t_sdpa * 1e3, "sdpa_gbps": moved / t_sdpa / 1e9}  # fmt: skip
+
+
+def bench_prefill(cached: float, dtype, device) -> dict:
+    ctx = int(PREFILL_TOKENS * cached) // BLOCK_SIZE * BLOCK_SIZE
+    new = PREFILL_TOKENS - ctx
+    b = PREFILL_BATCH
+    pool, k_cache, v_cache, tables, bt = paged_pool([PREFILL_TOKENS] * b, HEADS, dtype, device)
+    q = torch.randn(b * new, HEADS, HEAD_DIM, dtype=dtype, device=device)
+    k = torch.randn(b * new, HEADS, HEAD_DIM, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    qsl = torch.arange(0, b + 1, dtype=torch.int32, device=device) * new
+    ctx_t = torch.full((b,), ctx, dtype=torch.int32, device=device)
+    scale = HEAD_DIM**-0.5
+
+    def run():
+        return prefix_prefill(q, k, v, k_cache, v_cache, bt, qsl, ctx_t, scale, max_query_len=new)
+
+    t = time_cuda(run)
+    # SDPA over the same keys laid out contiguously: prefix from the pool, then the new tokens
+    kn = k.view(b, new, HEADS, HEAD_DIM).transpose(1, 2)  # [B, H, new, D]
+    vn = v.view(b, new, HEADS, HEAD_DIM).transpose(1, 2)
+    kc = torch.cat([contiguous(k_cache, tables, ctx), kn], 2).contiguous()
+    vc = torch.cat([contiguous(v_cache, tables, ctx), vn], 2).contiguous()
+    qc = q.view(b, new, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    if ctx == 0:
+        sdpa = lambda: F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)  # noqa: E731
+    else:
+        qpos = torch.arange(ctx, PREFILL_TOKENS, device=device)
+        mask = torch.arange(PREFILL_TOKENS, device=device)[None, :] <= qpos[:, None]
+        sdpa = lambda: F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask)  # noqa: E731
+    t_sdpa = time_cuda(sdpa)
+    ref = sdpa().transpose(1, 2).reshape(b * new, HEADS, HEAD_DIM)
+    err = (run().float() - ref.float()).abs().max().item()
+    visible = sum(ctx + i + 1 for i in range(new))  # keys seen, summed over one sequence's queries
+    flops = 4 * HEAD_DIM * HEADS * visible * b
+    return {"cached": cached, "context": ctx, "new": new, "ms": t * 1e3,
+            "tflops": flops / t / 1e12, "sdpa_ms": t_sdpa * 1e3,
+            "sdpa_tflops": flops / t_sdpa / 1e12, "max_abs_err_vs_sdpa": err}  # fmt: skip
+
+
+def run_gpu() -> dict:
+    device = torch.device("cuda")
+    name, peak_bw, peak_flops = device_peaks(device)
+    report = {
+        "device": name,
+        "peak_gbps": peak_bw and peak_bw / 1e9,
+        "peak_tflops": peak_flops and peak_flops / 1e12,
+        "decode": [],
+        "prefill": [],
+    }
+    kv_bytes_per_token = LAYERS * 2 * DECODE_KV_HEADS * HEAD_DIM * 2
+    points = [(b, c) for b in DECODE_BATCHES for c in DECODE_CONTEXTS
+              if b * c * kv_bytes_per_token <= MAX_POOL_BYTES]  # fmt: skip
+    for dtype in (torch.float16, torch.bfloat16):
+        for b, c in tqdm(points, desc=f"decode {dtype}"):
+            r = bench_decode(b, c, dtype, device)
+            r["dtype"] = str(dtype).removeprefix("torch.")
+            r["pct_peak"] = peak_bw and 100 * r["gbps"] * 1e9 / peak_bw
+            report["decode"].append(r)
+            torch.cuda.empty_cache()
+        for f in tqdm(PREFILL_CACHED, desc=f"prefill {dtype}"):
+            r = bench_prefill(f, dtype, device)
+            r["dtype"] = str(dtype).removeprefix("torch.")
+            r["pct_peak"] = peak_flops and 100 * r["tflops"] * 1e12 / peak_flops
+            r["pct_sdpa"] = 100 * r["tflops"] / r["sdpa_tflops"]
+            report["prefill"].append(r)
+            torch.cuda.empty_cache()
+    return report
+
+
+def print_gpu(report: dict) -> None:
+    pct = lambda x: "unknown" if x is None else f"{x:5.1f}%"  # noqa: E731
+    print(f"\n{report['device']}: peak {report['peak_gbps']} GB/s, {report['peak_tflops']} TFLOP/s")
+    print("\ndecode (paged_decode vs SDPA on contiguous K/V)")
+    print(f"{'dtype':9}{'batch':>6}{'ctx':>7}{'ms':>9}{'GB/s':>9}{'of peak':>9}"
+          f"{'SDPA ms':>9}{'SDPA GB/s':>11}")  # fmt: skip
+    for r in report["decode"]:
+        print(f"{r['dtype']:9}{r['batch']:>6}{r['context']:>7}{r['ms']:>9.3f}{r['gbps']:>9.0f}"
+              f"{pct(r['pct_peak']):>9}{r['sdpa_ms']:>9.3f}{r['sdpa_gbps']:>11.0f}")  # fmt: skip
+    print(f"\nprefix prefill ({PREFILL_BATCH} x {PREFILL_TOKENS} tokens)")
+    print(f"{'dtype':9}{'cached':>7}{'ms':>9}{'TFLOP/s':>9}{'of peak':>9}{'SDPA TF/s':>11}"
+          f"{'of SDPA':>9}{'max err':>9}")  # fmt: skip
+    for r in report["prefill"]:
+        print(f"{r['dtype']:9}{r['cached']:>7.1f}{r['ms']:>9.3f}{r['tflops']:>9.1f}"
+              f"{pct(r['pct_peak']):>9}{r['sdpa_tflops']:>11.1f}{pct(r['pct_sdpa']):>9}"
+              f"{r['max_abs_err_vs_sdpa']:>9.4f}")  # fmt: skip
+    d = [r for r in report["decode"] if r["batch"] == 64 and r["context"] == 4096]
+    p = [r for r in report["prefill"] if r["cached"] == 0.0]
+    print("\ntargets: decode >= 70% of HBM at 64 x 4k:",
+          ", ".join(f"{r['dtype']} {pct(r['pct_peak'])}" for r in d),
+          "| prefill >= 60% of SDPA at 4k, no prefix:",
+          ", ".join(f"{r['dtype']} {pct(r['pct_sdpa'])}" for r in p))  # fmt: skip
+
+
+def run_cpu() -> dict:
+    """One tiny shape of each kernel in the interpreter, checked against SDPA."""
+    gen_dtype = torch.float32
+    lens, n_kv = [37, 5], 2
+    pool, k_cache, v_cache, tables, bt = paged_pool(lens, n_kv, gen_dtype, "cpu")
+    q = torch.randn(2, 8, HEAD_DIM)
+    out = paged_decode(q, k_cache, v_cache, bt, torch.tensor(lens, dtype=torch.int32), 0.1, 2)
+    errs = []
+    for b, n in enumerate(lens):
+        kc, vc = contiguous(k_cache, [tables[b]], n), contiguous(v_cache, [tables[b]], n)
+        ref = F.scaled_dot_product_attention(q[b : b + 1, :, None], kc, vc, scale=0.1,
+                                             enable_gqa=True)  # fmt: skip
+        errs.append((out[b] - ref[0, :, 0]).abs().max().item())
+    ctx, new = 16, 21
+    pool, k_cache, v_cache, tables, bt = paged_pool([ctx + new], n_kv, gen_dtype, "cpu")
+    qp, kp, vp = torch.randn(new, 8, HEAD_DIM), *torch.randn(2, new, n_kv, HEAD_DIM)
+    outp = prefix_prefill(qp, kp, vp, k_cache, v_cache, bt, torch.tensor([0, new]),
+                          torch.tensor([ctx]), 0.1)  # fmt: skip
+    kc = torch.cat([contiguous(k_cache, tables, ctx), kp.transpose(0, 1)[None]], 2)
+    vc = torch.cat([contiguous(v_cache, tables, ctx), vp.transpose(0, 1)[None]], 2)
+    mask = torch.arange(ctx + new)[None, :] <= torch.arange(ctx, ctx + new)[:, None]
+    ref = F.scaled_dot_product_attention(qp.transpose(0, 1)[None], kc, vc, attn_mask=mask,
+                                         scale=0.1, enable_gqa=True)  # fmt: skip
+    errs.append((outp - ref[0].transpose(0, 1)).abs().max().item())
+    ok = max(errs) < 1e-4
+    print(
+        f"CPU (Triton interpreter): decode and prefix prefill match SDPA: {ok} "
+        f"(max abs error {max(errs):.2e})"
+    )
+    print("GPU numbers (GB/s, TFLOP/s against the device peak) need a CUDA device.")
+    if not ok:
+        raise SystemExit("kernel output differs from SDPA")
+    return {"device": "cpu", "interpreter_check_ok": ok, "max_abs_err": max(errs)}
+
+
+def main() -> None:
+    report = run_gpu() if torch.cuda.is_available() else run_cpu()
+    if torch.cuda.is_available():
+        print_gpu(report)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(report, indent=2))
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
