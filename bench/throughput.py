@@ -49,17 +49,22 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, batch_size: in
     """Greedy batched ``generate`` with left padding; returns the output tokens produced."""
     produced = 0
     for start in range(0, len(prompts), batch_size):
-        batch = prompts[start:start + batch_size]
+        batch = prompts[start : start + batch_size]
         width = max(len(p) for p in batch)
         ids = torch.full((len(batch), width), HF_PAD_ID, dtype=torch.long)  # [B, width]
         mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, width]
         for i, p in enumerate(batch):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 pad_token_id=HF_PAD_ID)  # [B, width + new_tokens]
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=HF_PAD_ID,
+            )  # [B, width + new_tokens]
         produced += (out.shape[1] - width) * len(batch)
     return produced
 
@@ -84,8 +89,9 @@ def timed(fn, repeats: int, desc: str) -> tuple[float, int]:
     return statistics.median(times), tokens
 
 
-def run_hf(model_dir: Path, prompts: list[list[int]], new_tokens: int, batch_sizes: list[int],
-           repeats: int) -> dict[int, tuple[float, int]]:
+def run_hf(
+    model_dir: Path, prompts: list[list[int]], new_tokens: int, batch_sizes: list[int], repeats: int
+) -> dict[int, tuple[float, int]]:
     """``{batch size: (median seconds, output tokens)}`` of HF ``generate`` (model freed after)."""
     from transformers import LlamaForCausalLM
 
@@ -93,8 +99,9 @@ def run_hf(model_dir: Path, prompts: list[list[int]], new_tokens: int, batch_siz
     runs = {}
     for bs in batch_sizes:
         hf_generate(model, prompts[:2], 4, bs)  # warm-up
-        runs[bs] = timed(lambda bs=bs: hf_generate(model, prompts, new_tokens, bs), repeats,
-                         f"HF batch {bs}")
+        runs[bs] = timed(
+            lambda bs=bs: hf_generate(model, prompts, new_tokens, bs), repeats, f"HF batch {bs}"
+        )
     return runs
 
 
@@ -108,8 +115,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=1, help="timed runs per side (median)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--model", default=None, help="checkpoint dir (default: tiny preset)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="minimemserve token budget per step")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="minimemserve token budget per step",
+    )
     p.add_argument("--quick", action="store_true", help="8 prompts x 32 tokens, HF batch 8")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
@@ -124,34 +135,49 @@ def main(argv: list[str] | None = None) -> dict:
     hf_runs = run_hf(model_dir, prompts, args.output_tokens, batch_sizes, args.repeats)
     best_bs = max(hf_runs, key=lambda b: hf_runs[b][1] / hf_runs[b][0])
 
-    llm = LLM(model_dir, config="PD", max_num_seqs=max(64, args.prompts),
-              max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(
+        model_dir,
+        config="PD",
+        max_num_seqs=max(64, args.prompts),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     ours_generate(llm, prompts[:2], 4)  # warm-up
-    ours_time, ours_tokens = timed(lambda: ours_generate(llm, prompts, args.output_tokens),
-                                   args.repeats, "minimemserve")
+    ours_time, ours_tokens = timed(
+        lambda: ours_generate(llm, prompts, args.output_tokens), args.repeats, "minimemserve"
+    )
 
     rows = [(f"HF generate, batch {bs}", t, n, n / t) for bs, (t, n) in hf_runs.items()]
     rows.append(("minimemserve LLM(PD)", ours_time, ours_tokens, ours_tokens / ours_time))
     hf_best = hf_runs[best_bs][1] / hf_runs[best_bs][0]
     ratio = (ours_tokens / ours_time) / hf_best
-    print(f"{args.prompts} ShareGPT prompts (<= {args.prompt_tokens} tokens) x "
-          f"{args.output_tokens} output tokens, greedy, fp32, {args.threads} threads, "
-          f"median of {args.repeats}")
+    print(
+        f"{args.prompts} ShareGPT prompts (<= {args.prompt_tokens} tokens) x "
+        f"{args.output_tokens} output tokens, greedy, fp32, {args.threads} threads, "
+        f"median of {args.repeats}"
+    )
     print(f"{'engine':<26} | {'time s':>8} | {'out tokens':>10} | {'tokens/s':>9}")
     print("-" * 27 + "+" + "-" * 10 + "+" + "-" * 12 + "+" + "-" * 10)
     for name, t, n, tps in rows:
         print(f"{name:<26} | {t:8.2f} | {n:10d} | {tps:9.1f}")
     print(f"minimemserve / HF (best batch {best_bs}): {ratio:.2f}x")
     result = {
-        "model_dir": str(model_dir), "prompts": args.prompts,
-        "prompt_tokens": [len(x) for x in prompts], "output_tokens": args.output_tokens,
-        "threads": args.threads, "repeats": args.repeats,
-        "hf": {str(bs): {"time_s": t, "tokens": n, "tokens_per_s": n / t}
-               for bs, (t, n) in hf_runs.items()},
+        "model_dir": str(model_dir),
+        "prompts": args.prompts,
+        "prompt_tokens": [len(x) for x in prompts],
+        "output_tokens": args.output_tokens,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "hf": {
+            str(bs): {"time_s": t, "tokens": n, "tokens_per_s": n / t}
+            for bs, (t, n) in hf_runs.items()
+        },
         "hf_best_batch": best_bs,
-        "ours": {"time_s": ours_time, "tokens": ours_tokens,
-                 "tokens_per_s": ours_tokens / ours_time,
-                 "max_num_batched_tokens": args.max_num_batched_tokens},
+        "ours": {
+            "time_s": ours_time,
+            "tokens": ours_tokens,
+            "tokens_per_s": ours_tokens / ours_time,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+        },
         "ratio": ratio,
     }
     out = Path(args.out)

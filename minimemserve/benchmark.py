@@ -74,8 +74,13 @@ class OutputLike(Protocol):
 class EngineLike(Protocol):
     """The three engine calls the driver uses (``minimemserve.LLM.engine`` has them)."""
 
-    def add_request(self, prompt_token_ids: list[int], params: Any,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: Any,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
         """Queue a request; raise ``ValueError`` for a bad one."""
         ...
 
@@ -132,17 +137,36 @@ def in_process_target(spec: TargetSpec) -> BenchTarget:
     """An in-process ``LLM`` of config ``spec.config``.
 
     Covers every name ``LLM`` accepts: the colocated "PD" / "PD-CC" and the in-process
-    disaggregated forms ("1P1D", "1P1D-CC", ...). The pool check covers every instance.
+    disaggregated forms ("1P1D", "1P1D-CC", ...). The pool check audits every
+    instance and requires that no block is held outside the cache index once all finished.
     """
     from minimemserve import LLM
 
     o = spec.options
-    llm = LLM(spec.model_dir, config=spec.config, device=o.device, dtype=o.dtype,
-              block_size=o.block_size, num_blocks=o.num_blocks, max_num_seqs=o.max_num_seqs,
-              max_num_batched_tokens=o.max_num_batched_tokens, seed=o.seed)
+    llm = LLM(
+        spec.model_dir,
+        config=spec.config,
+        device=o.device,
+        dtype=o.dtype,
+        block_size=o.block_size,
+        num_blocks=o.num_blocks,
+        max_num_seqs=o.max_num_seqs,
+        max_num_batched_tokens=o.max_num_batched_tokens,
+        seed=o.seed,
+    )
 
     def check() -> bool:
-        return all(pool.check() is not False for pool in llm.pools)
+        for i, pool in enumerate(llm.pools):
+            if pool.check() is False:
+                return False
+            # every request has finished: no block may still be held outside the cache index
+            for tier, counts in pool.stats().items():
+                if isinstance(counts, Mapping) and counts.get("referenced", 0):
+                    raise RuntimeError(
+                        f"instance {i}: {counts['referenced']} {tier} blocks "
+                        "still referenced after every request finished"
+                    )
+        return True
 
     def stats() -> list[Any]:
         return [pool.stats() for pool in llm.pools]
@@ -150,8 +174,9 @@ def in_process_target(spec: TargetSpec) -> BenchTarget:
     return BenchTarget(engine=llm.engine, check=check, stats=stats)
 
 
-def resolve_factory(config: str,
-                    factories: Mapping[str, TargetFactory] | None = None) -> TargetFactory:
+def resolve_factory(
+    config: str, factories: Mapping[str, TargetFactory] | None = None
+) -> TargetFactory:
     """The factory of ``config``: from ``factories`` if listed there, else the in-process ``LLM``.
 
     A separate runtime (e.g. multi-process "1P1D" instances) plugs in by passing
@@ -220,8 +245,12 @@ def run_workload(
     arrivals = poisson_arrivals(rate, len(sessions), seed)
     records: list[dict] = []
     inflight: dict[str, tuple[int, int, float]] = {}  # request id -> (session, turn, arrival)
-    bar = tqdm(total=total_turns(sessions), disable=not progress, unit="req",
-               desc=f"{config or 'bench'} turns")
+    bar = tqdm(
+        total=total_turns(sessions),
+        disable=not progress,
+        unit="req",
+        desc=f"{config or 'bench'} turns",
+    )
     t0 = time.perf_counter()
 
     def submit(si: int, k: int, history: Sequence[int], arrival: float) -> None:
@@ -232,12 +261,24 @@ def run_workload(
         try:
             engine.add_request(prompt, params_for(turn), request_id=rid, arrival_time=arrival)
         except ValueError as exc:
-            records.append({
-                "config": config, "session": session.id, "turn": k, "arrival": arrival - t0,
-                "prompt_tokens": len(prompt), "output_tokens": 0, "cached_tokens": 0,
-                "ttft": None, "jct": None, "tpot": None, "transferred_bytes": 0,
-                "preemptions": 0, "finish_reason": "error", "error": f"rejected: {exc}",
-            })
+            records.append(
+                {
+                    "config": config,
+                    "session": session.id,
+                    "turn": k,
+                    "arrival": arrival - t0,
+                    "prompt_tokens": len(prompt),
+                    "output_tokens": 0,
+                    "cached_tokens": 0,
+                    "ttft": None,
+                    "jct": None,
+                    "tpot": None,
+                    "transferred_bytes": 0,
+                    "preemptions": 0,
+                    "finish_reason": "error",
+                    "error": f"rejected: {exc}",
+                }
+            )
             bar.update(len(session.turns) - k)
             return
         inflight[rid] = (si, k, arrival)
@@ -264,8 +305,10 @@ def run_workload(
                         history = [*out.prompt_token_ids, *out.token_ids]
                         submit(si, k + 1, history, time.perf_counter())
             elif inflight:
-                raise RuntimeError(f"the engine reports no unfinished requests but "
-                                   f"{len(inflight)} submitted turns never finished")
+                raise RuntimeError(
+                    f"the engine reports no unfinished requests but "
+                    f"{len(inflight)} submitted turns never finished"
+                )
             elif next_session < len(sessions):
                 wait = t0 + arrivals[next_session] - time.perf_counter()
                 time.sleep(min(max(wait, 0.0), MAX_IDLE_SLEEP_S))
@@ -342,20 +385,40 @@ def _ms(value: float | None) -> str:
 
 def format_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     """A plain-text table of the per-config summaries (times in milliseconds)."""
-    header = ("config", "TTFT mean", "TTFT P99", "TTFT mean t>1", "JCT mean", "JCT P99",
-              "TPOT mean", "cached", "bytes", "errors")
+    header = (
+        "config",
+        "TTFT mean",
+        "TTFT P99",
+        "TTFT mean t>1",
+        "JCT mean",
+        "JCT P99",
+        "TPOT mean",
+        "cached",
+        "bytes",
+        "errors",
+    )
     rows = [header]
     for name, s in summaries.items():
         ratio = s.get("cached_ratio")
-        rows.append((
-            name, _ms(s["ttft_mean"]), _ms(s["ttft_p99"]), _ms(s["ttft_mean_later"]),
-            _ms(s["jct_mean"]), _ms(s["jct_p99"]), _ms(s["tpot_mean"]),
-            "-" if ratio is None else f"{ratio:.1%}", f"{s['transferred_bytes']:,}",
-            str(s["errors"]),
-        ))
+        rows.append(
+            (
+                name,
+                _ms(s["ttft_mean"]),
+                _ms(s["ttft_p99"]),
+                _ms(s["ttft_mean_later"]),
+                _ms(s["jct_mean"]),
+                _ms(s["jct_p99"]),
+                _ms(s["tpot_mean"]),
+                "-" if ratio is None else f"{ratio:.1%}",
+                f"{s['transferred_bytes']:,}",
+                str(s["errors"]),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = [" | ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                        for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines = [
+        " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in rows
+    ]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     return "(times in ms)\n" + "\n".join(lines)
 
@@ -363,9 +426,12 @@ def format_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
 # --------------------------------------------------------------------------- plots
 
 
-def write_plots(records_by_config: Mapping[str, list[dict]],
-                summaries: Mapping[str, Mapping[str, Any]], prefix: Path,
-                title: str = "") -> list[Path]:
+def write_plots(
+    records_by_config: Mapping[str, list[dict]],
+    summaries: Mapping[str, Mapping[str, Any]],
+    prefix: Path,
+    title: str = "",
+) -> list[Path]:
     """Bars of mean/P99 TTFT and JCT per config, and CDFs of TTFT and JCT; returns the paths."""
     from matplotlib.figure import Figure
 
@@ -384,8 +450,13 @@ def write_plots(records_by_config: Mapping[str, list[dict]],
     cdfs = Figure(figsize=(10, 4), layout="tight")
     for ax, metric, title in zip(cdfs.subplots(1, 2), ("ttft", "jct"), ("TTFT", "JCT")):
         for n in names:
-            vals = np.sort([r[metric] for r in records_by_config[n]
-                            if r.get("error") is None and r.get(metric) is not None])
+            vals = np.sort(
+                [
+                    r[metric]
+                    for r in records_by_config[n]
+                    if r.get("error") is None and r.get(metric) is not None
+                ]
+            )
             if len(vals):
                 ax.step(vals, np.arange(1, len(vals) + 1) / len(vals), where="post", label=n)
         ax.set_xlabel(f"{title} (s)")
@@ -455,17 +526,33 @@ def run_bench(
     options = options or EngineOptions(seed=seed)
     context = min(max_context or math.inf, _model_context(model_dir))
     tokenizer = Tokenizer.from_dir(model_dir)
-    sessions = make_workload(workload, tokenizer, num_sessions, int(context), seed,
-                             max_turns=max_turns, max_output_tokens=max_output_tokens)
+    sessions = make_workload(
+        workload,
+        tokenizer,
+        num_sessions,
+        int(context),
+        seed,
+        max_turns=max_turns,
+        max_output_tokens=max_output_tokens,
+    )
     setup = {
-        "workload": workload, "sessions": len(sessions), "turns": total_turns(sessions),
-        "rate": rate, "seed": seed, "max_turns": max_turns, "max_context": int(context),
-        "max_output_tokens": max_output_tokens, "model_dir": str(model_dir),
-        "configs": list(configs), "options": asdict(options),
+        "workload": workload,
+        "sessions": len(sessions),
+        "turns": total_turns(sessions),
+        "rate": rate,
+        "seed": seed,
+        "max_turns": max_turns,
+        "max_context": int(context),
+        "max_output_tokens": max_output_tokens,
+        "model_dir": str(model_dir),
+        "configs": list(configs),
+        "options": asdict(options),
     }
     if verbose:
-        print(f"workload {workload}: {len(sessions)} sessions, {setup['turns']} turns, "
-              f"rate {rate}/s, context {int(context)}, model {model_dir}")
+        print(
+            f"workload {workload}: {len(sessions)} sessions, {setup['turns']} turns, "
+            f"rate {rate}/s, context {int(context)}, model {model_dir}"
+        )
 
     records: dict[str, list[dict]] = {}
     pool_stats: dict[str, Any] = {}
@@ -474,8 +561,9 @@ def run_bench(
         try:
             warm_up(target.engine, tokenizer)
             start = time.perf_counter()
-            records[config] = run_workload(target.engine, sessions, rate, seed,
-                                           progress=progress, config=config)
+            records[config] = run_workload(
+                target.engine, sessions, rate, seed, progress=progress, config=config
+            )
             wall = time.perf_counter() - start
             _check_balance(config, target)
             stats = target.stats() if target.stats else None
@@ -488,8 +576,14 @@ def run_bench(
 
     summaries = {c: summarize(records[c]) for c in configs}
     ratios = caching_ratios(summaries)
-    result: dict[str, Any] = {"setup": setup, "summaries": summaries, "ttft_later_ratio": ratios,
-                              "pool_stats": pool_stats, "records": records, "files": []}
+    result: dict[str, Any] = {
+        "setup": setup,
+        "summaries": summaries,
+        "ttft_later_ratio": ratios,
+        "pool_stats": pool_stats,
+        "records": records,
+        "files": [],
+    }
     if verbose:
         print(format_table(summaries))
         for pair, ratio in ratios.items():
@@ -499,8 +593,10 @@ def run_bench(
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         json_path = out / f"e2e_{workload}.json"
-        title = (f"{workload}: {len(sessions)} sessions, {setup['turns']} requests, "
-                 f"{rate} sessions/s, {model_dir.name}")
+        title = (
+            f"{workload}: {len(sessions)} sessions, {setup['turns']} requests, "
+            f"{rate} sessions/s, {model_dir.name}"
+        )
         pngs = write_plots(records, summaries, out / f"e2e_{workload}", title=title)
         result["files"] = [str(json_path), *map(str, pngs)]
         json_path.write_text(json.dumps(result, indent=1))
@@ -532,21 +628,40 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="minimemserve bench",
         description="Replay a multi-turn workload under several configurations and compare "
-                    "TTFT, JCT and TPOT (mean and P99).")
-    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help="comma-separated configurations (default: %(default)s)")
+        "TTFT, JCT and TPOT (mean and P99).",
+    )
+    p.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help="comma-separated configurations (default: %(default)s)",
+    )
     p.add_argument("--workload", choices=WORKLOADS, default=DEFAULT_WORKLOAD)
-    p.add_argument("--sessions", type=int, default=DEFAULT_SESSIONS,
-                   help="sessions (ShareGPT conversations, LooGLE documents, ReAct questions)")
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=DEFAULT_SESSIONS,
+        help="sessions (ShareGPT conversations, LooGLE documents, ReAct questions)",
+    )
     p.add_argument("--rate", type=float, default=DEFAULT_RATE, help="session arrivals per second")
-    p.add_argument("--max-turns", type=int, default=None,
-                   help="turns per ShareGPT session (default 4), questions per LooGLE "
-                        "document (8) or steps per ReAct question (7)")
-    p.add_argument("--max-output-tokens", type=int, default=None,
-                   help="cap on output tokens per turn (defaults: sharegpt 64, loogle 32, "
-                        "react 100)")
-    p.add_argument("--max-context", type=int, default=None,
-                   help="cap on prompt + output per request (default: the model's context)")
+    p.add_argument(
+        "--max-turns",
+        type=int,
+        default=None,
+        help="turns per ShareGPT session (default 4), questions per LooGLE "
+        "document (8) or steps per ReAct question (7)",
+    )
+    p.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=None,
+        help="cap on output tokens per turn (defaults: sharegpt 64, loogle 32, react 100)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="cap on prompt + output per request (default: the model's context)",
+    )
     p.add_argument("--model", default=None, help="HF Llama checkpoint dir (default: tiny preset)")
     p.add_argument("--out", default=DEFAULT_OUT_DIR, help="where JSON and plots go")
     p.add_argument("--seed", type=int, default=0)
@@ -563,11 +678,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     start = time.perf_counter()
     run_bench(
-        configs=configs, workload=args.workload, num_sessions=args.sessions, rate=args.rate,
-        max_turns=args.max_turns, max_output_tokens=args.max_output_tokens,
-        max_context=args.max_context, model_dir=args.model, out_dir=args.out, seed=args.seed,
-        options=EngineOptions(device=args.device, dtype=args.dtype, num_blocks=args.num_blocks,
-                              seed=args.seed),
+        configs=configs,
+        workload=args.workload,
+        num_sessions=args.sessions,
+        rate=args.rate,
+        max_turns=args.max_turns,
+        max_output_tokens=args.max_output_tokens,
+        max_context=args.max_context,
+        model_dir=args.model,
+        out_dir=args.out,
+        seed=args.seed,
+        options=EngineOptions(
+            device=args.device, dtype=args.dtype, num_blocks=args.num_blocks, seed=args.seed
+        ),
         progress=not args.no_progress,
     )
     print(f"benchmark took {time.perf_counter() - start:.1f} s")

@@ -53,9 +53,9 @@ REACT_OBSERVATION_TOKENS = (16, 64)
 SHAREGPT_MAX_TURNS = 4
 SHAREGPT_MAX_OUTPUT_TOKENS = 64
 # Syllables the synthetic text is made of; any tokenizer splits them into a few pieces.
-_SYLLABLES = (
-    "ka", "lo", "mi", "ren", "tas", "vo", "dun", "pe", "shi", "gar", "ul", "bre", "no", "fit",
-    "zel", "ar", "ion", "qua", "the", "sto", "mer", "lin", "dak", "ope", "ri", "sal", "tum",
+_SYLLABLES = tuple(
+    "ka lo mi ren tas vo dun pe shi gar ul bre no fit zel ar ion qua the sto mer lin dak ope "
+    "ri sal tum".split()
 )
 
 
@@ -107,8 +107,9 @@ class Session:
             raise ValueError(f"session {self.id} has no turns")
         for i, turn in enumerate(self.turns):
             if turn.turn_index != i or turn.session_id != self.id:
-                raise ValueError(f"session {self.id}: turn {i} is labelled "
-                                 f"{turn.session_id}/{turn.turn_index}")
+                raise ValueError(
+                    f"session {self.id}: turn {i} is labelled {turn.session_id}/{turn.turn_index}"
+                )
 
     def planned_lengths(self) -> list[tuple[int, int]]:
         """``(prompt_tokens, output_tokens)`` per turn when every turn outputs ``max_tokens``."""
@@ -139,8 +140,10 @@ def build_prompt(session: Session, turn_index: int, history: Sequence[int] = ())
     turn = session.turns[turn_index]
     if session.chain_outputs and turn_index > 0:
         if not history:
-            raise ValueError(f"turn {session.id}/{turn_index} of a chained session needs the "
-                             "previous prompt and output as history")
+            raise ValueError(
+                f"turn {session.id}/{turn_index} of a chained session needs the "
+                "previous prompt and output as history"
+            )
         return [*history, *turn.user_tokens]
     return [*session.prefix_tokens, *turn.user_tokens]
 
@@ -218,11 +221,16 @@ def sharegpt_sessions(
     ``conversations`` replaces the dataset (for tests); by default it is read with
     :func:`minimemserve.data.iter_sharegpt`.
     """
-    _check_positive(num_sessions=num_sessions, max_turns=max_turns, max_context=max_context,
-                    max_output_tokens=max_output_tokens)
+    _check_positive(
+        num_sessions=num_sessions,
+        max_turns=max_turns,
+        max_context=max_context,
+        max_output_tokens=max_output_tokens,
+    )
     if max_turns < 2:
-        raise ValueError(f"ShareGPT sessions are multi-turn: max_turns must be >= 2, "
-                         f"got {max_turns}")
+        raise ValueError(
+            f"ShareGPT sessions are multi-turn: max_turns must be >= 2, got {max_turns}"
+        )
     if conversations is None:
         from minimemserve.data import iter_sharegpt
 
@@ -247,8 +255,10 @@ def sharegpt_sessions(
             sessions.append(Session(sid, tuple(turns)))
             if len(sessions) == num_sessions:
                 return sessions
-    raise ValueError(f"only {len(sessions)} of {num_sessions} ShareGPT sessions with >= 2 turns "
-                     f"fit in {max_context} tokens among {len(pool)} multi-turn conversations")
+    raise ValueError(
+        f"only {len(sessions)} of {num_sessions} ShareGPT sessions with >= 2 turns "
+        f"fit in {max_context} tokens among {len(pool)} multi-turn conversations"
+    )
 
 
 # --------------------------------------------------------------------------- synthetic
@@ -302,8 +312,12 @@ def loogle_like(
     ``questions_per_doc`` independent single-turn questions over it (``chain_outputs`` is
     False), answered in 8-32 tokens (capped at ``max_output_tokens``).
     """
-    _check_positive(num_docs=num_docs, max_context=max_context,
-                    questions_per_doc=questions_per_doc, max_output_tokens=max_output_tokens)
+    _check_positive(
+        num_docs=num_docs,
+        max_context=max_context,
+        questions_per_doc=questions_per_doc,
+        max_output_tokens=max_output_tokens,
+    )
     rng = random.Random(seed)
     maker = _TextMaker(tokenizer, rng)
     bos = _bos(tokenizer)
@@ -318,8 +332,12 @@ def loogle_like(
         doc_len = max(1, min(doc_len, max_context - len(bos) - hi_q - hi_o))
         prefix = bos + maker.tokens(doc_len, label=f"Document {d}.")
         turns = tuple(
-            Turn(sid, q, maker.tokens(rng.randint(lo_q, hi_q), label=f"Question {q}:"),
-                 rng.randint(lo_o, hi_o))
+            Turn(
+                sid,
+                q,
+                maker.tokens(rng.randint(lo_q, hi_q), label=f"Question {q}:"),
+                rng.randint(lo_o, hi_o),
+            )
             for q in range(questions_per_doc)
         )
         sessions.append(Session(sid, turns, prefix_tokens=prefix, chain_outputs=False))
@@ -342,12 +360,17 @@ def react_like(
     ``max_output_tokens``), so the context grows. A question takes 2 to ``max_steps`` steps,
     fewer if the context runs out.
     """
-    _check_positive(num_questions=num_questions, max_context=max_context, max_steps=max_steps,
-                    max_output_tokens=max_output_tokens)
+    _check_positive(
+        num_questions=num_questions,
+        max_context=max_context,
+        max_steps=max_steps,
+        max_output_tokens=max_output_tokens,
+    )
     rng = random.Random(seed)
     maker = _TextMaker(tokenizer, rng)
-    prefix = _bos(tokenizer) + maker.tokens(int(max_context * REACT_PREFIX_FRACTION),
-                                            label="Examples of solving tasks step by step.")
+    prefix = _bos(tokenizer) + maker.tokens(
+        int(max_context * REACT_PREFIX_FRACTION), label="Examples of solving tasks step by step."
+    )
     lo_obs, hi_obs = REACT_OBSERVATION_TOKENS
     lo_out = min(REACT_MIN_OUTPUT_TOKENS, max_output_tokens)
     if len(prefix) + hi_obs + max_output_tokens > max_context:
@@ -388,15 +411,30 @@ def make_workload(
     steps per ReAct question; ``None`` takes the workload's default.
     """
     if name == "sharegpt":
-        return sharegpt_sessions(tokenizer, num_sessions, max_turns or SHAREGPT_MAX_TURNS,
-                                 max_context, max_output_tokens or SHAREGPT_MAX_OUTPUT_TOKENS,
-                                 seed)
+        return sharegpt_sessions(
+            tokenizer,
+            num_sessions,
+            max_turns or SHAREGPT_MAX_TURNS,
+            max_context,
+            max_output_tokens or SHAREGPT_MAX_OUTPUT_TOKENS,
+            seed,
+        )
     if name == "loogle":
-        return loogle_like(tokenizer, num_sessions, max_context, seed,
-                           questions_per_doc=max_turns or LOOGLE_QUESTIONS_PER_DOC,
-                           max_output_tokens=max_output_tokens or LOOGLE_OUTPUT_TOKENS[1])
+        return loogle_like(
+            tokenizer,
+            num_sessions,
+            max_context,
+            seed,
+            questions_per_doc=max_turns or LOOGLE_QUESTIONS_PER_DOC,
+            max_output_tokens=max_output_tokens or LOOGLE_OUTPUT_TOKENS[1],
+        )
     if name == "react":
-        return react_like(tokenizer, num_sessions, max_context, seed,
-                          max_steps=max_turns or REACT_MAX_STEPS,
-                          max_output_tokens=max_output_tokens or REACT_MAX_OUTPUT_TOKENS)
+        return react_like(
+            tokenizer,
+            num_sessions,
+            max_context,
+            seed,
+            max_steps=max_turns or REACT_MAX_STEPS,
+            max_output_tokens=max_output_tokens or REACT_MAX_OUTPUT_TOKENS,
+        )
     raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")

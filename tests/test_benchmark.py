@@ -62,13 +62,23 @@ class ScriptedEngine:
             if len(r.out) == r.max_tokens:
                 done.append(r)
         self.running = [r for r in self.running if r not in done]
-        return [SimpleNamespace(
-            request_id=r.rid, prompt_token_ids=r.prompt, token_ids=r.out, finish_reason="length",
-            error=None,
-            metrics=SimpleNamespace(ttft=r.first - r.arrival, latency=now - r.arrival,
-                                    tpot=(now - r.first) / max(1, len(r.out) - 1),
-                                    cached_tokens=len(r.prompt) // 2, transferred_bytes=0),
-        ) for r in done]
+        return [
+            SimpleNamespace(
+                request_id=r.rid,
+                prompt_token_ids=r.prompt,
+                token_ids=r.out,
+                finish_reason="length",
+                error=None,
+                metrics=SimpleNamespace(
+                    ttft=r.first - r.arrival,
+                    latency=now - r.arrival,
+                    tpot=(now - r.first) / max(1, len(r.out) - 1),
+                    cached_tokens=len(r.prompt) // 2,
+                    transferred_bytes=0,
+                ),
+            )
+            for r in done
+        ]
 
 
 def _params(turn: Turn):
@@ -83,8 +93,9 @@ def _sessions() -> list[Session]:
 
 def test_run_workload_chains_history_and_own_output():
     engine = ScriptedEngine()
-    records = run_workload(engine, _sessions(), rate=math.inf, seed=0, progress=False,
-                           config="X", params_for=_params)
+    records = run_workload(
+        engine, _sessions(), rate=math.inf, seed=0, progress=False, config="X", params_for=_params
+    )
     assert len(records) == 4 and not engine.has_unfinished()
     prompts = {rid: p for rid, p, _ in engine.added}
     assert prompts["a/0"] == [1, 5, 6]
@@ -108,8 +119,7 @@ def test_run_workload_respects_poisson_arrivals():
     sessions = [Session(f"s{i}", (Turn(f"s{i}", 0, (1, 2), 1),)) for i in range(4)]
     engine = ScriptedEngine()
     start = time.perf_counter()
-    records = run_workload(engine, sessions, rate=20.0, seed=1, progress=False,
-                           params_for=_params)
+    records = run_workload(engine, sessions, rate=20.0, seed=1, progress=False, params_for=_params)
     from minimemserve.workloads import poisson_arrivals
 
     offsets = poisson_arrivals(20.0, 4, 1)
@@ -121,8 +131,9 @@ def test_run_workload_respects_poisson_arrivals():
 
 def test_run_workload_rejected_turn_ends_its_session():
     engine = ScriptedEngine(reject_longer_than=5)
-    records = run_workload(engine, _sessions(), rate=math.inf, seed=0, progress=False,
-                           params_for=_params)
+    records = run_workload(
+        engine, _sessions(), rate=math.inf, seed=0, progress=False, params_for=_params
+    )
     by_key = {(r["session"], r["turn"]): r for r in records}
     assert by_key["a", 1]["error"].startswith("rejected: prompt too long")
     assert ("a", 2) not in by_key
@@ -130,16 +141,28 @@ def test_run_workload_rejected_turn_ends_its_session():
 
 
 def _rec(turn, ttft, jct, tpot, prompt=100, cached=0, error=None, nbytes=0):
-    return {"config": "X", "session": "s", "turn": turn, "prompt_tokens": prompt,
-            "output_tokens": 10, "cached_tokens": cached, "ttft": ttft, "jct": jct,
-            "tpot": tpot, "transferred_bytes": nbytes, "error": error}
+    return {
+        "config": "X",
+        "session": "s",
+        "turn": turn,
+        "prompt_tokens": prompt,
+        "output_tokens": 10,
+        "cached_tokens": cached,
+        "ttft": ttft,
+        "jct": jct,
+        "tpot": tpot,
+        "transferred_bytes": nbytes,
+        "error": error,
+    }
 
 
 def test_summarize_math():
-    records = [_rec(0, 1.0, 2.0, 0.1, prompt=100, cached=0, nbytes=5),
-               _rec(1, 0.2, 1.0, 0.1, prompt=200, cached=150, nbytes=7),
-               _rec(2, 0.4, 1.4, None, prompt=300, cached=250),
-               _rec(1, 9.0, 9.0, 9.0, prompt=999, cached=999, error="boom", nbytes=1000)]
+    records = [
+        _rec(0, 1.0, 2.0, 0.1, prompt=100, cached=0, nbytes=5),
+        _rec(1, 0.2, 1.0, 0.1, prompt=200, cached=150, nbytes=7),
+        _rec(2, 0.4, 1.4, None, prompt=300, cached=250),
+        _rec(1, 9.0, 9.0, 9.0, prompt=999, cached=999, error="boom", nbytes=1000),
+    ]
     s = summarize(records)
     assert s["requests"] == 4 and s["errors"] == 1
     assert s["ttft_mean"] == pytest.approx((1.0 + 0.2 + 0.4) / 3)
@@ -167,8 +190,10 @@ def test_caching_ratios_and_table():
 
 
 def test_write_plots(tmp_path):
-    recs = {"PD": [_rec(0, 1.0, 2.0, 0.1), _rec(1, 0.5, 1.5, 0.1)],
-            "PD-CC": [_rec(0, 1.0, 2.0, 0.1), _rec(1, 0.1, 1.0, 0.1)]}
+    recs = {
+        "PD": [_rec(0, 1.0, 2.0, 0.1), _rec(1, 0.5, 1.5, 0.1)],
+        "PD-CC": [_rec(0, 1.0, 2.0, 0.1), _rec(1, 0.1, 1.0, 0.1)],
+    }
     paths = write_plots(recs, {k: summarize(v) for k, v in recs.items()}, tmp_path / "e2e_x")
     assert [p.name for p in paths] == ["e2e_x_bars.png", "e2e_x_cdf.png"]
     for p in paths:
@@ -184,23 +209,41 @@ def test_run_bench_rejects_unknown_config_and_failed_balance(tiny_llama_dir, tmp
         return BenchTarget(engine=ScriptedEngine(), check=lambda: False)
 
     with pytest.raises(RuntimeError, match="balance"):
-        run_bench(configs=("FAKE",), factories={"FAKE": unbalanced}, num_sessions=1, rate=math.inf,
-                  max_turns=2, max_output_tokens=2, model_dir=tiny_llama_dir, out_dir=None,
-                  progress=False, verbose=False)
+        run_bench(
+            configs=("FAKE",),
+            factories={"FAKE": unbalanced},
+            num_sessions=1,
+            rate=math.inf,
+            max_turns=2,
+            max_output_tokens=2,
+            model_dir=tiny_llama_dir,
+            out_dir=None,
+            progress=False,
+            verbose=False,
+        )
 
 
 def test_run_bench_end_to_end(tiny_llama_dir, tmp_path, capsys):
-    pytest.importorskip("minimemserve.engine")
-    result = run_bench(configs=("PD", "PD-CC"), workload="sharegpt", num_sessions=2,
-                       rate=math.inf, max_turns=2, max_output_tokens=8,
-                       model_dir=tiny_llama_dir, out_dir=tmp_path, progress=False)
+    pytest.importorskip("minimemserve.engine", exc_type=ImportError)
+    result = run_bench(
+        configs=("PD", "PD-CC"),
+        workload="sharegpt",
+        num_sessions=2,
+        rate=math.inf,
+        max_turns=2,
+        max_output_tokens=8,
+        model_dir=tiny_llama_dir,
+        out_dir=tmp_path,
+        progress=False,
+    )
     printed = capsys.readouterr().out
     assert "PD/PD-CC" in printed and "pool balanced" in printed
     for config in ("PD", "PD-CC"):
         recs = result["records"][config]
         assert len(recs) == 4
         assert {(r["session"], r["turn"]) for r in recs} == {
-            (s, t) for s in ("sharegpt-0", "sharegpt-1") for t in (0, 1)}
+            (s, t) for s in ("sharegpt-0", "sharegpt-1") for t in (0, 1)
+        }
         assert all(r["error"] is None and r["output_tokens"] >= 1 for r in recs)
         assert all(r["ttft"] > 0 and r["jct"] >= r["ttft"] for r in recs)
     pd = {(r["session"], r["turn"]): r for r in result["records"]["PD"]}
@@ -210,8 +253,11 @@ def test_run_bench_end_to_end(tiny_llama_dir, tmp_path, capsys):
         assert cc[s, 1]["prompt_tokens"] == pd[s, 1]["prompt_tokens"]
         # turn 2 reuses at least the whole blocks of turn 1's prompt
         assert cc[s, 1]["cached_tokens"] >= (cc[s, 0]["prompt_tokens"] // 16) * 16 > 0
-    files = [tmp_path / "e2e_sharegpt.json", tmp_path / "e2e_sharegpt_bars.png",
-             tmp_path / "e2e_sharegpt_cdf.png"]
+    files = [
+        tmp_path / "e2e_sharegpt.json",
+        tmp_path / "e2e_sharegpt_bars.png",
+        tmp_path / "e2e_sharegpt_cdf.png",
+    ]
     assert all(f.exists() for f in files)
     saved = json.loads(files[0].read_text())
     assert saved["summaries"]["PD-CC"]["cached_ratio_later"] > 0

@@ -42,8 +42,14 @@ def _conversation(i: int, replies: list[tuple[str, str]]) -> dict:
 
 def _fake_conversations() -> list[dict]:
     convs = [
-        _conversation(i, [("hi " * (i % 5 + 1), "ok " * (i + 3)),
-                          ("more " * 3, "sure " * 10), ("bye " * 60, "x")])
+        _conversation(
+            i,
+            [
+                ("hi " * (i % 5 + 1), "ok " * (i + 3)),
+                ("more " * 3, "sure " * 10),
+                ("bye " * 60, "x"),
+            ],
+        )
         for i in range(30)
     ]
     convs.append(_conversation(99, [("only one human turn", "reply")]))
@@ -77,8 +83,12 @@ def test_build_prompt_chains_history_and_own_output():
 
 
 def test_unchained_prompt_is_prefix_plus_question():
-    s = Session("d", (Turn("d", 0, (5,), 2), Turn("d", 1, (6, 7), 2)), prefix_tokens=(1, 2, 3),
-                chain_outputs=False)
+    s = Session(
+        "d",
+        (Turn("d", 0, (5,), 2), Turn("d", 1, (6, 7), 2)),
+        prefix_tokens=(1, 2, 3),
+        chain_outputs=False,
+    )
     assert build_prompt(s, 1, [9, 9, 9]) == [1, 2, 3, 6, 7]
     assert s.planned_lengths() == [(4, 2), (5, 2)]
 
