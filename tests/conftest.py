@@ -15,11 +15,17 @@ model.safetensors, tokenizer.model), built once per test session and shared.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton picks interpreter or compiler when `import triton` runs: set it before any test
+    # module imports triton, so the kernels run on the CPU.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(2)  # the test machine has 2 cores
 

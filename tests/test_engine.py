@@ -167,3 +167,27 @@ def test_top_k_one_is_greedy(tiny_llama_dir):
         p, SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-6, seed=3, ignore_eos=True)
     )[0].token_ids
     assert a == b == c
+
+
+def test_triton_backend_generates_the_same_tokens(tiny_llama_dir):
+    """The Triton kernels (interpreted on the CPU) drive the whole engine like the torch path."""
+    pytest.importorskip("triton")
+    from triton_kernels import interpreter_ready
+
+    if not torch.cuda.is_available() and not interpreter_ready():
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 in this process")
+    prompts = prompts_of_lengths(512, [5, 19, 33], seed=21)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    outs = {}
+    for attention in ("torch", "triton"):
+        llm = LLM(
+            tiny_llama_dir,
+            config="PD-CC",
+            attention=attention,
+            num_blocks=32,
+            max_num_batched_tokens=24,
+        )
+        assert llm.engine.backend.name == attention
+        outs[attention] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert_pool_clean(llm.pool)
+    assert outs["triton"] == outs["torch"]
