@@ -696,6 +696,17 @@ def start_store(
     )
 
 
+def _buffer(staging: Staging | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    if staging is not None:
+        return staging.get(shape, like.dtype, like.device)
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def _check_contiguous(pieces: list[torch.Tensor]) -> None:
+    if any(not p.is_contiguous() for p in pieces):
+        raise ValueError("point-to-point pieces must be contiguous: pass a contiguous pool tensor")
+
+
 @dataclass
 class Pending:
     """Posted sends or receives; :meth:`wait` blocks until they land (and scatters staged data)."""
@@ -814,41 +825,37 @@ class GlooTransport:
         *,
         tag: int = 0,
         wait: bool = True,
+        staging: Staging | None = None,
     ) -> Pending:
         """Send ``src[src_ids]`` cut as ``mode`` says (``dst_ids`` is the receiver's business).
 
         ``by_request`` takes a per-layer pool ``[L, 2, num_blocks, ...]``, the other modes
-        an aggregated one.
+        an aggregated one. ``staging`` (packed, by_layer) reuses a gather buffer; do not
+        reuse it for another transfer before this one is waited for.
         """
         self._check(src)
         mode = TransferMode(mode)
         ids = _ids_list(src_ids)
+        n = len(ids)
         if mode is TransferMode.BY_LAYER:
-            pend = [
-                self.send_layer(src, layer, ids, tag=tag, wait=False)
-                for layer in range(src.shape[1])
-            ]
-            pieces_works = [w for p in pend for w in p.works]
-            result = Pending(pieces_works, None, self.timeout_s, f"send {mode.value}")
+            num_layers = src.shape[1]
+            buf = _buffer(staging, (num_layers, n, *src.shape[2:]), src)  # [L, n, 2, bs, h, d]
+            idx = as_index(ids, src.device)
+            for layer in range(num_layers):
+                torch.index_select(src[:, layer], 0, idx, out=buf[layer])
+            pieces = list(buf)
+        elif mode is TransferMode.PACKED:
+            buf = _buffer(staging, (n, *src.shape[1:]), src)  # [n, L, 2, bs, h, d]
+            torch.index_select(src, 0, as_index(ids, src.device), out=buf)
+            pieces = [buf]
+        elif mode is TransferMode.AGGREGATED:
+            pieces = [src[b] for b in ids]  # each [L, 2, bs, h, d], contiguous
         else:
-            if mode is TransferMode.PACKED:
-                packed = torch.index_select(src, 0, as_index(ids, src.device))  # [n, L, 2, ...]
-                pieces = [packed]
-            elif mode is TransferMode.AGGREGATED:
-                pieces = [src[b] for b in ids]  # each [L, 2, bs, h, d], contiguous
-            else:
-                pieces = [
-                    src[layer, kv, b]
-                    for b in ids
-                    for layer in range(src.shape[0])
-                    for kv in range(2)
-                ]  # [bs, h, d]
-            result = Pending(
-                self._post(pieces, True, tag),
-                None,
-                self.timeout_s,
-                f"send {mode.value} to rank {self.peer}",
-            )
+            layers = range(src.shape[0])
+            pieces = [src[layer, kv, b] for b in ids for layer in layers for kv in range(2)]
+        _check_contiguous(pieces)
+        what = f"send {mode.value} to rank {self.peer}"
+        result = Pending(self._post(pieces, True, tag), None, self.timeout_s, what)
         if wait:
             result.wait()
         return result
@@ -861,43 +868,44 @@ class GlooTransport:
         *,
         tag: int = 0,
         wait: bool = True,
+        staging: Staging | None = None,
     ) -> Pending:
-        """Receive into ``dst[dst_ids]`` what the peer sends with ``send_blocks`` in ``mode``."""
+        """Receive into ``dst[dst_ids]`` what the peer sends with ``send_blocks`` in ``mode``.
+
+        ``by_request_aggregated`` and ``by_request`` land in place; ``packed`` and
+        ``by_layer`` land in a buffer (``staging``, or a fresh one) scattered by ``wait``.
+        """
         self._check(dst)
         mode = TransferMode(mode)
         ids = _ids_list(dst_ids)
-        what = f"receive {mode.value} from rank {self.peer}"
+        n = len(ids)
+        finish = None
         if mode is TransferMode.BY_LAYER:
-            pend = [
-                self.recv_layer(dst, layer, ids, tag=tag, wait=False)
-                for layer in range(dst.shape[1])
-            ]
-            works = [w for p in pend for w in p.works]
-            finishes = [p.finish for p in pend if p.finish is not None]
-            result = Pending(works, lambda: [f() for f in finishes], self.timeout_s, what)
-        elif mode is TransferMode.PACKED:
-            # a fresh buffer: several packed receives may be in flight at once
-            packed = torch.empty((len(ids), *dst.shape[1:]), dtype=dst.dtype, device=dst.device)
+            num_layers = dst.shape[1]
+            buf = _buffer(staging, (num_layers, n, *dst.shape[2:]), dst)  # [L, n, 2, bs, h, d]
             idx = as_index(ids, dst.device)
-            result = Pending(
-                self._post([packed], False, tag),
-                lambda: dst.index_copy_(0, idx, packed),
-                self.timeout_s,
-                what,
-            )
+            pieces = list(buf)
+
+            def finish() -> None:
+                for layer in range(num_layers):
+                    dst[:, layer].index_copy_(0, idx, buf[layer])
+
+        elif mode is TransferMode.PACKED:
+            buf = _buffer(staging, (n, *dst.shape[1:]), dst)  # [n, L, 2, bs, h, d]
+            idx = as_index(ids, dst.device)
+            pieces = [buf]
+
+            def finish() -> None:
+                dst.index_copy_(0, idx, buf)
+
+        elif mode is TransferMode.AGGREGATED:
+            pieces = [dst[b] for b in ids]  # received in place, no staging
         else:
-            if mode is TransferMode.AGGREGATED:
-                pieces = [dst[b] for b in ids]  # received in place, no staging
-            else:
-                pieces = [
-                    dst[layer, kv, b]
-                    for b in ids
-                    for layer in range(dst.shape[0])
-                    for kv in range(2)
-                ]
-            if any(not p.is_contiguous() for p in pieces):
-                raise ValueError("receiving in place needs a contiguous pool tensor")
-            result = Pending(self._post(pieces, False, tag), None, self.timeout_s, what)
+            layers = range(dst.shape[0])
+            pieces = [dst[layer, kv, b] for b in ids for layer in layers for kv in range(2)]
+        _check_contiguous(pieces)
+        what = f"receive {mode.value} from rank {self.peer}"
+        result = Pending(self._post(pieces, False, tag), finish, self.timeout_s, what)
         if wait:
             result.wait()
         return result
@@ -915,12 +923,8 @@ class GlooTransport:
         """Send K and V of ``layer`` for blocks ``src_ids`` (aggregated pool) as one piece."""
         self._check(src)
         piece = torch.index_select(src[:, layer], 0, as_index(src_ids, src.device))  # [n, 2, ...]
-        result = Pending(
-            self._post([piece], True, tag),
-            None,
-            self.timeout_s,
-            f"send layer {layer} to rank {self.peer}",
-        )
+        what = f"send layer {layer} to rank {self.peer}"
+        result = Pending(self._post([piece], True, tag), None, self.timeout_s, what)
         if wait:
             result.wait()
         return result
