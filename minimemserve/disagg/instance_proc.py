@@ -59,6 +59,8 @@ ROLES = ("colocated", "prefill", "decode")
 FRONTEND = "frontend"
 # How long an idle instance blocks on its socket before checking its parent and heartbeat.
 IDLE_POLL_S = 0.02
+# How often the loop checks that the launching process still exists.
+PARENT_CHECK_S = 0.5
 # Default heartbeat period; the frontend declares an instance dead after many missed beats.
 DEFAULT_HEARTBEAT_S = 0.5
 
@@ -178,6 +180,7 @@ class InstanceServer:
         self.remotes: dict[str, RemotePeer] = {}
         self.decodes: list[str] = []
         self._last_beat = 0.0
+        self._last_parent_check = 0.0
         level = self._cache_level(spec.config)
         recipe = None
         pool_factory = None
@@ -401,7 +404,7 @@ class InstanceServer:
     def run(self) -> None:
         """Serve until told to stop, or until the launching process is gone."""
         while not self.stopping:
-            if self.spec.parent_pid and os.getppid() != self.spec.parent_pid:
+            if not self._parent_alive():
                 break  # orphaned: the frontend died without shutting us down
             self._heartbeat()
             busy = bool(self.inbox) or self.engine.has_unfinished()
@@ -411,6 +414,21 @@ class InstanceServer:
             self._admit()
             if self.engine.has_unfinished():
                 self._flush(self.engine.step())
+
+    def _parent_alive(self) -> bool:
+        now = time.monotonic()
+        if now - self._last_parent_check < PARENT_CHECK_S:
+            return True
+        self._last_parent_check = now
+        if not self.spec.parent_pid:
+            return True
+        try:
+            os.kill(self.spec.parent_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass  # exists, owned by someone else
+        return True
 
     def close(self) -> None:
         """Release sockets and unlink the shared pool segment."""
@@ -442,3 +460,6 @@ def instance_main(spec: InstanceSpec) -> None:
         with contextlib.suppress(Exception):
             server.close()
         sys.stdout.flush()
+        sys.stderr.flush()
+    # Everything this process owns is released above; skip the slow interpreter teardown.
+    os._exit(0)

@@ -1,0 +1,169 @@
+"""Across processes: the in-process tokens, balanced pools, a clean shutdown."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+
+from minimemserve import LLM, SamplingParams
+from minimemserve.config import EngineConfig
+from minimemserve.disagg.runtime import ProcessCluster
+
+CONFIGS = ["PD-CC", "1P1D", "1P1D-CC2", "1P1D-CC3"]
+BS = 16
+NUM_BLOCKS = 128
+MAX_TOKENS = 9
+RUN_TIMEOUT_S = 60.0
+
+
+def session_turns(seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in (37, 21, 30, 18)]
+
+
+def run_turns(engine, sessions: list[list[list[int]]]) -> list[list]:
+    """Multi-turn over the engine API: turn k+1 = history + own output + new tokens."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outs: list[list] = [[] for _ in sessions]
+    history: list[list[int]] = [[] for _ in sessions]
+    for k in range(len(sessions[0])):
+        prompts = [history[s] + sessions[s][k] for s in range(len(sessions))]
+        rids = [
+            engine.add_request(p, params, request_id=f"s{s}-t{k}") for s, p in enumerate(prompts)
+        ]
+        done = {}
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while engine.has_unfinished():
+            for out in engine.step():
+                done[out.request_id] = out
+            assert time.monotonic() < deadline, "requests did not finish in time"
+        for s, rid in enumerate(rids):
+            outs[s].append(done[rid])
+            history[s] = prompts[s] + done[rid].token_ids
+    return outs
+
+
+def tokens(outs) -> list[list[list[int]]]:
+    return [[o.token_ids for o in session] for session in outs]
+
+
+def shm_segments(pids) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") for p in pids if n.startswith(f"mms-{p}-")]
+
+
+@pytest.fixture(scope="module")
+def sessions():
+    return [session_turns(1), session_turns(2)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir, sessions):
+    llm = LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS)
+    return tokens(run_turns(llm.engine, sessions))
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_llama_dir, sessions):
+    """Each config across processes: outputs, pool reports, and what was left after close."""
+    res = {}
+    for config in CONFIGS:
+        cluster = ProcessCluster(
+            tiny_llama_dir,
+            config,
+            engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+            timeout_s=10,
+            start_method="forkserver",  # torch imported once for every cluster of the session
+        )
+        with cluster:
+            pids = [i.process.pid for i in cluster.instances.values()]
+            segments = shm_segments(pids)
+            outs = run_turns(cluster, sessions)
+            reports = cluster.check_pools(require_idle=True)
+        res[config] = {
+            "outs": outs,
+            "reports": reports,
+            "pids": pids,
+            "segments": segments,
+            "alive_after": [i.name for i in cluster.instances.values() if i.process.is_alive()],
+            "segments_after": shm_segments(pids),
+        }
+    return res
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_same_greedy_tokens_as_in_process(runs, reference, config):
+    assert tokens(runs[config]["outs"]) == reference
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_pools_balance_on_every_instance(runs, config):
+    reports = runs[config]["reports"]
+    assert len(reports) == 2
+    for name, rep in reports.items():
+        assert rep["ok"], name
+        assert rep["pool"]["hbm"]["referenced"] == 0, name
+
+
+def test_colocated_routing_keeps_sessions_on_their_cache(runs):
+    outs = runs["PD-CC"]["outs"]
+    for session in outs:
+        for k in range(1, len(session)):
+            prev = len(session[k - 1].prompt_token_ids)
+            assert session[k].metrics.cached_tokens >= prev // BS * BS > 0
+
+
+def test_disagg_moves_kv_between_processes(runs):
+    for config in ("1P1D", "1P1D-CC2", "1P1D-CC3"):
+        reports = runs[config]["reports"]
+        assert reports["P0"]["pool"]["counters"]["sent_bytes"] > 0, config
+        assert all(o.metrics.transferred_bytes > 0 for s in runs[config]["outs"] for o in s[:1])
+
+
+def test_cc3_prefill_hit_covers_previous_answer_across_processes(runs):
+    outs3, outs2 = runs["1P1D-CC3"]["outs"], runs["1P1D-CC2"]["outs"]
+    for s3, s2 in zip(outs3, outs2):
+        for k in range(1, len(s3)):
+            prev_total = len(s3[k - 1].prompt_token_ids) + len(s3[k - 1].token_ids)
+            # KV exists for everything but the last sampled token; whole blocks are cached
+            assert s3[k].metrics.cached_tokens == (prev_total - 1) // BS * BS
+            assert s3[k].metrics.cached_tokens >= s2[k].metrics.cached_tokens
+    assert any(
+        s3[k].metrics.cached_tokens > s2[k].metrics.cached_tokens
+        for s3, s2 in zip(outs3, outs2)
+        for k in range(1, len(s3))
+    )
+    # D sent decode-phase KV back to P
+    assert runs["1P1D-CC3"]["reports"]["D0"]["pool"]["counters"]["sent_bytes"] > 0
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_clean_shutdown_leaves_no_process_and_no_segment(runs, config):
+    run = runs[config]
+    if config != "PD-CC":  # colocated instances keep their pool private
+        assert len(run["segments"]) == 2
+    assert run["alive_after"] == []
+    assert run["segments_after"] == []
+    assert mp.active_children() == []
+    for pid in run["pids"]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_bad_request_raises_in_the_frontend(tiny_llama_dir):
+    """Also the default start method (spawn)."""
+    from minimemserve.errors import InvalidRequest
+
+    with ProcessCluster(
+        tiny_llama_dir, "PD", num_colocated=1, engine_config=EngineConfig(num_blocks=32)
+    ) as cluster:
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+            cluster.add_request([1, 2, 10**6], params)
+        with pytest.raises(InvalidRequest, match="empty prompt"):
+            cluster.add_request([], params)
+        assert cluster.validate("hello there", params)
+        assert not cluster.has_unfinished()
