@@ -182,6 +182,7 @@ class ProcessCluster:
         self.rerun_on_failure = rerun_on_failure
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.dead: dict[str, str] = {}  # instance name -> why it died
+        self.num_reruns = 0  # requests re-run after the instance holding them died
         self._inflight: dict[str, _Inflight] = {}
         self._done: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -355,6 +356,7 @@ class ProcessCluster:
                 target = self._route(f.prompt)
                 f.reruns += 1
                 self._submit(target, rid, f)
+                self.num_reruns += 1
                 logger.warning("request %s re-run on %s after: %s", rid, target, error)
                 return
         self._inflight.pop(rid, None)

@@ -1,0 +1,157 @@
+"""Faults across processes: a dead decode instance, unanswered calls, calls in both directions."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from minimemserve import LLM, SamplingParams
+from minimemserve.config import EngineConfig
+from minimemserve.disagg.control import Ack
+from minimemserve.disagg.remote import Probe, ProbeReply, RpcNode
+from minimemserve.disagg.runtime import ProcessCluster
+from minimemserve.errors import InstanceDied, TransferError
+
+NUM_BLOCKS = 128
+TIMEOUT_S = 3.0  # control-request timeout of the clusters under test
+WAIT_S = 20.0
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (20 + 7 * i,), generator=g).tolist() for i in range(n)]
+
+
+def cluster(model_dir, config: str) -> ProcessCluster:
+    return ProcessCluster(
+        model_dir,
+        config,
+        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        timeout_s=TIMEOUT_S,
+        start_method="forkserver",
+    )
+
+
+def wait_until_on_decode(c: ProcessCluster, rids: list[str]) -> str:
+    """Step until a request sits on a decode instance; returns that instance's name."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        assert c.step() == [], "a request finished before the fault was injected"
+        for rid in rids:
+            where = c.location(rid)
+            if where is not None and where.startswith("D"):
+                return where
+    raise AssertionError("no request reached a decode instance")
+
+
+def test_decode_death_ends_requests_with_error_and_frees_prefill_blocks(tiny_llama_dir):
+    with cluster(tiny_llama_dir, "1P1D") as c:
+        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        rids = [c.add_request(p, params) for p in prompts(3)]
+        wait_until_on_decode(c, rids)
+        rids += [c.add_request(p, params) for p in prompts(2, seed=1)]  # still on P when D dies
+        segment = c.instances["D0"].handle["name"]
+        t0 = time.monotonic()
+        os.kill(c.instances["D0"].process.pid, signal.SIGKILL)
+        outs = c.run_until_done(timeout_s=WAIT_S)
+        elapsed = time.monotonic() - t0
+
+        assert sorted(o.request_id for o in outs) == sorted(rids)
+        for o in outs:
+            assert o.finish_reason == "error", o
+            assert "D0" in o.error and "InstanceDied" in o.error, o.error
+        assert elapsed < 2 * TIMEOUT_S
+        assert list(c.dead) == ["D0"] and "-9" in c.dead["D0"]
+        assert not os.path.exists(f"/dev/shm/{segment}")  # the launcher unlinked it
+        reports = c.check_pools(require_idle=True)  # raises if P still holds a block
+        assert list(reports) == ["P0"]
+        assert reports["P0"]["pool"]["hbm"]["free"] == NUM_BLOCKS  # 1P1D caches nothing
+        with pytest.raises(InstanceDied, match="D0"):
+            c.add_request(prompts(1)[0], params)
+
+
+def test_one_decode_dies_and_its_requests_finish_on_the_other(tiny_llama_dir):
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    ps = prompts(6, seed=2)
+    ref = LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS).generate(ps, params)
+    with cluster(tiny_llama_dir, "1P2D") as c:
+        rids = [c.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(ps)]
+        victim = wait_until_on_decode(c, rids)
+        os.kill(c.instances[victim].process.pid, signal.SIGKILL)
+        outs = {o.request_id: o for o in c.run_until_done(timeout_s=WAIT_S)}
+
+        assert list(c.dead) == [victim]
+        assert c.num_reruns >= 1
+        for i, r in enumerate(ref):
+            assert outs[f"r{i}"].finish_reason == "length", outs[f"r{i}"].error
+            assert outs[f"r{i}"].token_ids == r.token_ids
+        reports = c.check_pools(require_idle=True)
+        assert victim not in reports and len(reports) == 2
+
+
+# ---- the RPC node on its own: no engine, no processes --------------------------------------
+
+
+def test_unanswered_call_times_out_and_dead_peer_fails_fast():
+    silent = RpcNode("silent", lambda s, m: None)  # never serves: nothing answers
+    node = RpcNode("caller", lambda s, m: None, timeout_s=0.3)
+    try:
+        node.connect("silent", silent.address)
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="silent did not answer Probe"):
+            node.call("silent", Probe([1, 2]))
+        assert 0.25 < time.monotonic() - t0 < 2.0
+        node.dead["silent"] = "killed in a test"
+        t0 = time.monotonic()
+        with pytest.raises(InstanceDied, match="killed in a test"):
+            node.call("silent", Probe([1, 2]))
+        assert time.monotonic() - t0 < 0.1
+    finally:
+        node.close()
+        silent.close()
+
+
+def test_calls_in_both_directions_at_once_do_not_deadlock():
+    """A waits on B while B waits on A: each keeps serving while it waits."""
+    seen: dict[str, list[str]] = {"A": [], "B": []}
+
+    def handler(me):
+        def handle(sender, msg):
+            seen[me].append(sender)
+            return ProbeReply(len(getattr(msg, "tokens", [])), 0)
+
+        return handle
+
+    a, b = RpcNode("A", handler("A"), timeout_s=5), RpcNode("B", handler("B"), timeout_s=5)
+    a.connect("B", b.address)
+    b.connect("A", a.address)
+    results: dict[str, object] = {}
+
+    def call(node, peer, n):
+        results[node.name] = node.call(peer, Probe(list(range(n))))
+
+    try:
+        threads = [
+            threading.Thread(target=call, args=(a, "B", 3)),
+            threading.Thread(target=call, args=(b, "A", 5)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert results["A"] == ProbeReply(3, 0) and results["B"] == ProbeReply(5, 0)
+        assert seen == {"A": ["B"], "B": ["A"]}
+        # a push is handled without a reply
+        a.push("B", Ack())
+        deadline = time.monotonic() + 2
+        while len(seen["B"]) < 2 and time.monotonic() < deadline:
+            b.serve(0.05)
+        assert seen["B"] == ["A", "A"]
+    finally:
+        a.close()
+        b.close()
