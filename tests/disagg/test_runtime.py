@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -167,3 +170,62 @@ def test_bad_request_raises_in_the_frontend(tiny_llama_dir):
             cluster.add_request([], params)
         assert cluster.validate("hello there", params)
         assert not cluster.has_unfinished()
+
+
+FRONTEND_SCRIPT = """
+import sys
+from minimemserve.config import EngineConfig
+from minimemserve.disagg.runtime import ProcessCluster
+
+if __name__ == "__main__":
+    cfg = EngineConfig(num_blocks=16)
+    with ProcessCluster(sys.argv[1], "1P1D", engine_config=cfg, start_method="forkserver") as c:
+        print(" ".join(str(i.process.pid) for i in c.instances.values()), flush=True)
+        while True:
+            c.step()
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)]
+)
+def test_ctrl_c_or_sigterm_on_the_frontend_shuts_everything_down(tiny_llama_dir, tmp_path, sig):
+    """Ctrl-C reaches the whole process group; the instances leave it to the frontend."""
+    script = tmp_path / "frontend.py"
+    script.write_text(FRONTEND_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tiny_llama_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal gives it
+    )
+    try:
+        line = proc.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 2, proc.stderr.read()
+        assert all(running(p) for p in pids)
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)  # what Ctrl-C in a terminal does
+        else:
+            proc.send_signal(sig)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "KeyboardInterrupt" in proc.stderr.read()
+    deadline = time.monotonic() + 10
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(running(p) for p in pids)
+    assert shm_segments(pids) == []
