@@ -44,8 +44,8 @@ from minimemserve.workloads import (
 # minutes on a 2-core CPU with the tiny preset model.
 DEFAULT_CONFIGS = ("PD", "PD-CC")
 DEFAULT_WORKLOAD = "sharegpt"
-DEFAULT_SESSIONS = 16
-DEFAULT_RATE = 1.0  # sessions per second
+DEFAULT_SESSIONS = 8
+DEFAULT_RATE = 0.5  # sessions per second
 DEFAULT_OUT_DIR = "bench/results"
 # Warm-up requests run before the measured workload (compilation, allocator, caches).
 WARMUP_REQUESTS = 2
@@ -647,14 +647,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-turns",
         type=int,
         default=None,
-        help="turns per ShareGPT session (default 4), questions per LooGLE "
+        help="turns per ShareGPT session (default 6), questions per LooGLE "
         "document (8) or steps per ReAct question (7)",
     )
     p.add_argument(
         "--max-output-tokens",
         type=int,
         default=None,
-        help="cap on output tokens per turn (defaults: sharegpt 64, loogle 32, react 100)",
+        help="cap on output tokens per turn (defaults: sharegpt 48, loogle 32, react 100)",
     )
     p.add_argument(
         "--max-context",

@@ -50,8 +50,8 @@ REACT_MIN_OUTPUT_TOKENS = 20
 REACT_OBSERVATION_TOKENS = (16, 64)
 # ShareGPT defaults: turns per session and the cap on a turn's output, sized for the tiny
 # model's 2k context on a CPU.
-SHAREGPT_MAX_TURNS = 4
-SHAREGPT_MAX_OUTPUT_TOKENS = 64
+SHAREGPT_MAX_TURNS = 6
+SHAREGPT_MAX_OUTPUT_TOKENS = 48
 # Syllables the synthetic text is made of; any tokenizer splits them into a few pieces.
 _SYLLABLES = tuple(
     "ka lo mi ren tas vo dun pe shi gar ul bre no fit zel ar ion qua the sto mer lin dak ope "
