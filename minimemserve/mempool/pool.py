@@ -320,12 +320,17 @@ class MemPool:
 
     def cached_prefix_len(self, tokens: Sequence[int]) -> int:
         """Tokens ``match(tokens)`` would return now, taking no references."""
-        toks = as_tokens(tokens)
+        in_hbm, in_dram, room = self._match_room(as_tokens(tokens))
+        return (in_hbm + min(in_dram, room)) * self.block_size
+
+    def _match_room(self, toks) -> tuple[int, int, int]:
+        """For a match of ``toks`` now: cached blocks in hbm (a prefix), cached blocks in
+        dram after them, and hbm blocks that can be made available with that prefix held."""
         match = self._tree.match_prefix(toks, touch=False)
         hbm_blocks = self._hbm_prefix(match.nodes, len(match.values))
         in_dram = len(match.values) - len(hbm_blocks)
-        if not in_dram:
-            return len(hbm_blocks) * self.block_size
+        if not hbm_blocks:
+            return 0, in_dram, self.num_available(HBM)
         hbm = self._tiers[HBM]
         # a match pins the hbm part of the path before it makes room for the dram part
         hbm.alloc.incref(hbm_blocks)
@@ -335,7 +340,7 @@ class MemPool:
         finally:
             hbm.alloc.decref(hbm_blocks)
             self._version += 1
-        return (len(hbm_blocks) + min(in_dram, room)) * self.block_size
+        return len(hbm_blocks), in_dram, room
 
     def delete(self, tokens: Sequence[int]) -> int:
         """Drop the cached entries of ``tokens`` that no other cached sequence shares.
@@ -578,7 +583,19 @@ class MemPool:
         """
         if not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
-        matched = [] if tokens is None else self.match(tokens)
+        if tokens is None:
+            return [], self.alloc_mem(num_blocks)
+        toks = as_tokens(tokens)
+        # onloaded or freshly allocated, every block missing from hbm costs one hbm block:
+        # fail before matching, so a refused transfer leaves the pool as it was
+        in_hbm, _, room = self._match_room(toks)
+        if num_blocks - in_hbm > room:
+            raise PoolExhausted(
+                f"instance {self.instance_id}: receiving {num_blocks} blocks needs "
+                f"{num_blocks - in_hbm} hbm blocks beyond the {in_hbm} cached there, "
+                f"but only {room} are free or evictable"
+            )
+        matched = self.match(toks)
         if len(matched) > num_blocks:
             self.free_mem(matched[num_blocks:])
             matched = matched[:num_blocks]

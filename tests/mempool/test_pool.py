@@ -1,0 +1,607 @@
+"""MemPool: allocation, the index, eviction and offload, swap, transfer, audits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minimemserve.blocks.layout import PER_LAYER, KVLayout
+from minimemserve.errors import ConfigError, PoolExhausted
+from minimemserve.mempool import MemPool, PoolAccountingError
+
+BS = 4
+LAYOUT = KVLayout(num_layers=2, block_size=BS, num_kv_heads=1, head_dim=2)
+BLOCK_BYTES = LAYOUT.block_bytes(4)  # fp32
+
+
+def seq(*blocks: int, tail: int = 0) -> list[int]:
+    """Tokens made of whole blocks, each block filled with its given token id."""
+    return [t for b in blocks for t in [b] * BS] + [99] * tail
+
+
+def write(pool: MemPool, blocks: list[int], values: list[float], tier: str = "hbm") -> None:
+    for b, v in zip(blocks, values, strict=True):
+        pool.kv(tier)[b] = v
+
+
+def read(pool: MemPool, blocks: list[int], tier: str = "hbm") -> list[float]:
+    kv = pool.kv(tier)
+    out = []
+    for b in blocks:
+        block = kv[b]
+        assert torch.equal(block, torch.full_like(block, block.flatten()[0].item()))
+        out.append(block.flatten()[0].item())
+    return out
+
+
+def prefill(pool: MemPool, tokens: list[int], values: list[float]) -> list[int]:
+    """What an engine does: match, allocate the rest, write the new KV."""
+    cached = pool.match(tokens)
+    rest = pool.alloc_mem(LAYOUT.num_blocks_for(len(tokens)) - len(cached))
+    write(pool, rest, values[len(cached) :])
+    return cached + rest
+
+
+def cache(pool: MemPool, tokens: list[int], values: list[float]) -> list[int]:
+    """Prefill, insert and finish a request: its whole blocks stay cached only."""
+    blocks = prefill(pool, tokens, values)
+    pool.insert(tokens, blocks)
+    pool.free_mem(blocks)
+    pool.check()
+    return blocks
+
+
+def state(pool: MemPool) -> tuple:
+    """Everything but the counters, for 'this call changed nothing' checks."""
+    s = pool.stats()
+    s.pop("counters")
+    tiers = {t: [pool.refcount(b, t) for b in range(pool.capacity(t))] for t in pool.tiers}
+    nodes = sorted((n.tier, tuple(n.values)) for n in pool.index.nodes())
+    return s, tiers, nodes
+
+
+# -- construction -------------------------------------------------------------------------
+
+
+def test_construction_and_tiers():
+    pool = MemPool(LAYOUT, 6, dram_blocks=3, dtype=torch.float16, instance_id="p0")
+    assert pool.kv().shape == LAYOUT.pool_shape(6) and pool.kv().dtype == torch.float16
+    assert pool.kv("dram").shape == LAYOUT.pool_shape(3)
+    assert pool.kv("dram").device.type == "cpu"
+    assert pool.tiers == ("hbm", "dram") and pool.capacity("dram") == 3
+    assert (pool.block_size, pool.instance_id, pool.layout) == (BS, "p0", LAYOUT)
+    assert not pool.kv().any()
+    solo = MemPool(LAYOUT, 2)
+    assert solo.tiers == ("hbm",)
+    with pytest.raises(ValueError, match="no 'dram' tier"):
+        solo.kv("dram")
+    with pytest.raises(ValueError, match="unknown tier"):
+        solo.alloc_mem(1, "ssd")
+    with pytest.raises(ConfigError):
+        MemPool(LAYOUT, 0)
+    with pytest.raises(ConfigError):
+        MemPool(LAYOUT, 2, dram_blocks=-1)
+    with pytest.raises(TypeError):
+        MemPool("layout", 2)
+
+
+def test_from_budget():
+    pool = MemPool.from_budget(LAYOUT, 5 * BLOCK_BYTES + 7, 2 * BLOCK_BYTES)
+    assert (pool.capacity(), pool.capacity("dram")) == (5, 2)
+    half = MemPool.from_budget(LAYOUT, 4 * BLOCK_BYTES, dtype=torch.float16)
+    assert half.capacity() == 8
+    with pytest.raises(ConfigError, match="holds no block"):
+        MemPool.from_budget(LAYOUT, BLOCK_BYTES - 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works with CUDA")
+def test_pinning_without_cuda_is_an_error():
+    with pytest.raises(ConfigError, match="pin_memory"):
+        MemPool(LAYOUT, 2, dram_blocks=2, pin_memory=True)
+
+
+# -- alloc and free -----------------------------------------------------------------------
+
+
+def test_alloc_and_free():
+    pool = MemPool(LAYOUT, 4)
+    a = pool.alloc_mem(3)
+    assert len(set(a)) == 3 and all(pool.refcount(b) == 1 for b in a)
+    assert pool.num_free() == 1 and pool.num_available() == 1
+    pool.check()
+    assert pool.stats()["hbm"] == {"total": 4, "free": 1, "referenced": 3, "cached_only": 0}
+    pool.free_mem(a[:2])
+    assert pool.num_free() == 3
+    with pytest.raises(ValueError, match="double free"):
+        pool.free_mem([a[2], a[2]])
+    with pytest.raises(ValueError, match="out of range"):
+        pool.free_mem([7])
+    pool.check()
+
+
+def test_free_of_the_index_reference_is_refused():
+    pool = MemPool(LAYOUT, 4)
+    blocks = cache(pool, seq(1, 2), [1, 2])
+    before = state(pool)
+    with pytest.raises(ValueError, match="index's own reference"):
+        pool.free_mem(blocks[:1])
+    held = pool.match(seq(1))
+    with pytest.raises(ValueError, match="index's own reference"):
+        pool.free_mem(held * 2)
+    pool.free_mem(held)
+    assert state(pool) == before
+
+
+def test_failed_alloc_names_counts_and_changes_nothing():
+    pool = MemPool(LAYOUT, 6, dram_blocks=2)
+    cache(pool, seq(1, 2), [1, 2])
+    held = pool.alloc_mem(3)
+    before = state(pool)
+    with pytest.raises(PoolExhausted, match=r"asked for 4 hbm blocks but only 1 are free and 2"):
+        pool.alloc_mem(4)
+    assert state(pool) == before
+    assert pool.stats()["counters"]["evicted_blocks"] == 0
+    assert pool.stats()["counters"]["offloaded_blocks"] == 0
+    pool.free_mem(held)
+    pool.check()
+
+
+# -- insert, match, delete ----------------------------------------------------------------
+
+
+def test_insert_takes_its_own_references_and_never_the_callers():
+    pool = MemPool(LAYOUT, 8)
+    blocks = prefill(pool, seq(1, 2, tail=2), [1, 2, 3])
+    assert pool.insert(seq(1, 2, tail=2), blocks) == 2  # the partial block is not indexed
+    assert [pool.refcount(b) for b in blocks] == [2, 2, 1]
+    assert [pool.is_cached(b) for b in blocks] == [True, True, False]
+    assert pool.stats()["hbm"]["referenced"] == 3
+    pool.free_mem(blocks)
+    assert pool.stats()["hbm"] == {"total": 8, "free": 6, "referenced": 0, "cached_only": 2}
+    pool.check()
+
+
+def test_insert_of_a_cached_prefix_keeps_the_index_blocks():
+    pool = MemPool(LAYOUT, 8)
+    first = cache(pool, seq(1, 2), [1, 2])
+    dup = pool.alloc_mem(3)  # recomputed the same prefix without matching
+    write(pool, dup, [5, 6, 7])
+    assert pool.insert(seq(1, 2, 3), dup) == 1
+    assert pool.cached_prefix_len(seq(1, 2, 3)) == 3 * BS
+    pool.free_mem(dup)  # the two duplicates go back to the free list
+    assert pool.stats()["hbm"]["free"] == 8 - 3
+    got = pool.match(seq(1, 2, 3))
+    assert got == first[:2] + dup[2:]
+    assert read(pool, got) == [1, 2, 7]
+    pool.free_mem(got)
+    pool.check()
+
+
+def test_insert_rejects_bad_blocks():
+    pool = MemPool(LAYOUT, 8)
+    cache(pool, seq(1), [1])
+    (cached,) = pool.match(seq(1))
+    pool.free_mem([cached])
+    own = pool.alloc_mem(2)
+    with pytest.raises(ValueError, match="not held by the caller"):
+        pool.insert(seq(1), [cached])  # the index's reference is not the caller's
+    with pytest.raises(ValueError, match="fill 2 blocks"):
+        pool.insert(seq(1, 2), own[:1])
+    with pytest.raises(ValueError, match="twice"):
+        pool.insert(seq(5, 6), [own[0], own[0]])
+    held = pool.match(seq(1))
+    with pytest.raises(ValueError, match="already cached"):
+        pool.insert(seq(7), held)  # a cached block under another prefix
+    assert pool.insert([1, 2], own) == 0  # less than a block: nothing to index
+    pool.free_mem(held + own)
+    pool.check()
+
+
+def test_match_holds_references_and_counts_hits():
+    pool = MemPool(LAYOUT, 8)
+    blocks = cache(pool, seq(1, 2, 3), [1, 2, 3])
+    got = pool.match(seq(1, 2, 9, tail=1))
+    assert got == blocks[:2]
+    assert [pool.refcount(b) for b in got] == [2, 2]
+    assert pool.cached_prefix_len(seq(1, 2, 9)) == 2 * BS
+    assert pool.cached_prefix_len([1]) == 0 and pool.match([1]) == []
+    c = pool.stats()["counters"]
+    assert (c["hit_tokens"], c["query_tokens"]) == (2 * BS, 3 * BS + 3 * BS)  # cache() matched too
+    pool.free_mem(got)
+    pool.check()
+
+
+def test_delete_drops_the_unshared_suffix_and_extensions():
+    pool = MemPool(LAYOUT, 12)
+    a = cache(pool, seq(1, 2, 3, 4), [1, 2, 3, 4])
+    cache(pool, seq(1, 2, 5), [1, 2, 5])
+    held = pool.match(seq(1, 2, 3, 4))
+    assert pool.delete(seq(1, 2, 3, 4)) == 2  # blocks 3, 4: below the branch at block 2
+    assert pool.cached_prefix_len(seq(1, 2, 3, 4)) == 2 * BS
+    assert pool.cached_prefix_len(seq(1, 2, 5)) == 3 * BS
+    assert [pool.refcount(b) for b in held] == [2, 2, 1, 1]  # caller still holds 3, 4
+    pool.free_mem(held)
+    assert pool.refcount(a[3]) == 0
+    pool.check()
+    assert pool.delete(seq(1, 2, 7)) == 0  # diverges: the cached part is shared
+    assert pool.delete(seq(8)) == 0
+    assert pool.delete(seq(1)) == 3  # the whole tree extends [1]
+    assert pool.index.num_blocks == 0
+    assert pool.stats()["hbm"]["free"] == 12
+    assert pool.stats()["counters"]["deleted_blocks"] == 5
+    pool.check()
+
+
+def test_delete_takes_shorter_sequences_inside_the_unshared_suffix():
+    pool = MemPool(LAYOUT, 8)
+    cache(pool, seq(1, 2), [1, 2])
+    cache(pool, seq(1, 2, 3, 4), [1, 2, 3, 4])
+    cache(pool, seq(5), [5])
+    assert pool.delete(seq(1, 2, 3, 4)) == 4  # [1, 2] ends inside it: no sequence ends recorded
+    assert pool.cached_prefix_len(seq(1, 2)) == 0
+    assert pool.cached_prefix_len(seq(5)) == BS
+    pool.check()
+
+
+def test_leaf_not_fully_cached_is_deleted_when_query_ends_past_it():
+    pool = MemPool(LAYOUT, 8)
+    cache(pool, seq(1, 2), [1, 2])
+    cache(pool, seq(3), [3])
+    # the cached path [1, 2] is a leaf that nothing else shares
+    assert pool.delete(seq(1, 2, 9)) == 2
+    assert pool.cached_prefix_len(seq(3)) == BS
+    pool.check()
+
+
+# -- eviction -----------------------------------------------------------------------------
+
+
+def test_eviction_takes_least_recently_used_leaves_first():
+    pool = MemPool(LAYOUT, 6)
+    cache(pool, seq(1, 2), [1, 2])
+    cache(pool, seq(3, 4), [3, 4])
+    cache(pool, seq(5, 6), [5, 6])
+    pool.free_mem(pool.match(seq(1, 2)))  # [1, 2] is now the most recent
+    got = pool.alloc_mem(2)
+    assert pool.cached_prefix_len(seq(3, 4)) == 0
+    assert pool.cached_prefix_len(seq(1, 2)) == 2 * BS
+    assert pool.cached_prefix_len(seq(5, 6)) == 2 * BS
+    assert pool.stats()["counters"]["evicted_blocks"] == 2
+    pool.free_mem(got)
+    pool.check()
+
+
+def test_eviction_trims_tails_and_keeps_shared_prefixes_last():
+    pool = MemPool(LAYOUT, 6)
+    cache(pool, seq(1, 2, 3), [1, 2, 3])
+    cache(pool, seq(1, 2, 4), [1, 2, 4])
+    cache(pool, seq(7), [7])  # newest
+    got = pool.alloc_mem(3)  # 1 free + the two leaves' tails (3 and 4)
+    assert pool.cached_prefix_len(seq(1, 2, 3)) == 2 * BS
+    assert pool.cached_prefix_len(seq(7)) == BS
+    got += pool.alloc_mem(1)  # then the LRU leaf's tail: block 2 of the shared path
+    assert pool.cached_prefix_len(seq(1, 2)) == BS
+    assert pool.cached_prefix_len(seq(7)) == BS
+    pool.free_mem(got)
+    pool.check()
+
+
+def test_referenced_blocks_are_never_evicted():
+    pool = MemPool(LAYOUT, 4)
+    cache(pool, seq(1, 2, 3), [1, 2, 3])
+    held = pool.match(seq(1))  # pins block 1: its children can go, it cannot
+    assert pool.num_available() == 1 + 2
+    got = pool.alloc_mem(3)
+    assert pool.cached_prefix_len(seq(1, 2, 3)) == BS
+    with pytest.raises(PoolExhausted):
+        pool.alloc_mem(1)
+    assert read(pool, held) == [1]
+    pool.free_mem(got + held)
+    pool.check()
+
+
+def test_middle_reference_blocks_eviction_of_the_prefix_above_it():
+    pool = MemPool(LAYOUT, 4)
+    blocks = prefill(pool, seq(1, 2, 3), [1, 2, 3])
+    pool.insert(seq(1, 2, 3), blocks)
+    pool.free_mem([blocks[0], blocks[2]])  # still holds block 2 (the middle one)
+    assert pool.num_available() == 1 + 1  # only the tail block 3 can go
+    got = pool.alloc_mem(2)
+    assert pool.cached_prefix_len(seq(1, 2, 3)) == 2 * BS
+    pool.free_mem(got + [blocks[1]])
+    pool.check()
+
+
+# -- dram tier: offload, onload -----------------------------------------------------------
+
+
+def test_offload_to_dram_and_onload_on_match_keep_the_data():
+    pool = MemPool(LAYOUT, 4, dram_blocks=4)
+    cache(pool, seq(1, 2, 3), [1.5, 2.5, 3.5])
+    got = pool.alloc_mem(4)  # all three cached blocks move to dram
+    c = pool.stats()["counters"]
+    assert c["offloaded_blocks"] == 3 and c["evicted_blocks"] == 0
+    assert pool.stats()["dram"]["cached_only"] == 3
+    assert pool.cached_prefix_len(seq(1, 2, 3)) == 0  # hbm is full of held blocks
+    pool.check()
+    pool.free_mem(got[:2])
+    assert pool.cached_prefix_len(seq(1, 2, 3)) == 2 * BS
+    part = pool.match(seq(1, 2, 3))  # onloads what fits, stops at the first that does not
+    assert read(pool, part) == [1.5, 2.5]
+    assert pool.stats()["counters"]["onloaded_blocks"] == 2
+    pool.check()
+    pool.free_mem(got[2:])
+    rest = pool.match(seq(1, 2, 3))
+    assert rest[:2] == part and read(pool, rest) == [1.5, 2.5, 3.5]
+    assert pool.stats()["dram"]["free"] == 4
+    pool.free_mem(part + rest)
+    pool.check()
+
+
+def test_offload_evicts_dram_lru_when_dram_is_full():
+    pool = MemPool(LAYOUT, 2, dram_blocks=2)
+    cache(pool, seq(1, 2), [1, 2])
+    pool.free_mem(pool.alloc_mem(2))  # [1, 2] to dram
+    cache(pool, seq(3, 4), [3, 4])
+    held = pool.alloc_mem(2)  # [3, 4] to dram, [1, 2] dropped from dram
+    c = pool.stats()["counters"]
+    assert (c["offloaded_blocks"], c["evicted_blocks"]) == (4, 2)
+    assert pool.cached_prefix_len(seq(1, 2)) == 0
+    pool.free_mem(held)
+    got = pool.match(seq(3, 4))
+    assert read(pool, got) == [3, 4]
+    pool.free_mem(got)
+    pool.check()
+
+
+def test_onload_may_offload_other_cached_blocks():
+    pool = MemPool(LAYOUT, 2, dram_blocks=4)
+    cache(pool, seq(1, 2), [1, 2])
+    pool.free_mem(pool.alloc_mem(2))  # [1, 2] in dram
+    cache(pool, seq(3, 4), [3, 4])  # hbm full of cached [3, 4]
+    got = pool.match(seq(1, 2))  # [3, 4] goes to dram to make room
+    assert read(pool, got) == [1, 2]
+    pool.free_mem(got)
+    pool.check()
+    got = pool.match(seq(3, 4))
+    assert read(pool, got) == [3, 4]
+    pool.free_mem(got)
+    pool.check()
+
+
+def test_insert_over_a_dram_prefix_takes_the_callers_hbm_blocks():
+    pool = MemPool(LAYOUT, 3, dram_blocks=4)
+    cache(pool, seq(1, 2), [1, 2])
+    held = pool.alloc_mem(3)  # [1, 2] offloaded
+    pool.free_mem(held)
+    fresh = pool.alloc_mem(3)  # recomputed without matching
+    write(pool, fresh, [10, 20, 30])
+    assert pool.insert(seq(1, 2, 3), fresh) == 3
+    assert pool.stats()["dram"]["free"] == 4
+    pool.free_mem(fresh)
+    got = pool.match(seq(1, 2, 3))
+    assert got == fresh and read(pool, got) == [10, 20, 30]
+    pool.free_mem(got)
+    pool.check()
+
+
+def test_partial_dram_prefix_upgrade_splits_the_node():
+    pool = MemPool(LAYOUT, 3, dram_blocks=4)
+    cache(pool, seq(1, 2, 3), [1, 2, 3])
+    pool.free_mem(pool.alloc_mem(3))  # all three in dram, one node
+    fresh = pool.alloc_mem(1)
+    write(pool, fresh, [10])
+    assert pool.insert(seq(1), fresh) == 1
+    pool.check()
+    pool.free_mem(fresh)
+    got = pool.match(seq(1, 2, 3))
+    assert read(pool, got) == [10, 2, 3]
+    pool.free_mem(got)
+    pool.check()
+
+
+# -- swap ---------------------------------------------------------------------------------
+
+
+def test_swap_round_trip_is_bit_exact():
+    pool = MemPool(LAYOUT, 4, dram_blocks=4)
+    blocks = pool.alloc_mem(3)
+    data = torch.randn(3, *LAYOUT.pool_shape(1)[1:])
+    pool.kv()[blocks] = data
+    down = pool.swap(blocks, "hbm", "dram")
+    assert pool.num_free() == 4 and all(pool.refcount(b, "dram") == 1 for b in down)
+    assert torch.equal(pool.kv("dram")[down], data)
+    up = pool.swap(down, "dram", "hbm")
+    assert torch.equal(pool.kv()[up], data)
+    assert pool.stats()["counters"]["swapped_blocks"] == 6
+    pool.check()
+    pool.free_mem(up)
+
+
+def test_swap_rejects_shared_or_cached_blocks():
+    pool = MemPool(LAYOUT, 4, dram_blocks=1)
+    blocks = cache(pool, seq(1), [1])
+    held = pool.match(seq(1))
+    with pytest.raises(ValueError, match="holds alone"):
+        pool.swap(held, "hbm", "dram")
+    own = pool.alloc_mem(2)
+    pool.free_mem(held)
+    with pytest.raises(ValueError, match="cached"):
+        pool.swap(blocks, "hbm", "dram")
+    with pytest.raises(ValueError, match="different tiers"):
+        pool.swap(own, "hbm", "hbm")
+    before = state(pool)
+    with pytest.raises(PoolExhausted):
+        pool.swap(own, "hbm", "dram")
+    assert state(pool) == before
+    pool.free_mem(own)
+    pool.check()
+
+
+# -- transfer -----------------------------------------------------------------------------
+
+
+def test_transfer_moves_data_and_hands_references_on_dst():
+    src, dst = MemPool(LAYOUT, 4, instance_id="p"), MemPool(LAYOUT, 4, instance_id="d")
+    blocks = src.alloc_mem(3)
+    data = torch.randn(3, *LAYOUT.pool_shape(1)[1:])
+    src.kv()[blocks] = data
+    got = src.transfer(dst, blocks)
+    assert torch.equal(dst.kv()[got], data)
+    assert all(dst.refcount(b) == 1 for b in got)
+    assert src.stats()["counters"]["sent_bytes"] == 3 * BLOCK_BYTES
+    assert dst.stats()["counters"]["recv_bytes"] == 3 * BLOCK_BYTES
+    assert src.stats()["counters"]["transfers_sent"] == 1
+    assert dst.stats()["counters"]["transfers_recv"] == 1
+    assert dst.index.num_blocks == 0
+    src.check()
+    dst.check()
+
+
+def test_transfer_with_insert_sends_only_the_missing_blocks():
+    src, dst = MemPool(LAYOUT, 8), MemPool(LAYOUT, 8)
+    cache(dst, seq(1, 2), [1, 2])
+    toks = seq(1, 2, 3, 4, tail=1)
+    blocks = prefill(src, toks, [1, 2, 3, 4, 5])
+    got = src.transfer_with_insert(dst, toks, blocks)
+    assert len(got) == 5
+    assert read(dst, got) == [1, 2, 3, 4, 5]
+    assert src.stats()["counters"]["sent_blocks"] == 3
+    assert src.stats()["counters"]["sent_bytes"] == 3 * BLOCK_BYTES
+    assert dst.stats()["counters"]["recv_bytes"] == 3 * BLOCK_BYTES
+    assert dst.cached_prefix_len(toks) == 4 * BS
+    assert [dst.refcount(b) for b in got] == [2, 2, 2, 2, 1]
+    dst.free_mem(got)
+    assert dst.stats()["hbm"] == {"total": 8, "free": 4, "referenced": 0, "cached_only": 4}
+    src.free_mem(blocks)
+    src.check()
+    dst.check()
+
+
+def test_transfer_with_insert_onloads_on_dst():
+    src, dst = MemPool(LAYOUT, 8), MemPool(LAYOUT, 2, dram_blocks=2)
+    cache(dst, seq(1, 2), [1, 2])
+    dst.free_mem(dst.alloc_mem(2))  # dst's [1, 2] now in dram
+    blocks = prefill(src, seq(1, 2), [1, 2])
+    got = src.transfer_with_insert(dst, seq(1, 2), blocks)
+    assert read(dst, got) == [1, 2]
+    assert src.stats()["counters"]["sent_blocks"] == 0
+    assert dst.stats()["counters"]["onloaded_blocks"] == 2
+    dst.free_mem(got)
+    dst.check()
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def test_failed_transfer_releases_everything_on_dst(monkeypatch):
+    src, dst = MemPool(LAYOUT, 8), MemPool(LAYOUT, 8)
+    cache(dst, seq(1), [1])
+    toks = seq(1, 2, 3)
+    blocks = prefill(src, toks, [1, 2, 3])
+    before = state(dst)
+
+    def fail(*args, **kwargs):
+        raise Boom("link down")
+
+    monkeypatch.setattr(dst, "recv_write", fail)
+    with pytest.raises(Boom):
+        src.transfer_with_insert(dst, toks, blocks)
+    assert state(dst) == before
+    with pytest.raises(Boom):
+        src.transfer(dst, blocks)
+    assert state(dst) == before
+    assert dst.stats()["counters"]["transfers_aborted"] == 2
+    dst.check()
+    src.check()
+
+
+def test_transfer_to_a_full_dst_fails_cleanly():
+    src, dst = MemPool(LAYOUT, 8), MemPool(LAYOUT, 2)
+    cache(dst, seq(1), [1])
+    held = dst.alloc_mem(1)
+    blocks = prefill(src, seq(1, 2, 3), [1, 2, 3])
+    before = state(dst)
+    with pytest.raises(PoolExhausted):
+        src.transfer_with_insert(dst, seq(1, 2, 3), blocks)
+    assert state(dst) == before
+    dst.free_mem(held)
+    dst.check()
+
+
+def test_refused_transfer_does_not_onload_on_dst():
+    src, dst = MemPool(LAYOUT, 8), MemPool(LAYOUT, 3, dram_blocks=2)
+    cache(dst, seq(1, 2), [1, 2])
+    dst.free_mem(dst.alloc_mem(3))  # dst's [1, 2] now in dram
+    held = dst.alloc_mem(1)  # 2 hbm blocks left: enough to onload, not for the rest too
+    blocks = prefill(src, seq(1, 2, 3), [1, 2, 3])
+    before = state(dst)
+    with pytest.raises(PoolExhausted, match="needs 3 hbm blocks"):
+        src.transfer_with_insert(dst, seq(1, 2, 3), blocks)
+    assert state(dst) == before
+    assert dst.stats()["counters"]["onloaded_blocks"] == 0
+    dst.free_mem(held)
+    dst.check()
+
+
+def test_transfer_checks_its_arguments():
+    src = MemPool(LAYOUT, 4)
+    other = MemPool(KVLayout(1, BS, 1, 2), 4)
+    half = MemPool(LAYOUT, 4, dtype=torch.float16)
+    blocks = src.alloc_mem(2)
+    for dst in (other, half):
+        with pytest.raises(ValueError, match="layout or dtype"):
+            src.transfer(dst, blocks)
+    with pytest.raises(ValueError, match="free block"):
+        src.transfer(MemPool(LAYOUT, 4), [3])
+    with pytest.raises(ValueError, match="need 2 blocks"):
+        src.transfer_with_insert(MemPool(LAYOUT, 4), seq(1, tail=1), blocks[:1] * 3)
+    dst = MemPool(LAYOUT, 4)
+    with pytest.raises(ValueError, match="shape"):
+        dst.recv_write(dst.alloc_mem(1), torch.zeros(LAYOUT.pool_shape(2)))
+
+
+def test_per_layer_layout_pool_moves_whole_blocks():
+    layout = KVLayout(2, BS, 1, 2, kind=PER_LAYER)
+    src, dst = MemPool(layout, 4, dram_blocks=2), MemPool(layout, 4)
+    blocks = src.alloc_mem(2)
+    data = torch.randn(layout.pool_shape(2))
+    src.kv()[:, :, blocks] = data
+    got = src.transfer(dst, blocks)
+    assert torch.equal(dst.kv()[:, :, got], data)
+    down = src.swap(blocks, "hbm", "dram")
+    assert torch.equal(src.kv("dram")[:, :, down], data)
+
+
+# -- audit --------------------------------------------------------------------------------
+
+
+def test_check_catches_unbalanced_books():
+    pool = MemPool(LAYOUT, 4)
+    blocks = cache(pool, seq(1, 2), [1, 2])
+    pool.check()
+    pool._tiers["hbm"].alloc.decref([blocks[0]])  # the index's reference vanishes
+    with pytest.raises(PoolAccountingError, match="cached without a reference"):
+        pool.check()
+    pool = MemPool(LAYOUT, 4)
+    blocks = cache(pool, seq(1, 2), [1, 2])
+    pool._tiers["hbm"].indexed[blocks[1]] = 0
+    with pytest.raises(PoolAccountingError, match="index flag"):
+        pool.check()
+    assert issubclass(PoolAccountingError, AssertionError)
+
+
+@pytest.mark.gpu
+def test_cuda_pool_with_pinned_dram():
+    pool = MemPool(LAYOUT, 4, dram_blocks=4, device="cuda")
+    peer = MemPool(LAYOUT, 4, device="cuda")
+    assert pool.kv().is_cuda and pool.kv("dram").is_pinned()
+    cache(pool, seq(1, 2, 3), [1, 2, 3])
+    pool.free_mem(pool.alloc_mem(4))  # offload
+    got = pool.match(seq(1, 2, 3))  # onload
+    assert read(pool, got) == [1, 2, 3]
+    sent = pool.transfer_with_insert(peer, seq(1, 2, 3), got)
+    assert read(peer, sent) == [1, 2, 3]
+    pool.check()
+    peer.check()
