@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +61,8 @@ FRONTEND = "frontend"
 IDLE_POLL_S = 0.02
 # How often the loop checks that the launching process still exists.
 PARENT_CHECK_S = 0.5
+# Hand-offs remembered per prefill instance; far more than can be in flight at once.
+HANDOFF_MEMORY = 65_536
 # Default heartbeat period; the frontend declares an instance dead after many missed beats.
 DEFAULT_HEARTBEAT_S = 0.5
 
@@ -179,6 +181,9 @@ class InstanceServer:
         self.xfers: dict[tuple[str, str], list[int]] = {}
         self.remotes: dict[str, RemotePeer] = {}
         self.decodes: list[str] = []
+        # recent hand-offs (request id -> decode instance), so the frontend can find the
+        # requests a dead decode instance held even if our Handoff notice is still in flight
+        self.handed: OrderedDict[str, str] = OrderedDict()
         self._last_beat = 0.0
         self._last_parent_check = 0.0
         level = self._cache_level(spec.config)
@@ -290,7 +295,7 @@ class InstanceServer:
             return None
         if isinstance(msg, PeerDown):
             self._peer_down(msg.name, msg.reason)
-            return None
+            return Info({"handed": [r for r, d in self.handed.items() if d == msg.name]})
         if isinstance(msg, Shutdown):
             self.stopping = True
             return None
@@ -398,7 +403,11 @@ class InstanceServer:
                 out = req.to_output(self.engine.tokenizer.decode(req.output_token_ids))
                 self.node.try_push(FRONTEND, Output(output_to_dict(out)))
             else:
-                self.node.try_push(FRONTEND, Handoff(req.request_id, req.extra["decode_instance"]))
+                to = req.extra["decode_instance"]
+                self.handed[req.request_id] = to
+                if len(self.handed) > HANDOFF_MEMORY:
+                    self.handed.popitem(last=False)
+                self.node.try_push(FRONTEND, Handoff(req.request_id, to))
         self.engine.handoffs.clear()
 
     def run(self) -> None:

@@ -305,8 +305,8 @@ class ProcessCluster:
                 self._done.append(output_from_dict(msg.output))
         elif isinstance(msg, Handoff):
             f = self._inflight.get(msg.req_id)
-            if f is not None:
-                f.where = msg.to
+            if f is not None and f.where == sender and msg.to not in self.dead:
+                f.where = msg.to  # a late notice about a dead instance changes nothing
         elif isinstance(msg, Ready):
             inst = self.instances.get(msg.name)
             if inst is None:
@@ -343,8 +343,18 @@ class ProcessCluster:
         logger.error("instance %s (%s) died: %s", inst.name, inst.role, reason)
         _unlink_segment(inst.handle)
         for other in self.instances.values():
-            if other.name not in self.dead:
-                self.node.try_push(other.name, PeerDown(inst.name, reason))
+            if other.name in self.dead or not other.address:
+                continue
+            try:
+                rep = self.node.call(other.name, PeerDown(inst.name, reason))
+            except TransferError as e:
+                logger.warning("could not tell %s that %s died: %s", other.name, inst.name, e)
+                continue
+            # hand-offs to the dead instance whose notice has not reached us yet
+            for rid in rep.data.get("handed", ()):
+                f = self._inflight.get(rid)
+                if f is not None and f.where == other.name:
+                    f.where = inst.name
         for rid, f in list(self._inflight.items()):
             if f.where == inst.name:
                 self._recover(rid, f, f"InstanceDied: instance {inst.name} died ({reason})")

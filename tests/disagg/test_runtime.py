@@ -229,3 +229,27 @@ def test_ctrl_c_or_sigterm_on_the_frontend_shuts_everything_down(tiny_llama_dir,
         time.sleep(0.05)
     assert not any(running(p) for p in pids)
     assert shm_segments(pids) == []
+
+
+def test_benchmark_runs_configs_across_processes(tiny_llama_dir):
+    from minimemserve.benchmark import EngineOptions, run_bench
+    from minimemserve.disagg.runtime import process_factories
+
+    configs = ["1P1D-CC"]
+    res = run_bench(
+        configs,
+        num_sessions=2,
+        rate=5.0,
+        max_turns=2,
+        model_dir=tiny_llama_dir,
+        out_dir=None,
+        options=EngineOptions(num_blocks=NUM_BLOCKS),
+        max_output_tokens=6,
+        factories=process_factories(configs, start_method="forkserver"),
+        progress=False,
+        verbose=False,
+    )
+    summary = res["summaries"]["1P1D-CC"]
+    assert summary["requests"] == 4 and summary["errors"] == 0
+    assert summary["transferred_bytes"] > 0
+    assert mp.active_children() == []  # the benchmark closed the cluster
