@@ -22,7 +22,7 @@ to the caller's ``hbm`` blocks.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -54,6 +54,10 @@ COUNTERS = (
     "transfers_recv",
     "transfers_aborted",
 )
+
+
+# makes one zero-filled pool tensor: (shape, dtype, device) -> tensor
+TensorFactory = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
 
 class PoolAccountingError(AssertionError):
@@ -90,7 +94,14 @@ class MemPool:
         dtype: torch.dtype = torch.float32,
         instance_id: str = "0",
         pin_memory: bool | None = None,
+        tensor_factory: TensorFactory | None = None,
     ) -> None:
+        """Allocate the pool tensors (zero-filled) and the bookkeeping.
+
+        ``tensor_factory(shape, dtype, device)``, when given, makes every tier's tensor
+        (for instance in shared memory) instead of ``torch.zeros``; it then decides about
+        pinning too.
+        """
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         for name, value, least in (("num_blocks", num_blocks, 1), ("dram_blocks", dram_blocks, 0)):
@@ -106,16 +117,19 @@ class MemPool:
         pin = cuda if pin_memory is None else bool(pin_memory)
         if pin and not cuda:
             raise ConfigError("pin_memory=True needs CUDA, which is not available")
-        self._tiers: dict[str, _Tier] = {
-            HBM: _Tier(
-                HBM,
-                torch.zeros(layout.pool_shape(num_blocks), dtype=dtype, device=device),
-                num_blocks,
-            )
-        }
+        host = torch.device("cpu")
+        if tensor_factory is None:
+            hbm_kv = torch.zeros(layout.pool_shape(num_blocks), dtype=dtype, device=self.device)
+        else:
+            hbm_kv = tensor_factory(layout.pool_shape(num_blocks), dtype, self.device)
+        self._tiers: dict[str, _Tier] = {HBM: _Tier(HBM, hbm_kv, num_blocks)}
         if dram_blocks:
-            kv = torch.zeros(layout.pool_shape(dram_blocks), dtype=dtype, pin_memory=pin)
-            self._tiers[DRAM] = _Tier(DRAM, kv, dram_blocks)
+            shape = layout.pool_shape(dram_blocks)
+            if tensor_factory is None:
+                dram_kv = torch.zeros(shape, dtype=dtype, device=host, pin_memory=pin)
+            else:
+                dram_kv = tensor_factory(shape, dtype, host)
+            self._tiers[DRAM] = _Tier(DRAM, dram_kv, dram_blocks)
         self._tree = RadixTree(self.block_size)
         self._clock = 0  # logical time: one tick per call, so LRU order is deterministic
         self._version = 0  # bumped whenever the evictable counts may change

@@ -85,6 +85,21 @@ def test_construction_and_tiers():
         MemPool("layout", 2)
 
 
+def test_tensor_factory_makes_every_tier_tensor():
+    made = []
+
+    def factory(shape, dtype, device):
+        made.append((shape, dtype, torch.device(device).type))
+        return torch.full(shape, 0.0, dtype=dtype, device=device)
+
+    pool = MemPool(LAYOUT, 3, dram_blocks=2, tensor_factory=factory)
+    assert made == [
+        (LAYOUT.pool_shape(3), torch.float32, "cpu"),
+        (LAYOUT.pool_shape(2), torch.float32, "cpu"),
+    ]
+    assert pool.kv().shape == LAYOUT.pool_shape(3)
+
+
 def test_from_budget():
     pool = MemPool.from_budget(LAYOUT, 5 * BLOCK_BYTES + 7, 2 * BLOCK_BYTES)
     assert (pool.capacity(), pool.capacity("dram")) == (5, 2)
