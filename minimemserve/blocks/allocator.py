@@ -55,40 +55,46 @@ class BlockAllocator:
     def incref(self, blocks: Iterable[int]) -> None:
         """Add one reference to each block (a block listed twice gains two)."""
         blocks = list(blocks)
-        rc = self._refcount
+        rc, n = self._refcount, self._num_blocks
         for b in blocks:
-            self.check_id(b)
-            if rc[b] == 0:
+            if type(b) is not int or not 0 <= b < n or not rc[b]:
+                self.check_id(b)
                 raise ValueError(f"block {b} is free: take it with alloc, not incref")
         for b in blocks:
             rc[b] += 1
 
-    def decref(self, blocks: Iterable[int]) -> list[int]:
-        """Drop one reference from each block; return the blocks that became free."""
+    def decref(self, blocks: Iterable[int], floor: Sequence[int] | None = None) -> list[int]:
+        """Drop one reference from each block; return the blocks that became free.
+
+        ``floor[b]``, when given, is how many references of block ``b`` are reserved by
+        someone else (they may not be dropped here).
+        """
         blocks = list(blocks)
-        rc = self._refcount
-        for b in blocks:
-            self.check_id(b)
-        if len(set(blocks)) == len(blocks):
-            for b in blocks:
-                if rc[b] == 0:
-                    raise ValueError(f"block {b} is already free (double free)")
-        else:
-            drops: dict[int, int] = {}
-            for b in blocks:
-                drops[b] = drops.get(b, 0) + 1
-            for b, k in drops.items():
-                if rc[b] < k:
-                    raise ValueError(
-                        f"block {b} has {rc[b]} references but {k} decrefs were asked (double free)"
-                    )
+        rc, n = self._refcount, self._num_blocks
         freed = []
-        for b in blocks:
+        for i, b in enumerate(blocks):
+            if type(b) is not int or not 0 <= b < n:
+                self._undo_decref(blocks[:i])
+                self.check_id(b)
+            keep = 0 if floor is None else floor[b]
+            if rc[b] <= keep:
+                self._undo_decref(blocks[:i])
+                if keep:
+                    raise ValueError(
+                        f"block {b} has {rc[b]} reference(s), {keep} of them reserved: "
+                        "none is left to drop"
+                    )
+                raise ValueError(f"block {b} is already free (double free)")
             rc[b] -= 1
-            if rc[b] == 0:
+            if not rc[b]:
                 freed.append(b)
         self._free.extend(freed)
         return freed
+
+    def _undo_decref(self, blocks: list[int]) -> None:
+        rc = self._refcount
+        for b in blocks:
+            rc[b] += 1
 
     def refcount(self, block: int) -> int:
         """Current reference count of ``block``."""
@@ -105,8 +111,10 @@ class BlockAllocator:
 
     def check_id(self, b: int) -> None:
         """Raise ValueError unless ``b`` is a block id of this allocator."""
-        if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < self._num_blocks:
-            raise ValueError(f"block id {b!r} is out of range [0, {self._num_blocks})")
+        if type(b) is not int or not 0 <= b < self._num_blocks:
+            raise ValueError(
+                f"block id {b!r} is out of range [0, {self._num_blocks}) or not an int"
+            )
 
     def __repr__(self) -> str:
         return f"BlockAllocator(num_blocks={self._num_blocks}, free={len(self._free)})"

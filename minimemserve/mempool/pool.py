@@ -228,25 +228,16 @@ class MemPool:
         return t.alloc.alloc(n)
 
     def free_mem(self, blocks: Sequence[int], tier: str = HBM) -> None:
-        """Drop one of the caller's references on each block."""
+        """Drop one of the caller's references on each block.
+
+        The index's own reference on a cached block is not the caller's: freeing it is an
+        error, like a double free.
+        """
         t = self._tier(tier)
         blocks = list(blocks)
-        for b in blocks:
-            t.alloc.check_id(b)
-        indexed = [b for b in blocks if t.indexed[b]]
-        if indexed:
-            rc = t.alloc.refcounts()
-            drops: dict[int, int] = {}
-            for b in indexed:
-                drops[b] = drops.get(b, 0) + 1
-            for b, k in drops.items():
-                if rc[b] - 1 < k:
-                    raise ValueError(
-                        f"block {b} ({tier}) is cached with {rc[b] - 1} caller references "
-                        f"but {k} were freed: the index's own reference is not the caller's"
-                    )
-            self._version += 1
-        t.alloc.decref(blocks)
+        t.alloc.decref(blocks, floor=t.indexed)
+        if any(map(t.indexed.__getitem__, blocks)):
+            self._version += 1  # a cached block may have become evictable
 
     # -- the index ---------------------------------------------------------------------
 
@@ -266,10 +257,11 @@ class MemPool:
         if len(blocks) < nb:
             raise ValueError(f"{len(toks)} tokens fill {nb} blocks but {len(blocks)} were given")
         hbm = self._tiers[HBM]
-        rc = hbm.alloc.refcounts()
+        rc, indexed, capacity = hbm.alloc.refcounts(), hbm.indexed, hbm.alloc.num_blocks
         for b in blocks[:nb]:
-            hbm.alloc.check_id(b)
-            if rc[b] - hbm.indexed[b] < 1:
+            if type(b) is not int or not 0 <= b < capacity:
+                hbm.alloc.check_id(b)
+            if rc[b] - indexed[b] < 1:
                 raise ValueError(f"block {b} is not held by the caller (refcount {rc[b]})")
         if nb == 0:
             return 0
@@ -289,9 +281,9 @@ class MemPool:
         taken = [b for _, p, c in spans for b in blocks[p : p + c]] + blocks[matched:nb]
         if len(set(taken)) != len(taken):
             raise ValueError("insert got the same block id twice")
-        for b in taken:
-            if hbm.indexed[b]:
-                raise ValueError(f"block {b} is already cached under another prefix")
+        if any(map(indexed.__getitem__, taken)):
+            b = next(b for b in taken if indexed[b])
+            raise ValueError(f"block {b} is already cached under another prefix")
         dram = self._tiers.get(DRAM)
         for node, p, c in spans:
             if c < len(node.values):
@@ -318,9 +310,10 @@ class MemPool:
         """
         toks = as_tokens(tokens)
         now = self._tick()
-        if DRAM in self._tiers:
-            self._onload(toks, now)
         match = self._tree.match_prefix(toks, now=now)
+        if DRAM in self._tiers and any(n.tier != HBM for n in match.nodes):
+            self._onload(toks, now)
+            match = self._tree.match_prefix(toks, now=now)
         blocks = self._hbm_prefix(match.nodes, len(match.values))
         hbm = self._tiers[HBM]
         if blocks:
