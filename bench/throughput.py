@@ -4,8 +4,8 @@ Same tiny preset model, the same ShareGPT prompts (first human message of each c
 truncated), a fixed number of output tokens per prompt (EOS ignored), greedy decoding,
 fp32 on the CPU with the same number of torch threads for both. HF runs batched
 ``generate`` with left padding at a few batch sizes and keeps its best; minimemserve runs
-``LLM(config="PD").generate`` on all prompts at once. Each side is warmed up, then timed
-``--repeats`` times; the median is reported.
+``LLM(config="PD").generate`` on all prompts at once. Each side is warmed up, then the
+sides are timed in turn, ``--repeats`` rounds; the median is reported.
 
     python bench/throughput.py            # 64 prompts x 128 tokens
     python bench/throughput.py --quick    # 8 prompts x 32 tokens
@@ -79,30 +79,22 @@ def ours_generate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> int:
     return sum(len(o.token_ids) for o in outs)
 
 
-def timed(fn, repeats: int, desc: str) -> tuple[float, int]:
-    """Median wall time over ``repeats`` runs of ``fn``, and the tokens of the last run."""
-    times, tokens = [], 0
-    for _ in tqdm(range(repeats), desc=desc, leave=False):
-        start = time.perf_counter()
-        tokens = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), tokens
+def interleaved(fns: dict[str, object], repeats: int) -> dict[str, tuple[float, int]]:
+    """``{name: (median seconds, output tokens)}``; each repeat runs every fn once, in turn.
 
-
-def run_hf(
-    model_dir: Path, prompts: list[list[int]], new_tokens: int, batch_sizes: list[int], repeats: int
-) -> dict[int, tuple[float, int]]:
-    """``{batch size: (median seconds, output tokens)}`` of HF ``generate`` (model freed after)."""
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    runs = {}
-    for bs in batch_sizes:
-        hf_generate(model, prompts[:2], 4, bs)  # warm-up
-        runs[bs] = timed(
-            lambda bs=bs: hf_generate(model, prompts, new_tokens, bs), repeats, f"HF batch {bs}"
-        )
-    return runs
+    Interleaving keeps a drift in machine load from favouring whichever side ran last.
+    """
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    tokens: dict[str, int] = {}
+    with tqdm(total=repeats * len(fns), desc="timed runs") as bar:
+        for _ in range(repeats):
+            for name, fn in fns.items():
+                bar.set_postfix_str(name)
+                start = time.perf_counter()
+                tokens[name] = fn()
+                times[name].append(time.perf_counter() - start)
+                bar.update(1)
+    return {name: (statistics.median(times[name]), tokens[name]) for name in fns}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -111,8 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=256, help="prompt truncation")
     p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--hf-batch-sizes", default="16,64", help="HF batch sizes to try")
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per side (median)")
+    p.add_argument("--hf-batch-sizes", default="16,32", help="HF batch sizes to try")
+    p.add_argument("--repeats", type=int, default=2, help="timed rounds (median)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--model", default=None, help="checkpoint dir (default: tiny preset)")
     p.add_argument(
@@ -131,20 +123,28 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = Tokenizer.from_dir(model_dir)
     prompts = sharegpt_prompts(tokenizer, args.prompts, args.prompt_tokens)
 
-    batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
-    hf_runs = run_hf(model_dir, prompts, args.output_tokens, batch_sizes, args.repeats)
-    best_bs = max(hf_runs, key=lambda b: hf_runs[b][1] / hf_runs[b][0])
+    from transformers import LlamaForCausalLM
 
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     llm = LLM(
         model_dir,
         config="PD",
         max_num_seqs=max(64, args.prompts),
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    ours_generate(llm, prompts[:2], 4)  # warm-up
-    ours_time, ours_tokens = timed(
-        lambda: ours_generate(llm, prompts, args.output_tokens), args.repeats, "minimemserve"
-    )
+    batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+    fns = {
+        f"hf{bs}": (lambda bs=bs: hf_generate(hf, prompts, args.output_tokens, bs))
+        for bs in batch_sizes
+    }
+    fns["ours"] = lambda: ours_generate(llm, prompts, args.output_tokens)
+    for bs in batch_sizes:  # warm-up, not timed
+        hf_generate(hf, prompts[:2], 4, bs)
+    ours_generate(llm, prompts[:2], 4)
+    runs = interleaved(fns, args.repeats)
+    hf_runs = {bs: runs[f"hf{bs}"] for bs in batch_sizes}
+    ours_time, ours_tokens = runs["ours"]
+    best_bs = max(hf_runs, key=lambda b: hf_runs[b][1] / hf_runs[b][0])
 
     rows = [(f"HF generate, batch {bs}", t, n, n / t) for bs, (t, n) in hf_runs.items()]
     rows.append(("minimemserve LLM(PD)", ours_time, ours_tokens, ours_tokens / ours_time))
