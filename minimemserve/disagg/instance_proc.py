@@ -51,7 +51,7 @@ from minimemserve.disagg.remote import (
 )
 from minimemserve.disagg.transport import SharedPoolTensor, attach
 from minimemserve.errors import InstanceDied, InvalidRequest, TransferError
-from minimemserve.mempool.pool import HBM, MemPool
+from minimemserve.mempool.pool import MemPool
 from minimemserve.request import Request
 from minimemserve.request import Status as _Status
 
@@ -100,11 +100,18 @@ class SharedMemPool(MemPool):
     """
 
     def __init__(self, layout, num_blocks: int, **kw: Any) -> None:
-        """As ``MemPool``; the hbm tensor is then replaced by a shared one of the same shape."""
-        super().__init__(layout, num_blocks, **kw)
-        tier = self._tiers[HBM]
-        self.shared = SharedPoolTensor.create(tuple(tier.kv.shape), self.dtype, self.device)
-        tier.kv = self.shared.tensor  # [num_blocks, L, 2, block_size, n_kv_heads, head_dim]
+        """As ``MemPool``; the hbm tier's tensor is made in shared memory (dram stays private)."""
+        made: list[SharedPoolTensor] = []
+
+        def factory(shape, dtype, device) -> torch.Tensor:
+            if made:  # the dram tier: private host memory, pinned when CUDA is present
+                pin = torch.cuda.is_available() and kw.get("pin_memory") is not False
+                return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+            made.append(SharedPoolTensor.create(tuple(shape), dtype, device))
+            return made[0].tensor  # [num_blocks, L, 2, block_size, n_kv_heads, head_dim]
+
+        super().__init__(layout, num_blocks, tensor_factory=factory, **kw)
+        self.shared = made[0]
 
     def close_shared(self) -> None:
         """Unlink the shared segment (mappings already made stay valid until dropped)."""
