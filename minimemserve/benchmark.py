@@ -44,8 +44,8 @@ from minimemserve.workloads import (
 # minutes on a 2-core CPU with the tiny preset model.
 DEFAULT_CONFIGS = ("PD", "PD-CC")
 DEFAULT_WORKLOAD = "sharegpt"
-DEFAULT_SESSIONS = 8
-DEFAULT_RATE = 0.5  # sessions per second
+DEFAULT_SESSIONS = 16
+DEFAULT_RATE = 1.0  # sessions per second
 DEFAULT_OUT_DIR = "bench/results"
 # Warm-up requests run before the measured workload (compilation, allocator, caches).
 WARMUP_REQUESTS = 2
