@@ -439,16 +439,16 @@ def write_plots(
     bars = Figure(figsize=(10, 4), layout="tight")
     x = np.arange(len(names))  # [configs]
     width = 0.38
-    for ax, metric, title in zip(bars.subplots(1, 2), ("ttft", "jct"), ("TTFT", "JCT")):
+    for ax, metric, name in zip(bars.subplots(1, 2), ("ttft", "jct"), ("TTFT", "JCT")):
         for j, (stat, label) in enumerate((("mean", "mean"), ("p99", "P99"))):
             vals = [(summaries[n][f"{metric}_{stat}"] or 0.0) for n in names]
             ax.bar(x + (j - 0.5) * width, vals, width, label=label)
         ax.set_xticks(x, names)
         ax.set_ylabel("seconds")
-        ax.set_title(title)
+        ax.set_title(name)
         ax.legend()
     cdfs = Figure(figsize=(10, 4), layout="tight")
-    for ax, metric, title in zip(cdfs.subplots(1, 2), ("ttft", "jct"), ("TTFT", "JCT")):
+    for ax, metric, name in zip(cdfs.subplots(1, 2), ("ttft", "jct"), ("TTFT", "JCT")):
         for n in names:
             vals = np.sort(
                 [
@@ -459,9 +459,9 @@ def write_plots(
             )
             if len(vals):
                 ax.step(vals, np.arange(1, len(vals) + 1) / len(vals), where="post", label=n)
-        ax.set_xlabel(f"{title} (s)")
+        ax.set_xlabel(f"{name} (s)")
         ax.set_ylabel("fraction of requests")
-        ax.set_title(f"CDF of {title}")
+        ax.set_title(f"CDF of {name}")
         ax.legend()
     if title:
         bars.suptitle(title)
