@@ -9,8 +9,8 @@ orders them so. The new tokens of all slices are flattened into one ``[T, ...]``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -49,6 +49,7 @@ class AttentionMetadata:
     context_lens_host: list[int]
     seq_lens_host: list[int]
     block_size: int
+    backend_data: dict[str, Any] = field(default_factory=dict)  # per-step, backend-private
 
 
 def build_metadata(slices: list[SeqSlice], block_size: int, device) -> AttentionMetadata:
