@@ -42,7 +42,7 @@ from minimemserve.workloads import (
 
 # Defaults of `minimemserve bench`, sized so both in-process configs finish in a few
 # minutes on a 2-core CPU with the tiny preset model.
-DEFAULT_CONFIGS = ("PD", "PD-CC")
+DEFAULT_CONFIGS = ("PD", "PD-CC", "1P1D", "1P1D-CC")
 DEFAULT_WORKLOAD = "sharegpt"
 DEFAULT_SESSIONS = 16
 DEFAULT_RATE = 1.0  # sessions per second
@@ -668,6 +668,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per instance")
+    p.add_argument(
+        "--runtime",
+        choices=("process", "inline"),
+        default="process",
+        help="process: every instance its own process on one core (colocated configs run "
+        "two instances, xPyD ones x+y), the equal-resources comparison; inline: one process, "
+        "instances stepped in turn (default: %(default)s)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -676,6 +684,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``minimemserve bench``; returns the exit status."""
     args = build_parser().parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    factories = None
+    if args.runtime == "process":
+        from .disagg.runtime import process_factories
+
+        factories = process_factories(configs, cores_per_instance=1, num_colocated=2)
     start = time.perf_counter()
     run_bench(
         configs=configs,
@@ -692,6 +705,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             device=args.device, dtype=args.dtype, num_blocks=args.num_blocks, seed=args.seed
         ),
         progress=not args.no_progress,
+        factories=factories,
     )
     print(f"benchmark took {time.perf_counter() - start:.1f} s")
     return 0
