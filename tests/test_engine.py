@@ -191,3 +191,38 @@ def test_triton_backend_generates_the_same_tokens(tiny_llama_dir):
         outs[attention] = [o.token_ids for o in llm.generate(prompts, params)]
         assert_pool_clean(llm.pool)
     assert outs["triton"] == outs["torch"]
+
+
+def test_pd_and_pd_cc_agree_on_real_sharegpt_sessions(tiny_llama_dir):
+    """Real multi-turn ShareGPT sessions: identical greedy tokens, cache hits on later turns."""
+    from minimemserve.model.tokenizer import Tokenizer
+    from minimemserve.workloads import build_prompt, sharegpt_sessions
+
+    tok = Tokenizer.from_dir(tiny_llama_dir)
+    sessions = sharegpt_sessions(
+        tok,
+        num_sessions=3,
+        max_turns=3,
+        max_context=512,
+        max_output_tokens=12,
+        seed=0,
+        scan_limit=400,
+    )
+    assert len(sessions) == 3 and all(len(s.turns) >= 2 for s in sessions)
+    results = {}
+    for config in ("PD", "PD-CC"):
+        llm = LLM(tiny_llama_dir, config=config, num_blocks=160)
+        outs = []
+        for s in sessions:
+            history: list[int] = []
+            for k, turn in enumerate(s.turns):
+                prompt = build_prompt(s, k, history)
+                params = SamplingParams(max_tokens=turn.max_tokens, **GREEDY)
+                out = llm.generate([prompt], params)[0]
+                outs.append((k, out))
+                history = prompt + out.token_ids
+        results[config] = outs
+        assert_pool_clean(llm.pool)
+    assert [o.token_ids for _, o in results["PD"]] == [o.token_ids for _, o in results["PD-CC"]]
+    later = [o for k, o in results["PD-CC"] if k > 0]
+    assert later and all(o.metrics.cached_tokens > 0 for o in later)
