@@ -67,34 +67,31 @@ class InProcessCluster:
             raise ValueError(f"{deployment.name} is colocated; use Engine")
         self.deployment = deployment
         level = deployment.cache_level
-        self.prefill: list[Instance] = []
-        self.decode: list[Instance] = []
         first = None
-        for i in range(deployment.num_prefill):
+
+        def build(name: str, role: str, recipe) -> Instance:
+            nonlocal first
             eng = Engine(
                 model_dir,
                 config=deployment.name,
                 device=device,
                 dtype=dtype,
                 engine_config=engine_config,
-                instance_id=f"P{i}",
-                recipe=PrefillRecipe(level, self._pick_decode),
+                instance_id=name,
+                recipe=recipe,
                 share_model_with=first,
-            )
+            )  # one copy of the weights in the process
             first = first or eng
-            self.prefill.append(Instance(f"P{i}", "prefill", eng))
-        for i in range(deployment.num_decode):
-            eng = Engine(
-                model_dir,
-                config=deployment.name,
-                device=device,
-                dtype=dtype,
-                engine_config=engine_config,
-                instance_id=f"D{i}",
-                recipe=DecodeRecipe(level, self._prefill_pool_of),
-                share_model_with=first,
-            )
-            self.decode.append(Instance(f"D{i}", "decode", eng))
+            return Instance(name, role, eng)
+
+        self.prefill = [
+            build(f"P{i}", "prefill", PrefillRecipe(level, self._pick_decode))
+            for i in range(deployment.num_prefill)
+        ]
+        self.decode = [
+            build(f"D{i}", "decode", DecodeRecipe(level, self._prefill_pool_of))
+            for i in range(deployment.num_decode)
+        ]
         self.by_name = {inst.name: inst for inst in self.prefill + self.decode}
         self.tokenizer = first.tokenizer
         self._ids = itertools.count()
