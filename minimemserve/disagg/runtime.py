@@ -305,8 +305,12 @@ class ProcessCluster:
                 self._done.append(output_from_dict(msg.output))
         elif isinstance(msg, Handoff):
             f = self._inflight.get(msg.req_id)
-            if f is not None and f.where == sender and msg.to not in self.dead:
-                f.where = msg.to  # a late notice about a dead instance changes nothing
+            if f is not None and f.where == sender:
+                if msg.to in self.dead:  # handed over before that instance died: lost there
+                    reason = self.dead[msg.to]
+                    self._recover(msg.req_id, f, f"InstanceDied: instance {msg.to} died ({reason})")
+                else:
+                    f.where = msg.to
         elif isinstance(msg, Ready):
             inst = self.instances.get(msg.name)
             if inst is None:
