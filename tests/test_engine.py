@@ -226,3 +226,55 @@ def test_pd_and_pd_cc_agree_on_real_sharegpt_sessions(tiny_llama_dir):
     assert [o.token_ids for _, o in results["PD"]] == [o.token_ids for _, o in results["PD-CC"]]
     later = [o for k, o in results["PD-CC"] if k > 0]
     assert later and all(o.metrics.cached_tokens > 0 for o in later)
+
+
+def test_dram_tier_keeps_evicted_prefixes_and_serves_them_back(tiny_llama_dir):
+    """A small hbm tier offloads cached blocks to dram; later turns still hit, onloaded."""
+    sessions = [prompts_of_lengths(512, [60, 15, 20], seed=s) for s in range(4)]
+    params = SamplingParams(max_tokens=8, **GREEDY)
+
+    def run(**kw):
+        llm = LLM(tiny_llama_dir, config="PD-CC", **kw)
+        history = [[] for _ in sessions]
+        outs = []
+        for k in range(3):
+            for s, turns in enumerate(sessions):  # other sessions push this one out of hbm
+                history[s] = history[s] + turns[k]
+                out = llm.generate([history[s]], params)[0]
+                outs.append(out)
+                history[s] = history[s] + out.token_ids
+        assert_pool_clean(llm.pool)
+        return llm, outs
+
+    _, ref = run(num_blocks=256)
+    small, got = run(num_blocks=12, dram_blocks=64)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    c = small.pool.stats()["counters"]
+    assert c["offloaded_blocks"] > 0 and c["onloaded_blocks"] > 0
+    assert sum(o.metrics.cached_tokens for o in got[len(sessions) :]) > 0
+    _, lost = run(num_blocks=12)
+    hits = lambda outs: sum(o.metrics.cached_tokens for o in outs)  # noqa: E731
+    assert hits(got) > hits(lost)
+
+
+def test_cli_generate(tiny_llama_dir, capsys):
+    from minimemserve.cli import main
+
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_llama_dir),
+                "--prompt",
+                "Hello there",
+                "--max-tokens",
+                "4",
+                "--config",
+                "PD-CC",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr()
+    assert "tokens, finish=" in out.err and "ttft=" in out.err
