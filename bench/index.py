@@ -286,6 +286,7 @@ def main() -> None:
     print("\n".join(lines))
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    plot_results(results, RESULTS.with_suffix(".png"))
     RESULTS.write_text(
         json.dumps(
             {
@@ -300,6 +301,23 @@ def main() -> None:
         )
     )
     print(f"wrote {RESULTS}")
+
+
+def plot_results(results: dict, path) -> None:
+    """Bars of match time per index and prompt length (log scale)."""
+    from plotting import grouped_bars
+
+    sizes = sorted(results)
+    names = list(results[sizes[0]])
+    grouped_bars(
+        path,
+        "prefix match of a cached prompt (median, block size 16)",
+        [f"{n} tokens" for n in sizes],
+        {name: [results[n][name]["match"]["median_us"] for n in sizes] for name in names},
+        "µs",
+        log=True,
+    )
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

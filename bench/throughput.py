@@ -183,7 +183,18 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    from plotting import grouped_bars
+
+    labels = [f"HF batch {b}" for b in result["hf"]] + ["minimemserve"]
+    rates = [v["tokens_per_s"] for v in result["hf"].values()] + [ours_tokens / ours_time]
+    grouped_bars(
+        out.with_suffix(".png"),
+        f"offline throughput ({ratio:.2f}x HF's best)",
+        labels,
+        {"output tokens/s": rates},
+        "tokens/s",
+    )
+    print(f"wrote {out} and {out.with_suffix('.png')}")
     return result
 
 

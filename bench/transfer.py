@@ -660,10 +660,29 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
+    plot_rows(rows, args.out.with_suffix(".png"))
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"\nwrote {args.out} ({result['wall_s']:.0f} s; host load average {load})")
     if not all(r["verified"] for r in rows):
         raise SystemExit("some transfers did not arrive bit-exact")
+
+
+def plot_rows(rows: list[dict], path: Path) -> None:
+    """Bars of bandwidth relative to memcpy per transport and mode, one series per load."""
+    from plotting import grouped_bars
+
+    cells = sorted({(r["transport"], r["mode"]) for r in rows}, key=lambda c: (c[0], c[1]))
+    loads = sorted({r["concurrency"] for r in rows})
+    value = {(r["transport"], r["mode"], r["concurrency"]): r["vs_memcpy"] for r in rows}
+    grouped_bars(
+        path,
+        "KV transfer of one request: bandwidth / plain memcpy",
+        [f"{t} {m}" for t, m in cells],
+        {f"load {c}": [value.get((t, m, c)) for t, m in cells] for c in loads},
+        "x memcpy",
+        hline=0.5,
+    )
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
