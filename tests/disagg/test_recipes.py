@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from helpers import assert_pool_clean
+from helpers import assert_pool_clean, sharegpt_user_turns
 
 from minimemserve import LLM, SamplingParams
 
 CONFIGS = ["PD", "PD-CC", "1P1D", "1P1D-CC1", "1P1D-CC2", "1P1D-CC3", "1P2D-CC", "2P1D"]
 BS = 16
-
-
-def session_turns(seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in (37, 21, 30, 18)]
 
 
 def run_sessions(llm: LLM, sessions: list[list[list[int]]], max_tokens: int = 9):
@@ -32,7 +26,7 @@ def run_sessions(llm: LLM, sessions: list[list[list[int]]], max_tokens: int = 9)
 
 @pytest.fixture(scope="module")
 def results(tiny_llama_dir):
-    sessions = [session_turns(1), session_turns(2)]
+    sessions = sharegpt_user_turns(tiny_llama_dir, num_sessions=3, num_turns=4, max_user_tokens=40)
     res = {}
     for config in CONFIGS:
         llm = LLM(tiny_llama_dir, config=config, num_blocks=128)

@@ -10,22 +10,17 @@ import sys
 import time
 
 import pytest
-import torch
+from helpers import sharegpt_user_turns
 
 from minimemserve import LLM, SamplingParams
 from minimemserve.config import EngineConfig
 from minimemserve.disagg.runtime import ProcessCluster
 
-CONFIGS = ["PD-CC", "1P1D", "1P1D-CC2", "1P1D-CC3"]
+CONFIGS = ["PD", "PD-CC", "1P1D", "1P1D-CC1", "1P1D-CC2", "1P1D-CC3"]
 BS = 16
 NUM_BLOCKS = 128
 MAX_TOKENS = 9
 RUN_TIMEOUT_S = 60.0
-
-
-def session_turns(seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in (37, 21, 30, 18)]
 
 
 def run_turns(engine, sessions: list[list[list[int]]]) -> list[list]:
@@ -59,8 +54,9 @@ def shm_segments(pids) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def sessions():
-    return [session_turns(1), session_turns(2)]
+def sessions(tiny_llama_dir):
+    """Real multi-turn ShareGPT user messages (cut short to fit the tiny context)."""
+    return sharegpt_user_turns(tiny_llama_dir, num_sessions=2, num_turns=3, max_user_tokens=40)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +142,7 @@ def test_cc3_prefill_hit_covers_previous_answer_across_processes(runs):
 @pytest.mark.parametrize("config", CONFIGS)
 def test_clean_shutdown_leaves_no_process_and_no_segment(runs, config):
     run = runs[config]
-    if config != "PD-CC":  # colocated instances keep their pool private
+    if not config.startswith("PD"):  # colocated instances keep their pool private
         assert len(run["segments"]) == 2
     assert run["alive_after"] == []
     assert run["segments_after"] == []
