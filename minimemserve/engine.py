@@ -8,6 +8,7 @@ that into tensors; postprocess samples, checks stop conditions and runs the hook
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -155,11 +156,14 @@ class Engine:
                 raise InvalidRequest("empty prompt")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = list(prompt)
+            try:  # any integer type (numpy, torch scalars) becomes a plain int
+                ids = [operator.index(t) for t in prompt]
+            except TypeError as e:
+                raise InvalidRequest(f"a token id is not an integer: {e}") from None
             if not ids:
                 raise InvalidRequest("empty prompt")
             vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
