@@ -101,3 +101,26 @@ def hf_model_from_dir() -> Callable[[Path], torch.nn.Module]:
         return model.eval()
 
     return load
+
+
+@pytest.fixture(autouse=True)
+def every_llm_pool_balances(monkeypatch: pytest.MonkeyPatch):
+    """After each test, every ``LLM`` it built must have balanced pools, and an idle one must
+    hold no block outside the cache index (nothing leaked)."""
+    from minimemserve.llm import LLM
+
+    built: list[LLM] = []
+    init = LLM.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(LLM, "__init__", recording_init)
+    yield
+    for llm in built:
+        for pool in llm.pools:
+            pool.check()
+            if not llm.engine.has_unfinished():
+                held = {t: s["referenced"] for t, s in pool.stats().items() if "referenced" in s}
+                assert not any(held.values()), f"blocks still referenced after the test: {held}"
