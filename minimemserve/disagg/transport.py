@@ -510,6 +510,18 @@ class Staging:
         return buf[:numel].view(shape)
 
 
+def _in_place_pieces(pool: torch.Tensor, ids: list[int], mode: TransferMode) -> list[torch.Tensor]:
+    """The views that travel as they are: one ``[L, 2, bs, h, d]`` block each
+    (``by_request_aggregated``), or the 2*L ``[bs, h, d]`` pieces of each block of a
+    per-layer pool (``by_request``)."""
+    if mode is TransferMode.AGGREGATED:
+        return [pool[b] for b in ids]
+    if mode is not TransferMode.BY_REQUEST:
+        raise ValueError(f"{mode.value} blocks do not travel in place")
+    layers = range(pool.shape[0])
+    return [pool[layer, kv, b] for b in ids for layer in layers for kv in range(2)]
+
+
 def copy_blocks(
     dst: torch.Tensor,
     src: torch.Tensor,
@@ -848,11 +860,8 @@ class GlooTransport:
             buf = _buffer(staging, (n, *src.shape[1:]), src)  # [n, L, 2, bs, h, d]
             torch.index_select(src, 0, as_index(ids, src.device), out=buf)
             pieces = [buf]
-        elif mode is TransferMode.AGGREGATED:
-            pieces = [src[b] for b in ids]  # each [L, 2, bs, h, d], contiguous
         else:
-            layers = range(src.shape[0])
-            pieces = [src[layer, kv, b] for b in ids for layer in layers for kv in range(2)]
+            pieces = _in_place_pieces(src, ids, mode)
         _check_contiguous(pieces)
         what = f"send {mode.value} to rank {self.peer}"
         result = Pending(self._post(pieces, True, tag), None, self.timeout_s, what)
@@ -898,11 +907,8 @@ class GlooTransport:
             def finish() -> None:
                 dst.index_copy_(0, idx, buf)
 
-        elif mode is TransferMode.AGGREGATED:
-            pieces = [dst[b] for b in ids]  # received in place, no staging
         else:
-            layers = range(dst.shape[0])
-            pieces = [dst[layer, kv, b] for b in ids for layer in layers for kv in range(2)]
+            pieces = _in_place_pieces(dst, ids, mode)  # received in place, no staging
         _check_contiguous(pieces)
         what = f"receive {mode.value} from rank {self.peer}"
         result = Pending(self._post(pieces, False, tag), finish, self.timeout_s, what)
