@@ -15,11 +15,15 @@ Transports:
 Modes: by_layer (L sends: each layer's K/V of all blocks, as a layer finishes prefill),
 by_request (2*L sends per block from a per-layer layout pool [L, 2, N, ...]),
 by_request_aggregated (one send per aggregated block), packed (gather into one buffer,
-one send; for copy/shm one indexed scatter).
+one send). When D's blocks for a request are one ascending run, that buffer is the run
+itself and the data lands in one pass; otherwise packed is a gather and a scatter.
 
 High load: copy and shm run the 16 transfers in 16 threads (torch copies release the
 GIL); gloo posts all 16 transfers back-to-back without waiting (async isend/irecv, one tag
-each), then waits for all. Block ids are random and disjoint (a pool after some churn).
+each), then waits for all. P's block ids are random and disjoint (a pool after some churn).
+D's are what its allocator hands out (``--dst-ids alloc``: a free list scrambled by churn,
+asked for one run per request, as MemPool.recv_alloc does) or random (``--dst-ids random``:
+a fragmented pool with no free run, the worst case for packed).
 
     python bench/transfer.py                       # tiny geometry, 2048 tokens, fp32
     python bench/transfer.py --layers 32 --kv-heads 32 --head-dim 128 --tokens 1024 --dtype fp16
@@ -44,6 +48,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from minimemserve.blocks.allocator import BlockAllocator
+from minimemserve.blocks.copy import is_run
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.disagg.control import (
     ControlClient,
@@ -310,10 +316,11 @@ class Bench:
         # [L, 2, N, bs, h, d]: the same values in the per-layer layout
         self.src["per_layer"] = self.src["agg"].permute(1, 2, 0, 3, 4, 5).contiguous()
         self.src_ids = self._disjoint_ids(seed=1)
-        if args.dst_ids == "runs":  # a fresh pool hands out ascending runs
-            self.dst_ids = [list(range(i * self.n, (i + 1) * self.n)) for i in range(self.max_c)]
+        if args.dst_ids == "alloc":
+            self.dst_ids = self._allocated_ids(seed=2)
         else:
             self.dst_ids = self._disjoint_ids(seed=2)
+        self.dst_runs = sum(is_run(ids) for ids in self.dst_ids)
         self.cells: list[Cell] = []
         self.src_sums: dict[str, torch.Tensor] = {}  # layout -> [N, L, 2] piece checksums
         self.memcpy_ms: dict[int, list[float]] = {}  # every baseline run, by concurrency
@@ -327,6 +334,15 @@ class Bench:
         g = torch.Generator().manual_seed(seed)
         perm = torch.randperm(self.pool_blocks, generator=g).tolist()
         return [perm[i * self.n : (i + 1) * self.n] for i in range(self.max_c)]
+
+    def _allocated_ids(self, seed: int) -> list[list[int]]:
+        """D's blocks as its pool hands them to incoming transfers: from an allocator whose
+        free list churn has put in random order, asking for one run per request."""
+        alloc = BlockAllocator(self.pool_blocks)
+        held = alloc.alloc(self.pool_blocks)
+        g = torch.Generator().manual_seed(seed)
+        alloc.decref([held[i] for i in torch.randperm(len(held), generator=g).tolist()])
+        return [alloc.alloc(self.n, contiguous=True) for _ in range(self.max_c)]
 
     def key(self, mode: str) -> str:
         return "per_layer" if mode == TransferMode.BY_REQUEST.value else "agg"
@@ -550,7 +566,8 @@ def print_report(bench: Bench, rows: list[dict], summary: dict) -> None:
         f"{bench.block_bytes / 2**10:.0f} KiB = {bench.request_bytes / 2**20:.1f} MiB "
         f"(L={a.layers}, kv_heads={a.kv_heads}, head_dim={a.head_dim}, "
         f"block_size={a.block_size}, {a.dtype}); torch threads per process: {a.threads}; "
-        f"destination ids: {a.dst_ids}"
+        f"destination ids: {a.dst_ids} ({bench.dst_runs} of {len(bench.dst_ids)} requests "
+        "in one run)"
     )
     for c in a.concurrency:
         ms = bench.memcpy_median(c)
@@ -595,9 +612,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads in each process")
     p.add_argument(
         "--dst-ids",
-        choices=("random", "runs"),
-        default="random",
-        help="receiver block ids: random (a pool after churn) or one ascending run per request",
+        choices=("alloc", "random"),
+        default="alloc",
+        help="receiver block ids: alloc (what D's allocator hands a transfer after churn: "
+        "one run when its free blocks hold one) or random (no free run: scattered ids)",
     )
     p.add_argument("--cell-budget-s", type=float, default=CELL_BUDGET_S)
     p.add_argument("--host", default="127.0.0.1", help="control and gloo address")
@@ -636,6 +654,7 @@ def main() -> None:
             "torch": torch.__version__,
         },
         "request": {
+            "dst_requests_in_one_run": bench.dst_runs,
             "blocks": bench.n,
             "block_bytes": bench.block_bytes,
             "bytes": bench.request_bytes,
@@ -653,7 +672,8 @@ def main() -> None:
             "gloo times end when D's acknowledgement (sent after its scatter) reaches P",
             "vs_memcpy uses a plain copy of the same bytes timed right after each cell; "
             "the memcpy lines above the table pool all those runs",
-            "source block ids are random and disjoint; destination ids per --dst-ids; "
+            "source block ids are random and disjoint; destination ids per --dst-ids "
+            f"({bench.dst_runs} of {len(bench.dst_ids)} requests in one run); "
             "vs_memcpy = memcpy time / transfer time",
         ],
         "wall_s": time.perf_counter() - start,

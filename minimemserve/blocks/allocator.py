@@ -1,8 +1,12 @@
 """A refcounted block allocator: a free list and one reference count per block id.
 
 Plain Python, no torch: block ids are ints in ``[0, num_blocks)``. A block is free when its
-count is 0 and it then sits in the free list exactly once. Every call validates its whole
-argument before changing anything, so a call that raises leaves the allocator as it was.
+count is 0. Free blocks are handed out first-in, first-out from a queue, or, on request, as
+one ascending run of ids found in a byte map of the free blocks (``bytes.find``, a C-speed
+scan), so a transfer can land in one contiguous piece of the pool. A block taken as part of
+a run stays in the queue as a stale entry, skipped when it comes up. Every call validates
+its whole argument before changing anything, so a call that raises leaves the allocator as
+it was.
 """
 
 from __future__ import annotations
@@ -16,16 +20,21 @@ from minimemserve.errors import PoolExhausted
 class BlockAllocator:
     """Hands out block ids with a reference count each.
 
-    ``alloc`` takes blocks from the free list with count 1; ``incref`` adds holders;
-    ``decref`` drops them and returns the blocks that reached 0 to the free list
-    (first-in, first-out, so recently freed blocks are reused last).
+    ``alloc`` takes blocks from the free list with count 1 (first-in, first-out, so recently
+    freed blocks are reused last; ``contiguous=True`` prefers one ascending run of ids);
+    ``incref`` adds holders; ``decref`` drops them and returns the blocks that reached 0 to
+    the free list.
     """
 
     def __init__(self, num_blocks: int) -> None:
+        """Manage ids ``0 .. num_blocks - 1``, all free."""
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
         self._num_blocks = num_blocks
+        # queue of free ids; may also hold stale ids (taken by a run), skipped when popped
         self._free: deque[int] = deque(range(num_blocks))
+        self._num_free = num_blocks
+        self._free_map = bytearray(b"\x01") * num_blocks  # 1 where the block is free
         self._refcount: list[int] = [0] * num_blocks
 
     @property
@@ -36,20 +45,38 @@ class BlockAllocator:
     @property
     def num_free(self) -> int:
         """Blocks with no reference."""
-        return len(self._free)
+        return self._num_free
 
-    def alloc(self, n: int) -> list[int]:
-        """Take ``n`` free blocks, each with reference count 1."""
+    def alloc(self, n: int, contiguous: bool = False) -> list[int]:
+        """Take ``n`` free blocks, each with reference count 1.
+
+        With ``contiguous``, the blocks are the lowest ascending run ``[b, b + n)`` of free
+        ids when one exists (a transfer then lands in one piece); otherwise they come from
+        the free list as usual.
+        """
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"block count must be a non-negative int, got {n!r}")
-        if n > len(self._free):
+        if n > self._num_free:
             raise PoolExhausted(
-                f"asked for {n} blocks but only {len(self._free)} of {self._num_blocks} are free"
+                f"asked for {n} blocks but only {self._num_free} of {self._num_blocks} are free"
             )
-        free, rc = self._free, self._refcount
-        out = [free.popleft() for _ in range(n)]
+        if not n:
+            return []
+        rc, free_map = self._refcount, self._free_map
+        start = free_map.find(b"\x01" * n) if contiguous and n > 1 else -1
+        if start >= 0:
+            out = list(range(start, start + n))
+            free_map[start : start + n] = bytes(n)  # their queue entries are now stale
+        else:
+            free, out = self._free, []
+            while len(out) < n:
+                b = free.popleft()
+                if free_map[b]:  # else stale: taken by a run since it was queued
+                    free_map[b] = 0
+                    out.append(b)
         for b in out:
             rc[b] = 1
+        self._num_free -= n
         return out
 
     def incref(self, blocks: Iterable[int]) -> None:
@@ -88,7 +115,12 @@ class BlockAllocator:
             rc[b] -= 1
             if not rc[b]:
                 freed.append(b)
+        for b in freed:
+            self._free_map[b] = 1
         self._free.extend(freed)
+        self._num_free += len(freed)
+        if len(self._free) > 2 * self._num_blocks + 64:
+            self._free = deque(self.free_blocks())  # drop the stale entries
         return freed
 
     def _undo_decref(self, blocks: list[int]) -> None:
@@ -106,8 +138,13 @@ class BlockAllocator:
         return self._refcount
 
     def free_blocks(self) -> list[int]:
-        """The free list in order (for audits)."""
-        return list(self._free)
+        """The free blocks in the order ``alloc`` would hand them out (for audits)."""
+        free_map, seen, out = self._free_map, set(), []
+        for b in self._free:
+            if free_map[b] and b not in seen:
+                seen.add(b)
+                out.append(b)
+        return out
 
     def check_id(self, b: int) -> None:
         """Raise ValueError unless ``b`` is a block id of this allocator."""
@@ -117,4 +154,4 @@ class BlockAllocator:
             )
 
     def __repr__(self) -> str:
-        return f"BlockAllocator(num_blocks={self._num_blocks}, free={len(self._free)})"
+        return f"BlockAllocator(num_blocks={self._num_blocks}, free={self._num_free})"

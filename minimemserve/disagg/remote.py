@@ -9,9 +9,9 @@ other (the decode side sends decode-phase KV back to the prefill side while the 
 side is sending to it), and a node that only waited would deadlock.
 
 :class:`RemotePool` is what a recipe sees as the peer's MemPool. It implements the
-receiving side of MemPool's transfer (``recv_alloc``, ``recv_write``, ``recv_commit``,
-``recv_abort``) over the control plane, with ``recv_write`` writing straight into a
-shared-memory view of the peer's pool tensor, so ``MemPool.transfer(remote, ...)`` and
+receiving side of MemPool's transfer (``recv_alloc``, ``recv_copy``/``recv_write``,
+``recv_commit``, ``recv_abort``) over the control plane, with the data step writing straight
+into a shared-memory view of the peer's pool tensor, so ``MemPool.transfer(remote, ...)`` and
 ``transfer_with_insert`` work across processes unchanged. :class:`RemotePeer` is the
 ``dst`` object the prefill recipe hands requests to.
 """
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import zmq
 
+from minimemserve.blocks.copy import move_blocks
 from minimemserve.blocks.layout import AGGREGATED, KVLayout
 from minimemserve.disagg.control import (
     Abort,
@@ -449,7 +450,7 @@ class RemotePool:
     """A peer instance's MemPool as the sending side of a transfer sees it.
 
     ``kv`` is this process's view of the peer's hbm pool tensor (shared memory, or CUDA
-    IPC), so ``recv_write`` is a one-sided write; the other receiving steps are requests to
+    IPC), so ``recv_copy`` is a one-sided write; the other receiving steps are requests to
     the peer. Blocks the peer allocated for a transfer that then fails are released there
     (``recv_abort``, best effort when the peer is gone).
     """
@@ -506,6 +507,23 @@ class RemotePool:
         block_dim = 0 if self.layout.kind == AGGREGATED else 2
         idx = torch.tensor(blocks, device=self.kv.device)
         self.kv.index_copy_(block_dim, idx, data.to(self.kv.device))  # one-sided write
+        if self.kv.is_cuda:
+            torch.cuda.current_stream(self.kv.device).synchronize()  # land before Commit
+
+    def recv_copy(self, blocks: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
+        """Step 2 from this process's pool tensor ``src``: its blocks ``src_ids`` go straight
+        into the peer's ``blocks`` (one-sided; one pass when ``blocks`` is one run)."""
+        blocks = list(blocks)
+        block_dim = 0 if self.layout.kind == AGGREGATED else 2
+        if tuple(src.shape) != self.layout.pool_shape(src.shape[block_dim]):
+            raise ValueError(f"recv_copy expects a pool tensor of this layout, got {src.shape}")
+        if src.dtype != self.dtype:
+            raise ValueError(f"recv_copy expects {self.dtype}, got {src.dtype}")
+        if not blocks:
+            return
+        if self.peer in self.node.dead:
+            raise InstanceDied(f"instance {self.peer} died before the write")
+        move_blocks(self.kv, blocks, src, src_ids, block_dim)  # one-sided write
         if self.kv.is_cuda:
             torch.cuda.current_stream(self.kv.device).synchronize()  # land before Commit
 

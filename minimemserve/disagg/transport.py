@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 import torch
 
+from minimemserve.blocks.copy import is_run
 from minimemserve.errors import ConfigError, TransferError
 
 LOOPBACK = "127.0.0.1"
@@ -488,10 +489,6 @@ def _ids_list(ids: IdList) -> list[int]:
     return ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
 
 
-def _contiguous_run(ids: list[int]) -> bool:
-    return all(b == a + 1 for a, b in zip(ids, ids[1:]))
-
-
 class Staging:
     """A reusable gather buffer, so packed copies do not allocate (and page-fault) each time."""
 
@@ -560,7 +557,7 @@ def copy_blocks(
         return src.shape[1]
     staging = staging or Staging()
     s_idx = as_index(s_ids, src.device)
-    if _contiguous_run(d_ids):
+    if is_run(d_ids):
         torch.index_select(src, 0, s_idx, out=dst[d_ids[0] : d_ids[0] + len(d_ids)])
     else:
         packed = staging.get((len(s_ids), *src.shape[1:]), src.dtype, src.device)
@@ -881,8 +878,9 @@ class GlooTransport:
     ) -> Pending:
         """Receive into ``dst[dst_ids]`` what the peer sends with ``send_blocks`` in ``mode``.
 
-        ``by_request_aggregated`` and ``by_request`` land in place; ``packed`` and
-        ``by_layer`` land in a buffer (``staging``, or a fresh one) scattered by ``wait``.
+        ``by_request_aggregated`` and ``by_request`` land in place, and so does ``packed``
+        when ``dst_ids`` is one ascending run; otherwise ``packed`` and ``by_layer`` land in
+        a buffer (``staging``, or a fresh one) scattered by ``wait``.
         """
         self._check(dst)
         mode = TransferMode(mode)
@@ -899,6 +897,8 @@ class GlooTransport:
                 for layer in range(num_layers):
                     dst[:, layer].index_copy_(0, idx, buf[layer])
 
+        elif mode is TransferMode.PACKED and is_run(ids):
+            pieces = [dst.narrow(0, ids[0] if n else 0, n)]  # one run: straight into place
         elif mode is TransferMode.PACKED:
             buf = _buffer(staging, (n, *dst.shape[1:]), dst)  # [n, L, 2, bs, h, d]
             idx = as_index(ids, dst.device)

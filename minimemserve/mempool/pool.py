@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from minimemserve.blocks.allocator import BlockAllocator
+from minimemserve.blocks.copy import move_blocks
 from minimemserve.blocks.layout import AGGREGATED, KVLayout
 from minimemserve.errors import ConfigError, PoolExhausted
 from minimemserve.mempool.radix import RadixNode, RadixTree, as_tokens
@@ -203,13 +204,14 @@ class MemPool:
 
     # -- allocation --------------------------------------------------------------------
 
-    def alloc_mem(self, n: int, tier: str = HBM) -> list[int]:
+    def alloc_mem(self, n: int, tier: str = HBM, contiguous: bool = False) -> list[int]:
         """``n`` blocks of ``tier`` with one reference each, held by the caller.
 
         Evicts cached-only blocks, least recently used leaves first, when too few are
         free; an evicted hbm block moves to dram when there is a dram tier with room (or
         room it can make by evicting). Raises ``PoolExhausted`` without changing
-        anything when free plus evictable blocks fall short.
+        anything when free plus evictable blocks fall short. ``contiguous`` asks for one
+        ascending run of ids when the free blocks hold one (data then lands in one piece).
         """
         t = self._tier(tier)
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
@@ -225,7 +227,7 @@ class MemPool:
                     f"({total} in total, {total - t.alloc.num_free - evictable} in use)"
                 )
             self._evict(t, short)
-        return t.alloc.alloc(n)
+        return t.alloc.alloc(n, contiguous)
 
     def free_mem(self, blocks: Sequence[int], tier: str = HBM) -> None:
         """Drop one of the caller's references on each block.
@@ -498,7 +500,7 @@ class MemPool:
         assert dram is not None
         if moved < len(node.values):
             self._tree.split(node, len(node.values) - moved)  # node keeps the tail
-        new = dram.alloc.alloc(moved)
+        new = dram.alloc.alloc(moved, contiguous=True)
         self._copy(t, node.values, dram, new)
         self._index_drop(t, node.values)
         node.values = new
@@ -527,7 +529,7 @@ class MemPool:
             try:
                 j = min(want, hbm.alloc.num_free + self._evictable(hbm))
                 if j:
-                    new = self.alloc_mem(j, HBM)  # the fresh references become the index's
+                    new = self.alloc_mem(j, HBM, contiguous=True)  # references: the index's
                     if j < len(node.values):
                         node = self._tree.split(node, j)
                     old = node.values
@@ -546,13 +548,8 @@ class MemPool:
                 return
 
     def _copy(self, src: _Tier, src_ids: list[int], dst: _Tier, dst_ids: list[int]) -> None:
-        """Copy whole blocks between tiers in one gather and one scatter."""
-        if not src_ids:
-            return
-        dim = self._block_dim
-        data = src.kv.index_select(dim, torch.tensor(src_ids, device=src.kv.device))
-        # data: layout.pool_shape(len(src_ids))
-        dst.kv.index_copy_(dim, torch.tensor(dst_ids, device=dst.kv.device), data.to(dst.kv.device))
+        """Copy whole blocks between tiers (one pass when ``dst_ids`` is one run)."""
+        move_blocks(dst.kv, dst_ids, src.kv, src_ids, self._block_dim)
 
     # -- swap and transfer -------------------------------------------------------------
 
@@ -573,7 +570,7 @@ class MemPool:
                     f"swap moves blocks the caller holds alone: {src_tier} block {b} has "
                     f"refcount {src.alloc.refcount(b)}{' and is cached' if src.indexed[b] else ''}"
                 )
-        new = self.alloc_mem(len(blocks), dst_tier)
+        new = self.alloc_mem(len(blocks), dst_tier, contiguous=True)
         self._copy(src, blocks, dst, new)
         src.alloc.decref(blocks)
         self._counters["swapped_blocks"] += len(blocks)
@@ -586,12 +583,13 @@ class MemPool:
 
         With ``tokens``, the cached prefix is matched first and only the rest is
         allocated: returns ``(matched, allocated)``. Without, ``([], allocated)``. The
-        caller holds a reference on every returned block.
+        caller holds a reference on every returned block. The allocated blocks are one
+        ascending run when the free blocks hold one, so the data lands in one piece.
         """
         if not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
         if tokens is None:
-            return [], self.alloc_mem(num_blocks)
+            return [], self.alloc_mem(num_blocks, contiguous=True)
         toks = as_tokens(tokens)
         # onloaded or freshly allocated, every block missing from hbm costs one hbm block:
         # fail before matching, so a refused transfer leaves the pool as it was
@@ -607,7 +605,7 @@ class MemPool:
             self.free_mem(matched[num_blocks:])
             matched = matched[:num_blocks]
         try:
-            new = self.alloc_mem(num_blocks - len(matched))
+            new = self.alloc_mem(num_blocks - len(matched), contiguous=True)
         except BaseException:
             self.free_mem(matched)
             raise
@@ -624,16 +622,37 @@ class MemPool:
             )
         if data.dtype != self.dtype:
             raise ValueError(f"recv_write expects {self.dtype}, got {data.dtype}")
-        hbm = self._tiers[HBM]
-        for b in blocks:
-            if hbm.alloc.refcount(b) < 1:
-                raise ValueError(f"recv_write into free block {b}")
+        hbm = self._check_recv(blocks, "recv_write")
         if not blocks:
             return
         idx = torch.tensor(blocks, device=hbm.kv.device)
         hbm.kv.index_copy_(self._block_dim, idx, data.to(hbm.kv.device))
         self._counters["recv_blocks"] += len(blocks)
         self._counters["recv_bytes"] += data.numel() * data.element_size()
+
+    def recv_copy(self, blocks: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
+        """Receiving side, step 2 when the sender's pool tensor ``src`` is reachable from
+        here (same process): copy its blocks ``src_ids`` straight into ``blocks``.
+
+        One pass over the data when ``blocks`` is one run (what ``recv_alloc`` hands out
+        when it can); no packed copy in between.
+        """
+        blocks, src_ids = list(blocks), list(src_ids)
+        if tuple(src.shape) != self.layout.pool_shape(src.shape[self._block_dim]):
+            raise ValueError(f"recv_copy expects a pool tensor of this layout, got {src.shape}")
+        if src.dtype != self.dtype:
+            raise ValueError(f"recv_copy expects {self.dtype}, got {src.dtype}")
+        hbm = self._check_recv(blocks, "recv_copy")
+        move_blocks(hbm.kv, blocks, src, src_ids, self._block_dim)
+        self._counters["recv_blocks"] += len(blocks)
+        self._counters["recv_bytes"] += len(blocks) * self.layout.block_bytes(src.element_size())
+
+    def _check_recv(self, blocks: list[int], what: str) -> _Tier:
+        hbm = self._tiers[HBM]
+        for b in blocks:
+            if hbm.alloc.refcount(b) < 1:
+                raise ValueError(f"{what} into free block {b}")
+        return hbm
 
     def recv_commit(self, tokens: Sequence[int] | None, blocks: Sequence[int]) -> None:
         """Receiving side, step 3: index ``tokens -> blocks`` when tokens are given."""
@@ -702,15 +721,14 @@ class MemPool:
         return src
 
     def _send(self, dst: MemPool, src_ids: list[int], dst_ids: list[int]) -> None:
-        """Move blocks in one batched gather, then the receiver's one scatter."""
+        """Move blocks into the receiver's: it reads this pool's tensor straight into its
+        blocks (a pool in this process, or a peer's mapped pool written one-sided)."""
         if not src_ids:
             return
         kv = self._tiers[HBM].kv
-        data = kv.index_select(self._block_dim, torch.tensor(src_ids, device=kv.device))
-        # data: layout.pool_shape(len(src_ids))
-        dst.recv_write(dst_ids, data)
+        dst.recv_copy(dst_ids, kv, src_ids)
         self._counters["sent_blocks"] += len(src_ids)
-        self._counters["sent_bytes"] += data.numel() * data.element_size()
+        self._counters["sent_bytes"] += len(src_ids) * self.layout.block_bytes(kv.element_size())
 
     # -- audit -------------------------------------------------------------------------
 

@@ -207,6 +207,7 @@ def _gloo_receiver(port: int) -> None:
         second.wait()
         first.wait()
         t.recv_layer(dst, 2, [8], tag=3)
+        t.recv_blocks(dst, [5, 6], TransferMode.PACKED, tag=4)  # a run: received in place
         t.send_tensor(dst)
 
 
@@ -230,9 +231,11 @@ def test_gloo_blocks_are_bit_exact_across_processes() -> None:
             a.wait()
             b.wait()
             t.send_layer(src, 2, [6], tag=3)
+            t.send_blocks(src, [1, 3], mode=TransferMode.PACKED, tag=4)
             back = torch.empty_like(src)
             t.recv_tensor(back)
             assert torch.equal(back[DST_IDS], src[SRC_IDS])
+            assert torch.equal(back[5:7], src[[1, 3]])
             assert torch.equal(back[8, 2], src[6, 2]) and not back[8, :2].any()
     finally:
         child.join(JOIN_S)

@@ -473,6 +473,25 @@ def test_transfer_moves_data_and_hands_references_on_dst():
     dst.check()
 
 
+def test_received_blocks_are_one_run_in_a_churned_pool():
+    src, dst = MemPool(LAYOUT, 8), MemPool(LAYOUT, 8)
+    dst.alloc_mem(8)
+    dst.free_mem([7, 5, 3, 1, 6])  # free list 7, 5, 3, 1, 6: a plain alloc(3) gives 7, 5, 3
+    blocks = src.alloc_mem(3)
+    data = torch.randn(3, *LAYOUT.pool_shape(1)[1:])
+    src.kv()[blocks] = data
+    got = src.transfer(dst, blocks)
+    assert got == [5, 6, 7]  # the free run, so the data lands in one piece
+    assert torch.equal(dst.kv()[got], data)
+    got2 = src.transfer(dst, blocks[:2])  # free now: 3 and 1, no run: the free list order
+    assert got2 == [3, 1]
+    assert torch.equal(dst.kv()[got2], data[:2])
+    dst.free_mem(got + got2 + [0, 2, 4])
+    src.free_mem(blocks)
+    src.check()
+    dst.check()
+
+
 def test_transfer_with_insert_sends_only_the_missing_blocks():
     src, dst = MemPool(LAYOUT, 8), MemPool(LAYOUT, 8)
     cache(dst, seq(1, 2), [1, 2])
@@ -520,7 +539,7 @@ def test_failed_transfer_releases_everything_on_dst(monkeypatch):
     def fail(*args, **kwargs):
         raise Boom("link down")
 
-    monkeypatch.setattr(dst, "recv_write", fail)
+    monkeypatch.setattr(dst, "recv_copy", fail)
     with pytest.raises(Boom):
         src.transfer_with_insert(dst, toks, blocks)
     assert state(dst) == before

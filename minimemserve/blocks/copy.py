@@ -1,0 +1,55 @@
+"""Copying whole KV blocks between pool tensors in as few passes over memory as possible.
+
+A block copy reads each source byte once and writes each destination byte once when it can:
+
+- destination ids that form one ascending run (what ``BlockAllocator.alloc(contiguous=True)``
+  hands out) take one gather, straight into that slice of the destination;
+- scattered ids on the CPU take one copy per block (a single pass, where a gather into a
+  buffer followed by a scatter would be two);
+- scattered ids on a GPU take a gather and a scatter (two kernels instead of one launch per
+  block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def is_run(ids: Sequence[int]) -> bool:
+    """True when ``ids`` is one ascending run ``b, b + 1, ...`` (empty and single count)."""
+    return all(b == a + 1 for a, b in zip(ids, ids[1:]))
+
+
+def move_blocks(
+    dst: torch.Tensor,
+    dst_ids: Sequence[int],
+    src: torch.Tensor,
+    src_ids: Sequence[int],
+    dim: int = 0,
+) -> None:
+    """``dst[dst_ids] = src[src_ids]`` along the block dimension ``dim`` of two pool tensors.
+
+    ``dim`` is 0 for the aggregated layout and 2 for the per-layer one. The tensors may live
+    on different devices (offload and onload between tiers); they must share the dtype and
+    the block shape.
+    """
+    dst_ids, src_ids = [int(b) for b in dst_ids], [int(b) for b in src_ids]
+    if len(dst_ids) != len(src_ids):
+        raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
+    if dst.dtype != src.dtype:
+        raise ValueError(f"block copy between dtypes {src.dtype} -> {dst.dtype}")
+    if not src_ids:
+        return
+    same_device = dst.device == src.device
+    if dim == 0 and same_device and is_run(dst_ids):
+        s_idx = torch.tensor(src_ids, device=src.device)
+        start = dst_ids[0]
+        torch.index_select(src, 0, s_idx, out=dst[start : start + len(dst_ids)])
+    elif dim == 0 and same_device and not dst.is_cuda:
+        for s, d in zip(src_ids, dst_ids):
+            dst[d].copy_(src[s])
+    else:
+        data = src.index_select(dim, torch.tensor(src_ids, device=src.device))
+        dst.index_copy_(dim, torch.tensor(dst_ids, device=dst.device), data.to(dst.device))
