@@ -491,24 +491,14 @@ class RemotePool:
         return list(rep.matched), list(rep.new)
 
     def recv_write(self, blocks: Sequence[int], data: torch.Tensor) -> None:
-        """Step 2: write ``data`` (``layout.pool_shape(len(blocks))``) into the peer's blocks."""
-        blocks = list(blocks)
+        """Step 2 from a packed buffer: ``data`` (``layout.pool_shape(len(blocks))``) goes
+        into the peer's blocks."""
         expected = self.layout.pool_shape(len(blocks))
         if tuple(data.shape) != expected:
             raise ValueError(
                 f"recv_write expects data of shape {expected}, got {tuple(data.shape)}"
             )
-        if data.dtype != self.dtype:
-            raise ValueError(f"recv_write expects {self.dtype}, got {data.dtype}")
-        if not blocks:
-            return
-        if self.peer in self.node.dead:
-            raise InstanceDied(f"instance {self.peer} died before the write")
-        block_dim = 0 if self.layout.kind == AGGREGATED else 2
-        idx = torch.tensor(blocks, device=self.kv.device)
-        self.kv.index_copy_(block_dim, idx, data.to(self.kv.device))  # one-sided write
-        if self.kv.is_cuda:
-            torch.cuda.current_stream(self.kv.device).synchronize()  # land before Commit
+        self.recv_copy(blocks, data, range(len(blocks)))
 
     def recv_copy(self, blocks: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
         """Step 2 from this process's pool tensor ``src``: its blocks ``src_ids`` go straight

@@ -612,23 +612,14 @@ class MemPool:
         return matched, new
 
     def recv_write(self, blocks: Sequence[int], data: torch.Tensor) -> None:
-        """Receiving side, step 2: copy ``data`` (``layout.pool_shape(len(blocks))``) into
-        ``blocks`` of the hbm tier."""
-        blocks = list(blocks)
+        """Receiving side, step 2 from a packed buffer: copy ``data``
+        (``layout.pool_shape(len(blocks))``) into ``blocks`` of the hbm tier."""
         expected = self.layout.pool_shape(len(blocks))
         if tuple(data.shape) != expected:
             raise ValueError(
                 f"recv_write expects data of shape {expected}, got {tuple(data.shape)}"
             )
-        if data.dtype != self.dtype:
-            raise ValueError(f"recv_write expects {self.dtype}, got {data.dtype}")
-        hbm = self._check_recv(blocks, "recv_write")
-        if not blocks:
-            return
-        idx = torch.tensor(blocks, device=hbm.kv.device)
-        hbm.kv.index_copy_(self._block_dim, idx, data.to(hbm.kv.device))
-        self._counters["recv_blocks"] += len(blocks)
-        self._counters["recv_bytes"] += data.numel() * data.element_size()
+        self.recv_copy(blocks, data, range(len(blocks)))
 
     def recv_copy(self, blocks: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
         """Receiving side, step 2 when the sender's pool tensor ``src`` is reachable from
@@ -642,17 +633,13 @@ class MemPool:
             raise ValueError(f"recv_copy expects a pool tensor of this layout, got {src.shape}")
         if src.dtype != self.dtype:
             raise ValueError(f"recv_copy expects {self.dtype}, got {src.dtype}")
-        hbm = self._check_recv(blocks, "recv_copy")
-        move_blocks(hbm.kv, blocks, src, src_ids, self._block_dim)
-        self._counters["recv_blocks"] += len(blocks)
-        self._counters["recv_bytes"] += len(blocks) * self.layout.block_bytes(src.element_size())
-
-    def _check_recv(self, blocks: list[int], what: str) -> _Tier:
         hbm = self._tiers[HBM]
         for b in blocks:
             if hbm.alloc.refcount(b) < 1:
-                raise ValueError(f"{what} into free block {b}")
-        return hbm
+                raise ValueError(f"recv_copy into free block {b}")
+        move_blocks(hbm.kv, blocks, src, src_ids, self._block_dim)
+        self._counters["recv_blocks"] += len(blocks)
+        self._counters["recv_bytes"] += len(blocks) * self.layout.block_bytes(src.element_size())
 
     def recv_commit(self, tokens: Sequence[int] | None, blocks: Sequence[int]) -> None:
         """Receiving side, step 3: index ``tokens -> blocks`` when tokens are given."""

@@ -492,6 +492,19 @@ def test_received_blocks_are_one_run_in_a_churned_pool():
     dst.check()
 
 
+def test_recv_write_takes_a_packed_buffer():
+    dst = MemPool(LAYOUT, 4)
+    blocks = dst.alloc_mem(2)
+    data = torch.randn(LAYOUT.pool_shape(2))
+    dst.recv_write(blocks[::-1], data)
+    assert torch.equal(dst.kv()[blocks[::-1]], data)
+    assert dst.stats()["counters"]["recv_bytes"] == 2 * BLOCK_BYTES
+    with pytest.raises(ValueError, match="free block 3"):
+        dst.recv_write([3], data[:1])
+    dst.free_mem(blocks)
+    dst.check()
+
+
 def test_transfer_with_insert_sends_only_the_missing_blocks():
     src, dst = MemPool(LAYOUT, 8), MemPool(LAYOUT, 8)
     cache(dst, seq(1, 2), [1, 2])
