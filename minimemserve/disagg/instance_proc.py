@@ -38,6 +38,7 @@ from minimemserve.disagg.remote import (
     Peers,
     Probe,
     ProbeReply,
+    PushPrefix,
     Query,
     Ready,
     RemotePeer,
@@ -85,6 +86,7 @@ class InstanceSpec:
     timeout_s: float = 30.0
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     parent_pid: int = 0
+    shared_pool: bool = False  # colocated: hbm pool in shared memory, for prefix transfers
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -202,6 +204,8 @@ class InstanceServer:
         elif spec.role == "decode":
             recipe = SafeDecodeRecipe(level, self._prefill_pool_of)
             pool_factory = SharedMemPool
+        elif spec.shared_pool:
+            pool_factory = SharedMemPool
         self.engine = Engine(
             spec.model_dir,
             config=spec.config,
@@ -300,6 +304,8 @@ class InstanceServer:
         if isinstance(msg, Peers):
             self._connect_peers(msg.peers)
             return None
+        if isinstance(msg, PushPrefix):
+            return Info({"tokens": self._push_prefix(msg.tokens, msg.to)})
         if isinstance(msg, PeerDown):
             self._peer_down(msg.name, msg.reason)
             return Info({"handed": [r for r, d in self.handed.items() if d == msg.name]})
@@ -309,6 +315,23 @@ class InstanceServer:
         if isinstance(msg, Heartbeat):
             return None
         raise ValueError(f"{self.name} does not handle {type(msg).__name__}")
+
+    def _push_prefix(self, tokens: list[int], to: str) -> int:
+        """Send this pool's cached prefix of ``tokens`` to peer ``to`` (indexed there);
+        returns the tokens it covers."""
+        peer = self.remotes.get(to)
+        if peer is None or to in self.node.dead:
+            raise InstanceDied(f"{self.name} has no live peer {to!r} to send a prefix to")
+        blocks = self.pool.match(tokens)  # whole blocks, never the last token
+        if not blocks:
+            return 0
+        n = len(blocks) * self.pool.block_size
+        try:
+            got = self.pool.transfer_with_insert(peer.pool, tokens[:n], blocks)
+            peer.pool.free_mem(got)  # the peer's index keeps its own reference
+        finally:
+            self.pool.free_mem(blocks)
+        return n
 
     def _grant(self, peer: str, blocks: list[int]) -> None:
         self.grants.setdefault(peer, Counter()).update(blocks)

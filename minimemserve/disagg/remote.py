@@ -150,6 +150,16 @@ class PeerDown:
 
 
 @dataclass
+class PushPrefix:
+    """Send the cached prefix of ``tokens`` (whatever of it this instance holds) to instance
+    ``to``, indexed there; the reply is ``Info({"tokens": n})`` with the tokens now cached
+    on ``to`` thanks to it (0 when nothing was held)."""
+
+    tokens: list[int]
+    to: str
+
+
+@dataclass
 class Shutdown:
     """Stop the instance process cleanly."""
 
@@ -169,6 +179,7 @@ RUNTIME_MESSAGES: tuple[type, ...] = (
     Query,
     Info,
     PeerDown,
+    PushPrefix,
     Shutdown,
 )
 

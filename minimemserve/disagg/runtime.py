@@ -8,10 +8,13 @@ engine API the benchmark drives (``add_request``, ``step``, ``has_unfinished``,
 ``validate``, ``tokenizer``). KV moves between processes only through MemPool's transfer
 calls, whose receiving side is a :class:`~minimemserve.disagg.remote.RemotePool`.
 
-Routing: colocated configs (PD, PD-CC) send a request to the instance picked by a hash of
-its first block of prompt tokens, so the turns of one conversation keep hitting the same
-cache; xPyD sends it to the least-loaded live prefill instance (round-robin on ties), and
-the prefill instance picks the decode instance holding most of the prompt.
+Routing: a :class:`~minimemserve.scheduler.global_scheduler.GlobalScheduler` picks the
+colocated instance (PD, PD-CC) or the prefill instance (xPyD) by its ``policy``; the
+default, ``prompt_tree``, weighs each instance's believed cached prefix and queued work
+with the cost model. Finished requests update its prompt trees. With
+``prompt_tree_transfer`` an instance holding more of a prompt first sends the missing KV
+to the chosen one (``PushPrefix``). The prefill instance picks the decode instance
+holding most of the prompt.
 
 Faults: the frontend watches process exit codes and heartbeats. When an instance dies it
 names it (log, :attr:`ProcessCluster.dead`, the error of affected requests), unlinks its
@@ -31,8 +34,6 @@ import signal
 import threading
 import time
 import weakref
-import zlib
-from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,7 @@ from minimemserve.disagg.remote import (
     Output,
     PeerDown,
     Peers,
+    PushPrefix,
     Query,
     Ready,
     RpcNode,
@@ -65,6 +67,12 @@ from minimemserve.errors import (
 )
 from minimemserve.request import RequestMetrics, RequestOutput
 from minimemserve.sampling import SamplingParams
+from minimemserve.scheduler.global_scheduler import (
+    DEFAULT_TTL_S,
+    Cost,
+    GlobalScheduler,
+    Route,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +150,9 @@ class ProcessCluster:
     otherwise the frontend binds ``base_port`` and instance ``i`` ``base_port + 1 + i``.
     ``timeout_s`` bounds every control request. ``start_method`` is ``"spawn"`` (fresh
     interpreters) or ``"forkserver"`` (fresh processes forked from one server that imported
-    torch once: much faster to start several clusters in one program). Use as a context
-    manager, or call
+    torch once: much faster to start several clusters in one program). ``policy``,
+    ``cost_model`` and ``ttl_s`` configure the global scheduler (see
+    :mod:`minimemserve.scheduler.global_scheduler`). Use as a context manager, or call
     :meth:`close`; an abandoned cluster is reaped when garbage collected.
     """
 
@@ -165,6 +174,9 @@ class ProcessCluster:
         base_port: int = 0,
         rerun_on_failure: bool = True,
         start_method: str = "spawn",
+        policy: str = "prompt_tree",
+        cost_model: Cost | None = None,
+        ttl_s: float = DEFAULT_TTL_S,
     ) -> None:
         from minimemserve.model.tokenizer import Tokenizer
 
@@ -183,10 +195,11 @@ class ProcessCluster:
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.dead: dict[str, str] = {}  # instance name -> why it died
         self.num_reruns = 0  # requests re-run after the instance holding them died
+        self.num_prefix_transfers = 0  # prefix transfers the scheduler asked for
+        self.prefix_tokens_moved = 0  # tokens of KV they moved
         self._inflight: dict[str, _Inflight] = {}
         self._done: list[RequestOutput] = []
         self._ids = itertools.count()
-        self._rr = itertools.count()
         self._last_heard: dict[str, float] = {}
         self._closed = False
         self._old_sigterm = None
@@ -197,6 +210,17 @@ class ProcessCluster:
         else:
             roles = [(f"P{i}", "prefill") for i in range(d.num_prefill)]
             roles += [(f"D{i}", "decode") for i in range(d.num_decode)]
+        first_role = "colocated" if d.colocated else "prefill"
+        self.scheduler = GlobalScheduler(
+            [n for n, r in roles if r == first_role],
+            policy=policy,
+            block_size=self.engine_config.block_size,
+            cost_model=cost_model,
+            ttl_s=ttl_s,
+            caching=d.cache_level > 0,
+        )
+        # prefix transfers between colocated instances need their pools mapped by peers
+        linked = not d.colocated or policy == "prompt_tree_transfer"
         self.node = RpcNode(
             "frontend", self._handle, host=host, port=base_port, timeout_s=timeout_s
         )
@@ -223,6 +247,7 @@ class ProcessCluster:
                     timeout_s=timeout_s,
                     heartbeat_s=heartbeat_s,
                     parent_pid=os.getpid(),
+                    shared_pool=linked,
                 )
                 proc = ctx.Process(target=instance_main, args=(spec,), name=f"mms-{name}")
                 proc.daemon = True
@@ -237,7 +262,7 @@ class ProcessCluster:
             ]
             for inst in self.instances.values():
                 self.node.connect(inst.name, inst.address)
-            if not d.colocated:
+            if linked:
                 for inst in self.instances.values():
                     self.node.call(inst.name, Peers(peers))
         except BaseException:
@@ -302,7 +327,9 @@ class ProcessCluster:
         if isinstance(msg, Output):
             rid = msg.output["request_id"]
             if self._inflight.pop(rid, None) is not None:
-                self._done.append(output_from_dict(msg.output))
+                out = output_from_dict(msg.output)
+                self._done.append(out)
+                self.scheduler.finished(rid, self._left_cached(out))
         elif isinstance(msg, Handoff):
             f = self._inflight.get(msg.req_id)
             if f is not None and f.where == sender:
@@ -311,6 +338,7 @@ class ProcessCluster:
                     self._recover(msg.req_id, f, f"InstanceDied: instance {msg.to} died ({reason})")
                 else:
                     f.where = msg.to
+                    self.scheduler.prefilled(msg.req_id)
         elif isinstance(msg, Ready):
             inst = self.instances.get(msg.name)
             if inst is None:
@@ -344,6 +372,7 @@ class ProcessCluster:
     def _on_death(self, inst: InstanceInfo, reason: str) -> None:
         self.dead[inst.name] = reason
         self.node.dead[inst.name] = reason
+        self.scheduler.drop(inst.name)
         logger.error("instance %s (%s) died: %s", inst.name, inst.role, reason)
         _unlink_segment(inst.handle)
         for other in self.instances.values():
@@ -367,38 +396,58 @@ class ProcessCluster:
         """Re-run a request whose instance died, or end it with ``error``."""
         if self.rerun_on_failure and f.reruns < MAX_RERUNS:
             with contextlib.suppress(TransferError, MiniMemServeError):
-                target = self._route(f.prompt)
+                route = self._route(f.prompt)
                 f.reruns += 1
-                self._submit(target, rid, f)
+                self._submit(route, rid, f)
                 self.num_reruns += 1
-                logger.warning("request %s re-run on %s after: %s", rid, target, error)
+                logger.warning("request %s re-run on %s after: %s", rid, route.instance, error)
                 return
         self._inflight.pop(rid, None)
+        self.scheduler.finished(rid)
         m = RequestMetrics(arrival_time=f.arrival_time, prompt_tokens=len(f.prompt))
         m.finish_time = time.perf_counter()
         self._done.append(RequestOutput(rid, list(f.prompt), [], None, "error", m, error=error))
 
     # ---- routing ---------------------------------------------------------------------------
-    def _route(self, prompt: Sequence[int]) -> str:
+    def _route(self, prompt: Sequence[int]) -> Route:
         d = self.deployment
-        if d.colocated:
-            live = self._live("colocated")
-            if not live:
-                raise InstanceDied(f"every instance died: {self.dead}")
-            head = array("q", prompt[: self.engine_config.block_size]).tobytes()
-            return live[zlib.crc32(head) % len(live)]
-        live = self._live("prefill")
-        if not live or not self._live("decode"):
+        if not d.colocated and not self._live("decode"):
             raise InstanceDied(f"no live prefill/decode pair is left: {self.dead}")
-        load = {n: 0 for n in live}
-        for f in self._inflight.values():
-            if f.where in load:
-                load[f.where] += 1
-        least = min(load.values())
-        ties = [n for n in live if load[n] == least]
-        return ties[next(self._rr) % len(ties)]
+        try:
+            route = self.scheduler.route(prompt)
+        except InstanceDied:
+            raise InstanceDied(
+                f"every instance that takes new requests died: {self.dead}"
+            ) from None
+        if route.transfer_from is not None:
+            route = self._push_prefix(prompt, route)
+        return route
 
-    def _submit(self, target: str, rid: str, f: _Inflight) -> None:
+    def _push_prefix(self, prompt: Sequence[int], route: Route) -> Route:
+        """Have ``route.transfer_from`` send its cached prefix of ``prompt`` to the target
+        first; on any failure the request simply goes without it."""
+        src, dst = route.transfer_from, route.instance
+        try:
+            moved = self.node.call(src, PushPrefix(list(prompt), dst)).data["tokens"]
+        except (TransferError, MiniMemServeError) as e:
+            logger.warning("prefix transfer %s -> %s failed: %s", src, dst, e)
+            moved = 0
+        self.num_prefix_transfers += 1
+        self.prefix_tokens_moved += moved
+        if moved:
+            self.scheduler.record(dst, prompt[:moved])
+        return Route(dst, max(moved, 0), route.cost)
+
+    def _left_cached(self, out: RequestOutput) -> list[int] | None:
+        """What a finished request left in the cache of the instance it was routed to."""
+        level = self.deployment.cache_level
+        if out.finish_reason == "error" or not level:
+            return None
+        if self.deployment.colocated or level >= 3:  # the answer's KV is cached there too
+            return list(out.prompt_token_ids) + list(out.token_ids[:-1])
+        return list(out.prompt_token_ids)
+
+    def _submit(self, route: Route, rid: str, f: _Inflight) -> None:
         req = {
             "request_id": rid,
             "prompt_token_ids": list(f.prompt),
@@ -406,12 +455,13 @@ class ProcessCluster:
             "arrival_time": f.arrival_time,
         }
         self._inflight[rid] = f
-        f.where = target
+        f.where = route.instance
         try:
-            self.node.call(target, Submit(req))
+            self.node.call(route.instance, Submit(req))
         except BaseException:
             self._inflight.pop(rid, None)
             raise
+        self.scheduler.dispatched(rid, route, len(f.prompt))
 
     # ---- engine API ------------------------------------------------------------------------
     def _ids_of(self, prompt: str | Sequence[int]) -> list[int]:

@@ -15,6 +15,7 @@ from helpers import sharegpt_user_turns
 from minimemserve import LLM, SamplingParams
 from minimemserve.config import EngineConfig
 from minimemserve.disagg.runtime import ProcessCluster
+from minimemserve.scheduler.global_scheduler import Route
 
 CONFIGS = ["PD", "PD-CC", "1P1D", "1P1D-CC1", "1P1D-CC2", "1P1D-CC3"]
 BS = 16
@@ -152,6 +153,50 @@ def test_clean_shutdown_leaves_no_process_and_no_segment(runs, config):
             os.kill(pid, 0)
 
 
+def run_one(engine, prompt: list[int], rid: str):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    engine.add_request(prompt, params, request_id=rid)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while True:
+        for out in engine.step():
+            if out.request_id == rid:
+                return out
+        assert time.monotonic() < deadline, "request did not finish in time"
+
+
+def test_prefix_transfer_between_colocated_instances(tiny_llama_dir, sessions):
+    """A busy instance holds a conversation's cache: the scheduler sends the next turn to
+    the idle one and has the busy one push the cached prefix over first."""
+    first = sessions[0][0] + sessions[0][1]
+    llm = LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS)
+    ref1 = run_one(llm.engine, first, "a")
+    second = first + ref1.token_ids + sessions[0][2]
+    ref2 = run_one(llm.engine, second, "b")
+    with ProcessCluster(
+        tiny_llama_dir,
+        "PD-CC",
+        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        timeout_s=10,
+        start_method="forkserver",
+        policy="prompt_tree_transfer",
+    ) as cluster:
+        out1 = run_one(cluster, first, "a")
+        holder = next(n for n in ("C0", "C1") if cluster.scheduler.trees.cached(n, first))
+        idle = "C1" if holder == "C0" else "C0"
+        cluster.scheduler.dispatched("busy", Route(holder, 0, 0.0), 10_000)  # a long queue
+        out2 = run_one(cluster, second, "b")
+        cluster.scheduler.finished("busy")
+        assert cluster.num_prefix_transfers == 1
+        moved = cluster.prefix_tokens_moved
+        assert moved == (len(first) + len(out1.token_ids) - 1) // BS * BS > 0
+        assert out2.metrics.cached_tokens == moved  # the idle instance hit the moved prefix
+        assert [out1.token_ids, out2.token_ids] == [ref1.token_ids, ref2.token_ids]
+        reports = cluster.check_pools(require_idle=True)
+        assert reports[holder]["pool"]["counters"]["transfers_sent"] == 1
+        assert reports[idle]["pool"]["counters"]["transfers_recv"] == 1
+        assert cluster.scheduler.trees.cached(idle, second) >= moved
+
+
 def test_bad_request_raises_in_the_frontend(tiny_llama_dir):
     """Also the default start method (spawn)."""
     from minimemserve.errors import InvalidRequest
@@ -172,6 +217,7 @@ FRONTEND_SCRIPT = """
 import sys
 from minimemserve.config import EngineConfig
 from minimemserve.disagg.runtime import ProcessCluster
+from minimemserve.scheduler.global_scheduler import Route
 
 if __name__ == "__main__":
     cfg = EngineConfig(num_blocks=16)

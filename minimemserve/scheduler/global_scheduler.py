@@ -1,0 +1,294 @@
+"""The global scheduler: which instance serves a request, judged by global prompt trees.
+
+The scheduler keeps, for every instance, a prompt tree: a radix tree of the token prefixes
+it believes are cached there (what finished requests left behind), each entry expiring
+after a TTL because instances evict on their own. For a prompt of ``x`` tokens it looks up
+the cached prefix ``y_p`` on each candidate ``p`` and the work already queued there, and
+picks
+
+    argmin_p  queued_p + exec(x, y_p)
+
+where ``exec`` is the cost model's predicted prefill time and ``queued_p`` the sum of the
+predictions for the requests routed to ``p`` that have not finished. With transfers
+allowed, an instance ``q`` holding more of the prompt may first send the missing part to
+``p``, when ``transfer(y_q - y_p) + exec(x, y_q)`` beats ``exec(x, y_p)``.
+
+Policies, for comparison: ``round_robin``, ``least_load`` (fewest queued requests),
+``session`` (a hash of the first block, so a conversation keeps its instance),
+``prompt_tree`` and ``prompt_tree_transfer``.
+
+The scheduler only decides; the cluster that owns it submits, moves KV, and reports back
+with :meth:`GlobalScheduler.finished`. It is plain Python and not thread-safe.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import zlib
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from minimemserve.errors import ConfigError, InstanceDied, InvalidRequest
+from minimemserve.mempool.radix import RadixTree, as_tokens
+
+POLICIES = ("round_robin", "least_load", "session", "prompt_tree", "prompt_tree_transfer")
+# How long a prompt-tree entry is trusted after its request finished (instances evict on
+# their own; a stale entry costs one misrouted request, a short one forgets useful caches).
+DEFAULT_TTL_S = 600.0
+# Without a fitted model: moving one token's KV between instances costs this fraction of
+# computing it (tiny preset on this CPU: ~16 KiB per token at ~15 GB/s against ~0.3 ms of
+# prefill compute per token, i.e. well under 1 %; 1 % keeps a margin).
+UNIT_TRANSFER_COST = 0.01
+
+
+class Cost(Protocol):
+    """What the scheduler needs of a cost model (``CostModel`` fits one from measurements)."""
+
+    def exec(self, x: int, y: float) -> float:
+        """Predicted prefill time of ``x`` prompt tokens with a fraction ``y`` cached."""
+        ...
+
+    def transfer(self, num_tokens: int) -> float:
+        """Predicted time to move the KV of ``num_tokens`` tokens between instances."""
+        ...
+
+
+class TokenCost:
+    """The cost model used when none was fitted: time is counted in new tokens."""
+
+    def exec(self, x: int, y: float) -> float:
+        """New tokens to compute: ``x * (1 - y)``."""
+        return x * (1.0 - y)
+
+    def transfer(self, num_tokens: int) -> float:
+        """A transferred token costs ``UNIT_TRANSFER_COST`` of a computed one."""
+        return UNIT_TRANSFER_COST * num_tokens
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a request goes.
+
+    ``cached_tokens`` is the prefix the scheduler expects to hit on ``instance`` (after the
+    transfer, when there is one); ``transfer_from`` names the instance that should first
+    send its cached ``transfer_tokens``-token prefix to ``instance``; ``cost`` is the
+    predicted queue plus prefill time the choice was made on.
+    """
+
+    instance: str
+    cached_tokens: int
+    cost: float
+    transfer_from: str | None = None
+    transfer_tokens: int = 0
+
+
+class PromptTrees:
+    """Per instance, the token prefixes believed cached there, each expiring after a TTL.
+
+    One radix tree per instance keeps expiry exact per instance (a prefix may live on
+    several); a lookup walks each candidate's tree, a few microseconds apiece.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        ttl_s: float = DEFAULT_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Trees of ``block_size``-token blocks whose entries live ``ttl_s`` seconds."""
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        self.block_size = block_size
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._trees: dict[str, RadixTree] = {}
+
+    @property
+    def instances(self) -> list[str]:
+        """Instances with a tree, in the order they were added."""
+        return list(self._trees)
+
+    def add(self, name: str) -> None:
+        """Start an empty tree for ``name`` (no-op when it has one)."""
+        self._trees.setdefault(name, RadixTree(self.block_size, clock=self._clock))
+
+    def drop(self, name: str) -> None:
+        """Forget ``name`` and everything believed cached there."""
+        self._trees.pop(name, None)
+
+    def record(self, name: str, tokens: Sequence[int]) -> None:
+        """``tokens`` (whole blocks of them) are now cached on ``name``; renews their TTL."""
+        tree = self._trees.get(name)
+        if tree is None:
+            return  # an instance dropped meanwhile
+        toks = as_tokens(tokens)
+        whole = len(toks) - len(toks) % self.block_size
+        if whole:
+            tree.insert(toks[:whole], [0] * (whole // self.block_size), ttl=self.ttl_s)
+
+    def cached(self, name: str, tokens: Sequence[int]) -> int:
+        """Tokens of ``tokens``' prefix believed cached on ``name`` (whole blocks)."""
+        tree = self._trees.get(name)
+        if tree is None:
+            return 0
+        return tree.match_prefix(tokens).num_tokens
+
+    def expire(self) -> int:
+        """Drop every expired entry now; returns how many blocks were dropped."""
+        return sum(len(v) for t in self._trees.values() for _, v in t.expire())
+
+    def num_blocks(self, name: str) -> int:
+        """Blocks in ``name``'s tree."""
+        tree = self._trees.get(name)
+        return 0 if tree is None else tree.num_blocks
+
+
+@dataclass
+class _Queued:
+    instance: str
+    cost: float
+    active: bool = True  # still weighing on the instance (not handed to a decode instance)
+
+
+class GlobalScheduler:
+    """Routes requests over named instances of one kind by ``policy`` (see the module).
+
+    ``caching`` says whether the instances keep a prefix cache; without one every cached
+    prefix is 0 and the tree policies reduce to the shortest predicted queue.
+    """
+
+    def __init__(
+        self,
+        instances: Sequence[str],
+        *,
+        policy: str = "prompt_tree",
+        block_size: int = 16,
+        cost_model: Cost | None = None,
+        ttl_s: float = DEFAULT_TTL_S,
+        caching: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Schedule over ``instances`` (names, at least one)."""
+        if policy not in POLICIES:
+            raise ConfigError(f"unknown routing policy {policy!r}; choose from {POLICIES}")
+        if not instances:
+            raise ValueError("a global scheduler needs at least one instance")
+        if len(set(instances)) != len(instances):
+            raise ValueError(f"instance names repeat: {list(instances)}")
+        self.policy = policy
+        self.block_size = block_size
+        self.cost = cost_model or TokenCost()
+        self.caching = caching
+        self.trees = PromptTrees(block_size, ttl_s, clock)
+        self.live: list[str] = []
+        for name in instances:
+            self.add_instance(name)
+        self._queued: dict[str, _Queued] = {}
+        self._rr = itertools.count()
+        self.num_transfers = 0  # routes that asked for a prefix transfer
+
+    # ---- membership --------------------------------------------------------------------
+    def add_instance(self, name: str) -> None:
+        """Take ``name`` into the rotation with an empty prompt tree."""
+        if name not in self.live:
+            self.live.append(name)
+            self.trees.add(name)
+
+    def drop(self, name: str) -> list[str]:
+        """Remove a dead instance; returns the request ids that were routed to it."""
+        if name in self.live:
+            self.live.remove(name)
+        self.trees.drop(name)
+        lost = [rid for rid, q in self._queued.items() if q.instance == name]
+        for rid in lost:
+            del self._queued[rid]
+        return lost
+
+    # ---- load --------------------------------------------------------------------------
+    def queued_cost(self, name: str) -> float:
+        """Predicted time of the unfinished requests routed to ``name``."""
+        return sum(q.cost for q in self._queued.values() if q.instance == name and q.active)
+
+    def queued_requests(self, name: str) -> int:
+        """Unfinished requests routed to ``name``."""
+        return sum(1 for q in self._queued.values() if q.instance == name and q.active)
+
+    # ---- decisions ---------------------------------------------------------------------
+    def route(self, tokens: Sequence[int]) -> Route:
+        """Pick the instance for a prompt; raises ``InstanceDied`` when none is live."""
+        if not self.live:
+            raise InstanceDied("no live instance to route to")
+        toks = as_tokens(tokens)
+        x = len(toks)
+        if not x:
+            raise InvalidRequest("empty prompt: nothing to route")
+        cached = {p: self._cached(p, toks) for p in self.live}
+        if self.policy == "round_robin":
+            name = self.live[next(self._rr) % len(self.live)]
+        elif self.policy == "least_load":
+            name = min(self.live, key=lambda p: (self.queued_requests(p), self.live.index(p)))
+        elif self.policy == "session":
+            head = toks[: self.block_size].tobytes()
+            name = self.live[zlib.crc32(head) % len(self.live)]
+        else:
+            return self._by_cost(toks, cached)
+        return Route(name, cached[name], self.queued_cost(name) + self._exec(x, cached[name]))
+
+    def _cached(self, name: str, toks: array) -> int:
+        if not self.caching:
+            return 0
+        # the engine always computes the last token, so at most x - 1 tokens can hit
+        return min(self.trees.cached(name, toks), len(toks) - 1)
+
+    def _exec(self, x: int, cached: int) -> float:
+        return self.cost.exec(x, cached / x)
+
+    def _by_cost(self, toks: array, cached: dict[str, int]) -> Route:
+        x = len(toks)
+        best: Route | None = None
+        for p in self.live:
+            queued = self.queued_cost(p)
+            option = Route(p, cached[p], queued + self._exec(x, cached[p]))
+            if self.policy == "prompt_tree_transfer":
+                for q in self.live:
+                    more = cached[q] - cached[p]
+                    if q == p or more <= 0:
+                        continue
+                    cost = queued + self.cost.transfer(more) + self._exec(x, cached[q])
+                    if cost < option.cost:
+                        option = Route(p, cached[q], cost, q, cached[q])
+            if best is None or option.cost < best.cost:
+                best = option
+        assert best is not None
+        if best.transfer_from is not None:
+            self.num_transfers += 1
+        return best
+
+    # ---- bookkeeping -------------------------------------------------------------------
+    def dispatched(self, request_id: str, route: Route, num_tokens: int) -> None:
+        """``request_id`` (``num_tokens`` prompt tokens) was submitted as ``route`` says."""
+        cost = self._exec(num_tokens, route.cached_tokens) if num_tokens else 0.0
+        self._queued[request_id] = _Queued(route.instance, cost)
+
+    def prefilled(self, request_id: str) -> None:
+        """``request_id``'s prefill is done (handed to a decode instance): it no longer
+        weighs on its instance's queue, but its cache is still recorded when it finishes."""
+        q = self._queued.get(request_id)
+        if q is not None:
+            q.active = False
+
+    def finished(self, request_id: str, cached_tokens: Sequence[int] | None = None) -> None:
+        """``request_id`` ended; ``cached_tokens`` is what it left cached where it ran (its
+        prompt plus output with caching, None when it failed or nothing is cached)."""
+        q = self._queued.pop(request_id, None)
+        if q is None or cached_tokens is None or not self.caching:
+            return
+        self.trees.record(q.instance, cached_tokens)
+
+    def record(self, instance: str, tokens: Sequence[int]) -> None:
+        """``tokens`` are now cached on ``instance`` (e.g. after a prefix transfer)."""
+        if self.caching:
+            self.trees.record(instance, tokens)

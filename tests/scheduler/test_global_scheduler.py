@@ -1,0 +1,147 @@
+"""GlobalScheduler: each policy's choice, prompt trees with a TTL, membership, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from minimemserve.errors import ConfigError, InstanceDied, InvalidRequest
+from minimemserve.scheduler.global_scheduler import (
+    UNIT_TRANSFER_COST,
+    GlobalScheduler,
+    PromptTrees,
+    Route,
+    TokenCost,
+)
+
+BS = 4
+
+
+def toks(*blocks: int, tail: int = 1) -> list[int]:
+    """Whole blocks of the given token ids, plus ``tail`` extra tokens."""
+    return [t for b in blocks for t in [b] * BS] + [99] * tail
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sched(policy: str = "prompt_tree", names=("A", "B"), **kw) -> GlobalScheduler:
+    return GlobalScheduler(list(names), policy=policy, block_size=BS, **kw)
+
+
+def submit(s: GlobalScheduler, rid: str, prompt: list[int]) -> Route:
+    route = s.route(prompt)
+    s.dispatched(rid, route, len(prompt))
+    return route
+
+
+def test_round_robin_and_least_load():
+    s = sched("round_robin", names=("A", "B", "C"))
+    assert [s.route(toks(1)).instance for _ in range(4)] == ["A", "B", "C", "A"]
+    s = sched("least_load")
+    assert submit(s, "r1", toks(1)).instance == "A"
+    assert submit(s, "r2", toks(2)).instance == "B"
+    s.finished("r1")
+    assert s.route(toks(3)).instance == "A"  # A has nothing queued now, B one request
+
+
+def test_session_affinity_follows_the_first_block():
+    s = sched("session", names=("A", "B", "C"))
+    first = {s.route(toks(b, 7, 8)).instance for b in range(12)}
+    assert len(first) > 1  # different conversations spread out
+    for b in range(12):
+        assert s.route(toks(b, 5)).instance == s.route(toks(b, 6, 6, 6)).instance
+
+
+def test_prompt_tree_goes_where_the_prefix_is_cached():
+    s = sched()
+    r = submit(s, "r1", toks(1, 2, 3))
+    s.finished("r1", toks(1, 2, 3, 4, tail=0))  # prompt + answer are cached there now
+    other = "B" if r.instance == "A" else "A"
+    again = s.route(toks(1, 2, 3, 4, 5))
+    assert again.instance == r.instance and again.cached_tokens == 4 * BS
+    assert s.route(toks(7, 8)).cached_tokens == 0
+    assert s.trees.cached(other, toks(1, 2)) == 0
+
+
+def test_prompt_tree_weighs_the_queue_against_the_cache():
+    s = sched()
+    submit(s, "warm", toks(1, 2))
+    s.finished("warm", toks(1, 2, tail=0))
+    assert s.route(toks(1, 2, 3)).instance == "A"
+    # A is now busy with a long prompt: recomputing 2 blocks on B is cheaper than waiting
+    s.dispatched("long", Route("A", 0, 0.0), 200)
+    route = s.route(toks(1, 2, 3))
+    assert route.instance == "B" and route.cached_tokens == 0
+    assert route.cost == pytest.approx(TokenCost().exec(3 * BS + 1, 0.0))
+    s.prefilled("long")  # handed to a decode instance: A is free again
+    assert s.queued_cost("A") == 0 and s.queued_requests("A") == 0
+    assert s.route(toks(1, 2, 3)).instance == "A"
+
+
+def test_prompt_tree_transfer_moves_the_prefix_to_the_idle_instance():
+    s = sched("prompt_tree_transfer")
+    prefix = toks(*range(1, 21), tail=0)  # 20 blocks cached on A
+    s.dispatched("warm", Route("A", 0, 0.0), len(prefix))
+    s.finished("warm", prefix)
+    s.dispatched("long", Route("A", 0, 0.0), 500)
+    route = s.route(prefix + [7])
+    assert (route.instance, route.transfer_from, route.transfer_tokens) == ("B", "A", 80)
+    assert route.cached_tokens == 80
+    expect = TokenCost().exec(81, 80 / 81) + UNIT_TRANSFER_COST * 80
+    assert route.cost == pytest.approx(expect) and s.num_transfers == 1
+    # without the queue on A, going to A directly is cheaper than any transfer
+    s.finished("long")
+    route = s.route(prefix + [7])
+    assert route.instance == "A" and route.transfer_from is None
+
+
+def test_without_caching_the_trees_are_ignored():
+    s = sched(caching=False)
+    submit(s, "r1", toks(1, 2))
+    s.finished("r1", toks(1, 2, 3, tail=0))
+    assert s.route(toks(1, 2, 3)).cached_tokens == 0
+    assert s.trees.num_blocks("A") == 0 == s.trees.num_blocks("B")
+
+
+def test_tree_entries_expire_after_the_ttl():
+    clock = Clock()
+    trees = PromptTrees(BS, ttl_s=10.0, clock=clock)
+    trees.add("A")
+    trees.record("A", toks(1, 2, tail=3))  # the partial block is not recorded
+    assert trees.cached("A", toks(1, 2, 3)) == 2 * BS
+    clock.now = 9.0
+    trees.record("A", toks(1, tail=0))  # touching a prefix renews it
+    clock.now = 15.0
+    assert trees.cached("A", toks(1, 2)) == BS
+    clock.now = 30.0
+    assert trees.expire() == 1 and trees.cached("A", toks(1, 2)) == 0
+    assert trees.cached("nobody", toks(1)) == 0
+
+
+def test_drop_forgets_an_instance_and_its_requests():
+    s = sched("least_load")
+    submit(s, "r1", toks(1))
+    submit(s, "r2", toks(2))
+    assert s.drop("A") == ["r1"]
+    assert s.live == ["B"] and all(s.route(toks(b)).instance == "B" for b in range(3))
+    s.drop("B")
+    with pytest.raises(InstanceDied, match="no live instance"):
+        s.route(toks(1))
+
+
+def test_bad_input():
+    with pytest.raises(ConfigError, match="unknown routing policy 'fastest'"):
+        sched("fastest")
+    with pytest.raises(ValueError, match="at least one instance"):
+        sched(names=())
+    with pytest.raises(ValueError, match="repeat"):
+        sched(names=("A", "A"))
+    with pytest.raises(ValueError, match="ttl_s must be positive"):
+        PromptTrees(BS, ttl_s=0)
+    with pytest.raises(InvalidRequest, match="empty prompt"):
+        sched().route([])
