@@ -676,6 +676,18 @@ def build_parser() -> argparse.ArgumentParser:
         "two instances, xPyD ones x+y), the equal-resources comparison; inline: one process, "
         "instances stepped in turn (default: %(default)s)",
     )
+    p.add_argument(
+        "--policy",
+        default="prompt_tree",
+        help="global scheduler policy of the process runtime: round_robin, least_load, "
+        "session, prompt_tree or prompt_tree_transfer (default: %(default)s)",
+    )
+    p.add_argument(
+        "--cost-model",
+        default=None,
+        help="JSON of a fitted cost model (bench/cost_model.py writes one) for the global "
+        "scheduler; default: cost counted in new tokens",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -687,8 +699,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     factories = None
     if args.runtime == "process":
         from .disagg.runtime import process_factories
+        from .scheduler.global_scheduler import POLICIES
 
-        factories = process_factories(configs, cores_per_instance=1, num_colocated=2)
+        if args.policy not in POLICIES:
+            raise SystemExit(f"unknown --policy {args.policy!r}; choose from {POLICIES}")
+        cost_model = None
+        if args.cost_model:
+            from .scheduler.cost_model import CostModel
+
+            cost_model = CostModel.load(args.cost_model)
+        factories = process_factories(
+            configs,
+            cores_per_instance=1,
+            num_colocated=2,
+            policy=args.policy,
+            cost_model=cost_model,
+        )
     start = time.perf_counter()
     run_bench(
         configs=configs,

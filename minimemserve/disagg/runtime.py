@@ -461,7 +461,7 @@ class ProcessCluster:
         except BaseException:
             self._inflight.pop(rid, None)
             raise
-        self.scheduler.dispatched(rid, route, len(f.prompt))
+        self.scheduler.dispatched(rid, route, len(f.prompt), f.params.max_tokens)
 
     # ---- engine API ------------------------------------------------------------------------
     def _ids_of(self, prompt: str | Sequence[int]) -> list[int]:

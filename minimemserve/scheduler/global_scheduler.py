@@ -27,6 +27,7 @@ import itertools
 import time
 import zlib
 from array import array
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -38,9 +39,12 @@ POLICIES = ("round_robin", "least_load", "session", "prompt_tree", "prompt_tree_
 # How long a prompt-tree entry is trusted after its request finished (instances evict on
 # their own; a stale entry costs one misrouted request, a short one forgets useful caches).
 DEFAULT_TTL_S = 600.0
-# Without a fitted model: moving one token's KV between instances costs this fraction of
-# computing it (tiny preset on this CPU: ~16 KiB per token at ~15 GB/s against ~0.3 ms of
-# prefill compute per token, i.e. well under 1 %; 1 % keeps a margin).
+# Without a fitted model, time is counted in prompt tokens. A step costs this many on top
+# of its new tokens (tiny preset on this CPU: a ~16 ms decode step against ~0.25 ms per
+# prefill token), so a decode is not mistaken for nearly free.
+STEP_TOKENS = 64
+# Moving one token's KV between instances costs this fraction of computing it (tiny
+# preset here: ~16 KiB per token at ~15 GB/s, against ~0.25 ms of prefill compute).
 UNIT_TRANSFER_COST = 0.01
 
 
@@ -57,11 +61,11 @@ class Cost(Protocol):
 
 
 class TokenCost:
-    """The cost model used when none was fitted: time is counted in new tokens."""
+    """The cost model used when none was fitted: time is counted in prompt tokens."""
 
     def exec(self, x: int, y: float) -> float:
-        """New tokens to compute: ``x * (1 - y)``."""
-        return x * (1.0 - y)
+        """New tokens to compute, ``x * (1 - y)``, plus a step's fixed ``STEP_TOKENS``."""
+        return x * (1.0 - y) + STEP_TOKENS
 
     def transfer(self, num_tokens: int) -> float:
         """A transferred token costs ``UNIT_TRANSFER_COST`` of a computed one."""
@@ -189,6 +193,7 @@ class GlobalScheduler:
         self._queued: dict[str, _Queued] = {}
         self._rr = itertools.count()
         self.num_transfers = 0  # routes that asked for a prefix transfer
+        self.dispatches: Counter[str] = Counter()  # requests sent to each instance
 
     # ---- membership --------------------------------------------------------------------
     def add_instance(self, name: str) -> None:
@@ -268,10 +273,19 @@ class GlobalScheduler:
         return best
 
     # ---- bookkeeping -------------------------------------------------------------------
-    def dispatched(self, request_id: str, route: Route, num_tokens: int) -> None:
-        """``request_id`` (``num_tokens`` prompt tokens) was submitted as ``route`` says."""
-        cost = self._exec(num_tokens, route.cached_tokens) if num_tokens else 0.0
+    def dispatched(
+        self, request_id: str, route: Route, num_tokens: int, max_tokens: int = 0
+    ) -> None:
+        """``request_id`` (``num_tokens`` prompt tokens, up to ``max_tokens`` to generate)
+        was submitted as ``route`` says. Until it finishes (or is handed to a decode
+        instance) it weighs on the instance with its predicted prefill plus one
+        single-token step per output token."""
+        cost = 0.0
+        if num_tokens:
+            x = num_tokens
+            cost = self._exec(x, route.cached_tokens) + max_tokens * self._exec(x, x - 1)
         self._queued[request_id] = _Queued(route.instance, cost)
+        self.dispatches[route.instance] += 1
 
     def prefilled(self, request_id: str) -> None:
         """``request_id``'s prefill is done (handed to a decode instance): it no longer
