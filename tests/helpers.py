@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
+
+from minimemserve.attention.base import SeqSlice
+from minimemserve.blocks.layout import AGGREGATED, KVLayout
 
 
 def hf_greedy(hf, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -52,3 +57,39 @@ def sharegpt_user_turns(
         if len(sessions) == num_sessions:
             return sessions
     raise AssertionError("not enough multi-turn ShareGPT conversations")
+
+
+def attention_step(layout: KVLayout, contexts, news, seed):
+    """Slices (prefills first) with shuffled block tables over a pool of random KV."""
+    rng = random.Random(seed)
+    need = [layout.num_blocks_for(c + n) for c, n in zip(contexts, news)]
+    ids = list(range(1, 2 * sum(need) + 2))
+    rng.shuffle(ids)
+    slices, i = [], 0
+    for c, n, b in zip(contexts, news, need):
+        slices.append(SeqSlice(ids[i : i + b], c, n))
+        i += b
+    return slices, len(ids) + 1
+
+
+def attention_reference(pool, layout, layer, slices, q, k, v, scale):
+    """Store K/V by slot, then per token softmax over its visible positions, in fp32."""
+    pool = pool.clone()
+    view = pool[:, layer] if layout.kind == AGGREGATED else pool[layer].transpose(0, 1)
+    bs, t, outs = layout.block_size, 0, []
+    for s in slices:
+        for j in range(s.num_new):
+            p = s.num_computed + j
+            view[s.block_table[p // bs], 0, p % bs] = k[t + j]
+            view[s.block_table[p // bs], 1, p % bs] = v[t + j]
+        for j in range(s.num_new):
+            n = s.num_computed + j + 1
+            rows = [view[s.block_table[p // bs], :, p % bs] for p in range(n)]
+            kv = torch.stack(rows).float()  # [n, 2, KV, D]
+            group = q.shape[1] // kv.shape[2]
+            kk = kv[:, 0].repeat_interleave(group, 1)  # [n, H, D]
+            vv = kv[:, 1].repeat_interleave(group, 1)
+            w = (torch.einsum("hd,nhd->hn", q[t + j].float(), kk) * scale).softmax(-1)
+            outs.append(torch.einsum("hn,nhd->hd", w, vv))
+        t += s.num_new
+    return torch.stack(outs), pool

@@ -5,8 +5,10 @@ The pool is addressed as rows of ``n_kv_heads * head_dim`` elements: row indices
 every token slot are computed once per step, and each layer only adds its own offset,
 so storing is one ``index_copy_`` and gathering one ``index_select`` per K or V.
 Decodes run as batched SDPA in which the query heads sharing a KV head play the role of
-query positions (no K/V repeat for GQA); each prefill chunk runs one 4-D SDPA (causal
-when it has no cached prefix), the form PyTorch's fused CPU kernel takes.
+query positions (no K/V repeat for GQA); each prefill chunk runs 4-D SDPA, the form
+PyTorch's fused CPU kernel takes: one causal call without a cached prefix, and with one,
+an unmasked call over the prefix and a causal call over the new tokens, merged by their
+log-sum-exp.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch.nn.functional as F
 from ..blocks.layout import AGGREGATED, KVLayout
 from .base import AttentionMetadata, SeqSlice, build_metadata
 
+# PyTorch's fused CPU attention also returns the log-sum-exp through this op.
+_HAS_CPU_LSE = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 # Decodes are attended in groups whose gathered K+V take about this many bytes, so the
 # gathered copy is still in cache when SDPA reads it (3-4x faster than one big gather on a
 # 2-core CPU at 64 sequences x 384 tokens).
@@ -125,14 +129,21 @@ class TorchAttention:
                 table = md.block_tables[i, :nb].long()
                 sb, _, _, so = self.row_stride
                 idx = (table[:, None] * sb + torch.arange(self.layout.block_size) * so).reshape(-1)
-                idx = idx[:total]
-                ki = _per_head(self.rows.index_select(0, idx + kb).view(total, KV, D), G)
-                vi = _per_head(self.rows.index_select(0, idx + vb).view(total, KV, D), G)
-                qpos = torch.arange(ctx, total, device=q.device)
-                mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]  # [q, total]
-                oi = F.scaled_dot_product_attention(
-                    qi, ki.to(q.dtype), vi.to(q.dtype), attn_mask=mask, scale=self.scale
-                )
+                if _HAS_CPU_LSE and q.device.type == "cpu":
+                    idx = idx[:ctx]  # the new tokens' K/V are at hand: gather the prefix only
+                    kp = _per_head(self.rows.index_select(0, idx + kb).view(ctx, KV, D), G)
+                    vp = _per_head(self.rows.index_select(0, idx + vb).view(ctx, KV, D), G)
+                    kn, vn = _per_head(k[s:e], G), _per_head(v[s:e], G)  # [1, H, q, D]
+                    oi = self._prefix_and_new(qi, kp.to(q.dtype), vp.to(q.dtype), kn, vn)
+                else:
+                    idx = idx[:total]
+                    ki = _per_head(self.rows.index_select(0, idx + kb).view(total, KV, D), G)
+                    vi = _per_head(self.rows.index_select(0, idx + vb).view(total, KV, D), G)
+                    qpos = torch.arange(ctx, total, device=q.device)
+                    mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]
+                    oi = F.scaled_dot_product_attention(
+                        qi, ki.to(q.dtype), vi.to(q.dtype), attn_mask=mask, scale=self.scale
+                    )  # mask: [q, total]
             out[s:e] = oi[0].transpose(0, 1)
 
         if md.num_decodes:
@@ -147,6 +158,21 @@ class TorchAttention:
                 )  # [n, KV, G, D]
                 out[p0 + start : p0 + start + n] = od.reshape(n, H, D)
         return out
+
+    def _prefix_and_new(self, q, kp, vp, kn, vn) -> torch.Tensor:
+        """Attention of new queries over a cached prefix plus themselves, in two fused calls.
+
+        The prefix part needs no mask and the new part is plain causal, so both run in the
+        fast kernel (one masked call over all keys is dense and slower than a full causal
+        prefill); the two partial results merge by their log-sum-exp. All ``[1, H, *, D]``.
+        """
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        op, lp = flash(q, kp, vp, 0.0, False, attn_mask=None, scale=self.scale)[:2]
+        on, ln = flash(q, kn, vn, 0.0, True, attn_mask=None, scale=self.scale)[:2]
+        m = torch.maximum(lp, ln)  # [1, H, q] fp32
+        wp, wn = (lp - m).exp(), (ln - m).exp()
+        o = (op.float() * wp[..., None] + on.float() * wn[..., None]) / (wp + wn)[..., None]
+        return o.to(q.dtype)
 
 
 def _per_head(x: torch.Tensor, group: int) -> torch.Tensor:

@@ -9,9 +9,8 @@ import torch
 if not torch.cuda.is_available():  # must precede the first import of triton in the process
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import random  # noqa: E402
-
 import pytest  # noqa: E402
+from helpers import attention_reference, attention_step  # noqa: E402
 
 from minimemserve.attention import flash_attn_backend  # noqa: E402
 from minimemserve.attention.base import SeqSlice  # noqa: E402
@@ -29,42 +28,6 @@ pytestmark = pytest.mark.skipif(
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3)}
 
 
-def _step(layout: KVLayout, contexts, news, seed):
-    """Slices (prefills first) with shuffled block tables over a pool of random KV."""
-    rng = random.Random(seed)
-    need = [layout.num_blocks_for(c + n) for c, n in zip(contexts, news)]
-    ids = list(range(1, 2 * sum(need) + 2))
-    rng.shuffle(ids)
-    slices, i = [], 0
-    for c, n, b in zip(contexts, news, need):
-        slices.append(SeqSlice(ids[i : i + b], c, n))
-        i += b
-    return slices, len(ids) + 1
-
-
-def _reference(pool, layout, layer, slices, q, k, v, scale):
-    """Store K/V by slot, then per token softmax over its visible positions, in fp32."""
-    pool = pool.clone()
-    view = pool[:, layer] if layout.kind == AGGREGATED else pool[layer].transpose(0, 1)
-    bs, t, outs = layout.block_size, 0, []
-    for s in slices:
-        for j in range(s.num_new):
-            p = s.num_computed + j
-            view[s.block_table[p // bs], 0, p % bs] = k[t + j]
-            view[s.block_table[p // bs], 1, p % bs] = v[t + j]
-        for j in range(s.num_new):
-            n = s.num_computed + j + 1
-            rows = [view[s.block_table[p // bs], :, p % bs] for p in range(n)]
-            kv = torch.stack(rows).float()  # [n, 2, KV, D]
-            group = q.shape[1] // kv.shape[2]
-            kk = kv[:, 0].repeat_interleave(group, 1)  # [n, H, D]
-            vv = kv[:, 1].repeat_interleave(group, 1)
-            w = (torch.einsum("hd,nhd->hn", q[t + j].float(), kk) * scale).softmax(-1)
-            outs.append(torch.einsum("hn,nhd->hd", w, vv))
-        t += s.num_new
-    return torch.stack(outs), pool
-
-
 # (layout kind, block_size, n_kv, group, head_dim, dtype, contexts, new tokens)
 CASES = [
     (AGGREGATED, 16, 2, 2, 64, torch.float32, [0, 19, 3, 40], [21, 5, 1, 1]),
@@ -77,14 +40,14 @@ CASES = [
 @pytest.mark.parametrize("kind,bs,n_kv,group,head_dim,dtype,contexts,news", CASES)
 def test_triton_backend_mixed_step(kind, bs, n_kv, group, head_dim, dtype, contexts, news):
     layout = KVLayout(3, bs, n_kv, head_dim, kind)
-    slices, num_blocks = _step(layout, contexts, news, seed=bs + n_kv)
+    slices, num_blocks = attention_step(layout, contexts, news, seed=bs + n_kv)
     gen = torch.Generator().manual_seed(bs)
     pool = torch.randn(layout.pool_shape(num_blocks), generator=gen).to(dtype)
     heads, tokens, scale = n_kv * group, sum(news), head_dim**-0.5
     q = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype)
     k = torch.randn(tokens, n_kv, head_dim, generator=gen).to(dtype)
     v = torch.randn(tokens, n_kv, head_dim, generator=gen).to(dtype)
-    ref, ref_pool = _reference(pool, layout, 1, slices, q, k, v, scale)
+    ref, ref_pool = attention_reference(pool, layout, 1, slices, q, k, v, scale)
 
     backend = TritonAttention(pool, layout, heads, scale)
     md = backend.prepare(slices)
@@ -98,7 +61,7 @@ def test_triton_backend_agrees_with_torch_backend():
     from minimemserve.attention.torch_backend import TorchAttention
 
     layout = KVLayout(2, 16, 2, 64)
-    slices, num_blocks = _step(layout, [0, 21, 5, 33, 1], [17, 12, 1, 1, 1], seed=4)
+    slices, num_blocks = attention_step(layout, [0, 21, 5, 33, 1], [17, 12, 1, 1, 1], seed=4)
     gen = torch.Generator().manual_seed(4)
     pool = torch.randn(layout.pool_shape(num_blocks), generator=gen)
     q = torch.randn(32, 8, 64, generator=gen)
@@ -139,7 +102,7 @@ def test_flash_attn_backend_is_detected_at_run_time():
 @pytest.mark.skipif(not flash_attn_backend.is_available(), reason="needs flash_attn and CUDA")
 def test_flash_attn_backend_matches_triton_on_fresh_prefills():
     layout = KVLayout(2, 16, 2, 64)
-    slices, num_blocks = _step(layout, [0, 0], [37, 20], seed=5)
+    slices, num_blocks = attention_step(layout, [0, 0], [37, 20], seed=5)
     pool = torch.randn(layout.pool_shape(num_blocks), device="cuda", dtype=torch.bfloat16)
     q = torch.randn(57, 8, 64, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn(2, 57, 2, 64, device="cuda", dtype=torch.bfloat16)
