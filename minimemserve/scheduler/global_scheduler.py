@@ -35,6 +35,8 @@ from typing import Protocol
 from minimemserve.errors import ConfigError, InstanceDied, InvalidRequest
 from minimemserve.mempool.radix import RadixTree, as_tokens
 
+# Expired entries on paths no lookup walks are swept this often, so the trees stay bounded.
+SWEEP_EVERY_S = 10.0
 POLICIES = ("round_robin", "least_load", "session", "prompt_tree", "prompt_tree_transfer")
 # How long a prompt-tree entry is trusted after its request finished (instances evict on
 # their own; a stale entry costs one misrouted request, a short one forgets useful caches).
@@ -186,6 +188,8 @@ class GlobalScheduler:
         self.block_size = block_size
         self.cost = cost_model or TokenCost()
         self.caching = caching
+        self._clock = clock
+        self._last_sweep = clock()
         self.trees = PromptTrees(block_size, ttl_s, clock)
         self.live: list[str] = []
         for name in instances:
@@ -230,6 +234,10 @@ class GlobalScheduler:
         x = len(toks)
         if not x:
             raise InvalidRequest("empty prompt: nothing to route")
+        now = self._clock()
+        if now - self._last_sweep >= SWEEP_EVERY_S:
+            self._last_sweep = now
+            self.trees.expire()
         cached = {p: self._cached(p, toks) for p in self.live}
         if self.policy == "round_robin":
             name = self.live[next(self._rr) % len(self.live)]

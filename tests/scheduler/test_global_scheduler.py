@@ -123,6 +123,20 @@ def test_tree_entries_expire_after_the_ttl():
     assert trees.cached("nobody", toks(1)) == 0
 
 
+def test_routing_sweeps_expired_entries_it_never_walks():
+    clock = Clock()
+    s = sched(ttl_s=20.0, clock=clock)
+    s.dispatched("r1", Route("A", 0, 0.0), 9)
+    s.finished("r1", toks(1, 2))
+    assert s.trees.num_blocks("A") == 2
+    clock.now = 15.0
+    s.route(toks(5))  # another prefix: nothing expired yet
+    assert s.trees.num_blocks("A") == 2
+    clock.now = 40.0
+    s.route(toks(5))  # the sweep drops A's entry although this lookup never reached it
+    assert s.trees.num_blocks("A") == 0
+
+
 def test_drop_forgets_an_instance_and_its_requests():
     s = sched("least_load")
     submit(s, "r1", toks(1))
