@@ -42,11 +42,11 @@ POLICIES = ("round_robin", "least_load", "session", "prompt_tree", "prompt_tree_
 # their own; a stale entry costs one misrouted request, a short one forgets useful caches).
 DEFAULT_TTL_S = 600.0
 # Without a fitted model, time is counted in prompt tokens. A step costs this many on top
-# of its new tokens (tiny preset on this CPU: a ~16 ms decode step against ~0.25 ms per
-# prefill token), so a decode is not mistaken for nearly free.
-STEP_TOKENS = 64
+# of its new tokens (the model fitted for the tiny preset on this CPU: a lone decode step
+# ~7.5 ms, a prefill token ~0.6 ms), so a decode is not mistaken for nearly free.
+STEP_TOKENS = 16
 # Moving one token's KV between instances costs this fraction of computing it (tiny
-# preset here: ~16 KiB per token at ~15 GB/s, against ~0.25 ms of prefill compute).
+# preset here: ~16 KiB per token at ~15 GB/s, against ~0.6 ms of prefill compute).
 UNIT_TRANSFER_COST = 0.01
 
 
@@ -155,7 +155,8 @@ class PromptTrees:
 @dataclass
 class _Queued:
     instance: str
-    cost: float
+    prefill: float  # predicted prefill time
+    decode: float  # predicted time of its decode steps, were it alone in them
     active: bool = True  # still weighing on the instance (not handed to a decode instance)
 
 
@@ -218,8 +219,12 @@ class GlobalScheduler:
 
     # ---- load --------------------------------------------------------------------------
     def queued_cost(self, name: str) -> float:
-        """Predicted time of the unfinished requests routed to ``name``."""
-        return sum(q.cost for q in self._queued.values() if q.instance == name and q.active)
+        """Predicted work on ``name``: the prefills of its unfinished requests, plus their
+        decode steps, which the running requests share (so the mean, not the sum)."""
+        mine = [q for q in self._queued.values() if q.instance == name and q.active]
+        if not mine:
+            return 0.0
+        return sum(q.prefill for q in mine) + sum(q.decode for q in mine) / len(mine)
 
     def queued_requests(self, name: str) -> int:
         """Unfinished requests routed to ``name``."""
@@ -286,13 +291,14 @@ class GlobalScheduler:
     ) -> None:
         """``request_id`` (``num_tokens`` prompt tokens, up to ``max_tokens`` to generate)
         was submitted as ``route`` says. Until it finishes (or is handed to a decode
-        instance) it weighs on the instance with its predicted prefill plus one
-        single-token step per output token."""
-        cost = 0.0
+        instance) it weighs on the instance with its predicted prefill and one
+        single-token step per output token (see :meth:`queued_cost`)."""
+        prefill = decode = 0.0
         if num_tokens:
             x = num_tokens
-            cost = self._exec(x, route.cached_tokens) + max_tokens * self._exec(x, x - 1)
-        self._queued[request_id] = _Queued(route.instance, cost)
+            prefill = self._exec(x, route.cached_tokens)
+            decode = max_tokens * self._exec(x, x - 1)
+        self._queued[request_id] = _Queued(route.instance, prefill, decode)
         self.dispatches[route.instance] += 1
 
     def prefilled(self, request_id: str) -> None:

@@ -83,6 +83,19 @@ def test_prompt_tree_weighs_the_queue_against_the_cache():
     assert s.route(toks(1, 2, 3)).instance == "A"
 
 
+def test_running_requests_share_their_decode_steps():
+    s = sched()
+    cost = TokenCost()
+    s.dispatched("r1", Route("A", 0, 0.0), 10, max_tokens=4)
+    s.dispatched("r2", Route("A", 0, 0.0), 30, max_tokens=8)
+    prefills = cost.exec(10, 0.0) + cost.exec(30, 0.0)
+    decodes = [4 * cost.exec(10, 9 / 10), 8 * cost.exec(30, 29 / 30)]
+    assert s.queued_cost("A") == pytest.approx(prefills + sum(decodes) / 2)
+    s.finished("r2")
+    assert s.queued_cost("A") == pytest.approx(cost.exec(10, 0.0) + decodes[0])
+    assert s.queued_cost("B") == 0
+
+
 def test_prompt_tree_transfer_moves_the_prefix_to_the_idle_instance():
     s = sched("prompt_tree_transfer")
     prefix = toks(*range(1, 21), tail=0)  # 20 blocks cached on A
