@@ -2,10 +2,10 @@
 
 Each node holds a run of tokens whose length is a multiple of ``block_size`` (an
 ``array('q')``) and one int value per block. What the values mean is the owner's
-business: MemPool stores block ids, the global scheduler's prompt trees store instance
-ids. Children are keyed by the bytes of their first block, so walking one edge costs one
-dict lookup and one C-level comparison of array slices. Nodes split only at block
-boundaries.
+business: MemPool stores block ids; the global scheduler keeps one tree per instance and
+only uses the prefixes (and their expiry). Children are keyed by the bytes of their first
+block, so walking one edge costs one dict lookup and one C-level comparison of array
+slices. Nodes split only at block boundaries.
 
 Besides the values, a node carries its last access time, an optional expiry time (for
 prompt trees with a TTL), the tier its blocks live in and the instance that holds them.
