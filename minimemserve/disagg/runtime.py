@@ -456,12 +456,14 @@ class ProcessCluster:
         }
         self._inflight[rid] = f
         f.where = route.instance
+        # before the call: its output may be handled while the call waits for the reply
+        self.scheduler.dispatched(rid, route, len(f.prompt), f.params.max_tokens)
         try:
             self.node.call(route.instance, Submit(req))
         except BaseException:
             self._inflight.pop(rid, None)
+            self.scheduler.finished(rid)
             raise
-        self.scheduler.dispatched(rid, route, len(f.prompt), f.params.max_tokens)
 
     # ---- engine API ------------------------------------------------------------------------
     def _ids_of(self, prompt: str | Sequence[int]) -> list[int]:
