@@ -44,16 +44,21 @@ _PART_NAMES = ("linear", "attention", "other")
 _FORMAT = "minimemserve.cost_model/1"
 
 
-def _check_x(x: Any) -> int:
+def _check_count(what: str, x: Any) -> int:
+    """``x`` as a non-negative int, or a ValueError naming ``what``."""
     if isinstance(x, bool):
-        raise ValueError(f"prompt length x must be an int, got {x!r}")
+        raise ValueError(f"{what} must be an int, got {x!r}")
     try:
         x = operator.index(x)
     except TypeError:
-        raise ValueError(f"prompt length x must be an int, got {x!r}") from None
+        raise ValueError(f"{what} must be an int, got {x!r}") from None
     if x < 0:
-        raise ValueError(f"prompt length x must be >= 0, got {x}")
+        raise ValueError(f"{what} must be >= 0, got {x}")
     return x
+
+
+def _check_x(x: Any) -> int:
+    return _check_count("prompt length x", x)
 
 
 def _check_y(y: Any) -> float:
@@ -172,14 +177,7 @@ class CostModel:
 
     def transfer(self, num_tokens: int) -> float:
         """Predicted seconds to move ``num_tokens`` tokens' KV to another instance."""
-        if isinstance(num_tokens, bool):
-            raise ValueError(f"num_tokens must be an int, got {num_tokens!r}")
-        try:
-            n = operator.index(num_tokens)
-        except TypeError:
-            raise ValueError(f"num_tokens must be an int, got {num_tokens!r}") from None
-        if n < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {n}")
+        n = _check_count("num_tokens", num_tokens)
         if n == 0:
             return 0.0
         a, b = self.transfer_coef
