@@ -93,7 +93,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    """Mean TTFT and cached-token ratio per policy, one group per workload."""
+    """Mean TTFT, mean JCT and cached-token ratio per policy, one group per workload."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,11 +102,12 @@ def plot(rows: list[dict], path: Path) -> Path:
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     value = {(r["workload"], r["policy"]): r for r in rows}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     width = 0.8 / len(policies)
     for ax, key, label in (
         (axes[0], "ttft_mean_ms", "mean TTFT (ms)"),
-        (axes[1], "cached_ratio", "cached prompt tokens"),
+        (axes[1], "jct_mean_ms", "mean JCT (ms)"),
+        (axes[2], "cached_ratio", "cached prompt tokens"),
     ):
         for j, p in enumerate(policies):
             xs = [i + (j - (len(policies) - 1) / 2) * width for i in range(len(workloads))]
