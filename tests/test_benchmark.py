@@ -268,3 +268,8 @@ def test_main_rejects_bad_workload(capsys):
     with pytest.raises(SystemExit):
         main(["--workload", "nope"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_main_rejects_bad_policy_before_starting_anything():
+    with pytest.raises(SystemExit, match="unknown --policy 'fastest'"):
+        main(["--policy", "fastest", "--configs", "PD-CC"])
