@@ -17,30 +17,38 @@ from .llm import LLM
 from .request import RequestMetrics, RequestOutput
 from .sampling import SamplingParams
 
+# heavy submodules load on first use, so `import minimemserve` stays light
+_LAZY = {
+    "MemPool": "minimemserve.mempool",
+    "Engine": "minimemserve.engine",
+    "ProcessCluster": "minimemserve.disagg.runtime",
+    "GlobalScheduler": "minimemserve.scheduler.global_scheduler",
+    "CostModel": "minimemserve.scheduler.cost_model",
+}
+
 
 def __getattr__(name: str):
-    # heavy submodules load on first use, so `import minimemserve` stays light
-    if name == "MemPool":
-        from .mempool import MemPool
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'minimemserve' has no attribute {name!r}")
+    import importlib
 
-        return MemPool
-    if name == "Engine":
-        from .engine import Engine
-
-        return Engine
-    raise AttributeError(f"module 'minimemserve' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
 
 
 __all__ = [
     "LLM",
     "CheckpointError",
     "ConfigError",
+    "CostModel",
     "Engine",
     "EngineConfig",
+    "GlobalScheduler",
     "InvalidRequest",
     "MemPool",
     "MiniMemServeError",
     "PoolExhausted",
+    "ProcessCluster",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
