@@ -8,8 +8,10 @@ picks
 
     argmin_p  queued_p + exec(x, y_p)
 
-where ``exec`` is the cost model's predicted prefill time and ``queued_p`` the sum of the
-predictions for the requests routed to ``p`` that have not finished. With transfers
+where ``exec`` is the cost model's predicted prefill time and ``queued_p`` the work routed
+to ``p`` that has not finished: the predicted prefills, plus the decode steps those
+requests share (one single-token step per output token, averaged over the requests, as
+they run in the same steps). With transfers
 allowed, an instance ``q`` holding more of the prompt may first send the missing part to
 ``p``, when ``transfer(y_q - y_p) + exec(x, y_q)`` beats ``exec(x, y_p)``.
 
