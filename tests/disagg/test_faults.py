@@ -155,3 +155,26 @@ def test_calls_in_both_directions_at_once_do_not_deadlock():
     finally:
         a.close()
         b.close()
+
+
+def test_colocated_instance_dies_and_the_scheduler_routes_around_it(tiny_llama_dir):
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    ps = prompts(4, seed=3)
+    ref = LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS).generate(ps, params)
+    with cluster(tiny_llama_dir, "PD-CC") as c:
+        rids = [c.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(ps)]
+        assert {c.location(r) for r in rids} == {"C0", "C1"}  # the scheduler spread them
+        victim = c.location("r0")
+        os.kill(c.instances[victim].process.pid, signal.SIGKILL)
+        outs = {o.request_id: o for o in c.run_until_done(timeout_s=WAIT_S)}
+
+        assert list(c.dead) == [victim] and victim not in c.scheduler.live
+        assert c.num_reruns >= 1
+        for i, r in enumerate(ref):  # re-run on the survivor, same greedy tokens
+            assert outs[f"r{i}"].finish_reason == "length", outs[f"r{i}"].error
+            assert outs[f"r{i}"].token_ids == r.token_ids
+        rid = c.add_request(ps[0], params)
+        assert c.location(rid) != victim
+        c.run_until_done(timeout_s=WAIT_S)
+        reports = c.check_pools(require_idle=True)
+        assert list(reports) == [n for n in ("C0", "C1") if n != victim]
