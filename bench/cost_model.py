@@ -52,6 +52,7 @@ PARTS = ("linear", "attention", "other")
 
 
 def parse_args() -> argparse.Namespace:
+    """Command-line options; at least two (length, fraction) points are required."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS))
     p.add_argument("--fractions", type=float, nargs="+", default=list(DEFAULT_FRACTIONS))
@@ -82,6 +83,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
 
 def measured(s: OpSample) -> dict[str, float]:
+    """Measured seconds of each part (linear, attention, other) of a sample."""
     return {"linear": s.linear_s, "attention": s.attention_s, "other": s.other_s}
 
 
@@ -97,6 +99,8 @@ def rel_errors(model: CostModel, samples: list[OpSample]) -> dict[str, dict[str,
 
 
 def print_report(model: CostModel, half: CostModel, samples, fit_idx, errors) -> None:
+    """Print the coefficients, every sample against the half-fit's prediction, and the
+    half-fit's relative errors."""
     print("\ncoefficients (fitted on all samples; seconds):")
     print(f"  linear     a*n + b:               {_coefs(model.linear)}")
     print(f"  attention  a*x²y + b*x² + c*x + d: {_coefs(model.attention)}")
@@ -174,6 +178,8 @@ def plot(path: Path, half: CostModel, samples: list[OpSample], fit_idx: set[int]
 
 
 def main() -> None:
+    """Profile prefills, fit on half and on all samples, print the report, write JSON and a
+    plot."""
     args = parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()

@@ -114,6 +114,7 @@ class HashChainIndex:
 
 
 def random_prompt(rng: random.Random, n: int) -> array:
+    """``n`` random token ids below the vocabulary size, as ``array('q')``."""
     return array("q", (rng.randrange(VOCAB) for _ in range(n)))
 
 
@@ -142,6 +143,7 @@ def time_calls(
 
 
 def summary(times: list[float]) -> dict[str, float]:
+    """Median, P99 and count of per-call times (µs)."""
     ordered = sorted(times)
     p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
     return {"median_us": statistics.median(ordered), "p99_us": p99, "reps": len(ordered)}
@@ -237,6 +239,8 @@ def bench_length(n: int, rng: random.Random, budget_s: float) -> dict[str, dict]
 
 
 def main() -> None:
+    """Time every index at every prompt length; print the table and targets, write JSON and
+    a plot."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter timing per cell")
     parser.add_argument("--seed", type=int, default=0)

@@ -108,6 +108,8 @@ def contiguous(cache: torch.Tensor, tables: list[list[int]], length: int) -> tor
 
 
 def bench_decode(batch: int, ctx: int, dtype, device) -> dict:
+    """Time ``paged_decode`` and SDPA on contiguous K/V, ``batch`` x ``ctx`` tokens; returns
+    ms and GB/s of each."""
     pool, k_cache, v_cache, tables, bt = paged_pool([ctx] * batch, DECODE_KV_HEADS, dtype, device)
     q = torch.randn(batch, HEADS, HEAD_DIM, dtype=dtype, device=device)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
@@ -123,6 +125,8 @@ def bench_decode(batch: int, ctx: int, dtype, device) -> dict:
 
 
 def bench_prefill(cached: float, dtype, device) -> dict:
+    """Time ``prefix_prefill`` and SDPA with a fraction ``cached`` of the tokens cached; returns
+    ms and TFLOP/s of each and the max error against SDPA."""
     ctx = int(PREFILL_TOKENS * cached) // BLOCK_SIZE * BLOCK_SIZE
     new = PREFILL_TOKENS - ctx
     b = PREFILL_BATCH
@@ -161,6 +165,7 @@ def bench_prefill(cached: float, dtype, device) -> dict:
 
 
 def run_gpu() -> dict:
+    """The decode and prefill sweeps on the CUDA device, in fp16 and bf16: the report dict."""
     device = torch.device("cuda")
     name, peak_bw, peak_flops = device_peaks(device)
     report = {
@@ -191,6 +196,7 @@ def run_gpu() -> dict:
 
 
 def print_gpu(report: dict) -> None:
+    """Print the decode and prefill tables of a GPU report and the targets' outcome."""
     pct = lambda x: "unknown" if x is None else f"{x:5.1f}%"  # noqa: E731
     print(f"\n{report['device']}: peak {report['peak_gbps']} GB/s, {report['peak_tflops']} TFLOP/s")
     print("\ndecode (paged_decode vs SDPA on contiguous K/V)")
@@ -250,6 +256,7 @@ def run_cpu() -> dict:
 
 
 def main() -> None:
+    """Run the GPU sweep (the interpreter check without CUDA), print it, write the JSON."""
     report = run_gpu() if torch.cuda.is_available() else run_cpu()
     if torch.cuda.is_available():
         print_gpu(report)

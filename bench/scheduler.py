@@ -78,6 +78,8 @@ def run_policy(args: argparse.Namespace, workload: str, policy: str, cost_model)
 
 
 def print_table(rows: list[dict]) -> None:
+    """Print one line per workload and policy: TTFT, JCT, cached ratio, requests per
+    instance and prefix pushes."""
     head = (
         f"{'workload':<9} {'policy':<21} {'TTFT mean':>9} {'TTFT P99':>9} {'later':>7} "
         f"{'JCT mean':>9} {'cached':>7} {'per instance':>13} {'pushes':>6}"
@@ -123,6 +125,7 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 
 def parse_args() -> argparse.Namespace:
+    """Command-line options, with workloads and policies split and the policies checked."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
     p.add_argument("--policies", default=",".join(POLICIES))
@@ -143,6 +146,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    """Run every workload under every policy, print the table, write JSON and a plot."""
     args = parse_args()
     cost_model = None
     if args.cost_model is not None:

@@ -177,6 +177,7 @@ class Decoder:
         self.stop = False
 
     def pool_for(self, mode: str) -> torch.Tensor:
+        """The receiving pool ``mode`` writes to: per-layer for by_request, else aggregated."""
         key = "per_layer" if mode == TransferMode.BY_REQUEST.value else "agg"
         return self.pools[key].tensor
 
@@ -215,6 +216,8 @@ class Decoder:
         raise ValueError(f"unexpected message {type(msg).__name__}")
 
     def run_job(self) -> None:
+        """Run the job left after a reply: join the gloo group, or receive ``rounds`` rounds of
+        gloo transfers, acknowledging each round."""
         kind, msg = self.job
         self.job = None
         if kind == "join":
@@ -233,6 +236,7 @@ class Decoder:
             self.gloo.send_tensor(ack, tag=ACK_TAG)
 
     def close(self) -> None:
+        """Leave the gloo group and release the shared pools."""
         if self.gloo is not None:
             self.gloo.close()
         for p in self.pools.values():
@@ -273,19 +277,23 @@ class Cell:
 
     @property
     def median_ms(self) -> float:
+        """Median round time (ms)."""
         return statistics.median(self.times_ms)
 
     @property
     def p99_ms(self) -> float:
+        """99th-percentile round time (ms, nearest rank)."""
         ordered = sorted(self.times_ms)
         return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
     @property
     def gbps(self) -> float:
+        """Bytes per round over the median round time, in GB/s."""
         return self.bytes_per_round / (self.median_ms * 1e-3) / 1e9
 
 
 def timed(fn) -> float:
+    """Wall time of one ``fn()`` call (ms)."""
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
@@ -345,11 +353,14 @@ class Bench:
         return [alloc.alloc(self.n, contiguous=True) for _ in range(self.max_c)]
 
     def key(self, mode: str) -> str:
+        """Pool layout ``mode`` uses: "per_layer" for by_request, else "agg"."""
         return "per_layer" if mode == TransferMode.BY_REQUEST.value else "agg"
 
     # -- D process
 
     def start_decoder(self) -> None:
+        """Spawn D, connect to it, have it create its pools, and open the shm / gloo transports
+        asked for."""
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         a = self.args
@@ -380,6 +391,7 @@ class Bench:
             self.gloo = GlooTransport(0, store=store, timeout_s=CONTROL_TIMEOUT_S)
 
     def stop_decoder(self) -> None:
+        """Close the transports, tell D to stop and wait for it (killed after 30 s)."""
         if self.gloo is not None:
             self.gloo.close()
         self.shm.clear()
@@ -434,6 +446,7 @@ class Bench:
         return cell
 
     def run_gloo(self, mode: str, c: int) -> Cell:
+        """Time rounds of ``c`` concurrent gloo transfers until D acknowledges; verify in D."""
         src = self.src[self.key(mode)]
         cell = self._cell("gloo", mode, c)
         ack = torch.zeros(1)
@@ -483,6 +496,8 @@ class Bench:
         return got == want
 
     def run(self) -> None:
+        """Measure every (transport, mode, concurrency) cell, each followed by its memcpy
+        baseline; starts and stops D when a remote transport is asked for."""
         a = self.args
         remote = [t for t in a.transports if t != "copy"]
         cells = [(t, m, c) for t in a.transports for m in a.modes for c in a.concurrency]
@@ -510,9 +525,11 @@ class Bench:
     # -- report
 
     def memcpy_median(self, c: int) -> float:
+        """Median of all memcpy baseline runs at concurrency ``c`` (ms)."""
         return statistics.median(self.memcpy_ms[c])
 
     def rows(self) -> list[dict]:
+        """One JSON-ready dict per measured cell."""
         out = []
         for cell in self.cells:
             row = {
@@ -535,6 +552,7 @@ class Bench:
         return out
 
     def summary(self, rows: list[dict]) -> dict:
+        """Ratios from ``rows``: by_request over aggregated time; shm bandwidth over memcpy."""
         by = {(r["transport"], r["mode"], r["concurrency"]): r for r in rows}
         out: dict[str, float] = {}
         for t in self.args.transports:
@@ -560,6 +578,7 @@ def _fmt(x: float | None) -> str:
 
 
 def print_report(bench: Bench, rows: list[dict], summary: dict) -> None:
+    """Print the request geometry, the memcpy baselines, the table and the summary ratios."""
     a = bench.args
     print(
         f"\nKV of one {a.tokens}-token request: {bench.n} blocks x "
@@ -595,6 +614,7 @@ def print_report(bench: Bench, rows: list[dict], summary: dict) -> None:
 
 
 def parse_args() -> argparse.Namespace:
+    """Command-line options, with the comma-separated lists split and checked."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--layers", type=int, default=8)
@@ -637,6 +657,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    """Run the cells, print the report, write JSON and a plot; fail if a transfer was not
+    bit-exact."""
     args = parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()

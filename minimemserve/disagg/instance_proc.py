@@ -134,6 +134,8 @@ class SafePrefillRecipe(PrefillRecipe):
         self.on_peer_failed = on_peer_failed
 
     def after_prefill(self, pool, req: Request) -> bool:
+        """Hand off as the prefill recipe does, trying the next decode instance after a failed
+        transfer; with none left, release the blocks here, end the request with an error."""
         excluded: list[str] = []
         req.extra["excluded_decodes"] = excluded
         try:
@@ -168,6 +170,8 @@ class SafeDecodeRecipe(DecodeRecipe):
     succeeds (its tokens are final) and its blocks are released here."""
 
     def on_finish(self, pool, req: Request) -> None:
+        """As the decode recipe; a failed send back is noted in ``req.extra["cache_back_error"]``
+        and the blocks are released here."""
         try:
             super().on_finish(pool, req)
         except TransferError as e:

@@ -48,6 +48,7 @@ class CachingRecipe(Recipe):
     caching = True
 
     def on_arrival(self, pool, req: Request) -> None:
+        """``match`` the longest cached prefix into ``req.blocks`` (see ``match_prefix``)."""
         match_prefix(pool, req)
 
 
@@ -92,10 +93,13 @@ class PrefillRecipe(Recipe):
         self.pick_decode = pick_decode  # req -> decode instance (with .pool and .accept)
 
     def on_arrival(self, pool, req: Request) -> None:
+        """With caching (level >= 1), ``match`` the cached prefix into ``req.blocks``."""
         if self.caching:
             match_prefix(pool, req)
 
     def after_prefill(self, pool, req: Request) -> bool:
+        """``insert`` (level >= 1), ``transfer`` (``transfer_with_insert`` at level >= 2) to the
+        picked decode pool, ``free_mem`` here; hands the request over and returns False."""
         dst = self.pick_decode(req)
         tokens = req.all_token_ids[: req.num_computed]
         src = req.blocks[: -(-req.num_computed // pool.block_size)]
@@ -124,10 +128,13 @@ class DecodeRecipe(Recipe):
         self.prefill_pool_of = prefill_pool_of  # req -> MemPool of the instance that prefilled it
 
     def on_arrival(self, pool, req: Request) -> None:  # only after a preemption on D
+        """With caching (level >= 2), ``match`` the cached prefix into ``req.blocks``."""
         if self.caching:
             match_prefix(pool, req)
 
     def on_finish(self, pool, req: Request) -> None:
+        """Level 3: ``transfer_with_insert`` the whole blocks back to P, ``free_mem`` there; then
+        ``insert`` here (level >= 2) and ``free_mem`` the request's blocks."""
         if self.cache_level >= 3 and req.blocks and req.num_computed:
             tokens = req.all_token_ids[: req.num_computed]
             whole = len(tokens) // pool.block_size

@@ -35,6 +35,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden] -> [T, hidden]``: x / rms(x) in fp32, cast back, times the weight."""
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -56,6 +57,7 @@ class Rotary(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, q, k, positions):  # q [T, H, D], k [T, KV, D], positions [T]
+        """Rotate ``q [T, H, D]`` and ``k [T, KV, D]`` by ``positions [T]``; same shapes out."""
         cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -81,6 +83,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, positions, rotary: Rotary, backend: AttentionBackend, md):
+        """``[T, hidden] -> [T, hidden]``: project q/k/v, rotate, let the backend store this
+        layer's K/V and attend, then project the heads back out."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.n_heads, self.head_dim)  # [T, H, D]
@@ -101,6 +105,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
 
     def forward(self, x):
+        """``[T, hidden] -> [T, hidden]``: ``down(silu(gate(x)) * up(x))``."""
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -116,6 +121,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, positions, rotary, backend, md):
+        """``[T, hidden] -> [T, hidden]``: attention then MLP, each on the normed input and
+        added back to the residual stream."""
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, md)
         return x + self.mlp(self.post_attention_layernorm(x))
 
