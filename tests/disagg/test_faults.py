@@ -131,9 +131,14 @@ def test_calls_in_both_directions_at_once_do_not_deadlock():
     a.connect("B", b.address)
     b.connect("A", a.address)
     results: dict[str, object] = {}
+    start = threading.Barrier(2)
 
     def call(node, peer, n):
+        start.wait(5)  # both calls go out together
         results[node.name] = node.call(peer, Probe(list(range(n))))
+        deadline = time.monotonic() + 5
+        while len(results) < 2 and time.monotonic() < deadline:
+            node.serve(0.02)  # a loaded host may deliver the other call after this one ended
 
     try:
         threads = [
