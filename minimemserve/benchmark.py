@@ -500,6 +500,7 @@ def run_bench(
     factories: Mapping[str, TargetFactory] | None = None,
     progress: bool = True,
     verbose: bool = True,
+    runtime: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run ``workload`` under every config in ``configs`` on the same sessions; compare.
 
@@ -507,9 +508,10 @@ def run_bench(
     ``max_turns`` and ``max_output_tokens`` None take the workload's defaults (see
     :func:`minimemserve.workloads.make_workload`).
     ``factories`` maps config names to :data:`TargetFactory`; other names run as an
-    in-process ``LLM`` (see :func:`resolve_factory`). Each config gets a fresh target, a
-    warm-up (excluded), the workload, and a pool-balance check. Prints a table when
-    ``verbose``; with ``out_dir`` writes ``e2e_<workload>.json`` and
+    in-process ``LLM`` (see :func:`resolve_factory`). ``runtime`` describes how the
+    factories run the configs (process runtime, routing policy) for the JSON. Each config
+    gets a fresh target, a warm-up (excluded), the workload, and a pool-balance check.
+    Prints a table when ``verbose``; with ``out_dir`` writes ``e2e_<workload>.json`` and
     ``e2e_<workload>_{bars,cdf}.png`` there. Returns
     ``{"summaries", "ttft_later_ratio", "records", "pool_stats", "setup", "files"}``.
     """
@@ -547,6 +549,7 @@ def run_bench(
         "model_dir": str(model_dir),
         "configs": list(configs),
         "options": asdict(options),
+        "runtime": dict(runtime or {"kind": "inline"}),
     }
     if verbose:
         print(
@@ -697,6 +700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     factories = None
+    runtime: dict[str, Any] = {"kind": args.runtime}
     if args.runtime == "process":
         from .disagg.runtime import process_factories
         from .scheduler.global_scheduler import POLICIES
@@ -715,6 +719,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             policy=args.policy,
             cost_model=cost_model,
         )
+        runtime.update(
+            cores_per_instance=1,
+            colocated_instances=2,
+            policy=args.policy,
+            cost_model=args.cost_model or "prompt tokens",
+        )
     start = time.perf_counter()
     run_bench(
         configs=configs,
@@ -732,6 +742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         progress=not args.no_progress,
         factories=factories,
+        runtime=runtime,
     )
     print(f"benchmark took {time.perf_counter() - start:.1f} s")
     return 0

@@ -260,6 +260,7 @@ def test_run_bench_end_to_end(tiny_llama_dir, tmp_path, capsys):
     ]
     assert all(f.exists() for f in files)
     saved = json.loads(files[0].read_text())
+    assert saved["setup"]["runtime"] == {"kind": "inline"}
     assert saved["summaries"]["PD-CC"]["cached_ratio_later"] > 0
     assert set(saved["ttft_later_ratio"]) == {"PD/PD-CC"}
 
