@@ -33,7 +33,7 @@ class TorchAttention:
     name = "torch"
 
     def __init__(self, kv_pool: torch.Tensor, layout: KVLayout, num_heads: int, scale: float):
-        n = kv_pool.shape[0 if layout.kind == AGGREGATED else 2]
+        n = kv_pool.shape[layout.block_dim]
         if tuple(kv_pool.shape) != layout.pool_shape(n):
             raise ValueError(f"pool shape {tuple(kv_pool.shape)} does not match {layout}")
         if not kv_pool.is_contiguous():

@@ -16,10 +16,30 @@ from collections.abc import Sequence
 
 import torch
 
+from minimemserve.blocks.layout import KVLayout
+
 
 def is_run(ids: Sequence[int]) -> bool:
     """True when ``ids`` is one ascending run ``b, b + 1, ...`` (empty and single count)."""
     return all(b == a + 1 for a, b in zip(ids, ids[1:]))
+
+
+def check_pool_tensor(layout: KVLayout, dtype: torch.dtype, t: torch.Tensor, what: str) -> None:
+    """Raise ValueError, naming ``what``, unless ``t`` is a pool tensor of ``layout`` and
+    ``dtype`` (any number of blocks)."""
+    if t.dim() != len(layout.pool_shape(0)) or tuple(t.shape) != layout.pool_shape(
+        t.shape[layout.block_dim]
+    ):
+        raise ValueError(f"{what} expects a pool tensor of layout {layout}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{what} expects {dtype}, got {t.dtype}")
+
+
+def check_packed(layout: KVLayout, num_blocks: int, data: torch.Tensor, what: str) -> None:
+    """Raise ValueError, naming ``what``, unless ``data`` holds exactly ``num_blocks`` blocks."""
+    expected = layout.pool_shape(num_blocks)
+    if tuple(data.shape) != expected:
+        raise ValueError(f"{what} expects data of shape {expected}, got {tuple(data.shape)}")
 
 
 def move_blocks(

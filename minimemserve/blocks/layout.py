@@ -41,6 +41,11 @@ class KVLayout:
         """Bytes in one block for an element size in bytes."""
         return self.block_numel * element_size
 
+    @property
+    def block_dim(self) -> int:
+        """The dimension of a pool tensor that indexes blocks."""
+        return 0 if self.kind == AGGREGATED else 2
+
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of a pool tensor holding ``num_blocks`` blocks in this layout."""
         tail = (self.block_size, self.num_kv_heads, self.head_dim)

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import zmq
 
-from minimemserve.blocks.copy import move_blocks
-from minimemserve.blocks.layout import AGGREGATED, KVLayout
+from minimemserve.blocks.copy import check_packed, check_pool_tensor, move_blocks
+from minimemserve.blocks.layout import KVLayout
 from minimemserve.disagg.control import (
     Abort,
     Ack,
@@ -504,27 +504,19 @@ class RemotePool:
     def recv_write(self, blocks: Sequence[int], data: torch.Tensor) -> None:
         """Step 2 from a packed buffer: ``data`` (``layout.pool_shape(len(blocks))``) goes
         into the peer's blocks."""
-        expected = self.layout.pool_shape(len(blocks))
-        if tuple(data.shape) != expected:
-            raise ValueError(
-                f"recv_write expects data of shape {expected}, got {tuple(data.shape)}"
-            )
+        check_packed(self.layout, len(blocks), data, "recv_write")
         self.recv_copy(blocks, data, range(len(blocks)))
 
     def recv_copy(self, blocks: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
         """Step 2 from this process's pool tensor ``src``: its blocks ``src_ids`` go straight
         into the peer's ``blocks`` (one-sided; one pass when ``blocks`` is one run)."""
         blocks = list(blocks)
-        block_dim = 0 if self.layout.kind == AGGREGATED else 2
-        if tuple(src.shape) != self.layout.pool_shape(src.shape[block_dim]):
-            raise ValueError(f"recv_copy expects a pool tensor of this layout, got {src.shape}")
-        if src.dtype != self.dtype:
-            raise ValueError(f"recv_copy expects {self.dtype}, got {src.dtype}")
+        check_pool_tensor(self.layout, self.dtype, src, "recv_copy")
         if not blocks:
             return
         if self.peer in self.node.dead:
             raise InstanceDied(f"instance {self.peer} died before the write")
-        move_blocks(self.kv, blocks, src, src_ids, block_dim)  # one-sided write
+        move_blocks(self.kv, blocks, src, src_ids, self.layout.block_dim)  # one-sided write
         if self.kv.is_cuda:
             torch.cuda.current_stream(self.kv.device).synchronize()  # land before Commit
 

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from minimemserve.blocks.allocator import BlockAllocator
-from minimemserve.blocks.copy import move_blocks
-from minimemserve.blocks.layout import AGGREGATED, KVLayout
+from minimemserve.blocks.copy import check_packed, check_pool_tensor, move_blocks
+from minimemserve.blocks.layout import KVLayout
 from minimemserve.errors import ConfigError, PoolExhausted
 from minimemserve.mempool.radix import RadixNode, RadixTree, as_tokens
 
@@ -113,7 +113,7 @@ class MemPool:
         self.device = torch.device(device)
         self.dtype = dtype
         self.instance_id = str(instance_id)
-        self._block_dim = 0 if layout.kind == AGGREGATED else 2
+        self._block_dim = layout.block_dim
         cuda = torch.cuda.is_available()
         pin = cuda if pin_memory is None else bool(pin_memory)
         if pin and not cuda:
@@ -614,11 +614,7 @@ class MemPool:
     def recv_write(self, blocks: Sequence[int], data: torch.Tensor) -> None:
         """Receiving side, step 2 from a packed buffer: copy ``data``
         (``layout.pool_shape(len(blocks))``) into ``blocks`` of the hbm tier."""
-        expected = self.layout.pool_shape(len(blocks))
-        if tuple(data.shape) != expected:
-            raise ValueError(
-                f"recv_write expects data of shape {expected}, got {tuple(data.shape)}"
-            )
+        check_packed(self.layout, len(blocks), data, "recv_write")
         self.recv_copy(blocks, data, range(len(blocks)))
 
     def recv_copy(self, blocks: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
@@ -629,10 +625,7 @@ class MemPool:
         when it can); no packed copy in between.
         """
         blocks, src_ids = list(blocks), list(src_ids)
-        if tuple(src.shape) != self.layout.pool_shape(src.shape[self._block_dim]):
-            raise ValueError(f"recv_copy expects a pool tensor of this layout, got {src.shape}")
-        if src.dtype != self.dtype:
-            raise ValueError(f"recv_copy expects {self.dtype}, got {src.dtype}")
+        check_pool_tensor(self.layout, self.dtype, src, "recv_copy")
         hbm = self._tiers[HBM]
         for b in blocks:
             if hbm.alloc.refcount(b) < 1:
