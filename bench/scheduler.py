@@ -71,7 +71,7 @@ def run_policy(args: argparse.Namespace, workload: str, policy: str, cost_model)
         "jct_p99_ms": s["jct_p99"] * 1e3,
         "cached_ratio": s["cached_ratio"],
         "requests_per_instance": per_instance,
-        "prefix_transfers": cluster.num_prefix_transfers,
+        "prefix_transfers": cluster.scheduler.num_transfers,
         "prefix_tokens_moved": cluster.prefix_tokens_moved,
         "wall_s": result["pool_stats"][CONFIG]["wall_s"],
     }

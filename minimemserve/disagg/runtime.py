@@ -195,8 +195,7 @@ class ProcessCluster:
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.dead: dict[str, str] = {}  # instance name -> why it died
         self.num_reruns = 0  # requests re-run after the instance holding them died
-        self.num_prefix_transfers = 0  # prefix transfers the scheduler asked for
-        self.prefix_tokens_moved = 0  # tokens of KV they moved
+        self.prefix_tokens_moved = 0  # tokens of KV moved by the scheduler's prefix transfers
         self._inflight: dict[str, _Inflight] = {}
         self._done: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -432,11 +431,10 @@ class ProcessCluster:
         except (TransferError, MiniMemServeError) as e:
             logger.warning("prefix transfer %s -> %s failed: %s", src, dst, e)
             moved = 0
-        self.num_prefix_transfers += 1
         self.prefix_tokens_moved += moved
         if moved:
             self.scheduler.record(dst, prompt[:moved])
-        return Route(dst, max(moved, 0), route.cost)
+        return Route(dst, self.scheduler.cached_tokens(dst, prompt), route.cost)
 
     def _left_cached(self, out: RequestOutput) -> list[int] | None:
         """What a finished request left in the cache of the instance it was routed to."""

@@ -245,7 +245,6 @@ class GlobalScheduler:
         if now - self._last_sweep >= SWEEP_EVERY_S:
             self._last_sweep = now
             self.trees.expire()
-        cached = {p: self._cached(p, toks) for p in self.live}
         if self.policy == "round_robin":
             name = self.live[next(self._rr) % len(self.live)]
         elif self.policy == "least_load":
@@ -254,14 +253,16 @@ class GlobalScheduler:
             head = toks[: self.block_size].tobytes()
             name = self.live[zlib.crc32(head) % len(self.live)]
         else:
-            return self._by_cost(toks, cached)
-        return Route(name, cached[name], self.queued_cost(name) + self._exec(x, cached[name]))
+            return self._by_cost(toks, {p: self.cached_tokens(p, toks) for p in self.live})
+        cached = self.cached_tokens(name, toks)
+        return Route(name, cached, self.queued_cost(name) + self._exec(x, cached))
 
-    def _cached(self, name: str, toks: array) -> int:
-        if not self.caching:
+    def cached_tokens(self, name: str, tokens: Sequence[int]) -> int:
+        """Tokens of ``tokens`` believed cached on ``name`` that a request would not
+        compute (the engine always computes the last token)."""
+        if not self.caching or not tokens:
             return 0
-        # the engine always computes the last token, so at most x - 1 tokens can hit
-        return min(self.trees.cached(name, toks), len(toks) - 1)
+        return min(self.trees.cached(name, tokens), len(tokens) - 1)
 
     def _exec(self, x: int, cached: int) -> float:
         return self.cost.exec(x, cached / x)

@@ -186,7 +186,7 @@ def test_prefix_transfer_between_colocated_instances(tiny_llama_dir, sessions):
         cluster.scheduler.dispatched("busy", Route(holder, 0, 0.0), 10_000)  # a long queue
         out2 = run_one(cluster, second, "b")
         cluster.scheduler.finished("busy")
-        assert cluster.num_prefix_transfers == 1
+        assert cluster.scheduler.num_transfers == 1
         moved = cluster.prefix_tokens_moved
         assert moved == (len(first) + len(out1.token_ids) - 1) // BS * BS > 0
         assert out2.metrics.cached_tokens == moved  # the idle instance hit the moved prefix
