@@ -120,6 +120,18 @@ class EngineOptions:
     max_num_batched_tokens: int = 512
     seed: int = 0
 
+    def engine_config(self) -> Any:
+        """These options as the ``EngineConfig`` of every instance (device and dtype aside)."""
+        from minimemserve.config import EngineConfig
+
+        return EngineConfig(
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            seed=self.seed,
+        )
+
 
 @dataclass(frozen=True)
 class TargetSpec:
@@ -148,11 +160,7 @@ def in_process_target(spec: TargetSpec) -> BenchTarget:
         config=spec.config,
         device=o.device,
         dtype=o.dtype,
-        block_size=o.block_size,
-        num_blocks=o.num_blocks,
-        max_num_seqs=o.max_num_seqs,
-        max_num_batched_tokens=o.max_num_batched_tokens,
-        seed=o.seed,
+        **asdict(o.engine_config()),  # LLM takes EngineConfig's fields by name
     )
 
     def check() -> bool:

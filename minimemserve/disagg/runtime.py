@@ -593,17 +593,10 @@ def process_target(spec: Any, **cluster_kw: Any) -> Any:
     from minimemserve.benchmark import BenchTarget
 
     o = spec.options
-    ecfg = EngineConfig(
-        block_size=o.block_size,
-        num_blocks=o.num_blocks,
-        max_num_seqs=o.max_num_seqs,
-        max_num_batched_tokens=o.max_num_batched_tokens,
-        seed=o.seed,
-    )
     cluster = ProcessCluster(
         spec.model_dir,
         spec.config,
-        engine_config=ecfg,
+        engine_config=o.engine_config(),
         device=o.device,
         dtype=o.dtype,
         **cluster_kw,
