@@ -1,0 +1,64 @@
+"""The one serving interface every runtime offers, and every caller uses.
+
+``Engine`` (one instance), ``InProcessCluster`` (several instances in this process) and
+``ProcessCluster`` (one process per instance) all implement :class:`Serving`; ``LLM``, the
+benchmark driver and the server drive it without knowing which they hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from .request import RequestOutput
+from .sampling import SamplingParams
+
+
+@runtime_checkable
+class Serving(Protocol):
+    """Add requests, advance, abort, audit. Outputs come back from :meth:`step`."""
+
+    tokenizer: Any  # the model's tokenizer (``encode`` / ``decode``)
+
+    def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        """Token ids of ``prompt``, or a ``ValueError`` subclass / ``PoolExhausted`` naming
+        what is wrong. Queues nothing."""
+        ...
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id."""
+        ...
+
+    def step(self) -> list[RequestOutput]:
+        """Advance (one engine step, or a short wait for remote results); returns the
+        requests that finished since the last call."""
+        ...
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and release its blocks; returns its partial output
+        (``finish_reason="abort"``), or None when the id is unknown or already finished."""
+        ...
+
+    def has_unfinished(self) -> bool:
+        """Whether any added request has not been returned by :meth:`step` yet."""
+        ...
+
+    def check_pools(self, require_idle: bool = True) -> dict[str, dict]:
+        """Audit every instance's MemPool (``MemPool.check``); with ``require_idle``, a block
+        still referenced outside the cache index is an error too. Raises on a problem;
+        returns ``{instance name: {"pool": stats}}``."""
+        ...
+
+    def pool_stats(self) -> dict[str, dict]:
+        """``{instance name: MemPool.stats()}``."""
+        ...
+
+    def close(self) -> None:
+        """Release processes and memory (a no-op in process)."""
+        ...
