@@ -33,10 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minimemserve.config import EngineConfig  # noqa: E402
-from minimemserve.engine import Engine  # noqa: E402
-from minimemserve.model.presets import preset_dir  # noqa: E402
-from minimemserve.scheduler.cost_model import (  # noqa: E402
+from minimemserve.config import EngineConfig
+from minimemserve.engine import Engine
+from minimemserve.model.presets import preset_dir
+from minimemserve.scheduler.cost_model import (
     CostModel,
     OpSample,
     load_transfer_samples,

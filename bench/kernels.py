@@ -32,11 +32,11 @@ if not torch.cuda.is_available():  # the interpreter must be on before triton is
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch.nn.functional as F  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch.nn.functional as F
+from tqdm import tqdm
 
-from minimemserve.blocks.layout import KVLayout, layer_views  # noqa: E402
-from triton_kernels import paged_decode, prefix_prefill  # noqa: E402
+from minimemserve.blocks.layout import KVLayout, layer_views
+from triton_kernels import paged_decode, prefix_prefill
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kernels.json"
 # (substring of the device name, HBM bytes/s, dense 16-bit tensor FLOP/s) from vendor sheets
@@ -149,11 +149,11 @@ def bench_prefill(cached: float, dtype, device) -> dict:
     vc = torch.cat([contiguous(v_cache, tables, ctx), vn], 2).contiguous()
     qc = q.view(b, new, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
     if ctx == 0:
-        sdpa = lambda: F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)  # noqa: E731
+        sdpa = lambda: F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
     else:
         qpos = torch.arange(ctx, PREFILL_TOKENS, device=device)
         mask = torch.arange(PREFILL_TOKENS, device=device)[None, :] <= qpos[:, None]
-        sdpa = lambda: F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask)  # noqa: E731
+        sdpa = lambda: F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask)
     t_sdpa = time_cuda(sdpa)
     ref = sdpa().transpose(1, 2).reshape(b * new, HEADS, HEAD_DIM)
     err = (run().float() - ref.float()).abs().max().item()
@@ -197,7 +197,7 @@ def run_gpu() -> dict:
 
 def print_gpu(report: dict) -> None:
     """Print the decode and prefill tables of a GPU report and the targets' outcome."""
-    pct = lambda x: "unknown" if x is None else f"{x:5.1f}%"  # noqa: E731
+    pct = lambda x: "unknown" if x is None else f"{x:5.1f}%"
     print(f"\n{report['device']}: peak {report['peak_gbps']} GB/s, {report['peak_tflops']} TFLOP/s")
     print("\ndecode (paged_decode vs SDPA on contiguous K/V)")
     print(f"{'dtype':9}{'batch':>6}{'ctx':>7}{'ms':>9}{'GB/s':>9}{'of peak':>9}"

@@ -253,7 +253,7 @@ def test_dram_tier_keeps_evicted_prefixes_and_serves_them_back(tiny_llama_dir):
     assert c["offloaded_blocks"] > 0 and c["onloaded_blocks"] > 0
     assert sum(o.metrics.cached_tokens for o in got[len(sessions) :]) > 0
     _, lost = run(num_blocks=12)
-    hits = lambda outs: sum(o.metrics.cached_tokens for o in outs)  # noqa: E731
+    hits = lambda outs: sum(o.metrics.cached_tokens for o in outs)
     assert hits(got) > hits(lost)
 
 

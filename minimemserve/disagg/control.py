@@ -285,7 +285,7 @@ class ControlServer:
         self.last_heard[peer] = time.monotonic()
         try:
             reply = handler(msg)
-        except Exception as e:  # noqa: BLE001 - every handler failure goes back to the caller
+        except Exception as e:
             reply = Error(getattr(msg, "req_id", ""), type(e).__name__, str(e))
         if env.get("kind") == "req":
             rep_env = {"kind": "rep", "seq": env.get("seq", -1)}

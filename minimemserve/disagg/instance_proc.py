@@ -485,7 +485,7 @@ def _inbox_id(item) -> str:
     return item.request_id if isinstance(item, Request) else item[2]
 
 
-def _exit_on_sigterm(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
+def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 

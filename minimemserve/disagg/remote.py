@@ -360,7 +360,7 @@ class RpcNode:
         sender = str(env.get("from", "?"))
         try:
             reply = self.handler(sender, msg)
-        except Exception as e:  # noqa: BLE001 - every handler failure goes back to the caller
+        except Exception as e:
             reply = Error(getattr(msg, "req_id", ""), type(e).__name__, str(e))
         if env.get("kind") == "req":
             self._reply(ident, env.get("seq", -1), Ack() if reply is None else reply)

@@ -294,7 +294,7 @@ class ProcessCluster:
         if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
             return  # the application handles it
 
-        def on_term(signum, frame):  # noqa: ARG001 - signal handler signature
+        def on_term(signum, frame):
             raise KeyboardInterrupt(f"signal {signum}")
 
         self._old_sigterm = signal.signal(signal.SIGTERM, on_term)

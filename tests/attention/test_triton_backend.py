@@ -9,13 +9,13 @@ import torch
 if not torch.cuda.is_available():  # must precede the first import of triton in the process
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-from helpers import attention_reference, attention_step  # noqa: E402
+import pytest
+from helpers import attention_reference, attention_step
 
-from minimemserve.attention import flash_attn_backend  # noqa: E402
-from minimemserve.attention.base import SeqSlice  # noqa: E402
-from minimemserve.attention.triton_backend import TritonAttention, is_available  # noqa: E402
-from minimemserve.blocks.layout import AGGREGATED, PER_LAYER, KVLayout  # noqa: E402
+from minimemserve.attention import flash_attn_backend
+from minimemserve.attention.base import SeqSlice
+from minimemserve.attention.triton_backend import TritonAttention, is_available
+from minimemserve.blocks.layout import AGGREGATED, PER_LAYER, KVLayout
 
 _CPU_READY = torch.cuda.is_available() or (
     is_available() and __import__("triton_kernels").interpreter_ready()

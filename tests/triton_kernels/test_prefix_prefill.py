@@ -95,7 +95,7 @@ def test_prefix_prefill_cuda(dtype, block_size, head_dim):
     q = torch.randn(sum(new), n_kv * group, head_dim).to(dtype)
     k, v = (torch.randn(sum(new), n_kv, head_dim).to(dtype) for _ in range(2))
     starts = [0, new[0], new[0] + new[1], sum(new)]
-    cuda = lambda t: t.cuda()  # noqa: E731
+    cuda = lambda t: t.cuda()
     out = prefix_prefill(
         *map(cuda, (q, k, v, p.k_cache, p.v_cache, p.block_tables)),
         torch.tensor(starts, dtype=torch.int32, device="cuda"),
