@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -33,15 +34,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from minimemserve.bench.presets import preset_dir
+from minimemserve.bench.profile import load_transfer_samples, profile
 from minimemserve.config import EngineConfig
 from minimemserve.engine import Engine
-from minimemserve.model.presets import preset_dir
-from minimemserve.scheduler.cost_model import (
-    CostModel,
-    OpSample,
-    load_transfer_samples,
-    profile,
-)
+from minimemserve.scheduler.cost_model import CostModel, OpSample
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The tiny preset holds 2048 positions: the longest prompt leaves room for one output token.
@@ -74,7 +71,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
     """A PD-CC engine whose token budget takes the longest prompt in one step."""
     longest = max(args.lengths)
     block_size = EngineConfig().block_size
-    blocks = 2 * (-(-(longest + 1) // block_size)) + 4  # a prompt and its cached prefix
+    blocks = 2 * math.ceil((longest + 1) / block_size) + 4  # a prompt and its cached prefix
     cfg = EngineConfig(max_num_batched_tokens=longest, num_blocks=blocks, seed=args.seed)
     model_dir = args.model or preset_dir("tiny")
     return Engine(

@@ -23,8 +23,14 @@ import json
 import time
 from pathlib import Path
 
-from minimemserve.benchmark import EngineOptions, run_bench
-from minimemserve.disagg.runtime import process_target
+from minimemserve.bench.driver import (
+    COLOCATED_INSTANCES,
+    CORES_PER_INSTANCE,
+    EngineOptions,
+    process_target,
+    run_bench,
+)
+from minimemserve.scheduler.cost_model import CostModel
 from minimemserve.scheduler.global_scheduler import POLICIES
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scheduler.json"
@@ -37,11 +43,14 @@ def run_policy(args: argparse.Namespace, workload: str, policy: str, cost_model)
     seen: dict = {}
 
     def factory(spec):
-        target = process_target(
-            spec, cores_per_instance=1, num_colocated=2, policy=policy, cost_model=cost_model
+        seen["cluster"] = process_target(
+            spec,
+            cores_per_instance=CORES_PER_INSTANCE,
+            num_colocated=COLOCATED_INSTANCES,
+            policy=policy,
+            cost_model=cost_model,
         )
-        seen["cluster"] = target.engine
-        return target
+        return seen["cluster"]
 
     result = run_bench(
         configs=[CONFIG],
@@ -148,11 +157,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     """Run every workload under every policy, print the table, write JSON and a plot."""
     args = parse_args()
-    cost_model = None
-    if args.cost_model is not None:
-        from minimemserve.scheduler.cost_model import CostModel
-
-        cost_model = CostModel.load(args.cost_model)
+    cost_model = None if args.cost_model is None else CostModel.load(args.cost_model)
     start = time.perf_counter()
     rows = []
     for workload in args.workloads:

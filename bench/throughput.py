@@ -26,9 +26,9 @@ import torch
 from tqdm.auto import tqdm
 
 from minimemserve import LLM, SamplingParams
-from minimemserve.data import iter_sharegpt
+from minimemserve.bench.data import iter_sharegpt
+from minimemserve.bench.presets import preset_dir
 from minimemserve.model.config import ModelConfig
-from minimemserve.model.presets import preset_dir
 from minimemserve.model.tokenizer import Tokenizer
 
 # HF pads on the left with this id; the attention mask hides it, so any valid id works.

@@ -48,6 +48,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from minimemserve.bench.transports import (
+    GlooTransport,
+    SharedMemoryTransport,
+    Staging,
+    TransferMode,
+    copy_blocks,
+    pieces_per_transfer,
+    start_store,
+)
 from minimemserve.blocks.allocator import BlockAllocator
 from minimemserve.blocks.copy import is_run
 from minimemserve.blocks.layout import KVLayout
@@ -57,16 +66,7 @@ from minimemserve.disagg.control import (
     MessageCodec,
     WriteDone,
 )
-from minimemserve.disagg.transport import (
-    GlooTransport,
-    SharedMemoryTransport,
-    SharedPoolTensor,
-    Staging,
-    TransferMode,
-    copy_blocks,
-    pieces_per_transfer,
-    start_store,
-)
+from minimemserve.mempool.shared import SharedPoolTensor
 
 RESULTS = Path(__file__).resolve().parent / "results" / "transfer.json"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

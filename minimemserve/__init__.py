@@ -1,8 +1,10 @@
 """minimemserve: a compact Llama-2 serving engine built on one elastic KV memory pool.
 
-Context caching and prefill/decode disaggregation are compositions of MemPool calls
-(see ``minimemserve.disagg.recipes``). Importing this package touches no device.
+Context caching and prefill/decode disaggregation are compositions of MemPool calls: one
+table, ``minimemserve.disagg.recipes``. Importing this package touches no device.
 """
+
+import importlib
 
 from .config import EngineConfig, parse_config_name
 from .errors import (
@@ -13,26 +15,23 @@ from .errors import (
     PoolExhausted,
     TransferError,
 )
+from .engine import Engine
 from .llm import LLM
+from .mempool import MemPool
 from .request import RequestMetrics, RequestOutput
 from .sampling import SamplingParams
+from .scheduler.cost_model import CostModel
+from .scheduler.global_scheduler import GlobalScheduler
+from .serving import Serving
 
-# heavy submodules load on first use, so `import minimemserve` stays light
-_LAZY = {
-    "MemPool": "minimemserve.mempool",
-    "Engine": "minimemserve.engine",
-    "ProcessCluster": "minimemserve.disagg.runtime",
-    "GlobalScheduler": "minimemserve.scheduler.global_scheduler",
-    "CostModel": "minimemserve.scheduler.cost_model",
-}
+# names from modules that need the optional ZeroMQ / msgspec stack load on first use
+_LAZY = {"ProcessCluster": "minimemserve.disagg.runtime"}
 
 
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'minimemserve' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(module), name)
 
 
@@ -52,6 +51,7 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "Serving",
     "TransferError",
     "parse_config_name",
 ]

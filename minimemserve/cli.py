@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from minimemserve.bench import driver
+from minimemserve.bench.presets import preset_dir
+from minimemserve.llm import LLM
+from minimemserve.sampling import SamplingParams
+
 
 def _generate(args: argparse.Namespace) -> int:
-    from . import LLM, SamplingParams
-
     llm = LLM(
         args.model,
         config=args.config,
@@ -38,22 +41,20 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _preset(args: argparse.Namespace) -> int:
-    from .model.presets import preset_dir
-
     print(preset_dir(args.name))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``minimemserve`` console script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
-        from .benchmark import main as bench_main
-
-        return bench_main(argv[1:]) or 0
+def build_parser() -> argparse.ArgumentParser:
+    """The ``minimemserve`` parser, one subparser per command."""
     ap = argparse.ArgumentParser(prog="minimemserve", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("bench", help="compare PD, PD-CC, 1P1D, 1P1D-CC (see `minimemserve bench -h`)")
+    b = sub.add_parser(
+        "bench",
+        help="compare PD, PD-CC, 1P1D, 1P1D-CC (see `minimemserve bench -h`)",
+        description=driver.DESCRIPTION,
+    )
+    driver.add_arguments(b).set_defaults(fn=driver.main)
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("--model", default=None, help="HF checkpoint dir (default: the tiny preset)")
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
@@ -72,7 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("preset", help="write (once) and print the path of a preset checkpoint")
     p.add_argument("--name", default="tiny")
     p.set_defaults(fn=_preset)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``minimemserve`` console script."""
+    args = build_parser().parse_args(argv)
     return args.fn(args)
 
 

@@ -7,53 +7,59 @@ from dataclasses import dataclass
 
 import torch
 
+from .disagg.recipes import MILESTONES, Milestone
 from .errors import ConfigError
 
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of host RAM: 64k tokens of the tiny fp32 preset
 DEFAULT_GPU_KV_FRACTION = 0.5  # share of free GPU memory given to the hbm tier when unsized
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_CACHE_LEVELS = {"": 0, "CC1": 1, "CC2": 2, "CC3": 3, "CC": 3}
+# config-name suffix -> caching milestone of a disaggregated deployment (xPyD[-CC...])
+_DISAGG_MILESTONES = {
+    "": "PD-Basic",
+    "CC1": "PD-Caching-1",
+    "CC2": "PD-Caching-2",
+    "CC3": "PD-Caching-3",
+    "CC": "PD-Caching-3",
+}
+_COLOCATED = {"PD": "PD", "PD-CC": "PD-CC"}
+_NAME_PREFIX = {"colocated": "C", "prefill": "P", "decode": "D"}  # instance names: P0, D1, ...
 
 
 @dataclass(frozen=True)
 class Deployment:
-    """What a config name means.
+    """What a config name means: a caching milestone and how many instances of each role.
 
-    ``colocated`` deployments run prefill and decode in the same instance (PD, PD-CC);
-    otherwise ``num_prefill`` prefill and ``num_decode`` decode instances (xPyD).
-    ``cache_level`` is 0 (none), 1 for colocated caching (PD-CC), and 1/2/3 for the three
-    caching milestones on top of disaggregation (PD-Caching-1/2/3).
+    ``counts`` follows ``milestone.roles``; a colocated milestone's single count is chosen
+    by the runtime (one in process, ``num_colocated`` across processes).
     """
 
     name: str
-    colocated: bool
-    num_prefill: int
-    num_decode: int
-    cache_level: int
+    milestone: Milestone
+    counts: tuple[int, ...]
 
-    @property
-    def caching(self) -> bool:
-        """Whether any context caching is on."""
-        return self.cache_level > 0
+    def instances(self, colocated: int = 1) -> list[tuple[str, str]]:
+        """``(name, role)`` of every instance, entry role first."""
+        out = []
+        for role, n in zip(self.milestone.roles, self.counts):
+            n = colocated if role == "colocated" else n
+            out += [(f"{_NAME_PREFIX[role]}{i}", role) for i in range(n)]
+        return out
 
 
 def parse_config_name(name: str) -> Deployment:
     """Parse ``PD``, ``PD-CC``, ``1P1D``, ``1P1D-CC[1|2|3]``, ``xPyD[-CC...]``."""
     if not isinstance(name, str):
         raise ConfigError(f"config name must be a string, got {name!r}")
-    if name == "PD":
-        return Deployment(name, True, 1, 1, 0)
-    if name == "PD-CC":
-        return Deployment(name, True, 1, 1, 1)
+    if name in _COLOCATED:
+        return Deployment(name, MILESTONES[_COLOCATED[name]], (1,))
     m = re.fullmatch(r"(\d+)P(\d+)D(?:-(CC[123]?))?", name)
     if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
         raise ConfigError(
             f"unknown config name {name!r}; expected PD, PD-CC, 1P1D, 1P1D-CC, 1P1D-CC1, "
             "1P1D-CC2, 1P1D-CC3 or xPyD forms such as 1P2D-CC"
         )
-    return Deployment(
-        name, False, int(m.group(1)), int(m.group(2)), _CACHE_LEVELS[m.group(3) or ""]
-    )
+    milestone = MILESTONES[_DISAGG_MILESTONES[m.group(3) or ""]]
+    return Deployment(name, milestone, (int(m.group(1)), int(m.group(2))))
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -1,4 +1,4 @@
-"""One engine instance: model + MemPool + local scheduler + recipe.
+"""One engine instance: model + MemPool + local scheduler + the recipe of its role.
 
 The step is three lines: ``schedule → run model → postprocess``. The scheduler decides
 who computes how many tokens (and calls the pool through the recipe); the runner turns
@@ -19,9 +19,9 @@ from .attention import make_backend
 from .attention.base import SeqSlice
 from .blocks.layout import KVLayout
 from .config import EngineConfig, parse_config_name, resolve_dtype
-from .disagg.recipes import COLOCATED_RECIPES, Recipe
-from .errors import ConfigError, InvalidRequest, PoolExhausted
-from .mempool import MemPool
+from .disagg.recipes import Hook, Outcome, Peers
+from .errors import ConfigError, InvalidRequest, PoolExhausted, SamplingError
+from .mempool import MemPool, PoolAccountingError
 from .model.config import ModelConfig
 from .model.llama import LlamaModel
 from .model.loader import load_weights
@@ -40,39 +40,45 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Request, int]], generator: torch.Generator) -> list[int | None]:
-        """Compute ``batch`` (prefill chunks first, decodes after); a token per finished row."""
+    def run(
+        self, batch: list[tuple[Request, int]], generator: torch.Generator
+    ) -> tuple[list[int | None], dict[Request, str]]:
+        """Compute ``batch`` (prefill chunks first, decodes after): a token per row that
+        finished its pending tokens (None for the others), and the requests whose logits
+        allowed no token, with why."""
         slices, ids, last_rows, sample_for = [], [], [], []
         for req, n in sorted(batch, key=lambda rn: rn[1] == 1):  # prefill chunks first
             start = req.num_computed
             slices.append(SeqSlice(req.blocks, start, n))
-            ids.extend(req.all_token_ids[start : start + n])
+            ids.extend(req.tokens[start : start + n])
             if start + n == req.num_tokens:
                 last_rows.append(len(ids) - 1)
                 sample_for.append(req)
         md = self.backend.prepare(slices)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
         hidden = self.model(input_ids, self.backend, md)  # [T, hidden]
-        tokens: list[int] = []
+        tokens: list[int | None] = []
+        bad: dict[Request, str] = {}
         if sample_for:
             rows = torch.tensor(last_rows, device=self.device)
             logits = self.model.compute_logits(hidden[rows])  # [B, vocab] fp32
-            tokens = sample(
-                logits,
-                [r.params for r in sample_for],
-                [len(r.output_token_ids) for r in sample_for],
-                generator,
-            )
+            params = [r.params for r in sample_for]
+            try:
+                tokens = sample(logits, params, [r.num_output for r in sample_for], generator)
+            except SamplingError as e:  # those rows fail alone; the others keep their token
+                tokens = e.tokens
+                bad = {sample_for[i]: f"SamplingError: {e}" for i in e.rows}
         by_req = dict(zip(map(id, sample_for), tokens))
-        return [by_req.get(id(req)) for req, _ in batch]
+        return [by_req.get(id(req)) for req, _ in batch], bad
 
 
 class Engine:
-    """A serving instance over one MemPool.
+    """A serving instance over one MemPool (implements ``minimemserve.serving.Serving``).
 
     ``add_request`` validates and queues; ``step`` runs one iteration and returns the
-    requests that finished in it; ``has_unfinished`` says whether work remains. The
-    ``recipe`` (from ``config``) decides which pool calls run at each request hook.
+    requests that finished in it; ``has_unfinished`` says whether work remains. ``role``
+    picks the recipe of ``config``'s milestone (by default its only role); ``peers`` is what
+    the recipe's transfer calls need in a disaggregated deployment.
     """
 
     def __init__(
@@ -80,22 +86,27 @@ class Engine:
         model_dir: str | Path,
         *,
         config: str = "PD",
+        role: str | None = None,
+        peers: Peers | None = None,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
         engine_config: EngineConfig | None = None,
-        recipe: Recipe | None = None,
         instance_id: str = "0",
         pool_factory=None,
         share_model_with: Engine | None = None,
     ):
-        self.deployment = parse_config_name(config)
-        if recipe is None:
-            if not self.deployment.colocated:
-                raise ConfigError(
-                    f"config {config!r} is disaggregated: build it with minimemserve.LLM or the "
-                    "disagg cluster, not a single Engine"
-                )
-            recipe = COLOCATED_RECIPES[self.deployment.cache_level]()
+        milestone = parse_config_name(config).milestone
+        roles = milestone.roles
+        if role is None and len(roles) == 1:
+            role = roles[0]
+        if role not in roles:
+            raise ConfigError(
+                f"config {config!r} has roles {list(roles)}: give one of them as role= (or run "
+                "the whole deployment with minimemserve.LLM or a cluster)"
+            )
+        self.role = role
+        self.recipe = milestone.recipes[role]
+        self.peers = peers
         self.config = engine_config or EngineConfig()
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype)
@@ -136,14 +147,13 @@ class Engine:
             mc.num_attention_heads,
             mc.head_dim**-0.5,
         )
-        self.recipe = recipe
         self.scheduler = LocalScheduler(
-            self.pool, recipe, self.config.max_num_seqs, self.config.max_num_batched_tokens
+            self.pool, self.recipe, self.config.max_num_seqs, self.config.max_num_batched_tokens
         )
         self.runner = ModelRunner(self.model, self.backend, self.device)
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self.requests: dict[str, Request] = {}
-        self.handoffs: list[Request] = []  # requests whose decode continues on another instance
+        self.handoffs: list[Request] = []  # prefilled here, decoding elsewhere; the owner drains
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------
@@ -156,28 +166,36 @@ class Engine:
                 raise InvalidRequest("empty prompt")
             ids = self.tokenizer.encode(prompt)
         else:
-            try:  # any integer type (numpy, torch scalars) becomes a plain int
-                ids = [operator.index(t) for t in prompt]
-            except TypeError as e:
-                raise InvalidRequest(f"a token id is not an integer: {e}") from None
-            if not ids:
-                raise InvalidRequest("empty prompt")
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+            ids = self._token_ids(prompt)
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(
                 f"prompt too long: {len(ids)} tokens, the context holds {self.max_model_len} "
                 "(prompt plus at least one generated token)"
             )
-        need = -(-min(len(ids) + params.max_tokens, self.max_model_len) // self.pool.block_size)
+        need = self.pool.layout.num_blocks_for(
+            min(len(ids) + params.max_tokens, self.max_model_len)
+        )
         total = self.pool.capacity("hbm")
         if need > total:
             raise PoolExhausted(
                 f"request needs {need} KV blocks but the pool has only {total} in all; "
                 "give the engine more KV memory or ask for fewer tokens"
             )
+        return ids
+
+    def _token_ids(self, prompt) -> list[int]:
+        try:  # any integer type (numpy, torch scalars) becomes a plain int
+            ids = [operator.index(t) for t in prompt]
+        except TypeError as e:
+            raise InvalidRequest(
+                f"a prompt is text or token ids, and a token id is not an integer: {e}"
+            ) from None
+        if not ids:
+            raise InvalidRequest("empty prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
         return ids
 
     def add_request(
@@ -192,8 +210,9 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")
-        req = Request(rid, ids, params, arrival_time=arrival_time or time.perf_counter())
+        req = Request(rid, ids, params, arrival_time=arrival_time)
         req.max_total_tokens = min(len(ids) + params.max_tokens, self.max_model_len)
+        req.prefill_instance = self.pool.instance_id
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -210,46 +229,67 @@ class Engine:
             return None
         self.scheduler.remove(req)
         req.finish_reason = "abort"
-        return self._finish(req)
+        return self._finish(req, Hook.FINISH)
 
     def has_unfinished(self) -> bool:
         """Whether any request still waits or runs here."""
         return self.scheduler.has_unfinished()
 
+    def check_pools(self, require_idle: bool = True) -> dict[str, dict]:
+        """Audit this instance's pool (see ``minimemserve.serving.Serving.check_pools``)."""
+        return {self.pool.instance_id: audit_pool(self.pool, require_idle)}
+
+    def pool_stats(self) -> dict[str, dict]:
+        """``{instance id: MemPool.stats()}``."""
+        return {self.pool.instance_id: self.pool.stats()}
+
+    def close(self) -> None:
+        """Nothing to release in process."""
+
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule → run model → postprocess. Returns finished requests."""
-        batch = self.scheduler.schedule()
-        tokens = self.runner.run(batch, self.generator) if batch else []
-        return self._postprocess(batch, tokens)
+        batch, failed = self.scheduler.schedule()
+        tokens: list[int | None] = [None] * len(batch)
+        bad: dict[Request, str] = {}
+        try:
+            if batch:
+                tokens, bad = self.runner.run(batch, self.generator)
+        except Exception as e:  # the forward pass failed: its requests fail, the engine lives
+            bad = {req: f"{type(e).__name__}: {e}" for req, _ in batch}
+        return self._postprocess(batch, tokens, failed, bad)
 
-    def _postprocess(self, batch, tokens) -> list[RequestOutput]:
-        done = []
-        for req in self.scheduler.failed:
-            req.finish_reason = "error"
-            done.append(self._finish(req))
-        self.scheduler.failed.clear()
+    def _postprocess(self, batch, tokens, failed, bad: dict[Request, str]) -> list[RequestOutput]:
+        done = [self._finish(req, Hook.FAILURE, "error") for req in failed]
         now = time.perf_counter()
         for (req, n), tok in zip(batch, tokens):
+            if req in bad:  # its KV of this step may be garbage: release it uncached
+                req.error = bad[req]
+                self.scheduler.remove(req)
+                done.append(self._finish(req, Hook.FAILURE, "error", now))
+                continue
             req.num_computed += n
             if tok is None:
                 continue
-            req.output_token_ids.append(tok)
-            req.metrics.output_tokens = len(req.output_token_ids)
+            req.tokens.append(tok)
+            req.metrics.output_tokens = req.num_output
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             reason = self._stop_reason(req, tok)
             if reason is not None:
-                req.finish_reason = reason
                 self.scheduler.remove(req)
-                done.append(self._finish(req, now))
+                done.append(self._finish(req, Hook.FINISH, reason, now))
             elif not req.prefilled:
                 req.prefilled = True
-                if not self.recipe.after_prefill(self.pool, req):
+                outcome = self.recipe.run(Hook.PREFILLED, self.pool, req, self.peers)
+                if outcome is not Outcome.KEEP:
                     self.scheduler.remove(req)
+                if outcome is Outcome.HANDED_OFF:
                     self.requests.pop(req.request_id, None)
                     req.status = Status.FINISHED
                     self.handoffs.append(req)
+                elif outcome is Outcome.FAILED:
+                    done.append(self._finish(req, Hook.FAILURE, "error", now))
         return done
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
@@ -258,13 +298,32 @@ class Engine:
             return "stop"
         if not p.ignore_eos and tok in self.model_config.eos_token_ids:
             return "stop"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= req.max_total_tokens:
+        if req.num_output >= p.max_tokens or req.num_tokens >= req.max_total_tokens:
             return "length"
         return None
 
-    def _finish(self, req: Request, now: float | None = None) -> RequestOutput:
-        self.recipe.on_finish(self.pool, req)
+    def _finish(
+        self, req: Request, hook: Hook, reason: str | None = None, now: float | None = None
+    ) -> RequestOutput:
+        req.finish_reason = reason or req.finish_reason
+        self.recipe.run(hook, self.pool, req, self.peers)
         req.status = Status.FINISHED
         req.metrics.finish_time = now or time.perf_counter()
         self.requests.pop(req.request_id, None)
         return req.to_output(self.tokenizer.decode(req.output_token_ids))
+
+
+def audit_pool(pool, require_idle: bool = True) -> dict:
+    """``pool.check()``, and with ``require_idle`` no block referenced outside the index.
+
+    Raises ``PoolAccountingError`` on a problem; returns ``{"pool": pool.stats()}``."""
+    pool.check()
+    stats = pool.stats()
+    if require_idle:
+        held = {t: stats[t]["referenced"] for t in pool.tiers if stats[t]["referenced"]}
+        if held:
+            raise PoolAccountingError(
+                f"instance {pool.instance_id}: blocks still referenced after every request "
+                f"finished: {held}"
+            )
+    return {"pool": stats}

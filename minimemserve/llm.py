@@ -6,10 +6,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
+from .bench.presets import preset_dir
 from .config import EngineConfig, parse_config_name
+from .disagg.cluster import InProcessCluster
 from .request import RequestOutput
 from .sampling import SamplingParams
+from .serving import Serving
 
 
 class LLM:
@@ -17,7 +21,8 @@ class LLM:
 
     ``config`` names the deployment: ``PD`` / ``PD-CC`` run one colocated engine;
     ``1P1D``, ``1P1D-CC1/2/3`` (``1P1D-CC`` = CC3) and ``xPyD`` forms run prefill and decode
-    instances in this process, moving KV through MemPool's transfer calls. With
+    instances in this process, moving KV through MemPool's transfer calls. ``engine`` is the
+    in-process cluster of them all (a ``minimemserve.serving.Serving``). With
     ``model_dir=None`` the tiny preset checkpoint is written (once, cached) and used.
 
     >>> llm = LLM(None, config="PD-CC")
@@ -43,8 +48,6 @@ class LLM:
         seed: int = 0,
     ):
         if model_dir is None:
-            from .model.presets import preset_dir
-
             model_dir = preset_dir("tiny")
         self.model_dir = Path(model_dir)
         self.deployment = parse_config_name(config)
@@ -59,18 +62,9 @@ class LLM:
             attention=attention,
             seed=seed,
         )
-        if self.deployment.colocated:
-            from .engine import Engine
-
-            self.engine = Engine(
-                self.model_dir, config=config, device=device, dtype=dtype, engine_config=ecfg
-            )
-        else:
-            from .disagg.cluster import InProcessCluster
-
-            self.engine = InProcessCluster(
-                self.model_dir, self.deployment, device=device, dtype=dtype, engine_config=ecfg
-            )
+        self.engine: Serving = InProcessCluster(
+            self.model_dir, self.deployment, device=device, dtype=dtype, engine_config=ecfg
+        )
 
     @property
     def tokenizer(self):
@@ -85,7 +79,7 @@ class LLM:
     @property
     def pools(self) -> list:
         """Every instance's MemPool."""
-        return list(getattr(self.engine, "pools", [self.engine.pool]))
+        return self.engine.pools
 
     def generate(
         self,
@@ -108,16 +102,9 @@ class LLM:
             self.engine.validate(prompt, p)
         ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, plist)]
         results: dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(ids), desc="generate")
-        while len(results) < len(ids):
-            for out in self.engine.step():
-                results[out.request_id] = out
-                if bar:
+        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    results[out.request_id] = out
                     bar.update(1)
-        if bar:
-            bar.close()
         return [results[i] for i in ids]

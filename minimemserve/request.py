@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .sampling import SamplingParams
 
@@ -47,12 +49,6 @@ class RequestMetrics:
             return None
         return (self.finish_time - self.first_token_time) / (self.output_tokens - 1)
 
-    def as_dict(self) -> dict:
-        """Plain dict with the derived timings, for JSON."""
-        d = dict(self.__dict__)
-        d.update(ttft=self.ttft, latency=self.latency, tpot=self.tpot)
-        return d
-
 
 @dataclass
 class RequestOutput:
@@ -67,57 +63,88 @@ class RequestOutput:
     error: str | None = None
 
 
-@dataclass(eq=False)  # identity semantics: a request is hashable and equal only to itself
 class Request:
     """Mutable state of one request on one instance.
 
-    KV covers ``all_token_ids[:num_computed]`` in ``blocks`` (MemPool block ids, one
-    reference held). Prefill and decode are the same thing here: each step computes some
-    of the ``num_tokens - num_computed`` pending tokens, and when none is left pending a
+    ``tokens`` holds the prompt followed by the generated tokens, as the ``array('q')`` the
+    radix index reads without conversion. KV covers ``tokens[:num_computed]`` in ``blocks``
+    (MemPool block ids, one reference held). Prefill and decode are the same thing here:
+    each step computes some of the ``num_pending`` tokens, and when none is left pending a
     new token is sampled.
     """
 
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float = field(default_factory=time.perf_counter)
-    output_token_ids: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    status: Status = Status.WAITING
-    max_total_tokens: int = 0  # prompt + output cap (context length, max_tokens)
-    finish_reason: str | None = None
-    error: str | None = None
-    prefilled: bool = False  # the first token has been sampled (after_prefill hook ran)
-    metrics: RequestMetrics = field(init=False)
-    extra: dict = field(default_factory=dict)  # recipe-private state (peer ids, counters)
+    __slots__ = (
+        "request_id",
+        "params",
+        "arrival_time",
+        "tokens",
+        "num_prompt",
+        "blocks",
+        "num_computed",
+        "status",
+        "max_total_tokens",
+        "finish_reason",
+        "error",
+        "prefilled",
+        "prefill_instance",
+        "decode_instance",
+        "metrics",
+    )
 
-    def __post_init__(self) -> None:
-        self.metrics = RequestMetrics(
-            arrival_time=self.arrival_time, prompt_tokens=len(self.prompt_token_ids)
-        )
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        self.tokens = array("q", prompt_token_ids)
+        self.num_prompt = len(self.tokens)
+        self.blocks: list[int] = []
+        self.num_computed = 0
+        self.status = Status.WAITING
+        self.max_total_tokens = 0  # prompt + output cap (context length, max_tokens)
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.prefilled = False  # the first token has been sampled (the prefilled hook ran)
+        self.prefill_instance = ""  # the instance that computed the prompt
+        self.decode_instance = ""  # the instance it was handed to, if any
+        self.metrics = RequestMetrics(self.arrival_time, prompt_tokens=self.num_prompt)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt followed by the tokens generated so far."""
-        return self.prompt_token_ids + self.output_token_ids
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt."""
+        return self.tokens[: self.num_prompt].tolist()
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The tokens generated so far."""
+        return self.tokens[self.num_prompt :].tolist()
+
+    @property
+    def num_output(self) -> int:
+        """How many tokens were generated so far."""
+        return len(self.tokens) - self.num_prompt
 
     @property
     def num_tokens(self) -> int:
         """Prompt plus output length."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.tokens)
 
     @property
     def num_pending(self) -> int:
         """Tokens whose KV still has to be computed before the next token can be sampled."""
-        return self.num_tokens - self.num_computed
+        return len(self.tokens) - self.num_computed
 
     def to_output(self, text: str | None) -> RequestOutput:
         """Freeze into a ``RequestOutput``."""
         return RequestOutput(
             request_id=self.request_id,
-            prompt_token_ids=list(self.prompt_token_ids),
-            token_ids=list(self.output_token_ids),
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=self.output_token_ids,
             text=text,
             finish_reason=self.finish_reason or "error",
             metrics=self.metrics,

@@ -54,8 +54,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def sp_tokenizer_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 512-piece sentencepiece model trained on ShareGPT text, once per session."""
-    from minimemserve.data import sharegpt_text
-    from minimemserve.model.presets import train_tokenizer
+    from minimemserve.bench.data import sharegpt_text
+    from minimemserve.bench.presets import train_tokenizer
 
     out = tmp_path_factory.mktemp("sp") / "tokenizer.model"
     return train_tokenizer(out, SP_VOCAB, sharegpt_text(SP_TRAINING_CHARS))
@@ -66,7 +66,7 @@ def tiny_llama_factory(
     tmp_path_factory: pytest.TempPathFactory, sp_tokenizer_path: Path
 ) -> Callable[..., Path]:
     """Build (or reuse within the session) a tiny random Llama checkpoint directory."""
-    from minimemserve.model.presets import write_random_llama
+    from minimemserve.bench.presets import write_random_llama
 
     built: dict[str, Path] = {}
 

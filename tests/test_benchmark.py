@@ -1,4 +1,4 @@
-"""The benchmark driver and report: replay against a scripted engine, summary math, end to end."""
+"""The benchmark driver and report: replay against a scripted Serving, summary math, end to end."""
 
 from __future__ import annotations
 
@@ -6,22 +6,23 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from minimemserve.benchmark import (
-    BenchTarget,
+from minimemserve import cli
+from minimemserve.bench.driver import (
     caching_ratios,
     format_table,
-    main,
     run_bench,
     run_workload,
     summarize,
     write_plots,
 )
-from minimemserve.workloads import Session, Turn
+from minimemserve.bench.workloads import Session, Turn, poisson_arrivals
+from minimemserve.request import RequestMetrics, RequestOutput
+from minimemserve.sampling import SamplingParams
+from minimemserve.serving import Serving
 
 
 @dataclass
@@ -34,26 +35,38 @@ class _Req:
     first: float | None = None
 
 
-class ScriptedEngine:
-    """Generates token ``1000 + len(prompt) + i`` one per step for each running request."""
+class ScriptedServing:
+    """A ``Serving`` that generates token ``1000 + len(prompt) + i`` one per step for each
+    running request, and records what the driver asked of it."""
 
-    def __init__(self, reject_longer_than: int | None = None):
+    tokenizer = None
+
+    def __init__(self, reject_longer_than: int | None = None, balanced: bool = True):
         self.running: list[_Req] = []
-        self.added: list[tuple[str, list[int], float]] = []
+        self.added: list[tuple[str, list[int], float]] = []  # (id, prompt, arrival_time)
+        self.added_at: list[float] = []  # when each add_request call happened
         self.reject_longer_than = reject_longer_than
+        self.balanced = balanced
+        self.audits: list[bool] = []  # require_idle of each check_pools call
+        self.closed = False
 
-    def add_request(self, prompt_token_ids, params, request_id=None, arrival_time=None):
-        if self.reject_longer_than is not None and len(prompt_token_ids) > self.reject_longer_than:
+    def validate(self, prompt, params):
+        if self.reject_longer_than is not None and len(prompt) > self.reject_longer_than:
             raise ValueError("prompt too long")
-        arrival = time.perf_counter() if arrival_time is None else arrival_time
-        self.added.append((request_id, list(prompt_token_ids), arrival))
-        self.running.append(_Req(request_id, list(prompt_token_ids), params.max_tokens, arrival))
+        return list(prompt)
+
+    def add_request(self, prompt, params, request_id=None, arrival_time=None):
+        self.added_at.append(time.perf_counter())
+        prompt = self.validate(prompt, params)
+        arrival = self.added_at[-1] if arrival_time is None else arrival_time
+        self.added.append((request_id, prompt, arrival))
+        self.running.append(_Req(request_id, prompt, params.max_tokens, arrival))
         return request_id
 
     def has_unfinished(self) -> bool:
         return bool(self.running)
 
-    def step(self):
+    def step(self) -> list[RequestOutput]:
         now = time.perf_counter()
         done = []
         for r in self.running:
@@ -63,26 +76,42 @@ class ScriptedEngine:
                 done.append(r)
         self.running = [r for r in self.running if r not in done]
         return [
-            SimpleNamespace(
-                request_id=r.rid,
-                prompt_token_ids=r.prompt,
-                token_ids=r.out,
-                finish_reason="length",
-                error=None,
-                metrics=SimpleNamespace(
-                    ttft=r.first - r.arrival,
-                    latency=now - r.arrival,
-                    tpot=(now - r.first) / max(1, len(r.out) - 1),
+            RequestOutput(
+                r.rid,
+                r.prompt,
+                r.out,
+                None,
+                "length",
+                RequestMetrics(
+                    r.arrival,
+                    first_token_time=r.first,
+                    finish_time=now,
                     cached_tokens=len(r.prompt) // 2,
-                    transferred_bytes=0,
+                    prompt_tokens=len(r.prompt),
+                    output_tokens=len(r.out),
                 ),
             )
             for r in done
         ]
 
+    def abort(self, request_id):
+        return None
 
-def _params(turn: Turn):
-    return SimpleNamespace(max_tokens=turn.max_tokens)
+    def check_pools(self, require_idle=True):
+        self.audits.append(require_idle)
+        if not self.balanced:
+            raise AssertionError("2 blocks neither free, cached nor referenced")
+        return {"X0": {"pool": self.pool_stats()["X0"]}}
+
+    def pool_stats(self):
+        return {"X0": {"hbm": {"total": 8, "free": 8, "referenced": 0, "cached_only": 0}}}
+
+    def close(self):
+        self.closed = True
+
+
+def _params(turn: Turn) -> SamplingParams:
+    return SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def _sessions() -> list[Session]:
@@ -91,8 +120,12 @@ def _sessions() -> list[Session]:
     return [a, b]
 
 
+def test_scripted_serving_is_a_serving():
+    assert isinstance(ScriptedServing(), Serving)
+
+
 def test_run_workload_chains_history_and_own_output():
-    engine = ScriptedEngine()
+    engine = ScriptedServing()
     records = run_workload(
         engine, _sessions(), rate=math.inf, seed=0, progress=False, config="X", params_for=_params
     )
@@ -107,6 +140,7 @@ def test_run_workload_chains_history_and_own_output():
     by_key = {(r["session"], r["turn"]): r for r in records}
     assert [by_key["a", k]["prompt_tokens"] for k in range(3)] == [3, 6, 11]
     assert [by_key["a", k]["output_tokens"] for k in range(3)] == [2, 3, 1]
+    assert [by_key["a", k]["cached_tokens"] for k in range(3)] == [1, 3, 5]
     assert all(r["config"] == "X" and r["error"] is None for r in records)
     # turns of one session run in order, each after the previous one finished
     order = [rid for rid, _, _ in engine.added]
@@ -117,25 +151,24 @@ def test_run_workload_chains_history_and_own_output():
 
 def test_run_workload_respects_poisson_arrivals():
     sessions = [Session(f"s{i}", (Turn(f"s{i}", 0, (1, 2), 1),)) for i in range(4)]
-    engine = ScriptedEngine()
-    start = time.perf_counter()
+    engine = ScriptedServing()
     records = run_workload(engine, sessions, rate=20.0, seed=1, progress=False, params_for=_params)
-    from minimemserve.workloads import poisson_arrivals
-
     offsets = poisson_arrivals(20.0, 4, 1)
-    assert time.perf_counter() - start >= offsets[-1]
     assert [r["arrival"] for r in records] == pytest.approx(offsets, abs=1e-6)
     submitted = [t for _, _, t in engine.added]
     assert [t - submitted[0] for t in submitted] == pytest.approx(offsets, abs=1e-6)
+    # no session is sent before its arrival time
+    assert all(at >= t for at, t in zip(engine.added_at, submitted))
 
 
 def test_run_workload_rejected_turn_ends_its_session():
-    engine = ScriptedEngine(reject_longer_than=5)
+    engine = ScriptedServing(reject_longer_than=5)
     records = run_workload(
         engine, _sessions(), rate=math.inf, seed=0, progress=False, params_for=_params
     )
     by_key = {(r["session"], r["turn"]): r for r in records}
     assert by_key["a", 1]["error"].startswith("rejected: prompt too long")
+    assert by_key["a", 1]["prompt_tokens"] == 6 and by_key["a", 1]["ttft"] is None
     assert ("a", 2) not in by_key
     assert by_key["a", 0]["error"] is None and by_key["b", 0]["error"] is None
 
@@ -200,27 +233,33 @@ def test_write_plots(tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_run_bench_rejects_unknown_config_and_failed_balance(tiny_llama_dir, tmp_path):
-    pytest.importorskip("minimemserve.config")
+def _bench_on(serving: ScriptedServing, model_dir):
+    return run_bench(
+        configs=("FAKE",),
+        factories={"FAKE": lambda spec: serving},
+        num_sessions=1,
+        rate=math.inf,
+        max_turns=2,
+        max_output_tokens=2,
+        model_dir=model_dir,
+        out_dir=None,
+        progress=False,
+        verbose=False,
+    )
+
+
+def test_run_bench_audits_reports_and_closes_each_serving(tiny_llama_dir):
     with pytest.raises(ValueError, match="unknown config"):
         run_bench(configs=("XYZ",), model_dir=tiny_llama_dir, out_dir=None, verbose=False)
-
-    def unbalanced(spec):
-        return BenchTarget(engine=ScriptedEngine(), check=lambda: False)
-
-    with pytest.raises(RuntimeError, match="balance"):
-        run_bench(
-            configs=("FAKE",),
-            factories={"FAKE": unbalanced},
-            num_sessions=1,
-            rate=math.inf,
-            max_turns=2,
-            max_output_tokens=2,
-            model_dir=tiny_llama_dir,
-            out_dir=None,
-            progress=False,
-            verbose=False,
-        )
+    serving = ScriptedServing()
+    result = _bench_on(serving, tiny_llama_dir)
+    assert serving.audits == [True] and serving.closed
+    assert result["pool_stats"]["FAKE"]["pool"] == serving.pool_stats()
+    assert result["summaries"]["FAKE"]["requests"] == 2
+    unbalanced = ScriptedServing(balanced=False)
+    with pytest.raises(RuntimeError, match="balance check failed after the FAKE run"):
+        _bench_on(unbalanced, tiny_llama_dir)
+    assert unbalanced.closed
 
 
 def test_run_bench_end_to_end(tiny_llama_dir, tmp_path, capsys):
@@ -265,12 +304,19 @@ def test_run_bench_end_to_end(tiny_llama_dir, tmp_path, capsys):
     assert set(saved["ttft_later_ratio"]) == {"PD/PD-CC"}
 
 
-def test_main_rejects_bad_workload(capsys):
+def test_bench_is_a_subcommand_with_the_driver_options(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "-h"])
+    assert exit_.value.code == 0
+    shown = capsys.readouterr().out
+    assert "usage: minimemserve bench" in shown
+    assert all(opt in shown for opt in ("--workload", "--runtime", "--policy", "--cost-model"))
+
+
+@pytest.mark.parametrize(
+    "argv", [["--workload", "nope"], ["--policy", "fastest", "--configs", "PD-CC"]]
+)
+def test_bench_rejects_bad_choices_before_starting_anything(argv, capsys):
     with pytest.raises(SystemExit):
-        main(["--workload", "nope"])
+        cli.main(["bench", *argv])
     assert "invalid choice" in capsys.readouterr().err
-
-
-def test_main_rejects_bad_policy_before_starting_anything():
-    with pytest.raises(SystemExit, match="unknown --policy 'fastest'"):
-        main(["--policy", "fastest", "--configs", "PD-CC"])

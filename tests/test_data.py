@@ -8,47 +8,74 @@ import sys
 
 import pytest
 
-from minimemserve import data
-from minimemserve.data import iter_json_list, iter_sharegpt
+from minimemserve.bench.data import iter_sharegpt, read_conversations
 
 # The DESIGN figure: about 17.6k conversations, 7.3 messages each on average.
 SHAREGPT_MIN, SHAREGPT_MAX = 17_000, 18_500
+# Bytes a trickling stream hands out per read, so entries span many reads.
+TRICKLE_BYTES = 7
 
 
-def parse(text: str) -> list:
-    return list(iter_json_list(io.BytesIO(text.encode())))
+class Trickle(io.RawIOBase):
+    """A byte stream that returns at most ``TRICKLE_BYTES`` per read."""
+
+    def __init__(self, data: bytes):
+        self.data, self.pos = data, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        chunk = self.data[self.pos : self.pos + min(len(buffer), TRICKLE_BYTES)]
+        buffer[: len(chunk)] = chunk
+        self.pos += len(chunk)
+        return len(chunk)
 
 
-@pytest.fixture
-def small_chunks(monkeypatch):
-    monkeypatch.setattr(data, "_READ_CHUNK_BYTES", 7)
+def _conversation(i: int) -> dict:
+    return {
+        "id": str(i),
+        "conversations": [
+            {"from": "human", "value": "é" * i},
+            {"from": "gpt", "value": f"answer {12345 * i}", "score": 0.5 * i},
+        ],
+    }
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_json_list_complete_and_cut(request, chunked):
-    if chunked:
-        request.getfixturevalue("small_chunks")
-    items = [{"id": str(i), "v": "é" * i, "n": 12345 * i} for i in range(20)]
+def _clean(entry: dict) -> dict:
+    turns = [{"from": t["from"], "value": t["value"]} for t in entry["conversations"]]
+    return {"id": entry["id"], "conversations": turns}
+
+
+@pytest.mark.parametrize("stream", [io.BytesIO, Trickle])
+def test_reader_stops_cleanly_at_the_cut(stream):
+    items = [_conversation(i) for i in range(20)]
+    clean = [_clean(e) for e in items]
     full = json.dumps(items, indent=2)
-    assert parse(full) == items
-    assert parse(full[:-1]) == items  # closing bracket cut
-    cut = full.index('"id": "17"')
-    assert parse(full[:cut]) == items[:17]  # cut inside element 17
+
+    def parse(text: str) -> list:
+        return list(read_conversations(stream(text.encode())))
+
+    assert parse(full) == clean
+    assert parse(full[:-1]) == clean  # closing bracket cut
+    assert parse(full[: full.index('"id": "17"')]) == clean[:17]  # cut inside entry 17
     after_comma = full.rindex("{", 0, full.index('"id": "5"'))
-    assert parse(full[:after_comma]) == items[:5]  # cut after the comma of element 4
-    assert parse("[]") == [] and parse("  ") == [] and parse("[") == []
+    assert parse(full[:after_comma]) == clean[:5]  # cut after the comma of entry 4
+    assert parse("[]") == [] and parse("") == [] and parse("[") == []
 
 
-def test_json_list_numbers_across_chunks(small_chunks):
-    assert parse("[1234567890123, 4, 5678901234567]") == [1234567890123, 4, 5678901234567]
-    assert parse("[1234567890123, 45678901") == [1234567890123]
-
-
-def test_json_list_rejects_non_list():
-    with pytest.raises(ValueError, match="expected a JSON list"):
-        parse('{"a": 1}')
-    with pytest.raises(ValueError, match="expected ','"):
-        parse("[1 2]")
+def test_reader_skips_malformed_entries():
+    raw = [
+        {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"value": 3}, "x"]},
+        {"id": "b"},
+        "not an entry",
+        {"conversations": [{"value": "no id, no sender"}]},
+    ]
+    got = list(read_conversations(io.BytesIO(json.dumps(raw).encode())))
+    assert got == [
+        {"id": "a", "conversations": [{"from": "human", "value": "hi"}]},
+        {"id": "", "conversations": [{"from": "", "value": "no id, no sender"}]},
+    ]
 
 
 def test_sharegpt_parses_to_the_cut():
@@ -69,6 +96,8 @@ def test_sharegpt_limit():
     assert entries[0]["id"] == "QWJhYvA_0"
     assert entries[0]["conversations"][0]["from"] == "human"
     assert list(iter_sharegpt(limit=0)) == []
+    with pytest.raises(ValueError, match="limit"):
+        next(iter_sharegpt(limit=-1))
 
 
 def test_missing_package_message(monkeypatch):

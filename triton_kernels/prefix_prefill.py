@@ -10,44 +10,74 @@ mask. The softmax is online, in exp2, with ``scale * log2(e)`` folded into the s
 GQA: query heads map to their KV head ``h // group``; prefill is compute-bound, so each
 query head keeps its own program (as FlashAttention does) and the ``group`` programs
 reading one KV head share it through L2.
+
+The block table's row stride (the widest sequence of the step) is a runtime argument Triton
+does not specialise on, so serving compiles the kernel once per (model, dtype, block size).
+``plan_prefill`` fixes a step's launch once, ``launch_prefill`` runs it per layer unchecked,
+and ``prefix_prefill`` checks its inputs and does both.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import (
+from triton_kernels.common import (
+    LOG2E,
+    block_d,
     check_cache_views,
     check_index,
     check_same,
+    check_scale,
+    dot_precision,
     kernel_for,
-    next_pow2,
+    online_softmax_step,
+    pipeline_stages,
 )
 
-LOG2E = 1.4426950408889634  # softmax runs in exp2; scores are scaled by scale*log2(e)
-MIN_TILE = 16  # tl.dot needs every dimension >= 16 on the GPU
+GPU_MAX_STAGES = 2  # the Q tile already holds a third of the budget; two K/V stages fit beside it
+CPU_TILES = (32, 16)  # interpreter (BLOCK_M, BLOCK_N): short test runs span several tiles
+# Arguments that change between steps: never specialised, so they never cause a compile.
+PREFILL_RUNTIME_ARGS = ("stride_btb",)
 
 
-def _tiles(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a head size, dtype and device.
+@dataclass(frozen=True)
+class PrefillTiles:
+    """Query and key tiles and launch options of the prefill kernel."""
 
-    GPU: 128x64 tiles with 8 warps keep the tensor cores fed at head_dim <= 128 in 16-bit;
-    head_dim 256 and fp32 halve both tiles so K/V stages still fit in shared memory. CPU
-    (interpreter): 32x16, so short test sequences cover several tiles and a diagonal that
-    spans two key tiles.
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def prefill_tiles(head_dim: int, dtype: torch.dtype, device: torch.device) -> PrefillTiles:
+    """Tiles for a head size, dtype and device.
+
+    GPU: 128x64 tiles keep the tensor cores fed at 16-bit and head_dim <= 128; head_dim 256
+    or fp32 halve both (fp32 at 256 quarters them) so that the Q tile plus two K/V stages
+    stay within ``SMEM_BUDGET``. Warps follow the head size: a 128x128 fp32 accumulator on 4
+    warps (128 registers a thread) spills, so heads wider than 64 get 8. CPU (interpreter):
+    32x16, so short test sequences cover several tiles and a diagonal spanning two key tiles.
     """
     if device.type != "cuda":
-        return 32, 16, 4, 1
-    if head_dim > 128 or dtype == torch.float32:
-        return 64, 32, 4, 2
-    return 128, 64, 8, 2
+        return PrefillTiles(*CPU_TILES, num_warps=4, num_stages=1)
+    elem = torch.empty((), dtype=dtype).element_size()
+    bd = block_d(head_dim)
+    if elem == 2 and bd <= 128:
+        block_m, block_n = 128, 64
+    elif elem == 2 or bd <= 128:
+        block_m, block_n = 64, 32
+    else:
+        block_m, block_n = 32, 16
+    stages = pipeline_stages(2 * block_n * bd * elem, block_m * bd * elem, GPU_MAX_STAGES)
+    return PrefillTiles(block_m, block_n, 4 if bd <= 64 else 8, stages)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PREFILL_RUNTIME_ARGS)
 def _prefix_prefill_kernel(
     q_ptr,
     k_ptr,
@@ -79,9 +109,9 @@ def _prefix_prefill_kernel(
     stride_oh,
     stride_od,
     qk_scale,
-    group,
-    head_dim,
     BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -94,17 +124,16 @@ def _prefix_prefill_kernel(
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     diag_start = m_tile * BLOCK_M
     if diag_start < q_len:
-        kv_head = head // group
+        first_tok = q_start.to(tl.int64)  # token offsets in int64: T * stride passes 2**31
+        kv_head = head // GROUP
         ctx_len = tl.load(ctx_ptr + seq)
         offs_m = diag_start + tl.arange(0, BLOCK_M)
         d = tl.arange(0, BLOCK_D)
-        d_ok = d < head_dim
+        d_ok = d < HEAD_DIM
         q_mask = (offs_m < q_len)[:, None] & d_ok[None, :]
+        q_tok = (first_tok + offs_m)[:, None]
         q = tl.load(
-            q_ptr
-            + (q_start + offs_m)[:, None] * stride_qt
-            + head * stride_qh
-            + d[None, :] * stride_qd,
+            q_ptr + q_tok * stride_qt + head * stride_qh + d[None, :] * stride_qd,
             mask=q_mask,
             other=0.0,
         )  # [BLOCK_M, BLOCK_D]
@@ -113,70 +142,136 @@ def _prefix_prefill_kernel(
         acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
 
         # 1) the cached prefix, through the block table: every position is visible
-        bt_row = bt_ptr + seq * stride_btb
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
         for n0 in range(0, ctx_len, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             valid = pos < ctx_len
             block = tl.load(bt_row + (pos // BLOCK_SIZE) * stride_btn, mask=valid, other=0)
+            block = block.to(tl.int64)
             in_block = pos % BLOCK_SIZE
             kv_mask = valid[:, None] & d_ok[None, :]
-            k_rows = block.to(tl.int64) * stride_kcb + in_block * stride_kcs + kv_head * stride_kch
+            k_rows = block * stride_kcb + in_block * stride_kcs + kv_head * stride_kch
             k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             s = tl.where(valid[None, :], s, float("-inf"))  # [BLOCK_M, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v_rows = block.to(tl.int64) * stride_vcb + in_block * stride_vcs + kv_head * stride_vch
+            v_rows = block * stride_vcb + in_block * stride_vcs + kv_head * stride_vch
             v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
 
         # 2) new tokens strictly before this query tile: all visible, no mask
         k_base = k_ptr + kv_head * stride_kh
         v_base = v_ptr + kv_head * stride_vh
         for n0 in range(0, diag_start, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            rows = (q_start + pos)[:, None]
-            k = tl.load(k_base + rows * stride_kt + d[None, :] * stride_kd, mask=d_ok[None, :])
+            tok = (first_tok + n0 + tl.arange(0, BLOCK_N))[:, None]
+            k_ptrs = k_base + tok * stride_kt + d[None, :] * stride_kd
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + rows * stride_vt + d[None, :] * stride_vd, mask=d_ok[None, :])
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            v_ptrs = v_base + tok * stride_vt + d[None, :] * stride_vd
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
 
         # 3) the diagonal: new tokens inside this query tile, causal
         diag_end = tl.minimum(diag_start + BLOCK_M, q_len)
         for n0 in range(diag_start, diag_end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             valid = pos < diag_end
-            rows = (q_start + pos)[:, None]
+            tok = (first_tok + pos)[:, None]
             kv_mask = valid[:, None] & d_ok[None, :]
-            k = tl.load(k_base + rows * stride_kt + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+            k_ptrs = k_base + tok * stride_kt + d[None, :] * stride_kd
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             causal = (pos[None, :] <= offs_m[:, None]) & valid[None, :]
             s = tl.where(causal, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + rows * stride_vt + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            v_ptrs = v_base + tok * stride_vt + d[None, :] * stride_vd
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
 
         out = acc / l_i[:, None]
         tl.store(
-            o_ptr
-            + (q_start + offs_m)[:, None] * stride_ot
-            + head * stride_oh
-            + d[None, :] * stride_od,
+            o_ptr + q_tok * stride_ot + head * stride_oh + d[None, :] * stride_od,
             out.to(o_ptr.dtype.element_ty),
             mask=q_mask,
         )
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """One prefill batch's launch, fixed for a step and shared by all its layers."""
+
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    max_query_len: int
+    tiles: PrefillTiles
+    precision: str
+
+
+def plan_prefill(
+    k_cache: torch.Tensor, batch: int, num_heads: int, max_query_len: int
+) -> PrefillPlan:
+    """Tiles and grid of a prefill batch over ``k_cache``'s layout."""
+    _, block_size, n_kv, head_dim = k_cache.shape
+    return PrefillPlan(
+        batch=batch,
+        num_heads=num_heads,
+        num_kv_heads=n_kv,
+        head_dim=head_dim,
+        block_size=block_size,
+        max_query_len=max_query_len,
+        tiles=prefill_tiles(head_dim, k_cache.dtype, k_cache.device),
+        precision=dot_precision(k_cache.dtype),
+    )
+
+
+def launch_prefill(
+    plan: PrefillPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """Run a planned prefill, unchecked: sequence ``b`` owns rows
+    ``query_start_loc[b]:query_start_loc[b+1]`` of ``q``/``k``/``v`` and of ``out``."""
+    if plan.batch == 0 or plan.max_query_len == 0:
+        return
+    t = plan.tiles
+    kernel = kernel_for(_prefix_prefill_kernel, q.device)
+    kernel[(triton.cdiv(plan.max_query_len, t.block_m), plan.batch, plan.num_heads)](
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        out,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        *block_tables.stride(),
+        *out.stride(),
+        scale * LOG2E,
+        BLOCK_SIZE=plan.block_size,
+        GROUP=plan.num_heads // plan.num_kv_heads,
+        HEAD_DIM=plan.head_dim,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        BLOCK_D=block_d(plan.head_dim),
+        DOT_PRECISION=plan.precision,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
 
 
 def prefix_prefill(
@@ -210,9 +305,8 @@ def prefix_prefill(
     """
     check_cache_views(k_cache, v_cache)
     check_same(k_cache, q=q, k=k, v=v)
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a positive finite number, got {scale}")
-    _, block_size, n_kv, head_dim = k_cache.shape
+    check_scale(scale)
+    n_kv, head_dim = k_cache.shape[2:]
     if q.dim() != 3 or q.shape[2] != head_dim:
         raise ValueError(f"q must be [T, H, {head_dim}], got {tuple(q.shape)}")
     num_tokens, num_heads, _ = q.shape
@@ -237,34 +331,8 @@ def prefix_prefill(
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
-    block_m, block_n, num_warps, num_stages = _tiles(head_dim, q.dtype, q.device)
-    kernel = kernel_for(_prefix_prefill_kernel, q.device)
-    kernel[(triton.cdiv(max_query_len, block_m), batch, num_heads)](
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        block_tables,
-        query_start_loc,
-        context_lens,
-        out,
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
-        *block_tables.stride(),
-        *out.stride(),
-        scale * LOG2E,
-        num_heads // n_kv,
-        head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=max(next_pow2(head_dim), MIN_TILE),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
-        num_stages=num_stages,
+    plan = plan_prefill(k_cache, batch, num_heads, max_query_len)
+    launch_prefill(
+        plan, q, k, v, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale
     )
     return out

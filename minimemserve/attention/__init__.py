@@ -8,6 +8,7 @@ import torch
 from ..blocks.layout import KVLayout
 from ..errors import ConfigError
 from .base import AttentionBackend, AttentionMetadata, SeqSlice, build_metadata
+from .torch_backend import TorchAttention
 
 BACKENDS = ("torch", "triton", "flash-attn")
 
@@ -23,9 +24,9 @@ def make_backend(
     """Build the named backend (``None`` picks the device default) over ``kv_pool``."""
     name = name or default_backend(kv_pool.device)
     if name == "torch":
-        from .torch_backend import TorchAttention
-
         return TorchAttention(kv_pool, layout, num_heads, scale)
+    # triton (and flash_attn) are optional, heavy imports, and importing triton fixes
+    # whether its CPU interpreter is on: load them only when their backend is built
     if name == "triton":
         from .triton_backend import TritonAttention
 

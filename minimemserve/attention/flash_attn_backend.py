@@ -15,7 +15,7 @@ import importlib.util
 
 import torch
 
-from ..blocks.layout import KVLayout, layer_views
+from ..blocks.layout import KVLayout
 from .base import AttentionMetadata
 from .triton_backend import TritonAttention
 
@@ -59,8 +59,7 @@ class FlashAttnAttention(TritonAttention):
         if not no_prefix or q.dtype not in FLASH_DTYPES or md.num_decodes:
             return super().forward(q, k, v, layer_id, md)
         # every slice is a fresh prefill: store K/V, then one varlen FlashAttention call
-        k_cache, v_cache = layer_views(self.kv_pool, self.layout, layer_id)
-        self._store_kv(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), md.slot_mapping)
+        self.store(k, v, layer_id, md)
         return self._varlen(
             q,
             k,

@@ -86,7 +86,7 @@ class TorchAttention:
                 if n and 2 * (n + 1) * longest_n * row_bytes > DECODE_GROUP_BYTES:
                     break
                 n, longest = n + 1, longest_n
-            nb = -(-longest // bs)
+            nb = self.layout.num_blocks_for(longest)
             t = tables[i : i + n, :nb]  # [n, nb]
             gather = (t[:, :, None] * sb + offsets).reshape(-1)  # [n * nb * bs]
             pos = torch.arange(nb * bs, device=t.device)
@@ -125,7 +125,7 @@ class TorchAttention:
                 ki, vi = _per_head(k[s:e], G), _per_head(v[s:e], G)  # [1, H, q, D]
                 oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale)
             else:
-                nb = -(-total // self.layout.block_size)
+                nb = self.layout.num_blocks_for(total)
                 table = md.block_tables[i, :nb].long()
                 sb, _, _, so = self.row_stride
                 idx = (table[:, None] * sb + torch.arange(self.layout.block_size) * so).reshape(-1)

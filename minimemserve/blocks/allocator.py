@@ -36,6 +36,7 @@ class BlockAllocator:
         self._num_free = num_blocks
         self._free_map = bytearray(b"\x01") * num_blocks  # 1 where the block is free
         self._refcount: list[int] = [0] * num_blocks
+        self._no_floor = bytes(num_blocks)  # decref's floor when none is given
 
     @property
     def num_blocks(self) -> int:
@@ -90,6 +91,12 @@ class BlockAllocator:
         for b in blocks:
             rc[b] += 1
 
+    def share(self, blocks: Iterable[int]) -> None:
+        """``incref`` without checks, for ids known to be held already (an index's blocks)."""
+        rc = self._refcount
+        for b in blocks:
+            rc[b] += 1
+
     def decref(self, blocks: Iterable[int], floor: Sequence[int] | None = None) -> list[int]:
         """Drop one reference from each block; return the blocks that became free.
 
@@ -98,22 +105,15 @@ class BlockAllocator:
         """
         blocks = list(blocks)
         rc, n = self._refcount, self._num_blocks
+        reserved = self._no_floor if floor is None else floor
         freed = []
         for i, b in enumerate(blocks):
-            if type(b) is not int or not 0 <= b < n:
+            if type(b) is not int or not 0 <= b < n or rc[b] <= reserved[b]:
                 self._undo_decref(blocks[:i])
-                self.check_id(b)
-            keep = 0 if floor is None else floor[b]
-            if rc[b] <= keep:
-                self._undo_decref(blocks[:i])
-                if keep:
-                    raise ValueError(
-                        f"block {b} has {rc[b]} reference(s), {keep} of them reserved: "
-                        "none is left to drop"
-                    )
-                raise ValueError(f"block {b} is already free (double free)")
-            rc[b] -= 1
-            if not rc[b]:
+                self._refuse_decref(b, reserved)
+            r = rc[b] - 1
+            rc[b] = r
+            if not r:
                 freed.append(b)
         for b in freed:
             self._free_map[b] = 1
@@ -127,6 +127,15 @@ class BlockAllocator:
         rc = self._refcount
         for b in blocks:
             rc[b] += 1
+
+    def _refuse_decref(self, b: int, reserved: Sequence[int]) -> None:
+        self.check_id(b)
+        if reserved[b]:
+            raise ValueError(
+                f"block {b} has {self._refcount[b]} reference(s), {reserved[b]} of them "
+                "reserved: none is left to drop"
+            )
+        raise ValueError(f"block {b} is already free (double free)")
 
     def refcount(self, block: int) -> int:
         """Current reference count of ``block``."""

@@ -35,13 +35,6 @@ def check_pool_tensor(layout: KVLayout, dtype: torch.dtype, t: torch.Tensor, wha
         raise ValueError(f"{what} expects {dtype}, got {t.dtype}")
 
 
-def check_packed(layout: KVLayout, num_blocks: int, data: torch.Tensor, what: str) -> None:
-    """Raise ValueError, naming ``what``, unless ``data`` holds exactly ``num_blocks`` blocks."""
-    expected = layout.pool_shape(num_blocks)
-    if tuple(data.shape) != expected:
-        raise ValueError(f"{what} expects data of shape {expected}, got {tuple(data.shape)}")
-
-
 def move_blocks(
     dst: torch.Tensor,
     dst_ids: Sequence[int],

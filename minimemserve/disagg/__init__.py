@@ -1,33 +1,7 @@
-"""Instances with roles, the recipes that compose pool calls, and the transports between them.
+"""Disaggregation: the recipe table, instances with roles, in one process or one each.
 
-Data plane: :mod:`minimemserve.disagg.transport`; control plane:
-:mod:`minimemserve.disagg.control` (imports ZeroMQ and msgpack, so it is not imported here).
+``recipes`` says which pool calls run at each hook of a request; ``cluster`` steps every
+instance in one process; ``runtime``, ``instance`` and ``rpc`` run one process per
+instance over a ZeroMQ control plane, writing KV into a peer's shared pool tensor
+(:mod:`minimemserve.mempool.shared`). The package imports none of them.
 """
-
-from minimemserve.disagg.transport import (
-    CopyTransport,
-    GlooTransport,
-    SharedHandle,
-    SharedMemoryTransport,
-    SharedPoolTensor,
-    SharedTensorFactory,
-    TransferMode,
-    Transport,
-    TransportKind,
-    attach,
-    choose_transport,
-)
-
-__all__ = [
-    "CopyTransport",
-    "GlooTransport",
-    "SharedHandle",
-    "SharedMemoryTransport",
-    "SharedPoolTensor",
-    "SharedTensorFactory",
-    "TransferMode",
-    "Transport",
-    "TransportKind",
-    "attach",
-    "choose_transport",
-]

@@ -1,10 +1,10 @@
-"""xPyD in one process: prefill and decode engines over their own MemPools.
+"""Every instance of a deployment in one process, stepped in turn.
 
 KV moves between instances only through MemPool's ``transfer`` / ``transfer_with_insert``
-(a plain tensor copy inside one process); which calls run where is the recipe's business
-(``PrefillRecipe`` / ``DecodeRecipe``). The cluster routes each request to the prefill
-instance holding the longest cached prefix of its prompt (least loaded on a tie), and
-its decode to the decode instance that holds the most of it.
+(a plain tensor copy inside one process); which calls run where is the recipe table's
+business. New requests go to the entry-role instance holding the longest cached prefix of
+the prompt (least loaded on a tie); a prefilled request goes to the decode instance that
+holds the most of it.
 """
 
 from __future__ import annotations
@@ -16,23 +16,20 @@ from pathlib import Path
 import torch
 
 from ..config import Deployment, EngineConfig
+from ..engine import Engine
+from ..errors import InstanceDied
 from ..request import Request, RequestOutput
 from ..sampling import SamplingParams
-from .recipes import DecodeRecipe, PrefillRecipe
 
 
 class Instance:
-    """One engine with a role ("prefill" or "decode") and a name."""
+    """One engine with a name and a role, as peers see it (``.pool``, ``.accept``)."""
 
-    def __init__(self, name: str, role: str, engine):
+    def __init__(self, name: str, role: str, engine: Engine):
         self.name = name
         self.role = role
         self.engine = engine
-
-    @property
-    def pool(self):
-        """This instance's MemPool."""
-        return self.engine.pool
+        self.pool = engine.pool
 
     def load(self) -> int:
         """Requests waiting or running here."""
@@ -41,15 +38,14 @@ class Instance:
 
     def accept(self, req: Request) -> None:
         """Take over a request whose KV was just transferred into this pool."""
-        req.extra["decode_instance"] = self.name
+        req.decode_instance = self.name
         self.engine.add_prefilled(req)
 
 
 class InProcessCluster:
-    """Prefill and decode instances of a disaggregated deployment, stepped in turn.
+    """The instances of ``deployment`` in this process (implements ``Serving``).
 
-    Offers the engine API (``add_request``, ``step``, ``has_unfinished``, ``validate``,
-    ``tokenizer``, ``pool``) so ``LLM`` and the benchmark drive it like one engine.
+    ``instances`` lists them, entry role first; ``role(name)`` those of one role.
     """
 
     def __init__(
@@ -61,71 +57,67 @@ class InProcessCluster:
         dtype: str | torch.dtype = "float32",
         engine_config: EngineConfig | None = None,
     ):
-        from ..engine import Engine
-
-        if deployment.colocated:
-            raise ValueError(f"{deployment.name} is colocated; use Engine")
         self.deployment = deployment
-        level = deployment.cache_level
+        self.instances: list[Instance] = []
         first = None
-
-        def build(name: str, role: str, recipe) -> Instance:
-            nonlocal first
+        for name, role in deployment.instances():
             eng = Engine(
                 model_dir,
                 config=deployment.name,
+                role=role,
+                peers=self,
                 device=device,
                 dtype=dtype,
                 engine_config=engine_config,
                 instance_id=name,
-                recipe=recipe,
-                share_model_with=first,
-            )  # one copy of the weights in the process
+                share_model_with=first,  # one copy of the weights in the process
+            )
             first = first or eng
-            return Instance(name, role, eng)
-
-        self.prefill = [
-            build(f"P{i}", "prefill", PrefillRecipe(level, self._pick_decode))
-            for i in range(deployment.num_prefill)
-        ]
-        self.decode = [
-            build(f"D{i}", "decode", DecodeRecipe(level, self._prefill_pool_of))
-            for i in range(deployment.num_decode)
-        ]
-        self.by_name = {inst.name: inst for inst in self.prefill + self.decode}
+            self.instances.append(Instance(name, role, eng))
+        self.by_name = {inst.name: inst for inst in self.instances}
+        self.entry = self.role(deployment.milestone.roles[0])
         self.tokenizer = first.tokenizer
         self._ids = itertools.count()
 
-    # ---- routing -----------------------------------------------------------------------
-    def _best(self, instances: list[Instance], tokens: Sequence[int]) -> Instance:
-        return max(instances, key=lambda i: (i.pool.cached_prefix_len(tokens), -i.load()))
-
-    def _pick_decode(self, req: Request) -> Instance:
-        return self._best(self.decode, req.all_token_ids[: req.num_computed])
-
-    def _prefill_pool_of(self, req: Request):
-        return self.by_name[req.extra["prefill_instance"]].pool
-
-    # ---- engine API ----------------------------------------------------------------------
-    @property
-    def instances(self) -> list[Instance]:
-        """Prefill instances first, then decode instances."""
-        return self.prefill + self.decode
+    def role(self, role: str) -> list[Instance]:
+        """The instances of ``role``."""
+        return [i for i in self.instances if i.role == role]
 
     @property
     def pool(self):
-        """The first prefill instance's MemPool."""
-        return self.prefill[0].pool
+        """The first instance's MemPool."""
+        return self.instances[0].pool
 
     @property
     def pools(self) -> list:
-        """Every instance's MemPool, prefill first."""
+        """Every instance's MemPool, entry role first."""
         return [i.pool for i in self.instances]
 
+    # ---- what recipes need (``Peers``) -------------------------------------------------------
+    @staticmethod
+    def _best(instances: list[Instance], tokens: Sequence[int]) -> Instance:
+        return max(instances, key=lambda i: (i.pool.cached_prefix_len(tokens), -i.load()))
+
+    def pick_decode(self, req: Request, exclude: Sequence[str]) -> Instance:
+        """The decode instance holding most of ``req``'s computed tokens."""
+        live = [i for i in self.role("decode") if i.name not in exclude]
+        if not live:
+            raise InstanceDied(f"no decode instance left to continue the request ({exclude})")
+        return self._best(live, req.tokens[: req.num_computed])
+
+    def prefill_pool(self, req: Request):
+        """The pool of the instance that prefilled ``req``."""
+        return self.by_name[req.prefill_instance].pool
+
+    def peer_failed(self, name: str, error: Exception) -> None:
+        """In one process a failed copy is a bug, not a dead peer: nothing to mark."""
+
+    # ---- Serving -----------------------------------------------------------------------------
     def validate(self, prompt, params: SamplingParams) -> list[int]:
-        """Validate against a prefill and a decode instance (both must hold the request)."""
-        ids = self.prefill[0].engine.validate(prompt, params)
-        self.decode[0].engine.validate(ids, params)
+        """Validate against every role (each instance must be able to hold the request)."""
+        ids = self.entry[0].engine.validate(prompt, params)
+        for inst in self.instances[len(self.entry) :]:
+            inst.engine.validate(ids, params)
         return ids
 
     def add_request(
@@ -135,16 +127,15 @@ class InProcessCluster:
         request_id: str | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Route to the prefill instance with the longest cached prefix (least loaded on ties)."""
+        """Route to the entry instance with the longest cached prefix (least loaded on ties)."""
         ids = self.validate(prompt, params)
-        inst = self._best(self.prefill, ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        rid = inst.engine.add_request(ids, params, request_id=rid, arrival_time=arrival_time)
-        inst.engine.requests[rid].extra["prefill_instance"] = inst.name
-        return rid
+        if any(rid in i.engine.requests for i in self.instances):
+            raise ValueError(f"request id {rid!r} is already in use")
+        return self._best(self.entry, ids).engine.add_request(ids, params, rid, arrival_time)
 
     def step(self) -> list[RequestOutput]:
-        """Step every instance once; handed-off requests are already queued on their D."""
+        """Step every instance with work once; handed-off requests are already queued on D."""
         done: list[RequestOutput] = []
         for inst in self.instances:
             if inst.engine.has_unfinished():
@@ -152,6 +143,25 @@ class InProcessCluster:
             inst.engine.handoffs.clear()  # the recipe already passed them on
         return done
 
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort ``request_id`` on whichever instance holds it."""
+        for inst in self.instances:
+            out = inst.engine.abort(request_id)
+            if out is not None:
+                return out
+        return None
+
     def has_unfinished(self) -> bool:
         """Whether any instance still has work."""
         return any(i.engine.has_unfinished() for i in self.instances)
+
+    def check_pools(self, require_idle: bool = True) -> dict[str, dict]:
+        """Audit every instance's pool."""
+        return {k: v for i in self.instances for k, v in i.engine.check_pools(require_idle).items()}
+
+    def pool_stats(self) -> dict[str, dict]:
+        """Every instance's pool statistics by name."""
+        return {i.name: i.pool.stats() for i in self.instances}
+
+    def close(self) -> None:
+        """Nothing to release in process."""

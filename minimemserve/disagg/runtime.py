@@ -1,17 +1,14 @@
 """The multi-process runtime: one process per instance, and a frontend that drives them.
 
-:class:`ProcessCluster` is the multi-process twin of
-:class:`~minimemserve.disagg.cluster.InProcessCluster` (and of a set of colocated engines):
-it spawns one process per instance (:func:`~minimemserve.disagg.instance_proc.instance_main`),
-waits until all are ready, tells each where its peers are, routes requests, and offers the
-engine API the benchmark drives (``add_request``, ``step``, ``has_unfinished``,
-``validate``, ``tokenizer``). KV moves between processes only through MemPool's transfer
-calls, whose receiving side is a :class:`~minimemserve.disagg.remote.RemotePool`.
+:class:`ProcessCluster` is the multi-process twin of ``InProcessCluster``: it spawns one
+process per instance (``instance.instance_main``), waits until all are ready, tells each
+where its peers are, routes requests, and implements ``Serving``. KV moves between processes
+only through MemPool's transfer calls, whose receiving side is an ``instance.RemotePool``.
 
-Routing: a :class:`~minimemserve.scheduler.global_scheduler.GlobalScheduler` picks the
-colocated instance (PD, PD-CC) or the prefill instance (xPyD) by its ``policy``; the
-default, ``prompt_tree``, weighs each instance's believed cached prefix and queued work
-with the cost model. Finished requests update its prompt trees. With
+Routing: a ``GlobalScheduler`` picks the entry instance (colocated, or prefill) by its
+``policy``; the default, ``prompt_tree``, weighs each instance's believed cached prefix and
+queued work with the cost model. Finished requests update its prompt trees with what the
+recipe table says they left cached. With
 ``prompt_tree_transfer`` an instance holding more of a prompt first sends the missing KV
 to the chosen one (``PushPrefix``). The prefill instance picks the decode instance
 holding most of the prompt.
@@ -29,35 +26,19 @@ import contextlib
 import itertools
 import logging
 import multiprocessing as mp
+import operator
 import os
 import signal
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minimemserve.config import EngineConfig, parse_config_name
-from minimemserve.disagg.control import Heartbeat, RemoteError
-from minimemserve.disagg.instance_proc import DEFAULT_HEARTBEAT_S, InstanceSpec, instance_main
-from minimemserve.disagg.remote import (
-    LOOPBACK,
-    Handoff,
-    Output,
-    PeerDown,
-    Peers,
-    PushPrefix,
-    Query,
-    Ready,
-    RpcNode,
-    Shutdown,
-    Submit,
-    output_from_dict,
-    params_to_dict,
-)
-from minimemserve.errors import (
+from ..config import EngineConfig, parse_config_name
+from ..errors import (
     ConfigError,
     InstanceDied,
     InvalidRequest,
@@ -65,20 +46,38 @@ from minimemserve.errors import (
     PoolExhausted,
     TransferError,
 )
-from minimemserve.request import RequestMetrics, RequestOutput
-from minimemserve.sampling import SamplingParams
-from minimemserve.scheduler.global_scheduler import (
-    DEFAULT_TTL_S,
-    Cost,
-    GlobalScheduler,
-    Route,
+from ..mempool import TIERS, PoolAccountingError
+from ..model.tokenizer import Tokenizer
+from ..request import RequestMetrics, RequestOutput
+from ..sampling import SamplingParams
+from ..scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler, Route
+from .instance import DEFAULT_HEARTBEAT_S, InstanceSpec, instance_main
+from .recipes import NOTHING
+from .rpc import (
+    DEFAULT_TIMEOUT_S,
+    LOOPBACK,
+    AbortRequest,
+    Handoff,
+    Heartbeat,
+    Info,
+    Msg,
+    Output,
+    PeerDown,
+    PeerInfo,
+    Peers,
+    PushPrefix,
+    Query,
+    Ready,
+    RemoteError,
+    RpcNode,
+    Shutdown,
+    Submit,
 )
 
 logger = logging.getLogger(__name__)
 
 # Loading a checkpoint and importing torch takes seconds per process; a minute means stuck.
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
-DEFAULT_TIMEOUT_S = 30.0
 # Missed heartbeats tolerated: a long CPU prefill step sends none while it runs.
 DEFAULT_HEARTBEAT_TIMEOUT_S = 20.0
 # How long step() waits for a finished request before returning an empty list.
@@ -86,7 +85,7 @@ STEP_WAIT_S = 0.005
 # Time a process gets to exit after Shutdown before it is terminated, then killed.
 SHUTDOWN_GRACE_S = 5.0
 # Modules the forkserver imports once, so instances forked from it start fast.
-FORKSERVER_PRELOAD = ("minimemserve.disagg.instance_proc", "minimemserve.engine")
+FORKSERVER_PRELOAD = ("minimemserve.disagg.instance",)
 # A request is re-run at most this many times after instances died under it.
 MAX_RERUNS = 2
 # Exceptions an instance may raise for a bad request, re-raised here under their own class.
@@ -118,6 +117,10 @@ class InstanceInfo:
     address: str = ""
     handle: dict | None = None
     pid: int = 0
+
+    def peer_info(self) -> PeerInfo:
+        """How its peers reach it."""
+        return PeerInfo(self.name, self.role, self.address, self.handle)
 
 
 def _unlink_segment(handle: dict | None) -> None:
@@ -178,8 +181,6 @@ class ProcessCluster:
         cost_model: Cost | None = None,
         ttl_s: float = DEFAULT_TTL_S,
     ) -> None:
-        from minimemserve.model.tokenizer import Tokenizer
-
         self.deployment = parse_config_name(config_name)
         if cores_per_instance < 1:
             raise ConfigError(f"cores_per_instance must be >= 1, got {cores_per_instance}")
@@ -202,24 +203,26 @@ class ProcessCluster:
         self._last_heard: dict[str, float] = {}
         self._closed = False
         self._old_sigterm = None
+        self._handlers = {
+            Output: self._on_output,
+            Handoff: self._on_handoff,
+            Ready: self._on_ready,
+            Heartbeat: lambda sender, msg: None,
+        }
 
         d = self.deployment
-        if d.colocated:
-            roles = [(f"C{i}", "colocated") for i in range(num_colocated)]
-        else:
-            roles = [(f"P{i}", "prefill") for i in range(d.num_prefill)]
-            roles += [(f"D{i}", "decode") for i in range(d.num_decode)]
-        first_role = "colocated" if d.colocated else "prefill"
+        milestone = d.milestone
+        roles = d.instances(colocated=num_colocated)
         self.scheduler = GlobalScheduler(
-            [n for n, r in roles if r == first_role],
+            [n for n, r in roles if r == milestone.roles[0]],
             policy=policy,
             block_size=self.engine_config.block_size,
             cost_model=cost_model,
             ttl_s=ttl_s,
-            caching=d.cache_level > 0,
+            caching=milestone.caches != NOTHING,
         )
-        # prefix transfers between colocated instances need their pools mapped by peers
-        linked = not d.colocated or policy == "prompt_tree_transfer"
+        # transfers (the recipes', or the scheduler's prefix pushes) need pools peers can map
+        linked = milestone.moves_kv or policy == "prompt_tree_transfer"
         self.node = RpcNode(
             "frontend", self._handle, host=host, port=base_port, timeout_s=timeout_s
         )
@@ -255,15 +258,12 @@ class ProcessCluster:
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _reap, list(self.instances.values()))
             self._wait_ready(startup_timeout_s)
-            peers = [
-                {"name": i.name, "role": i.role, "address": i.address, "handle": i.handle}
-                for i in self.instances.values()
-            ]
+            peers = Peers([i.peer_info() for i in self.instances.values()])
             for inst in self.instances.values():
                 self.node.connect(inst.name, inst.address)
             if linked:
                 for inst in self.instances.values():
-                    self.node.call(inst.name, Peers(peers))
+                    self.node.call(inst.name, peers)
         except BaseException:
             self.close()
             raise
@@ -321,30 +321,36 @@ class ProcessCluster:
         self.close()
 
     # ---- messages from instances -----------------------------------------------------------
-    def _handle(self, sender: str, msg: Any) -> None:
+    def _handle(self, sender: str, msg: Msg) -> None:
         self._last_heard[sender] = time.monotonic()
-        if isinstance(msg, Output):
-            rid = msg.output["request_id"]
-            if self._inflight.pop(rid, None) is not None:
-                out = output_from_dict(msg.output)
-                self._done.append(out)
-                self.scheduler.finished(rid, self._left_cached(out))
-        elif isinstance(msg, Handoff):
-            f = self._inflight.get(msg.req_id)
-            if f is not None and f.where == sender:
-                if msg.to in self.dead:  # handed over before that instance died: lost there
-                    reason = self.dead[msg.to]
-                    self._recover(msg.req_id, f, f"InstanceDied: instance {msg.to} died ({reason})")
-                else:
-                    f.where = msg.to
-                    self.scheduler.prefilled(msg.req_id)
-        elif isinstance(msg, Ready):
-            inst = self.instances.get(msg.name)
-            if inst is None:
-                raise ValueError(f"unknown instance {msg.name!r} reported ready")
-            inst.address, inst.handle, inst.pid = msg.address, msg.handle, msg.pid
-        elif not isinstance(msg, Heartbeat):
+        handler = self._handlers.get(type(msg))
+        if handler is None:
             raise ValueError(f"the frontend does not handle {type(msg).__name__}")
+        handler(sender, msg)
+
+    def _on_output(self, sender: str, msg: Output) -> None:
+        out = msg.output
+        if self._inflight.pop(out.request_id, None) is not None:
+            self._done.append(out)
+            left = self.deployment.milestone.left_cached(out.prompt_token_ids, out.token_ids)
+            self.scheduler.finished(out.request_id, None if out.finish_reason == "error" else left)
+
+    def _on_handoff(self, sender: str, msg: Handoff) -> None:
+        f = self._inflight.get(msg.request_id)
+        if f is None or f.where != sender:
+            return
+        if msg.to in self.dead:  # handed over before that instance died: lost there
+            reason = f"InstanceDied: instance {msg.to} died ({self.dead[msg.to]})"
+            self._recover(msg.request_id, f, reason)
+        else:
+            f.where = msg.to
+            self.scheduler.prefilled(msg.request_id)
+
+    def _on_ready(self, sender: str, msg: Ready) -> None:
+        inst = self.instances.get(msg.info.name)
+        if inst is None:
+            raise ValueError(f"unknown instance {msg.info.name!r} reported ready")
+        inst.address, inst.handle, inst.pid = msg.info.address, msg.info.handle, msg.pid
 
     # ---- liveness --------------------------------------------------------------------------
     def _live(self, role: str) -> list[str]:
@@ -383,7 +389,7 @@ class ProcessCluster:
                 logger.warning("could not tell %s that %s died: %s", other.name, inst.name, e)
                 continue
             # hand-offs to the dead instance whose notice has not reached us yet
-            for rid in rep.data.get("handed", ()):
+            for rid in rep.data.get("handed", ()) if isinstance(rep, Info) else ():
                 f = self._inflight.get(rid)
                 if f is not None and f.where == other.name:
                     f.where = inst.name
@@ -409,9 +415,8 @@ class ProcessCluster:
 
     # ---- routing ---------------------------------------------------------------------------
     def _route(self, prompt: Sequence[int]) -> Route:
-        d = self.deployment
-        if not d.colocated and not self._live("decode"):
-            raise InstanceDied(f"no live prefill/decode pair is left: {self.dead}")
+        if not all(self._live(role) for role in self.deployment.milestone.roles):
+            raise InstanceDied(f"a role has no live instance left: {self.dead}")
         try:
             route = self.scheduler.route(prompt)
         except InstanceDied:
@@ -427,7 +432,7 @@ class ProcessCluster:
         first; on any failure the request simply goes without it."""
         src, dst = route.transfer_from, route.instance
         try:
-            moved = self.node.call(src, PushPrefix(list(prompt), dst)).data["tokens"]
+            moved = int(self.node.call(src, PushPrefix(list(prompt), dst)).data["tokens"])
         except (TransferError, MiniMemServeError) as e:
             logger.warning("prefix transfer %s -> %s failed: %s", src, dst, e)
             moved = 0
@@ -436,28 +441,13 @@ class ProcessCluster:
             self.scheduler.record(dst, prompt[:moved])
         return Route(dst, self.scheduler.cached_tokens(dst, prompt), route.cost)
 
-    def _left_cached(self, out: RequestOutput) -> list[int] | None:
-        """What a finished request left in the cache of the instance it was routed to."""
-        level = self.deployment.cache_level
-        if out.finish_reason == "error" or not level:
-            return None
-        if self.deployment.colocated or level >= 3:  # the answer's KV is cached there too
-            return list(out.prompt_token_ids) + list(out.token_ids[:-1])
-        return list(out.prompt_token_ids)
-
     def _submit(self, route: Route, rid: str, f: _Inflight) -> None:
-        req = {
-            "request_id": rid,
-            "prompt_token_ids": list(f.prompt),
-            "params": params_to_dict(f.params),
-            "arrival_time": f.arrival_time,
-        }
         self._inflight[rid] = f
         f.where = route.instance
         # before the call: its output may be handled while the call waits for the reply
         self.scheduler.dispatched(rid, route, len(f.prompt), f.params.max_tokens)
         try:
-            self.node.call(route.instance, Submit(req))
+            self.node.call(route.instance, Submit(rid, list(f.prompt), f.params, f.arrival_time))
         except BaseException:
             self._inflight.pop(rid, None)
             self.scheduler.finished(rid)
@@ -469,7 +459,10 @@ class ProcessCluster:
             if not prompt:
                 raise InvalidRequest("empty prompt")
             return self.tokenizer.encode(prompt)
-        return list(prompt)
+        try:  # any integer type (numpy, torch scalars) becomes a plain int
+            return [operator.index(t) for t in prompt]
+        except TypeError as e:
+            raise InvalidRequest(f"a prompt is text or token ids, and a token id is not an integer: {e}") from None
 
     def _raise_remote(self, e: RemoteError) -> None:
         cls = _REQUEST_ERRORS.get(e.kind)
@@ -486,9 +479,7 @@ class ProcessCluster:
         if not live:
             raise InstanceDied(f"every instance died: {self.dead}")
         try:
-            info = self.node.call(
-                live[0], Query("validate", {"prompt": ids, "params": params_to_dict(params)})
-            )
+            info = self.node.call(live[0], Query("validate", ids, params))
         except RemoteError as e:
             self._raise_remote(e)
         return list(info.data["ids"])
@@ -531,6 +522,24 @@ class ProcessCluster:
         out, self._done = self._done, []
         return out
 
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is (asking the instance the frontend believes holds it
+        first, then the others) and return its partial output; None if unknown or done. An
+        output still in flight from an instance is dropped when it arrives."""
+        f = self._inflight.pop(request_id, None)
+        if f is None:
+            return None
+        self.scheduler.finished(request_id)
+        order = [f.where] + [n for n in self.instances if n != f.where]
+        for name in (n for n in order if n not in self.dead):
+            with contextlib.suppress(TransferError):
+                rep = self.node.call(name, AbortRequest(request_id))
+                if isinstance(rep, Output):
+                    return rep.output
+        m = RequestMetrics(arrival_time=f.arrival_time, prompt_tokens=len(f.prompt))
+        m.finish_time = time.perf_counter()
+        return RequestOutput(request_id, list(f.prompt), [], None, "abort", m)
+
     def location(self, request_id: str) -> str | None:
         """The instance a request is on now (as far as the frontend knows); None once done."""
         f = self._inflight.get(request_id)
@@ -554,19 +563,19 @@ class ProcessCluster:
 
     # ---- pools -----------------------------------------------------------------------------
     def _ask_all(self, what: str) -> dict[str, dict]:
-        out = {}
-        for name in self.instances:
-            if name in self.dead:
-                continue
-            out[name] = self.node.call(name, Query(what)).data
-        return out
+        return {
+            name: self.node.call(name, Query(what)).data
+            for name in self.instances
+            if name not in self.dead
+        }
 
     def pool_stats(self) -> dict[str, dict]:
-        """Per live instance: its pool stats, request count, blocks held for peers, dead peers."""
-        return self._ask_all("stats")
+        """``{live instance: MemPool.stats()}``."""
+        return {name: data["pool"] for name, data in self._ask_all("stats").items()}
 
     def check_pools(self, require_idle: bool = True) -> dict[str, dict]:
-        """Every live instance audits its pool (``MemPool.check``); raises if one is off.
+        """Every live instance audits its pool (``MemPool.check``); raises
+        ``PoolAccountingError`` if one is off.
 
         With ``require_idle``, a block still referenced (held outside the cache index) is
         also an error: call it once every request finished. Returns the reports by name.
@@ -576,41 +585,9 @@ class ProcessCluster:
         for name, rep in reports.items():
             if not rep["ok"]:
                 problems.append(f"{name}: {rep['error']}")
-            if require_idle:
-                for tier, counts in rep["pool"].items():
-                    if isinstance(counts, Mapping) and counts.get("referenced", 0):
-                        problems.append(f"{name}: {counts['referenced']} {tier} blocks referenced")
+            for tier, counts in rep["pool"].items():
+                if require_idle and tier in TIERS and counts["referenced"]:
+                    problems.append(f"{name}: {counts['referenced']} {tier} blocks referenced")
         if problems:
-            raise RuntimeError("pool balance: " + "; ".join(problems))
+            raise PoolAccountingError("pool balance: " + "; ".join(problems))
         return reports
-
-
-# ---- benchmark seam ------------------------------------------------------------------------
-
-
-def process_target(spec: Any, **cluster_kw: Any) -> Any:
-    """A ``minimemserve.benchmark.BenchTarget`` running ``spec.config`` as a ProcessCluster."""
-    from minimemserve.benchmark import BenchTarget
-
-    o = spec.options
-    cluster = ProcessCluster(
-        spec.model_dir,
-        spec.config,
-        engine_config=o.engine_config(),
-        device=o.device,
-        dtype=o.dtype,
-        **cluster_kw,
-    )
-
-    def check() -> bool:
-        cluster.check_pools(require_idle=True)
-        return True
-
-    return BenchTarget(engine=cluster, check=check, stats=cluster.pool_stats, close=cluster.close)
-
-
-def process_factories(configs: Sequence[str], **cluster_kw: Any) -> dict[str, Any]:
-    """``{config: factory}`` for ``run_bench(factories=...)``: each config in its own processes."""
-    for c in configs:
-        parse_config_name(c)
-    return {c: (lambda spec, kw=cluster_kw: process_target(spec, **kw)) for c in configs}

@@ -13,29 +13,25 @@ states:
 Caching and disaggregation recipes are sequences of calls on this class. Bookkeeping is
 plain Python; torch only moves data. A pool is not thread-safe: one owner calls it.
 
-Tier layout of the index: along every root-to-leaf path, ``hbm`` nodes come first and
-``dram`` nodes after. Eviction keeps that order (it takes ``hbm`` nodes with no ``hbm``
-child), ``match`` onloads a path top-down, and ``insert`` moves a ``dram`` prefix back
-to the caller's ``hbm`` blocks.
+This module holds the block API, the index calls and transfers; the tiers (evictable
+counts, eviction, offload, onload) are in :mod:`minimemserve.mempool.tiers` and the audit
+(``stats``, ``check``) in :mod:`minimemserve.mempool.audit`. ``match`` onloads a cached
+``dram`` path top-down, and ``insert`` moves a ``dram`` prefix back to the caller's
+``hbm`` blocks.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
-from minimemserve.blocks.allocator import BlockAllocator
-from minimemserve.blocks.copy import check_packed, check_pool_tensor, move_blocks
+from minimemserve.blocks.copy import check_pool_tensor, move_blocks
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.errors import ConfigError, PoolExhausted
-from minimemserve.mempool.radix import RadixNode, RadixTree, as_tokens
-
-HBM = "hbm"
-DRAM = "dram"
-TIERS = (HBM, DRAM)
+from minimemserve.mempool.audit import AuditMixin
+from minimemserve.mempool.radix import RadixTree, as_tokens
+from minimemserve.mempool.tiers import DRAM, HBM, TIERS, PoolNode, Tier, TierMixin
 
 COUNTERS = (
     "match_calls",
@@ -46,7 +42,6 @@ COUNTERS = (
     "evicted_blocks",  # cached blocks dropped to make room
     "offloaded_blocks",  # cached hbm blocks moved to dram to make room
     "onloaded_blocks",  # cached dram blocks brought back to hbm by match
-    "swapped_blocks",
     "sent_blocks",
     "sent_bytes",
     "recv_blocks",
@@ -61,28 +56,12 @@ COUNTERS = (
 TensorFactory = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
 
-class PoolAccountingError(AssertionError):
-    """MemPool's bookkeeping is inconsistent (raised by ``MemPool.check``)."""
-
-
-class _Tier:
-    """One tier's pool tensor, allocator and the blocks the index holds."""
-
-    __slots__ = ("name", "kv", "alloc", "indexed")
-
-    def __init__(self, name: str, kv: torch.Tensor, num_blocks: int) -> None:
-        self.name = name
-        self.kv = kv
-        self.alloc = BlockAllocator(num_blocks)
-        self.indexed = bytearray(num_blocks)  # 1 where the index holds a reference
-
-
-class MemPool:
+class MemPool(TierMixin, AuditMixin):
     """Elastic KV memory pool of one instance: tiers, refcounted blocks, a radix index.
 
     Block ids are per tier. Every call that hands out blocks (``alloc_mem``, ``match``,
-    ``swap``, ``transfer*``) gives the caller one reference per block, released with
-    ``free_mem``. ``insert`` never consumes the caller's references.
+    ``transfer*``) gives the caller one reference per block, released with ``free_mem``.
+    ``insert`` never consumes the caller's references.
     """
 
     def __init__(
@@ -123,33 +102,17 @@ class MemPool:
             hbm_kv = torch.zeros(layout.pool_shape(num_blocks), dtype=dtype, device=self.device)
         else:
             hbm_kv = tensor_factory(layout.pool_shape(num_blocks), dtype, self.device)
-        self._tiers: dict[str, _Tier] = {HBM: _Tier(HBM, hbm_kv, num_blocks)}
+        self._tiers: dict[str, Tier] = {HBM: Tier(HBM, hbm_kv, num_blocks)}
         if dram_blocks:
             shape = layout.pool_shape(dram_blocks)
             if tensor_factory is None:
                 dram_kv = torch.zeros(shape, dtype=dtype, device=host, pin_memory=pin)
             else:
                 dram_kv = tensor_factory(shape, dtype, host)
-            self._tiers[DRAM] = _Tier(DRAM, dram_kv, dram_blocks)
-        self._tree = RadixTree(self.block_size)
+            self._tiers[DRAM] = Tier(DRAM, dram_kv, dram_blocks)
+        self._tree = RadixTree(self.block_size, node_type=PoolNode)
         self._clock = 0  # logical time: one tick per call, so LRU order is deterministic
-        self._version = 0  # bumped whenever the evictable counts may change
-        self._evictable_cache: dict[str, tuple[int, int]] = {}
         self._counters = dict.fromkeys(COUNTERS, 0)
-
-    @classmethod
-    def from_budget(
-        cls, layout: KVLayout, hbm_bytes: int, dram_bytes: int = 0, **kw: Any
-    ) -> MemPool:
-        """A pool holding as many whole blocks as ``hbm_bytes`` (and ``dram_bytes``) allow."""
-        dtype = kw.get("dtype", torch.float32)
-        block_bytes = layout.block_bytes(torch.empty((), dtype=dtype).element_size())
-        num_blocks = hbm_bytes // block_bytes
-        if num_blocks < 1:
-            raise ConfigError(
-                f"an hbm budget of {hbm_bytes} bytes holds no block of {block_bytes} bytes"
-            )
-        return cls(layout, num_blocks, dram_blocks=max(0, dram_bytes) // block_bytes, **kw)
 
     # -- tiers -------------------------------------------------------------------------
 
@@ -178,7 +141,7 @@ class MemPool:
     def num_available(self, tier: str = HBM) -> int:
         """Blocks ``alloc_mem`` can provide now: free plus evictable cached-only blocks."""
         t = self._tier(tier)
-        return t.alloc.num_free + self._evictable(t)
+        return t.alloc.num_free + t.evictable
 
     def refcount(self, block: int, tier: str = HBM) -> int:
         """References on ``block`` (the index's included)."""
@@ -190,7 +153,7 @@ class MemPool:
         t.alloc.check_id(block)
         return bool(t.indexed[block])
 
-    def _tier(self, tier: str) -> _Tier:
+    def _tier(self, tier: str) -> Tier:
         t = self._tiers.get(tier)
         if t is None:
             if tier in TIERS:
@@ -216,18 +179,14 @@ class MemPool:
         t = self._tier(tier)
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"block count must be a non-negative int, got {n!r}")
-        short = n - t.alloc.num_free
-        if short > 0:
-            evictable = self._evictable(t)
-            if evictable < short:
-                total = t.alloc.num_blocks
-                raise PoolExhausted(
-                    f"instance {self.instance_id}: asked for {n} {tier} blocks but only "
-                    f"{t.alloc.num_free} are free and {evictable} cached blocks are evictable "
-                    f"({total} in total, {total - t.alloc.num_free - evictable} in use)"
-                )
-            self._evict(t, short)
-        return t.alloc.alloc(n, contiguous)
+        if n - t.alloc.num_free > t.evictable:
+            total, free = t.alloc.num_blocks, t.alloc.num_free
+            raise PoolExhausted(
+                f"instance {self.instance_id}: asked for {n} {tier} blocks but only "
+                f"{free} are free and {t.evictable} cached blocks are evictable "
+                f"({total} in total, {total - free - t.evictable} in use)"
+            )
+        return self._take(t, n, contiguous)
 
     def free_mem(self, blocks: Sequence[int], tier: str = HBM) -> None:
         """Drop one of the caller's references on each block.
@@ -236,10 +195,7 @@ class MemPool:
         error, like a double free.
         """
         t = self._tier(tier)
-        blocks = list(blocks)
-        t.alloc.decref(blocks, floor=t.indexed)
-        if any(map(t.indexed.__getitem__, blocks)):
-            self._version += 1  # a cached block may have become evictable
+        self._unhold(t, list(blocks), t.indexed)
 
     # -- the index ---------------------------------------------------------------------
 
@@ -259,12 +215,7 @@ class MemPool:
         if len(blocks) < nb:
             raise ValueError(f"{len(toks)} tokens fill {nb} blocks but {len(blocks)} were given")
         hbm = self._tiers[HBM]
-        rc, indexed, capacity = hbm.alloc.refcounts(), hbm.indexed, hbm.alloc.num_blocks
-        for b in blocks[:nb]:
-            if type(b) is not int or not 0 <= b < capacity:
-                hbm.alloc.check_id(b)
-            if rc[b] - indexed[b] < 1:
-                raise ValueError(f"block {b} is not held by the caller (refcount {rc[b]})")
+        self._check_held(hbm, blocks[:nb])
         if nb == 0:
             return 0
         if len(toks) != nb * bs:
@@ -277,31 +228,47 @@ class MemPool:
         pos = 0
         for node in match.nodes:
             c = min(len(node.values), matched - pos)
-            if node.tier != HBM:
-                spans.append((node, pos, c))
+            spans.append((node, pos, c))
             pos += c
-        taken = [b for _, p, c in spans for b in blocks[p : p + c]] + blocks[matched:nb]
+        taken = [b for n, p, c in spans if n.tier != HBM for b in blocks[p : p + c]]
+        taken += blocks[matched:nb]
         if len(set(taken)) != len(taken):
             raise ValueError("insert got the same block id twice")
-        if any(map(indexed.__getitem__, taken)):
-            b = next(b for b in taken if indexed[b])
-            raise ValueError(f"block {b} is already cached under another prefix")
-        dram = self._tiers.get(DRAM)
+        for b in taken:
+            if hbm.indexed[b]:
+                raise ValueError(f"block {b} is already cached under another prefix")
+        parent = self._tree.root
         for node, p, c in spans:
-            if c < len(node.values):
-                node = self._tree.split(node, c)
-            assert dram is not None and node.tier == DRAM
-            self._index_drop(dram, node.values)
-            node.values = blocks[p : p + c]
-            node.tier = HBM
-            node.holder = self.instance_id
-            self._index_add(hbm, node.values)
+            if c < len(node.values):  # the match ends inside this node: cut it there
+                node = self._split(node, c)
+            if node.tier != HBM:
+                self._unindex(self._tiers[node.tier], node.values)
+                self._uncount(node)
+                node.values, node.tier, node.holder = blocks[p : p + c], HBM, self.instance_id
+                self._adopt(hbm, node)
+            parent = node
         existing = self._tree.insert(toks, blocks[:nb], now=now, tier=HBM, holder=self.instance_id)
         assert existing == matched, (existing, matched)
-        self._index_add(hbm, blocks[matched:nb])
-        added = len(taken)
-        self._counters["inserted_blocks"] += added
-        return added
+        if matched < nb:
+            self._adopt(hbm, parent.children[toks[matched * bs : (matched + 1) * bs].tobytes()])
+        self._counters["inserted_blocks"] += len(taken)
+        return len(taken)
+
+    @staticmethod
+    def _check_held(hbm: Tier, blocks: list[int]) -> None:
+        """Raise ValueError unless the caller holds a reference on each of ``blocks``."""
+        rc, indexed, capacity = hbm.alloc.refcounts(), hbm.indexed, hbm.alloc.num_blocks
+        for b in blocks:
+            if type(b) is not int or not 0 <= b < capacity:
+                hbm.alloc.check_id(b)
+            if rc[b] - indexed[b] < 1:
+                raise ValueError(f"block {b} is not held by the caller (refcount {rc[b]})")
+
+    def _adopt(self, hbm: Tier, node: PoolNode) -> None:
+        """Index ``node``'s blocks, held by the caller (so pinned)."""
+        self._index(hbm, node)
+        node.run = 0
+        self._restate(node)
 
     def match(self, tokens: Sequence[int]) -> list[int]:
         """Longest cached prefix of ``tokens`` in whole blocks, as hbm block ids.
@@ -313,14 +280,12 @@ class MemPool:
         toks = as_tokens(tokens)
         now = self._tick()
         match = self._tree.match_prefix(toks, now=now)
-        if DRAM in self._tiers and any(n.tier != HBM for n in match.nodes):
+        if match.nodes and match.nodes[-1].tier != HBM:
             self._onload(toks, now)
             match = self._tree.match_prefix(toks, now=now)
-        blocks = self._hbm_prefix(match.nodes, len(match.values))
-        hbm = self._tiers[HBM]
+        nodes, blocks = self._hbm_prefix(match)
         if blocks:
-            hbm.alloc.incref(blocks)
-            self._version += 1
+            self._hold(self._tiers[HBM], nodes, blocks)
         c = self._counters
         c["match_calls"] += 1
         c["query_tokens"] += len(toks) - len(toks) % self.block_size
@@ -336,20 +301,10 @@ class MemPool:
         """For a match of ``toks`` now: cached blocks in hbm (a prefix), cached blocks in
         dram after them, and hbm blocks that can be made available with that prefix held."""
         match = self._tree.match_prefix(toks, touch=False)
-        hbm_blocks = self._hbm_prefix(match.nodes, len(match.values))
-        in_dram = len(match.values) - len(hbm_blocks)
-        if not hbm_blocks:
-            return 0, in_dram, self.num_available(HBM)
-        hbm = self._tiers[HBM]
-        # a match pins the hbm part of the path before it makes room for the dram part
-        hbm.alloc.incref(hbm_blocks)
-        self._version += 1
-        try:
-            room = self.num_available(HBM)
-        finally:
-            hbm.alloc.decref(hbm_blocks)
-            self._version += 1
-        return len(hbm_blocks), in_dram, room
+        nodes, blocks = self._hbm_prefix(match)
+        # a match holds the hbm part of the path before it makes room for the dram part
+        room = self.num_available(HBM) - self._hold_cost(nodes, len(blocks))
+        return len(blocks), len(match.values) - len(blocks), room
 
     def delete(self, tokens: Sequence[int]) -> int:
         """Drop the cached entries of ``tokens`` that no other cached sequence shares.
@@ -362,8 +317,7 @@ class MemPool:
         number of blocks dropped from the index.
         """
         toks = as_tokens(tokens)
-        bs = self.block_size
-        nb = len(toks) // bs
+        nb = len(toks) // self.block_size
         match = self._tree.match_prefix(toks, touch=False)
         if not match.nodes:
             return 0
@@ -377,204 +331,15 @@ class MemPool:
             if len(path[i - 1].children) > 1:
                 cut = path[i]
                 break
-        dropped = self._release(self._tree.remove(cut))
+        parent, blocked = cut.parent, cut.blocked
+        dropped = self._drop(self._tree.remove(cut))
+        if blocked:
+            parent.below -= 1
+            self._restate(parent)
         self._counters["deleted_blocks"] += dropped
         return dropped
 
-    def _hbm_prefix(self, nodes: list[RadixNode], matched: int) -> list[int]:
-        """Values of the matched path up to its first non-hbm node."""
-        out: list[int] = []
-        for node in nodes:
-            if node.tier != HBM:
-                break
-            out += node.values[: matched - len(out)]
-        return out
-
-    def _index_add(self, t: _Tier, blocks: list[int]) -> None:
-        for b in blocks:
-            t.indexed[b] = 1
-        t.alloc.incref(blocks)
-        self._version += 1
-
-    def _index_drop(self, t: _Tier, blocks: list[int]) -> None:
-        for b in blocks:
-            t.indexed[b] = 0
-        t.alloc.decref(blocks)
-        self._version += 1
-
-    def _release(self, dropped: list[tuple[RadixNode, list[int]]]) -> int:
-        """Give back the index's references on values removed from the tree."""
-        n = 0
-        for node, values in dropped:
-            self._index_drop(self._tiers[node.tier], values)
-            n += len(values)
-        return n
-
-    # -- eviction, offload and onload --------------------------------------------------
-
-    def _tail_run(self, node: RadixNode) -> int:
-        """Trailing blocks of ``node`` whose only reference is the index's."""
-        rc = self._tiers[node.tier].alloc.refcounts()
-        values = node.values
-        i = len(values)
-        while i and rc[values[i - 1]] == 1:
-            i -= 1
-        return len(values) - i
-
-    def _scan(self, t: _Tier) -> tuple[int, list[RadixNode], dict[RadixNode, bool]]:
-        """Evictable blocks of tier ``t``, the nodes evictable now, and which subtrees
-        hold only cached-only blocks.
-
-        A block is evictable when it and everything below it are cached-only; the nodes
-        evictable now are those of tier ``t`` with such a tail and no child of tier ``t``.
-        """
-        whole: dict[RadixNode, bool] = {}
-        count = 0
-        ready = []
-        for node in reversed(list(self._tree.nodes())):  # children before parents
-            kids = node.children.values()
-            kids_whole = all(whole[c] for c in kids)
-            run = self._tail_run(node)
-            whole[node] = kids_whole and run == len(node.values)
-            if node.tier == t.name and kids_whole and run:
-                count += run
-                if not any(c.tier == t.name for c in kids):
-                    ready.append(node)
-        return count, ready, whole
-
-    def _evictable(self, t: _Tier) -> int:
-        cached = self._evictable_cache.get(t.name)
-        if cached is not None and cached[0] == self._version:
-            return cached[1]
-        count = self._scan(t)[0]
-        self._evictable_cache[t.name] = (self._version, count)
-        return count
-
-    def _evict(self, t: _Tier, need: int) -> None:
-        """Free ``need`` blocks of ``t`` by evicting cached-only blocks, LRU first.
-
-        The caller has checked that enough are evictable.
-        """
-        dram = self._tiers.get(DRAM) if t.name == HBM else None
-        if dram is not None:
-            # make room in dram first, so every evicted hbm block can move there
-            want = min(need, dram.alloc.num_free + self._evictable(dram))
-            if dram.alloc.num_free < want:
-                self._evict(dram, want - dram.alloc.num_free)
-        _, ready, whole = self._scan(t)
-        heap = [(n.last_access, i, n) for i, n in enumerate(ready)]
-        heapq.heapify(heap)
-        seq = len(heap)
-        while need > 0:
-            if not heap:
-                raise PoolAccountingError(f"eviction of {t.name} fell {need} blocks short")
-            _, _, node = heapq.heappop(heap)
-            if node.parent is None or node.tier != t.name:
-                continue
-            run = self._tail_run(node)
-            if not run:
-                continue
-            k = min(run, need)
-            parent = node.parent
-            gone = k == len(node.values)
-            self._evict_tail(t, node, k, dram)
-            need -= k
-            if (
-                gone
-                and parent is not self._tree.root
-                and parent.tier == t.name
-                and all(c.tier != t.name and whole.get(c, True) for c in parent.children.values())
-            ):
-                heapq.heappush(heap, (parent.last_access, seq, parent))
-                seq += 1
-        self._evictable_cache.pop(t.name, None)
-
-    def _evict_tail(self, t: _Tier, node: RadixNode, k: int, dram: _Tier | None) -> None:
-        """Evict the last ``k`` blocks of ``node``: move them to dram when it has free
-        blocks, drop the rest (with everything below them)."""
-        moved = min(k, dram.alloc.num_free) if dram is not None else 0
-        if k > moved:
-            self._counters["evicted_blocks"] += self._release(self._tree.truncate(node, k - moved))
-        if not moved:
-            return
-        assert dram is not None
-        if moved < len(node.values):
-            self._tree.split(node, len(node.values) - moved)  # node keeps the tail
-        new = dram.alloc.alloc(moved, contiguous=True)
-        self._copy(t, node.values, dram, new)
-        self._index_drop(t, node.values)
-        node.values = new
-        node.tier = DRAM
-        for b in new:  # the fresh reference is the index's
-            dram.indexed[b] = 1
-        self._version += 1
-        self._counters["offloaded_blocks"] += moved
-
-    def _onload(self, toks, now: int) -> None:
-        """Bring the dram part of ``toks``' cached path to hbm, top-down, while hbm has
-        room (possibly by evicting other cached blocks)."""
-        hbm, dram = self._tiers[HBM], self._tiers[DRAM]
-        while True:
-            match = self._tree.match_prefix(toks, now=now)
-            pinned_hbm = self._hbm_prefix(match.nodes, len(match.values))
-            if len(pinned_hbm) == len(match.values):
-                return
-            node = next(n for n in match.nodes if n.tier != HBM)
-            want = min(len(match.values) - len(pinned_hbm), len(node.values))
-            pinned_dram = list(node.values[:want])
-            # pin the path so making room in hbm (and then dram) cannot evict it
-            hbm.alloc.incref(pinned_hbm)
-            dram.alloc.incref(pinned_dram)
-            self._version += 1
-            try:
-                j = min(want, hbm.alloc.num_free + self._evictable(hbm))
-                if j:
-                    new = self.alloc_mem(j, HBM, contiguous=True)  # references: the index's
-                    if j < len(node.values):
-                        node = self._tree.split(node, j)
-                    old = node.values
-                    self._copy(dram, old, hbm, new)
-                    self._index_drop(dram, old)
-                    node.values = new
-                    node.tier = HBM
-                    for b in new:
-                        hbm.indexed[b] = 1
-                    self._counters["onloaded_blocks"] += j
-            finally:
-                hbm.alloc.decref(pinned_hbm)
-                dram.alloc.decref(pinned_dram)
-                self._version += 1
-            if j < want or not j:
-                return
-
-    def _copy(self, src: _Tier, src_ids: list[int], dst: _Tier, dst_ids: list[int]) -> None:
-        """Copy whole blocks between tiers (one pass when ``dst_ids`` is one run)."""
-        move_blocks(dst.kv, dst_ids, src.kv, src_ids, self._block_dim)
-
-    # -- swap and transfer -------------------------------------------------------------
-
-    def swap(self, blocks: Sequence[int], src_tier: str, dst_tier: str) -> list[int]:
-        """Move blocks the caller holds alone (refcount 1, not cached) to the other tier.
-
-        Returns the new block ids, held by the caller; the old ones are freed.
-        """
-        src, dst = self._tier(src_tier), self._tier(dst_tier)
-        if src is dst:
-            raise ValueError(f"swap needs two different tiers, got {src_tier!r} twice")
-        blocks = list(blocks)
-        if len(set(blocks)) != len(blocks):
-            raise ValueError("swap got the same block id twice")
-        for b in blocks:
-            if src.alloc.refcount(b) != 1 or src.indexed[b]:
-                raise ValueError(
-                    f"swap moves blocks the caller holds alone: {src_tier} block {b} has "
-                    f"refcount {src.alloc.refcount(b)}{' and is cached' if src.indexed[b] else ''}"
-                )
-        new = self.alloc_mem(len(blocks), dst_tier, contiguous=True)
-        self._copy(src, blocks, dst, new)
-        src.alloc.decref(blocks)
-        self._counters["swapped_blocks"] += len(blocks)
-        return new
+    # -- transfer ----------------------------------------------------------------------
 
     def recv_alloc(
         self, tokens: Sequence[int] | None, num_blocks: int
@@ -610,12 +375,6 @@ class MemPool:
             self.free_mem(matched)
             raise
         return matched, new
-
-    def recv_write(self, blocks: Sequence[int], data: torch.Tensor) -> None:
-        """Receiving side, step 2 from a packed buffer: copy ``data``
-        (``layout.pool_shape(len(blocks))``) into ``blocks`` of the hbm tier."""
-        check_packed(self.layout, len(blocks), data, "recv_write")
-        self.recv_copy(blocks, data, range(len(blocks)))
 
     def recv_copy(self, blocks: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
         """Receiving side, step 2 when the sender's pool tensor ``src`` is reachable from
@@ -709,91 +468,6 @@ class MemPool:
         dst.recv_copy(dst_ids, kv, src_ids)
         self._counters["sent_blocks"] += len(src_ids)
         self._counters["sent_bytes"] += len(src_ids) * self.layout.block_bytes(kv.element_size())
-
-    # -- audit -------------------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        """Per tier ``{"total", "free", "referenced", "cached_only"}``, the index size and
-        the counters."""
-        out: dict[str, Any] = {}
-        for name, t in self._tiers.items():
-            rc = t.alloc.refcounts()
-            cached_only = sum(1 for b, i in enumerate(t.indexed) if i and rc[b] == 1)
-            free = t.alloc.num_free
-            out[name] = {
-                "total": t.alloc.num_blocks,
-                "free": free,
-                "referenced": t.alloc.num_blocks - free - cached_only,
-                "cached_only": cached_only,
-            }
-        out["index"] = {"blocks": self._tree.num_blocks, "nodes": self._tree.num_nodes}
-        out["counters"] = dict(self._counters)
-        return out
-
-    def check(self) -> None:
-        """Audit the bookkeeping; raise ``PoolAccountingError`` listing every problem."""
-        errors: list[str] = []
-        bs = self.block_size
-        held: dict[str, set[int]] = {name: set() for name in self._tiers}
-        num_values = 0
-        for node in self._tree.nodes():
-            where = f"node {node!r}"
-            if node.tier not in self._tiers:
-                errors.append(f"{where} has tier {node.tier!r}")
-                continue
-            if not node.values or len(node.tokens) != len(node.values) * bs:
-                errors.append(f"{where}: {len(node.tokens)} tokens, {len(node.values)} blocks")
-            if node.key != node.tokens[:bs].tobytes():
-                errors.append(f"{where}: key does not match its first block")
-            parent = node.parent
-            if parent is None or parent.children.get(node.key) is not node:
-                errors.append(f"{where} is not its parent's child")
-            elif parent.tier == DRAM and node.tier == HBM:
-                errors.append(f"{where} is in hbm below a dram node")
-            t = self._tiers[node.tier]
-            for b in node.values:
-                num_values += 1
-                if not 0 <= b < t.alloc.num_blocks:
-                    errors.append(f"{where} lists {node.tier} block {b}, out of range")
-                elif b in held[node.tier]:
-                    errors.append(f"{node.tier} block {b} is cached twice")
-                held[node.tier].add(b)
-        if num_values != self._tree.num_blocks:
-            errors.append(f"index counts {self._tree.num_blocks} blocks but lists {num_values}")
-        for name, t in self._tiers.items():
-            rc = t.alloc.refcounts()
-            free_list = t.alloc.free_blocks()
-            free_set = set(free_list)
-            if len(free_set) != len(free_list):
-                errors.append(f"{name}: the free list has duplicates")
-            counts = {"free": 0, "cached_only": 0, "referenced": 0}
-            for b in range(t.alloc.num_blocks):
-                in_index = b in held[name]
-                if bool(t.indexed[b]) != in_index:
-                    errors.append(
-                        f"{name} block {b}: index flag {t.indexed[b]}, in tree {in_index}"
-                    )
-                if rc[b] < 0:
-                    errors.append(f"{name} block {b} has refcount {rc[b]}")
-                if rc[b] == 0:
-                    if b not in free_set:
-                        errors.append(f"{name} block {b} has no reference but is not free")
-                    if in_index:
-                        errors.append(f"{name} block {b} is cached without a reference")
-                    counts["free"] += 1
-                    continue
-                if b in free_set:
-                    errors.append(f"{name} block {b} is in the free list with refcount {rc[b]}")
-                if in_index and rc[b] == 1:
-                    counts["cached_only"] += 1
-                else:
-                    counts["referenced"] += 1
-                if name == DRAM and in_index and rc[b] != 1:
-                    errors.append(f"dram block {b} is cached and held elsewhere too")
-            if sum(counts.values()) != t.alloc.num_blocks or counts["free"] != len(free_list):
-                errors.append(f"{name}: states {counts} do not add up to {t.alloc.num_blocks}")
-        if errors:
-            raise PoolAccountingError("MemPool accounting: " + "; ".join(errors[:20]))
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{n}={t.alloc.num_blocks}" for n, t in self._tiers.items())

@@ -103,15 +103,23 @@ class Match(NamedTuple):
 class RadixTree:
     """Block-granular compressed radix tree mapping token prefixes to per-block values.
 
-    ``clock`` gives the time used when a call passes no ``now`` (access times and TTLs).
+    ``clock`` gives the time used when a call passes no ``now`` (access times and TTLs);
+    ``node_type`` is the class of every node (a subclass may carry the owner's bookkeeping).
     """
 
-    def __init__(self, block_size: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        node_type: type[RadixNode] = RadixNode,
+    ) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size = block_size
         self._clock = clock
-        self.root = RadixNode(b"", array(TOKEN_TYPECODE), [], None, 0.0)
+        self._node = node_type
+        self.root = node_type(b"", array(TOKEN_TYPECODE), [], None, 0.0)
         self._num_blocks = 0
         self._num_nodes = 0
 
@@ -227,7 +235,7 @@ class RadixTree:
                 self.remove(child)
                 child = None
             if child is None:
-                new = RadixNode(
+                new = self._node(
                     key,
                     tokens[pos:end],
                     list(values[pos // bs :]),
@@ -270,7 +278,7 @@ class RadixTree:
         cut = num_blocks * self.block_size
         parent = node.parent
         assert parent is not None
-        head = RadixNode(
+        head = self._node(
             node.key,
             node.tokens[:cut],
             node.values[:num_blocks],
@@ -357,10 +365,6 @@ class RadixTree:
     def leaves(self) -> Iterator[RadixNode]:
         """Nodes without children."""
         return (n for n in self.nodes() if not n.children)
-
-    def leaves_lru(self) -> list[RadixNode]:
-        """Leaves, least recently accessed first (the eviction order)."""
-        return sorted(self.leaves(), key=lambda n: n.last_access)
 
     def path(self, node: RadixNode) -> list[RadixNode]:
         """Nodes from the root's child down to ``node``."""

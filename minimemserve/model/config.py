@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minimemserve.errors import CheckpointError, ConfigError
+from minimemserve.errors import CheckpointError, ConfigError, shown
 
 CONFIG_FILENAME = "config.json"
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
@@ -21,6 +22,41 @@ SUPPORTED_ROPE_TYPES = ("linear",)
 _PLAIN_ROPE_TYPES = ("default", None)
 
 
+# The model builds fp32 cos and sin tables for every position when it is constructed;
+# 1 GiB of them is 1M positions at head_dim 128, so a longer context is a corrupt config.
+MAX_ROTARY_TABLE_BYTES = 2**30
+# Far above any Llama-2-family model (70B); a larger count means a corrupt config.json.
+MAX_PARAMETERS = 2**40
+
+_POSITIVE_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+)
+_POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
+_OPTIONAL_TOKEN_IDS = ("bos_token_id", "eos_token_id")
+
+
+def _is_int(value: Any) -> bool:
+    """A plain int (not a bool) within int64, as torch sizes and token ids must be."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
+
+
+def _positive_float(name: str, value: Any) -> float:
+    """``value`` as a float if it is a finite positive number; ``ConfigError`` otherwise."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            if math.isfinite(value) and value > 0:
+                return float(value)
+        except OverflowError:  # an int beyond the float range
+            pass
+    raise ConfigError(f"{name} must be a finite positive number, got {shown(value)}")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Linear RoPE scaling (position interpolation): positions are divided by ``factor``."""
@@ -31,11 +67,10 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(
-                f"unsupported rope scaling type {self.rope_type!r}; "
+                f"unsupported rope scaling type {shown(self.rope_type)}; "
                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
-        if not self.factor > 0:
-            raise ConfigError(f"rope scaling factor must be positive, got {self.factor}")
+        object.__setattr__(self, "factor", _positive_float("rope scaling factor", self.factor))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> RopeScaling | None:
@@ -43,18 +78,18 @@ class RopeScaling:
         if raw is None:
             return None
         if not isinstance(raw, dict):
-            raise ConfigError(f"rope scaling must be a dict or None, got {raw!r}")
+            raise ConfigError(f"rope scaling must be a dict or None, got {shown(raw)}")
         rope_type = raw.get("rope_type", raw.get("type"))
         if rope_type in _PLAIN_ROPE_TYPES:
             return None
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(
-                f"unsupported rope scaling type {rope_type!r}; "
+                f"unsupported rope scaling type {shown(rope_type)}; "
                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         if "factor" not in raw:
-            raise ConfigError(f"rope scaling {rope_type!r} needs a 'factor', got {raw!r}")
-        return cls(factor=float(raw["factor"]), rope_type=str(rope_type))
+            raise ConfigError(f"rope scaling {shown(rope_type)} needs a 'factor', got {shown(raw)}")
+        return cls(factor=raw["factor"], rope_type=str(rope_type))
 
     def to_dict(self) -> dict[str, Any]:
         """The HF form, ``{"rope_type": ..., "factor": ...}``."""
@@ -68,6 +103,9 @@ class ModelConfig:
     Field names follow Hugging Face's ``LlamaConfig``. ``head_dim`` defaults to
     ``hidden_size // num_attention_heads``. ``eos_token_ids`` lists every id that ends a
     generation (``config.json`` may give several); ``eos_token_id`` is the first of them.
+    Every field is type-checked (a bool or a float is not a size), and the sizes are bounded
+    by the memory they imply (``MAX_ROTARY_TABLE_BYTES``, ``MAX_PARAMETERS``) so that a
+    corrupt config fails here instead of when the model allocates.
     """
 
     vocab_size: int
@@ -88,60 +126,96 @@ class ModelConfig:
     torch_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
+        self._check_shapes()
+        self._check_special_tokens()
+        self._check_memory()
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+    def _check_types(self) -> None:
         if isinstance(self.rope_scaling, dict):
-            object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+            self._set("rope_scaling", RopeScaling.from_dict(self.rope_scaling))
         if self.num_key_value_heads is None:
-            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "max_position_embeddings",
-        ):
+            self._set("num_key_value_heads", self.num_attention_heads)
+        for name in _POSITIVE_INTS:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+            if not _is_int(value) or value <= 0:
+                raise ConfigError(f"ModelConfig.{name} must be a positive int, got {shown(value)}")
+        for name in _POSITIVE_FLOATS:
+            self._set(name, _positive_float(name, getattr(self, name)))
+        for name in _OPTIONAL_TOKEN_IDS:
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise ConfigError(f"ModelConfig.{name} must be an int or None, got {shown(value)}")
+        ids = self.eos_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
+            raise ConfigError(f"ModelConfig.eos_token_ids must be a list of ints, got {shown(ids)}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ConfigError(
+                f"tie_word_embeddings must be a bool, got {shown(self.tie_word_embeddings)}"
+            )
+        if self.torch_dtype is not None and not isinstance(self.torch_dtype, str):
+            raise ConfigError(f"torch_dtype must be a str or None, got {shown(self.torch_dtype)}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ConfigError(
+                f"rope_scaling must be a RopeScaling or None, got {shown(self.rope_scaling)}"
+            )
+
+    def _check_shapes(self) -> None:
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ConfigError(
                     f"hidden_size {self.hidden_size} is not divisible by "
                     f"num_attention_heads {self.num_attention_heads}"
                 )
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2:
-            raise ConfigError(f"head_dim must be a positive even int (RoPE), got {self.head_dim}")
+            self._set("head_dim", self.hidden_size // self.num_attention_heads)
+        if not _is_int(self.head_dim) or self.head_dim <= 0 or self.head_dim % 2:
+            raise ConfigError(
+                f"head_dim must be a positive even int (RoPE), got {shown(self.head_dim)}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads {self.num_attention_heads} is not divisible by "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
-        if not self.rms_norm_eps > 0:
-            raise ConfigError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
-        if not self.rope_theta > 0:
-            raise ConfigError(f"rope_theta must be positive, got {self.rope_theta}")
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            raise ConfigError(
-                f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling}"
-            )
+
+    def _check_special_tokens(self) -> None:
         eos_ids = tuple(self.eos_token_ids)
         if not eos_ids and self.eos_token_id is not None:
             eos_ids = (self.eos_token_id,)
         if eos_ids and self.eos_token_id is None:
-            object.__setattr__(self, "eos_token_id", eos_ids[0])
+            self._set("eos_token_id", eos_ids[0])
         if eos_ids and self.eos_token_id != eos_ids[0]:
             raise ConfigError(
                 f"eos_token_id {self.eos_token_id} is not the first of eos_token_ids {eos_ids}"
             )
-        object.__setattr__(self, "eos_token_ids", eos_ids)
-        special = [self.bos_token_id, *eos_ids]
-        for token_id in special:
+        self._set("eos_token_ids", eos_ids)
+        for token_id in (self.bos_token_id, *eos_ids):
             if token_id is not None and not 0 <= token_id < self.vocab_size:
                 raise ConfigError(
                     f"special token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
                 )
+
+    def _check_memory(self) -> None:
+        rotary = self.rotary_table_bytes()
+        if rotary > MAX_ROTARY_TABLE_BYTES:
+            raise ConfigError(
+                f"max_position_embeddings {self.max_position_embeddings} at head_dim "
+                f"{self.head_dim} needs {rotary / 2**30:.3g} GiB of rotary tables; "
+                f"the limit is {MAX_ROTARY_TABLE_BYTES / 2**30:g} GiB"
+            )
+        if self.num_parameters() > MAX_PARAMETERS:
+            raise ConfigError(
+                f"vocab_size {self.vocab_size}, hidden_size {self.hidden_size}, intermediate_size "
+                f"{self.intermediate_size} and num_hidden_layers {self.num_hidden_layers} make "
+                f"a model of more than {MAX_PARAMETERS:.3g} parameters"
+            )
+
+    def rotary_table_bytes(self) -> int:
+        """Bytes of the fp32 cos and sin tables the model builds for every position."""
+        return 2 * 4 * self.max_position_embeddings * self.head_dim
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -161,8 +235,9 @@ class ModelConfig:
     def from_hf(cls, path: str | Path) -> ModelConfig:
         """Read ``config.json`` from a checkpoint directory (or the file itself).
 
-        Raises ``CheckpointError`` when the file is missing or unreadable, when it describes
-        something other than a Llama causal LM, or when a value is invalid or unsupported.
+        Raises ``CheckpointError`` naming the file when it is missing, unreadable or not a
+        JSON object, when it describes something other than a Llama causal LM, or when a
+        value has the wrong type, is invalid or is unsupported.
         """
         path = Path(path)
         file = path / CONFIG_FILENAME if path.is_dir() else path
@@ -170,29 +245,38 @@ class ModelConfig:
             raise CheckpointError(f"missing {CONFIG_FILENAME}: {file} does not exist")
         try:
             raw = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"cannot read {file}: {exc}") from exc
+        except (OSError, ValueError, RecursionError) as exc:  # bad UTF-8 is a ValueError too
+            raise CheckpointError(f"cannot read {file} as JSON: {exc}") from exc
         if not isinstance(raw, dict):
             raise CheckpointError(f"{file} does not hold a JSON object")
         try:
             return cls._from_hf_dict(raw)
-        except (KeyError, TypeError, ValueError) as exc:  # ConfigError is a ValueError
+        except CheckpointError as exc:
+            raise CheckpointError(f"{file}: {exc}") from exc
+        except (KeyError, TypeError, ValueError, ArithmeticError) as exc:
             message = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
             raise CheckpointError(f"{file}: {message}") from exc
 
     @classmethod
     def _from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Values keep their JSON types; ``__post_init__`` rejects the wrong ones."""
         architectures = raw.get("architectures") or []
+        if not isinstance(architectures, list) or not all(
+            isinstance(a, str) for a in architectures
+        ):
+            raise CheckpointError(
+                f"architectures must be a list of names, got {shown(architectures)}"
+            )
         model_type = raw.get("model_type")
         if LLAMA_ARCHITECTURE not in architectures and model_type != LLAMA_MODEL_TYPE:
-            named = ", ".join(architectures) if architectures else f"model_type {model_type!r}"
+            named = ", ".join(architectures) if architectures else f"model_type {shown(model_type)}"
             raise CheckpointError(
                 f"unsupported architecture {named}; only {LLAMA_ARCHITECTURE} "
                 f"(model_type {LLAMA_MODEL_TYPE!r}) is supported"
             )
         hidden_act = raw.get("hidden_act", "silu")
         if hidden_act != "silu":
-            raise CheckpointError(f"unsupported hidden_act {hidden_act!r}; only 'silu'")
+            raise CheckpointError(f"unsupported hidden_act {shown(hidden_act)}; only 'silu'")
         for flag in ("attention_bias", "mlp_bias"):
             if raw.get(flag):
                 raise CheckpointError(f"unsupported {flag}=true; Llama-2 layers have no bias")
@@ -205,35 +289,26 @@ class ModelConfig:
         else:
             rope_theta = raw.get("rope_theta")
             rope_raw = raw.get("rope_scaling")
-        rope_theta = HF_DEFAULT_ROPE_THETA if rope_theta is None else float(rope_theta)
 
         eos = raw.get("eos_token_id")
-        eos_ids = tuple(int(i) for i in eos) if isinstance(eos, list) else ()
-        eos_id = eos_ids[0] if eos_ids else (None if eos is None else int(eos))
-        if isinstance(eos, list) and not eos_ids:
-            eos_id = None
-
-        heads = int(raw["num_attention_heads"])
-        kv_heads = raw.get("num_key_value_heads")
-        head_dim = raw.get("head_dim")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ()
+        eos_id = eos_ids[0] if eos_ids else (None if isinstance(eos, list) else eos)
         torch_dtype = raw.get("torch_dtype", raw.get("dtype"))
         return cls(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=heads if kv_heads is None else int(kv_heads),
-            head_dim=None if head_dim is None else int(head_dim),
-            rms_norm_eps=float(raw.get("rms_norm_eps", HF_DEFAULT_RMS_NORM_EPS)),
-            rope_theta=rope_theta,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=raw["num_attention_heads"],
+            num_key_value_heads=raw.get("num_key_value_heads"),
+            head_dim=raw.get("head_dim"),
+            rms_norm_eps=raw.get("rms_norm_eps", HF_DEFAULT_RMS_NORM_EPS),
+            rope_theta=HF_DEFAULT_ROPE_THETA if rope_theta is None else rope_theta,
             rope_scaling=RopeScaling.from_dict(rope_raw),
-            max_position_embeddings=int(
-                raw.get("max_position_embeddings", HF_DEFAULT_MAX_POSITIONS)
-            ),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
+            max_position_embeddings=raw.get("max_position_embeddings", HF_DEFAULT_MAX_POSITIONS),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos_id,
             eos_token_ids=eos_ids,
-            torch_dtype=None if torch_dtype is None else str(torch_dtype),
+            torch_dtype=torch_dtype,
         )

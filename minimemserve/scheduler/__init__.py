@@ -1,7 +1,7 @@
 """Schedulers: the local one batches requests inside an instance; the global one routes
 requests between instances, weighing cached prefixes against queued work with a cost model."""
 
-from .cost_model import CostModel, OpSample, load_transfer_samples, profile
+from .cost_model import CostModel, OpSample
 from .global_scheduler import POLICIES, GlobalScheduler, PromptTrees, Route, TokenCost
 from .local import LocalScheduler
 
@@ -14,6 +14,4 @@ __all__ = [
     "PromptTrees",
     "Route",
     "TokenCost",
-    "load_transfer_samples",
-    "profile",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from ..disagg.recipes import Hook, Recipe
 from ..errors import PoolExhausted
 from ..request import Request, Status
 
@@ -21,14 +22,13 @@ class LocalScheduler:
     KV, and it is recomputed later.
     """
 
-    def __init__(self, pool, recipe, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, pool, recipe: Recipe, max_num_seqs: int, max_num_batched_tokens: int):
         self.pool = pool
         self.recipe = recipe
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.failed: list[Request] = []  # requests that can never get blocks; the engine ends them
 
     def add(self, req: Request) -> None:
         """Queue a request (it keeps any blocks it arrives with, e.g. after a transfer)."""
@@ -46,10 +46,13 @@ class LocalScheduler:
         """True while any request waits or runs."""
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[tuple[Request, int]]:
-        """The step's batch: ``(request, number of tokens to compute)`` pairs."""
+    def schedule(self) -> tuple[list[tuple[Request, int]], list[Request]]:
+        """The step's batch, ``(request, number of tokens to compute)`` pairs, and the
+        requests that failed: they can never get blocks (the pool is too small with nothing
+        else running); their error says why and the caller ends them."""
         budget = self.max_num_batched_tokens
         batch: dict[Request, int] = {}
+        failed: list[Request] = []
         for req in list(self.running):
             if req.status is not Status.RUNNING or budget == 0:
                 continue
@@ -61,17 +64,17 @@ class LocalScheduler:
             req = self.waiting[0]
             arrived = not req.blocks  # requests handed over with KV keep their blocks
             if arrived:
-                self.recipe.on_arrival(self.pool, req)
+                self.recipe.run(Hook.ARRIVAL, self.pool, req)
             n = min(req.num_pending, budget)
             try:
                 self._alloc_to(req, req.num_computed + n)
             except PoolExhausted as e:
                 if arrived:
-                    self.recipe.on_preempt(self.pool, req)
+                    self.recipe.run(Hook.PREEMPT, self.pool, req)
                 if not self.running:  # nothing will ever free blocks for it: fail it
                     self.waiting.popleft()
                     req.error = f"PoolExhausted: {e}"
-                    self.failed.append(req)
+                    failed.append(req)
                     continue
                 break
             self.waiting.popleft()
@@ -79,10 +82,10 @@ class LocalScheduler:
             self.running.append(req)
             batch[req] = n
             budget -= n
-        return list(batch.items())
+        return list(batch.items()), failed
 
     def _alloc_to(self, req: Request, num_tokens: int) -> None:
-        need = -(-num_tokens // self.pool.block_size) - len(req.blocks)
+        need = self.pool.layout.num_blocks_for(num_tokens) - len(req.blocks)
         if need > 0:
             req.blocks.extend(self.pool.alloc_mem(need))
 
@@ -101,7 +104,7 @@ class LocalScheduler:
 
     def preempt(self, req: Request) -> None:
         """Release a running request's KV and put it first in line to be recomputed."""
-        self.recipe.on_preempt(self.pool, req)
+        self.recipe.run(Hook.PREEMPT, self.pool, req)
         self.running.remove(req)
         req.status = Status.WAITING
         req.metrics.preemptions += 1

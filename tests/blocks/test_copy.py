@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minimemserve.blocks.copy import check_packed, check_pool_tensor, is_run, move_blocks
+from minimemserve.blocks.copy import check_pool_tensor, is_run, move_blocks
 from minimemserve.blocks.layout import PER_LAYER, KVLayout
 
 
@@ -52,6 +52,4 @@ def test_pool_tensor_checks_name_the_problem():
         check_pool_tensor(layout, torch.float32, torch.zeros(5, 2, 2, 4, 1), "recv_copy")
     with pytest.raises(ValueError, match="expects torch.float16"):
         check_pool_tensor(layout, torch.float16, torch.zeros(layout.pool_shape(1)), "x")
-    with pytest.raises(ValueError, match=r"recv_write expects data of shape \(3,"):
-        check_packed(layout, 3, torch.zeros(layout.pool_shape(2)), "recv_write")
     assert layout.block_dim == 0 and KVLayout(2, 4, 1, 3, PER_LAYER).block_dim == 2

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -12,10 +11,8 @@ import torch
 
 from minimemserve import LLM, SamplingParams
 from minimemserve.config import EngineConfig
-from minimemserve.disagg.control import Ack
-from minimemserve.disagg.remote import Probe, ProbeReply, RpcNode
 from minimemserve.disagg.runtime import ProcessCluster
-from minimemserve.errors import InstanceDied, TransferError
+from minimemserve.errors import InstanceDied
 
 NUM_BLOCKS = 128
 TIMEOUT_S = 3.0  # control-request timeout of the clusters under test
@@ -92,74 +89,6 @@ def test_one_decode_dies_and_its_requests_finish_on_the_other(tiny_llama_dir):
             assert outs[f"r{i}"].token_ids == r.token_ids
         reports = c.check_pools(require_idle=True)
         assert victim not in reports and len(reports) == 2
-
-
-# ---- the RPC node on its own: no engine, no processes --------------------------------------
-
-
-def test_unanswered_call_times_out_and_dead_peer_fails_fast():
-    silent = RpcNode("silent", lambda s, m: None)  # never serves: nothing answers
-    node = RpcNode("caller", lambda s, m: None, timeout_s=0.3)
-    try:
-        node.connect("silent", silent.address)
-        t0 = time.monotonic()
-        with pytest.raises(TransferError, match="silent did not answer Probe"):
-            node.call("silent", Probe([1, 2]))
-        assert 0.25 < time.monotonic() - t0 < 2.0
-        node.dead["silent"] = "killed in a test"
-        t0 = time.monotonic()
-        with pytest.raises(InstanceDied, match="killed in a test"):
-            node.call("silent", Probe([1, 2]))
-        assert time.monotonic() - t0 < 0.1
-    finally:
-        node.close()
-        silent.close()
-
-
-def test_calls_in_both_directions_at_once_do_not_deadlock():
-    """A waits on B while B waits on A: each keeps serving while it waits."""
-    seen: dict[str, list[str]] = {"A": [], "B": []}
-
-    def handler(me):
-        def handle(sender, msg):
-            seen[me].append(sender)
-            return ProbeReply(len(getattr(msg, "tokens", [])), 0)
-
-        return handle
-
-    a, b = RpcNode("A", handler("A"), timeout_s=5), RpcNode("B", handler("B"), timeout_s=5)
-    a.connect("B", b.address)
-    b.connect("A", a.address)
-    results: dict[str, object] = {}
-    start = threading.Barrier(2)
-
-    def call(node, peer, n):
-        start.wait(5)  # both calls go out together
-        results[node.name] = node.call(peer, Probe(list(range(n))))
-        deadline = time.monotonic() + 5
-        while len(results) < 2 and time.monotonic() < deadline:
-            node.serve(0.02)  # a loaded host may deliver the other call after this one ended
-
-    try:
-        threads = [
-            threading.Thread(target=call, args=(a, "B", 3)),
-            threading.Thread(target=call, args=(b, "A", 5)),
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10)
-        assert results["A"] == ProbeReply(3, 0) and results["B"] == ProbeReply(5, 0)
-        assert seen == {"A": ["B"], "B": ["A"]}
-        # a push is handled without a reply
-        a.push("B", Ack())
-        deadline = time.monotonic() + 2
-        while len(seen["B"]) < 2 and time.monotonic() < deadline:
-            b.serve(0.05)
-        assert seen["B"] == ["A", "A"]
-    finally:
-        a.close()
-        b.close()
 
 
 def test_colocated_instance_dies_and_the_scheduler_routes_around_it(tiny_llama_dir):

@@ -274,8 +274,7 @@ def test_ctrl_c_or_sigterm_on_the_frontend_shuts_everything_down(tiny_llama_dir,
 
 
 def test_benchmark_runs_configs_across_processes(tiny_llama_dir):
-    from minimemserve.benchmark import EngineOptions, run_bench
-    from minimemserve.disagg.runtime import process_factories
+    from minimemserve.bench.driver import EngineOptions, process_factories, run_bench
 
     configs = ["1P1D-CC"]
     res = run_bench(

@@ -10,17 +10,13 @@ import msgpack
 import pytest
 import torch
 
-from minimemserve.disagg.transport import (
-    SHM_DIR,
+from minimemserve.bench.transports import (
     CopyTransport,
     GlooTransport,
-    SharedHandle,
     SharedMemoryTransport,
-    SharedPoolTensor,
     SharedTensorFactory,
     TransferMode,
     TransportKind,
-    attach,
     choose_transport,
     copy_blocks,
     pieces_per_transfer,
@@ -28,6 +24,7 @@ from minimemserve.disagg.transport import (
     start_store,
 )
 from minimemserve.errors import TransferError
+from minimemserve.mempool.shared import SHM_DIR, SharedHandle, SharedPoolTensor, attach
 
 NUM_BLOCKS = 12
 LAYERS = 3

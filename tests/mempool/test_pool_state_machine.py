@@ -206,27 +206,6 @@ class PoolMachine(RuleBasedStateMachine):
         self.pools[name].free_mem([b], tier)
         self._drop(name, tier, [b])
 
-    @precondition(lambda self: any(n == "a" for n, _, _ in self.scratch))
-    @rule(i=pick)
-    def swap_scratch(self, i: int) -> None:
-        mine = [k for k, h in enumerate(self.scratch) if h[0] == "a"]
-        k = mine[i % len(mine)]
-        name, tier, b = self.scratch[k]
-        other = "dram" if tier == "hbm" else "hbm"
-        pool = self.pools[name]
-        available = pool.num_available(other)
-        before = self._snapshot(name)
-        try:
-            (new,) = pool.swap([b], tier, other)
-        except PoolExhausted:
-            assert available == 0 and self._snapshot(name) == before
-            return
-        self._note_pressure(name)
-        tag = self.tags[(name, tier, b)]
-        self._drop(name, tier, [b])
-        self._take(name, other, [new], [tag])
-        self.scratch[k] = (name, other, new)
-
     @rule(name=st.sampled_from("ab"), tokens=tokens_st)
     def delete(self, name: str, tokens: list[int]) -> None:
         pool = self.pools[name]

@@ -7,7 +7,7 @@ from array import array
 
 import pytest
 
-from minimemserve.mempool.radix import RadixTree, as_tokens
+from minimemserve.mempool.radix import RadixNode, RadixTree, as_tokens
 
 BS = 4
 
@@ -112,16 +112,20 @@ def test_truncate_and_remove_return_what_they_drop():
         tree.remove(tree.root)
 
 
-def test_leaves_in_lru_order_and_access_times():
+def test_access_times_order_the_leaves():
     tree = RadixTree(BS)
     tree.insert(seq(1, 2), [1, 2], now=1)
     tree.insert(seq(1, 3), [1, 3], now=2)
     tree.insert(seq(4), [4], now=3)
-    assert [n.values for n in tree.leaves_lru()] == [[2], [3], [4]]
+
+    def lru() -> list[list[int]]:
+        return [n.values for n in sorted(tree.leaves(), key=lambda n: n.last_access)]
+
+    assert lru() == [[2], [3], [4]]
     tree.match_prefix(seq(1, 2), now=4)
-    assert [n.values for n in tree.leaves_lru()] == [[3], [4], [2]]
+    assert lru() == [[3], [4], [2]]
     tree.match_prefix(seq(1, 3), now=5, touch=False)
-    assert [n.values for n in tree.leaves_lru()] == [[3], [4], [2]]
+    assert lru() == [[3], [4], [2]]
     shared = tree.match_prefix(seq(1)).nodes[0]
     assert shared.children and shared.last_access >= max(
         c.last_access for c in shared.children.values()
@@ -191,3 +195,13 @@ def test_random_inserts_against_a_prefix_dict(seed):
     for node in tree.nodes():
         assert len(node.tokens) == len(node.values) * BS and node.values
         assert node.parent.children[node.key] is node
+
+
+def test_nodes_are_of_the_given_type():
+    class Node(RadixNode):
+        __slots__ = ()
+
+    tree = RadixTree(BS, node_type=Node)
+    tree.insert(seq(1, 2), [1, 2])
+    tree.insert(seq(1, 3), [1, 3])  # splits
+    assert type(tree.root) is Node and all(type(n) is Node for n in tree.nodes())

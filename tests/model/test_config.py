@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from minimemserve.errors import CheckpointError, ConfigError
-from minimemserve.model.config import ModelConfig, RopeScaling
+from minimemserve.model.config import MAX_ROTARY_TABLE_BYTES, ModelConfig, RopeScaling
 
 BASE = dict(
     vocab_size=512,
@@ -153,3 +153,89 @@ def test_num_parameters_matches_transformers(tiny_llama_dir, hf_model_from_dir):
     cfg = ModelConfig.from_hf(tiny_llama_dir)
     model = hf_model_from_dir(tiny_llama_dir)
     assert cfg.num_parameters() == sum(p.numel() for p in model.parameters())
+
+
+# ---- corrupt config.json: CheckpointError naming the file ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b'{"vocab_size": 512', b"\xff\xfe\x00garbage", b"", b"[" * 100_000, b"[1, 2]", b"null"],
+    ids=["truncated", "not-utf8", "empty", "too-deep", "a-list", "null"],
+)
+def test_config_that_is_not_a_json_object_is_named(tmp_path, content):
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(CheckpointError, match="config.json"):
+        ModelConfig.from_hf(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(hidden_size="64"),
+        dict(hidden_size=64.0),
+        dict(hidden_size=True),
+        dict(hidden_size=None),
+        dict(num_hidden_layers=[2]),
+        dict(vocab_size=10**400),
+        dict(max_position_embeddings=float("inf")),
+        dict(num_key_value_heads="2"),
+        dict(head_dim=16.5),
+        dict(rms_norm_eps="1e-6"),
+        dict(rms_norm_eps=float("nan")),
+        dict(rope_theta=float("inf")),
+        dict(rope_theta=10**400),
+        dict(rope_scaling={"rope_type": "linear", "factor": "2"}),
+        dict(rope_scaling={"rope_type": "linear", "factor": float("inf")}),
+        dict(rope_scaling=[2.0]),
+        dict(tie_word_embeddings="false"),
+        dict(torch_dtype=16),
+        dict(bos_token_id="1"),
+        dict(eos_token_id=[2, "x"]),
+        dict(eos_token_id=2.0),
+        dict(architectures="LlamaForCausalLM"),
+        dict(architectures=[1]),
+    ],
+)
+def test_config_values_of_the_wrong_type_are_named(tmp_path, fields):
+    path = write_config(tmp_path, **fields)
+    with pytest.raises(CheckpointError, match=r"config\.json") as info:
+        ModelConfig.from_hf(path)
+    assert next(iter(fields)) in str(info.value) or "rope scaling" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(max_position_embeddings=10**12), "rotary"),
+        (dict(max_position_embeddings=2**30 // (8 * 16) + 1), "rotary"),
+        (dict(vocab_size=10**12), "parameters"),
+        (dict(num_hidden_layers=10**9), "parameters"),
+        (dict(hidden_size=True), "hidden_size"),
+        pytest.param(dict(vocab_size=10**5000), "vocab_size", id="5000-digit-vocab"),
+        pytest.param(dict(eos_token_ids=(2, 10**5000)), "eos_token_ids", id="5000-digit-eos"),
+        (dict(rms_norm_eps=float("inf")), "rms_norm_eps"),
+        (dict(tie_word_embeddings=1), "tie_word_embeddings"),
+        (dict(eos_token_ids=(2, "3")), "eos_token_ids"),
+    ],
+)
+def test_absurd_sizes_and_wrong_types_raise_config_error(bad, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(**(BASE | bad))
+
+
+def test_largest_rotary_table_is_accepted():
+    positions = MAX_ROTARY_TABLE_BYTES // (8 * 16)  # head_dim 16
+    cfg = ModelConfig(**BASE, max_position_embeddings=positions)
+    assert cfg.rotary_table_bytes() == MAX_ROTARY_TABLE_BYTES
+
+
+def test_absurd_context_in_config_json_is_named_before_allocating(tmp_path):
+    path = write_config(tmp_path, max_position_embeddings=10**12)
+    with pytest.raises(CheckpointError, match=r"config\.json.*max_position_embeddings.*GiB"):
+        ModelConfig.from_hf(path)
+
+
+def test_integer_floats_stay_floats(tmp_path):
+    cfg = ModelConfig.from_hf(write_config(tmp_path, rope_theta=10000, rms_norm_eps=1))
+    assert type(cfg.rope_theta) is float and type(cfg.rms_norm_eps) is float

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import random
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -142,3 +144,142 @@ def test_extra_layer_is_unexpected_but_inv_freq_is_ignored(tiny_llama_dir, tmp_p
 def test_missing_directory(tmp_path, tiny_llama_dir):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_weights(tmp_path / "nowhere", ModelConfig.from_hf(tiny_llama_dir))
+
+
+# ---- corrupt checkpoints: each raises CheckpointError naming the file ----------------------
+
+
+def _header(file: Path) -> tuple[dict, bytes]:
+    """The JSON header of a safetensors file and the data bytes after it."""
+    blob = file.read_bytes()
+    size = struct.unpack("<Q", blob[:8])[0]
+    return json.loads(blob[8 : 8 + size]), blob[8 + size :]
+
+
+def _write_with_header(file: Path, header: dict, data: bytes) -> None:
+    raw = json.dumps(header).encode()
+    file.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def _corrupt_checkpoint(src: Path, tmp_path: Path, damage) -> Path:
+    path = copy_checkpoint(src, tmp_path / "ckpt")
+    damage(path / "model.safetensors")
+    return path
+
+
+def _truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[:-100])
+
+
+def _truncate_header(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[:20])
+
+
+def _garbage(file: Path) -> None:
+    file.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(4096)))
+
+
+def _empty(file: Path) -> None:
+    file.write_bytes(b"")
+
+
+def _lie_about_shape(file: Path) -> None:
+    header, data = _header(file)
+    header["model.norm.weight"]["shape"] = [128]
+    _write_with_header(file, header, data)
+
+
+def _lie_about_offsets(file: Path) -> None:
+    header, data = _header(file)
+    begin, end = header["model.norm.weight"]["data_offsets"]
+    header["model.norm.weight"]["data_offsets"] = [begin, end + 10**9]
+    _write_with_header(file, header, data)
+
+
+def _unknown_dtype(file: Path) -> None:
+    header, data = _header(file)
+    header["model.norm.weight"]["dtype"] = "F128"
+    _write_with_header(file, header, data)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _truncate,
+        _truncate_header,
+        _garbage,
+        _empty,
+        _lie_about_shape,
+        _lie_about_offsets,
+        _unknown_dtype,
+    ],
+)
+def test_corrupt_safetensors_file_is_named(tiny_llama_dir, tmp_path, damage):
+    path = _corrupt_checkpoint(tiny_llama_dir, tmp_path, damage)
+    with pytest.raises(CheckpointError, match=r"cannot read .*model\.safetensors"):
+        load_weights(path, ModelConfig.from_hf(path))
+
+
+def test_corrupt_shard_is_named(tiny_llama_factory, tmp_path):
+    path = copy_checkpoint(tiny_llama_factory(shards=3), tmp_path / "ckpt")
+    shard = sorted(path.glob("model-*-of-*.safetensors"))[1]
+    _truncate(shard)
+    with pytest.raises(CheckpointError, match=shard.name):
+        load_weights(path, ModelConfig.from_hf(path))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.uint8])
+def test_tensor_of_a_non_float_dtype_is_named(tiny_llama_dir, tmp_path, dtype):
+    path = copy_checkpoint(tiny_llama_dir, tmp_path / "ckpt")
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = torch.ones_like(tensors[name], dtype=dtype)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"{name} in model\.safetensors has dtype"):
+        load_weights(path, ModelConfig.from_hf(path))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_float_dtypes_are_cast(tiny_llama_dir, tmp_path, dtype):
+    path = copy_checkpoint(tiny_llama_dir, tmp_path / "ckpt")
+    tensors = {k: v.to(dtype) for k, v in load_file(path / "model.safetensors").items()}
+    save_file(tensors, path / "model.safetensors")
+    weights = load_weights(path, ModelConfig.from_hf(path))
+    assert all(t.dtype == torch.float32 for t in weights.values())
+
+
+def test_missing_tensor_names_the_file(tiny_llama_dir, tmp_path):
+    path = copy_checkpoint(tiny_llama_dir, tmp_path / "ckpt")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*model\.norm\.weight"):
+        load_weights(path, ModelConfig.from_hf(path))
+
+
+def test_wrong_shape_names_the_file(tiny_llama_dir, tmp_path):
+    path = copy_checkpoint(tiny_llama_dir, tmp_path / "ckpt")
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.norm.weight"] = torch.ones(65)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight in model\.safetensors"):
+        load_weights(path, ModelConfig.from_hf(path))
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        b"\xff\xfe not json",
+        b"{",
+        b'{"weight_map": ["model-00001-of-00002.safetensors"]}',
+        b'{"weight_map": {"model.norm.weight": 3}}',
+        b'{"weight_map": {"model.norm.weight": "../model.safetensors"}}',
+        b'{"metadata": {}}',
+    ],
+    ids=["not-utf8", "not-json", "list", "not-a-name", "outside-the-dir", "no-weight-map"],
+)
+def test_corrupt_shard_index_is_named(tiny_llama_dir, tmp_path, index):
+    path = copy_checkpoint(tiny_llama_dir, tmp_path / "ckpt")
+    (path / "model.safetensors.index.json").write_bytes(index)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json"):
+        load_weights(path, ModelConfig.from_hf(path))

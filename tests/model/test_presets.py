@@ -7,18 +7,18 @@ import threading
 import pytest
 import torch
 
-from minimemserve.data import sharegpt_text
-from minimemserve.errors import ConfigError
-from minimemserve.model import presets
-from minimemserve.model.config import ModelConfig
-from minimemserve.model.loader import load_weights
-from minimemserve.model.presets import (
+from minimemserve.bench import presets
+from minimemserve.bench.data import sharegpt_text
+from minimemserve.bench.presets import (
     PRESETS,
     Preset,
     preset_dir,
     train_tokenizer,
     write_random_llama,
 )
+from minimemserve.errors import ConfigError
+from minimemserve.model.config import ModelConfig
+from minimemserve.model.loader import load_weights
 from minimemserve.model.tokenizer import Tokenizer
 
 SMALL = Preset(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from minimemserve.data import iter_sharegpt
+from minimemserve.bench.data import iter_sharegpt
 from minimemserve.errors import CheckpointError, InvalidRequest
 from minimemserve.model.tokenizer import Tokenizer
 

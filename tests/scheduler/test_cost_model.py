@@ -8,14 +8,10 @@ import math
 import pytest
 from helpers import assert_pool_clean
 
+from minimemserve.bench.profile import load_transfer_samples, profile
 from minimemserve.config import EngineConfig
 from minimemserve.engine import Engine
-from minimemserve.scheduler.cost_model import (
-    CostModel,
-    OpSample,
-    load_transfer_samples,
-    profile,
-)
+from minimemserve.scheduler.cost_model import CostModel, OpSample
 
 KNOWN = CostModel(
     linear=(2.0e-5, 1.0e-3),

@@ -1,35 +1,36 @@
 """The end-to-end benchmark: replay a workload against several configurations, side by side.
 
-``run_workload`` replays sessions against one engine in real time on one process: sessions
-arrive by a Poisson process, a session's next turn is submitted as soon as its previous
-turn finished, with a prompt built from the history and the engine's own output.
-``run_bench`` runs every configuration on the same sessions, checks the KV pool balance
-after each, prints a table, and writes JSON and plots. ``main`` is ``minimemserve bench``.
+``run_workload`` replays sessions against one :class:`~minimemserve.serving.Serving` in real
+time: sessions arrive by a Poisson process, a session's next turn is submitted as soon as its
+previous turn finished, with a prompt built from the history and the engine's own output.
+``run_bench`` runs every configuration on the same sessions, audits every instance's KV pool
+after each, prints a table, and writes JSON and plots. :func:`add_arguments` and
+:func:`main` are ``minimemserve bench``.
 
-Configurations are plugged in through factories, each mapping a config name to a
-:class:`BenchTarget` (an engine-like object plus its pool check). Every name ``LLM``
-accepts ("PD", "PD-CC", and the in-process "1P1D", "1P1D-CC", ...) runs through
-:func:`in_process_target`; another runtime, such as the multi-process instances, plugs in
-with ``run_bench(factories={"1P1D": factory, ...})``, which takes precedence. Its
-engine only needs the three calls of :class:`EngineLike`; an asynchronous runtime adapts by
-making ``step()`` wait a short while for results and return those that finished (possibly
-none), and ``has_unfinished()`` report requests still in flight anywhere in the cluster.
+A configuration is built by a factory that maps a :class:`TargetSpec` to a fresh
+``Serving``. Every name ``LLM`` accepts ("PD", "PD-CC", "1P1D", "1P1D-CC", ...) runs in this
+process through :func:`in_process_target`; :func:`process_factories` runs them with one
+process per instance (``ProcessCluster``), and ``run_bench(factories={"1P1D": factory})``
+plugs in any other runtime.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
-from minimemserve.workloads import (
+from minimemserve.bench.presets import preset_dir
+from minimemserve.bench.workloads import (
     WORKLOADS,
     Session,
     TokenizerLike,
@@ -39,6 +40,14 @@ from minimemserve.workloads import (
     poisson_arrivals,
     total_turns,
 )
+from minimemserve.config import EngineConfig, parse_config_name
+from minimemserve.llm import LLM
+from minimemserve.model.tokenizer import Tokenizer
+from minimemserve.request import RequestMetrics, RequestOutput
+from minimemserve.sampling import SamplingParams
+from minimemserve.scheduler.cost_model import CostModel
+from minimemserve.scheduler.global_scheduler import POLICIES
+from minimemserve.serving import Serving
 
 # Defaults of `minimemserve bench`, sized so both in-process configs finish in a few
 # minutes on a 2-core CPU with the tiny preset model.
@@ -47,6 +56,10 @@ DEFAULT_WORKLOAD = "sharegpt"
 DEFAULT_SESSIONS = 16
 DEFAULT_RATE = 1.0  # sessions per second
 DEFAULT_OUT_DIR = "bench/results"
+# Equal resources under the process runtime: one core per instance, and two colocated
+# instances, as many as 1P1D has.
+CORES_PER_INSTANCE = 1
+COLOCATED_INSTANCES = 2
 # Warm-up requests run before the measured workload (compilation, allocator, caches).
 WARMUP_REQUESTS = 2
 WARMUP_PROMPT_TOKENS = 64
@@ -58,54 +71,6 @@ MAX_IDLE_SLEEP_S = 0.05
 # A config is compared with its context-caching variant named "<config>-CC".
 CACHING_SUFFIX = "-CC"
 _METRICS = ("ttft", "jct", "tpot")
-
-
-class OutputLike(Protocol):
-    """What the driver reads from a finished request (``minimemserve.RequestOutput``)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str
-    error: str | None
-    metrics: Any  # ttft, latency, tpot, cached_tokens, prompt_tokens, output_tokens, ...
-
-
-class EngineLike(Protocol):
-    """The three engine calls the driver uses (``minimemserve.LLM.engine`` has them)."""
-
-    def add_request(
-        self,
-        prompt_token_ids: list[int],
-        params: Any,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-    ) -> str:
-        """Queue a request; raise ``ValueError`` for a bad one."""
-        ...
-
-    def step(self) -> list[OutputLike]:
-        """Advance by one scheduler step; return the requests that finished in it."""
-        ...
-
-    def has_unfinished(self) -> bool:
-        """Whether any submitted request has not finished yet."""
-        ...
-
-
-@dataclass
-class BenchTarget:
-    """One configuration ready to benchmark.
-
-    ``check`` verifies the KV pool balance once the workload is done (raise, or return
-    False, when it is off); ``stats`` returns pool statistics for the report; ``close``
-    releases processes or memory.
-    """
-
-    engine: EngineLike
-    check: Callable[[], Any]
-    stats: Callable[[], Any] | None = None
-    close: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -120,10 +85,8 @@ class EngineOptions:
     max_num_batched_tokens: int = 512
     seed: int = 0
 
-    def engine_config(self) -> Any:
+    def engine_config(self) -> EngineConfig:
         """These options as the ``EngineConfig`` of every instance (device and dtype aside)."""
-        from minimemserve.config import EngineConfig
-
         return EngineConfig(
             block_size=self.block_size,
             num_blocks=self.num_blocks,
@@ -135,25 +98,18 @@ class EngineOptions:
 
 @dataclass(frozen=True)
 class TargetSpec:
-    """What a factory is given to build the target of one configuration."""
+    """What a factory is given to build the ``Serving`` of one configuration."""
 
     config: str
     model_dir: Path
     options: EngineOptions = field(default_factory=EngineOptions)
 
 
-TargetFactory = Callable[[TargetSpec], BenchTarget]
+TargetFactory = Callable[[TargetSpec], Serving]
 
 
-def in_process_target(spec: TargetSpec) -> BenchTarget:
-    """An in-process ``LLM`` of config ``spec.config``.
-
-    Covers every name ``LLM`` accepts: the colocated "PD" / "PD-CC" and the in-process
-    disaggregated forms ("1P1D", "1P1D-CC", ...). The pool check audits every
-    instance and requires that no block is held outside the cache index once all finished.
-    """
-    from minimemserve import LLM
-
+def in_process_target(spec: TargetSpec) -> Serving:
+    """``LLM(...).engine`` of config ``spec.config``: every instance in this process."""
     o = spec.options
     llm = LLM(
         spec.model_dir,
@@ -162,24 +118,33 @@ def in_process_target(spec: TargetSpec) -> BenchTarget:
         dtype=o.dtype,
         **asdict(o.engine_config()),  # LLM takes EngineConfig's fields by name
     )
+    return llm.engine
 
-    def check() -> bool:
-        for i, pool in enumerate(llm.pools):
-            if pool.check() is False:
-                return False
-            # every request has finished: no block may still be held outside the cache index
-            for tier, counts in pool.stats().items():
-                if isinstance(counts, Mapping) and counts.get("referenced", 0):
-                    raise RuntimeError(
-                        f"instance {i}: {counts['referenced']} {tier} blocks "
-                        "still referenced after every request finished"
-                    )
-        return True
 
-    def stats() -> list[Any]:
-        return [pool.stats() for pool in llm.pools]
+def process_target(spec: TargetSpec, **cluster_kw: Any) -> Serving:
+    """A ``ProcessCluster`` (one process per instance) of config ``spec.config``;
+    ``cluster_kw`` go to its constructor (cores, policy, cost model, ...)."""
+    # The process runtime needs the optional pyzmq and msgpack; importing it here keeps the
+    # command line and the in-process runtime working without them.
+    from minimemserve.disagg.runtime import ProcessCluster
 
-    return BenchTarget(engine=llm.engine, check=check, stats=stats)
+    o = spec.options
+    return ProcessCluster(
+        spec.model_dir,
+        spec.config,
+        engine_config=o.engine_config(),
+        device=o.device,
+        dtype=o.dtype,
+        **cluster_kw,
+    )
+
+
+def process_factories(configs: Sequence[str], **cluster_kw: Any) -> dict[str, TargetFactory]:
+    """``{config: factory}`` for ``run_bench(factories=...)``: each config in its own
+    processes (:func:`process_target`). Unknown names raise ``ConfigError`` here."""
+    for c in configs:
+        parse_config_name(c)
+    return {c: functools.partial(process_target, **cluster_kw) for c in configs}
 
 
 def resolve_factory(
@@ -187,58 +152,66 @@ def resolve_factory(
 ) -> TargetFactory:
     """The factory of ``config``: from ``factories`` if listed there, else the in-process ``LLM``.
 
-    A separate runtime (e.g. multi-process "1P1D" instances) plugs in by passing
-    ``{"1P1D": factory}``; names it does not list fall back to :func:`in_process_target`,
-    which raises ``ConfigError`` for a name ``LLM`` does not know.
+    Names ``factories`` does not list fall back to :func:`in_process_target`; one ``LLM``
+    does not know raises ``ConfigError`` here, before any work.
     """
     if factories and config in factories:
         return factories[config]
-    from minimemserve.config import parse_config_name
-
-    parse_config_name(config)  # a clear ConfigError for an unknown name, before any work
+    parse_config_name(config)
     return in_process_target
 
 
 # --------------------------------------------------------------------------- driver
 
 
-def greedy_params(turn: Turn) -> Any:
+def greedy_params(turn: Turn) -> SamplingParams:
     """Sampling parameters of a benchmark turn: greedy, exactly ``turn.max_tokens`` tokens."""
-    from minimemserve import SamplingParams
-
     return SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def _record(out: OutputLike, session: Session, turn: int, arrival: float, config: str) -> dict:
-    m = out.metrics
+def _record(
+    config: str,
+    session: Session,
+    turn: int,
+    arrival: float,
+    out: RequestOutput | None,
+    prompt_tokens: int = 0,
+    error: str | None = None,
+) -> dict:
+    """One row of the results: a finished turn, or (``out`` None) one the engine rejected."""
+    m = out.metrics if out else RequestMetrics(arrival_time=arrival)  # rejected: nothing measured
+    if out is not None:
+        prompt_tokens = len(out.prompt_token_ids)
+        if out.finish_reason == "error":
+            error = out.error or "failed"
     return {
         "config": config,
         "session": session.id,
         "turn": turn,
         "arrival": arrival,
-        "prompt_tokens": len(out.prompt_token_ids),
-        "output_tokens": len(out.token_ids),
-        "cached_tokens": int(getattr(m, "cached_tokens", 0) or 0),
-        "ttft": getattr(m, "ttft", None),
-        "jct": getattr(m, "latency", None),
-        "tpot": getattr(m, "tpot", None),
-        "transferred_bytes": int(getattr(m, "transferred_bytes", 0) or 0),
-        "preemptions": int(getattr(m, "preemptions", 0) or 0),
-        "finish_reason": out.finish_reason,
-        "error": (out.error or "failed") if out.finish_reason == "error" else None,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": len(out.token_ids) if out else 0,
+        "cached_tokens": m.cached_tokens,
+        "ttft": m.ttft,
+        "jct": m.latency,
+        "tpot": m.tpot,
+        "transferred_bytes": m.transferred_bytes,
+        "preemptions": m.preemptions,
+        "finish_reason": out.finish_reason if out else "error",
+        "error": error,
     }
 
 
 def run_workload(
-    engine: EngineLike,
+    serving: Serving,
     sessions: Sequence[Session],
     rate: float,
     seed: int,
     progress: bool = True,
     config: str = "",
-    params_for: Callable[[Turn], Any] = greedy_params,
+    params_for: Callable[[Turn], SamplingParams] = greedy_params,
 ) -> list[dict]:
-    """Replay ``sessions`` against ``engine`` in real time and return one record per turn.
+    """Replay ``sessions`` against ``serving`` in real time and return one record per turn.
 
     Sessions start at Poisson arrival offsets (``rate`` sessions/s, ``seed``); the first
     turn's ``arrival_time`` is its scheduled arrival, so queueing counts in its TTFT. A
@@ -246,10 +219,8 @@ def run_workload(
     its prompt is that turn's prompt + output + the new user tokens. A turn the engine
     rejects or fails is recorded with its ``error`` and ends its session.
     Record keys: config, session, turn, arrival, prompt_tokens, output_tokens,
-    cached_tokens, ttft, jct, tpot, transferred_bytes, finish_reason, error.
+    cached_tokens, ttft, jct, tpot, transferred_bytes, preemptions, finish_reason, error.
     """
-    from tqdm.auto import tqdm
-
     arrivals = poisson_arrivals(rate, len(sessions), seed)
     records: list[dict] = []
     inflight: dict[str, tuple[int, int, float]] = {}  # request id -> (session, turn, arrival)
@@ -263,77 +234,65 @@ def run_workload(
 
     def submit(si: int, k: int, history: Sequence[int], arrival: float) -> None:
         session = sessions[si]
-        turn = session.turns[k]
         prompt = build_prompt(session, k, history)
         rid = f"{session.id}/{k}"
         try:
-            engine.add_request(prompt, params_for(turn), request_id=rid, arrival_time=arrival)
-        except ValueError as exc:
-            records.append(
-                {
-                    "config": config,
-                    "session": session.id,
-                    "turn": k,
-                    "arrival": arrival - t0,
-                    "prompt_tokens": len(prompt),
-                    "output_tokens": 0,
-                    "cached_tokens": 0,
-                    "ttft": None,
-                    "jct": None,
-                    "tpot": None,
-                    "transferred_bytes": 0,
-                    "preemptions": 0,
-                    "finish_reason": "error",
-                    "error": f"rejected: {exc}",
-                }
+            serving.add_request(
+                prompt, params_for(session.turns[k]), request_id=rid, arrival_time=arrival
             )
+        except ValueError as exc:
+            rec = _record(config, session, k, arrival - t0, None, len(prompt), f"rejected: {exc}")
+            records.append(rec)
             bar.update(len(session.turns) - k)
             return
         inflight[rid] = (si, k, arrival)
 
+    def collect(out: RequestOutput) -> None:
+        si, k, arrival = inflight.pop(out.request_id)
+        session = sessions[si]
+        rec = _record(config, session, k, arrival - t0, out)
+        records.append(rec)
+        bar.update(1)
+        if rec["error"] is not None:
+            bar.update(len(session.turns) - k - 1)
+        elif k + 1 < len(session.turns):
+            submit(si, k + 1, [*out.prompt_token_ids, *out.token_ids], time.perf_counter())
+
     next_session = 0
-    try:
+    with bar:
         while next_session < len(sessions) or inflight:
             now = time.perf_counter()
             while next_session < len(sessions) and t0 + arrivals[next_session] <= now:
                 submit(next_session, 0, (), t0 + arrivals[next_session])
                 next_session += 1
-            if engine.has_unfinished():
-                for out in engine.step():
-                    if out.request_id not in inflight:
-                        continue  # not ours (e.g. a request added by someone else)
-                    si, k, arrival = inflight.pop(out.request_id)
-                    session = sessions[si]
-                    rec = _record(out, session, k, arrival - t0, config)
-                    records.append(rec)
-                    bar.update(1)
-                    if rec["error"] is not None:
-                        bar.update(len(session.turns) - k - 1)
-                    elif k + 1 < len(session.turns):
-                        history = [*out.prompt_token_ids, *out.token_ids]
-                        submit(si, k + 1, history, time.perf_counter())
+            if serving.has_unfinished():
+                for out in serving.step():
+                    if out.request_id in inflight:  # else not ours (added by someone else)
+                        collect(out)
             elif inflight:
                 raise RuntimeError(
                     f"the engine reports no unfinished requests but "
                     f"{len(inflight)} submitted turns never finished"
                 )
-            elif next_session < len(sessions):
+            else:  # nothing in flight: wait for the next arrival
                 wait = t0 + arrivals[next_session] - time.perf_counter()
                 time.sleep(min(max(wait, 0.0), MAX_IDLE_SLEEP_S))
-    finally:
-        bar.close()
     return records
 
 
-def warm_up(engine: EngineLike, tokenizer: TokenizerLike, params_for=greedy_params) -> None:
+def warm_up(
+    serving: Serving,
+    tokenizer: TokenizerLike,
+    params_for: Callable[[Turn], SamplingParams] = greedy_params,
+) -> None:
     """Run a few short requests to completion so one-time costs stay out of the measurement."""
     ids = tokenizer.encode("warm up the engine before measuring " * 32, add_bos=True)
     prompt = ids[:WARMUP_PROMPT_TOKENS]
     for i in range(WARMUP_REQUESTS):
         turn = Turn("warmup", 0, tuple(prompt[: len(prompt) - i]), WARMUP_OUTPUT_TOKENS)
-        engine.add_request(list(turn.user_tokens), params_for(turn), request_id=f"warmup-{i}")
-    while engine.has_unfinished():
-        engine.step()
+        serving.add_request(list(turn.user_tokens), params_for(turn), request_id=f"warmup-{i}")
+    while serving.has_unfinished():
+        serving.step()
 
 
 # --------------------------------------------------------------------------- statistics
@@ -441,7 +400,7 @@ def write_plots(
     title: str = "",
 ) -> list[Path]:
     """Bars of mean/P99 TTFT and JCT per config, and CDFs of TTFT and JCT; returns the paths."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # optional and slow to import: only plots need it
 
     names = list(summaries)
     bars = Figure(figsize=(10, 4), layout="tight")
@@ -488,9 +447,26 @@ def _model_context(model_dir: Path) -> int:
     return int(config["max_position_embeddings"])
 
 
-def _check_balance(config: str, target: BenchTarget) -> None:
-    if target.check() is False:
-        raise RuntimeError(f"KV pool balance check failed after the {config} run")
+def _measure(
+    config: str,
+    serving: Serving,
+    tokenizer: Tokenizer,
+    sessions: Sequence[Session],
+    rate: float,
+    seed: int,
+    progress: bool,
+) -> tuple[list[dict], dict[str, Any]]:
+    """Warm up, replay the workload, audit the pools; returns the records and
+    ``{"wall_s", "pool"}``."""
+    warm_up(serving, tokenizer)
+    start = time.perf_counter()
+    records = run_workload(serving, sessions, rate, seed, progress=progress, config=config)
+    wall = time.perf_counter() - start
+    try:
+        serving.check_pools(require_idle=True)
+    except Exception as exc:
+        raise RuntimeError(f"KV pool balance check failed after the {config} run") from exc
+    return records, {"wall_s": wall, "pool": serving.pool_stats()}
 
 
 def run_bench(
@@ -514,25 +490,19 @@ def run_bench(
 
     ``model_dir`` None uses the tiny preset. ``max_context`` None is the model's context.
     ``max_turns`` and ``max_output_tokens`` None take the workload's defaults (see
-    :func:`minimemserve.workloads.make_workload`).
+    :func:`minimemserve.bench.workloads.make_workload`).
     ``factories`` maps config names to :data:`TargetFactory`; other names run as an
     in-process ``LLM`` (see :func:`resolve_factory`). ``runtime`` describes how the
     factories run the configs (process runtime, routing policy) for the JSON. Each config
-    gets a fresh target, a warm-up (excluded), the workload, and a pool-balance check.
-    Prints a table when ``verbose``; with ``out_dir`` writes ``e2e_<workload>.json`` and
-    ``e2e_<workload>_{bars,cdf}.png`` there. Returns
+    gets a fresh ``Serving``, a warm-up (excluded), the workload, a pool audit and
+    ``close()``. Prints a table when ``verbose``; with ``out_dir`` writes
+    ``e2e_<workload>.json`` and ``e2e_<workload>_{bars,cdf}.png`` there. Returns
     ``{"summaries", "ttft_later_ratio", "records", "pool_stats", "setup", "files"}``.
     """
-    from minimemserve.model.tokenizer import Tokenizer
-
     if not configs:
         raise ValueError("no configs to benchmark")
     known = {c: resolve_factory(c, factories) for c in configs}
-    if model_dir is None:
-        from minimemserve.model.presets import preset_dir
-
-        model_dir = preset_dir("tiny")
-    model_dir = Path(model_dir)
+    model_dir = Path(preset_dir("tiny") if model_dir is None else model_dir)
     options = options or EngineOptions(seed=seed)
     context = min(max_context or math.inf, _model_context(model_dir))
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -568,22 +538,18 @@ def run_bench(
     records: dict[str, list[dict]] = {}
     pool_stats: dict[str, Any] = {}
     for config in configs:
-        target = known[config](TargetSpec(config, model_dir, options))
+        serving = known[config](TargetSpec(config, model_dir, options))
         try:
-            warm_up(target.engine, tokenizer)
-            start = time.perf_counter()
-            records[config] = run_workload(
-                target.engine, sessions, rate, seed, progress=progress, config=config
+            records[config], pool_stats[config] = _measure(
+                config, serving, tokenizer, sessions, rate, seed, progress
             )
-            wall = time.perf_counter() - start
-            _check_balance(config, target)
-            stats = target.stats() if target.stats else None
-            pool_stats[config] = {"wall_s": wall, "pool": _jsonable(stats)}
         finally:
-            if target.close:
-                target.close()
+            serving.close()
         if verbose:
-            print(f"{config}: {len(records[config])} requests in {wall:.1f} s, pool balanced")
+            print(
+                f"{config}: {len(records[config])} requests in "
+                f"{pool_stats[config]['wall_s']:.1f} s, pool balanced"
+            )
 
     summaries = {c: summarize(records[c]) for c in configs}
     ratios = caching_ratios(summaries)
@@ -616,31 +582,16 @@ def run_bench(
     return result
 
 
-def _jsonable(value: Any) -> Any:
-    """``value`` as plain JSON data (dataclasses and objects become dicts, else strings)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if hasattr(value, "__dataclass_fields__"):
-        return _jsonable(asdict(value))
-    if hasattr(value, "__dict__"):
-        return _jsonable(vars(value))
-    return str(value)
-
-
 # --------------------------------------------------------------------------- CLI
 
+DESCRIPTION = (
+    "Replay a multi-turn workload under several configurations and compare TTFT, JCT and "
+    "TPOT (mean and P99)."
+)
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``minimemserve bench``."""
-    p = argparse.ArgumentParser(
-        prog="minimemserve bench",
-        description="Replay a multi-turn workload under several configurations and compare "
-        "TTFT, JCT and TPOT (mean and P99).",
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the options of ``minimemserve bench`` to ``p``; returns ``p``."""
     p.add_argument(
         "--configs",
         default=",".join(DEFAULT_CONFIGS),
@@ -689,9 +640,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--policy",
+        choices=POLICIES,
         default="prompt_tree",
-        help="global scheduler policy of the process runtime: round_robin, least_load, "
-        "session, prompt_tree or prompt_tree_transfer (default: %(default)s)",
+        help="global scheduler policy of the process runtime (default: %(default)s)",
     )
     p.add_argument(
         "--cost-model",
@@ -703,33 +654,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``minimemserve bench``; returns the exit status."""
-    args = build_parser().parse_args(argv)
+def main(args: argparse.Namespace) -> int:
+    """Run ``minimemserve bench`` with parsed ``args`` (see :func:`add_arguments`); returns
+    the exit status."""
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     factories = None
     runtime: dict[str, Any] = {"kind": args.runtime}
     if args.runtime == "process":
-        from .disagg.runtime import process_factories
-        from .scheduler.global_scheduler import POLICIES
-
-        if args.policy not in POLICIES:
-            raise SystemExit(f"unknown --policy {args.policy!r}; choose from {POLICIES}")
-        cost_model = None
-        if args.cost_model:
-            from .scheduler.cost_model import CostModel
-
-            cost_model = CostModel.load(args.cost_model)
         factories = process_factories(
             configs,
-            cores_per_instance=1,
-            num_colocated=2,
+            cores_per_instance=CORES_PER_INSTANCE,
+            num_colocated=COLOCATED_INSTANCES,
             policy=args.policy,
-            cost_model=cost_model,
+            cost_model=CostModel.load(args.cost_model) if args.cost_model else None,
         )
         runtime.update(
-            cores_per_instance=1,
-            colocated_instances=2,
+            cores_per_instance=CORES_PER_INSTANCE,
+            colocated_instances=COLOCATED_INSTANCES,
             policy=args.policy,
             cost_model=args.cost_model or "prompt tokens",
         )

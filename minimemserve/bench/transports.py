@@ -1,4 +1,4 @@
-"""The KV data plane between instances: copy, shared memory, CUDA IPC and torch.distributed.
+"""Transports the transfer benchmark compares: copy, shared memory, CUDA IPC, torch.distributed.
 
 A transfer moves whole aggregated blocks (``[num_blocks, L, 2, block_size, n_kv_heads,
 head_dim]`` pool tensors, block dimension first) from a sender's pool into blocks the
@@ -12,8 +12,8 @@ receiver has already allocated. The fastest path available for a pair is picked 
 * different hosts -> :class:`GlooTransport`: ``torch.distributed`` point-to-point (gloo for
   CPU tensors, NCCL for CUDA), two-sided: the receiver posts matching receives.
 
-The block ids on both sides come from the control plane (:mod:`minimemserve.disagg.control`);
-this module moves bytes only.
+The block ids on both sides come from a control plane; this module moves bytes only. The
+engine itself writes a peer's pool through :mod:`minimemserve.mempool.shared`.
 
 Transfer modes (:class:`TransferMode`) exist so the benchmark can compare them:
 ``by_layer`` sends each layer's K/V as that layer finishes, ``by_request`` sends the
@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import mmap
 import os
-import secrets
 import socket
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -39,13 +36,16 @@ from typing import Any, Protocol
 import torch
 
 from minimemserve.blocks.copy import is_run
-from minimemserve.errors import ConfigError, TransferError
+from minimemserve.errors import TransferError
+from minimemserve.mempool.shared import (
+    DEFAULT_SHM_PREFIX,
+    SHM_DIR,
+    SharedHandle,
+    SharedPoolTensor,
+    attach,
+)
 
 LOOPBACK = "127.0.0.1"
-# Short on purpose: segment names show up in /dev/shm listings and macOS caps them at 31 chars.
-DEFAULT_SHM_PREFIX = "mms"
-# Where Linux keeps POSIX shared memory (what shm_open(3) creates files in).
-SHM_DIR = "/dev/shm"
 # A transfer of a few hundred MiB over loopback takes well under a second; a minute means
 # the peer is gone or hung.
 DEFAULT_TIMEOUT_S = 60.0
@@ -94,297 +94,7 @@ def pieces_per_transfer(mode: TransferMode | str, num_layers: int, num_blocks: i
 
 
 # --------------------------------------------------------------------------------------------
-# shared pool tensors
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise TransferError(f"shared handle names an unknown dtype {name!r}")
-    return dtype
-
-
-@dataclass(frozen=True)
-class SharedHandle:
-    """What a peer needs to map a :class:`SharedPoolTensor`: plain values only.
-
-    ``to_dict()`` gives a msgpack-able dict (ints, strings, bytes, lists); ``from_dict``
-    reads it back. ``kind`` is ``"cpu_shm"`` (``name`` is a segment in ``shm_dir``) or
-    ``"cuda_ipc"`` (``cuda`` holds the IPC handle fields). ``nbytes`` is the size of the
-    whole segment or storage the view lives in.
-    """
-
-    kind: str
-    name: str
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    storage_offset: int
-    dtype: str
-    nbytes: int
-    shm_dir: str = SHM_DIR
-    cuda: dict[str, Any] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """A dict of plain values, safe to msgpack."""
-        return {
-            "kind": self.kind,
-            "name": self.name,
-            "shape": list(self.shape),
-            "strides": list(self.strides),
-            "storage_offset": self.storage_offset,
-            "dtype": self.dtype,
-            "nbytes": self.nbytes,
-            "shm_dir": self.shm_dir,
-            "cuda": self.cuda,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SharedHandle:
-        """Read a handle back from :meth:`to_dict` output; raises TransferError if malformed."""
-        try:
-            return cls(
-                kind=str(data["kind"]),
-                name=str(data["name"]),
-                shape=tuple(int(x) for x in data["shape"]),
-                strides=tuple(int(x) for x in data["strides"]),
-                storage_offset=int(data["storage_offset"]),
-                dtype=str(data["dtype"]),
-                nbytes=int(data["nbytes"]),
-                shm_dir=str(data.get("shm_dir", SHM_DIR)),
-                cuda=data.get("cuda"),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise TransferError(f"malformed shared-tensor handle: {e!r}") from e
-
-
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _map_segment(path: str, nbytes: int, create: bool) -> torch.Tensor:
-    """Map a shared segment as a flat uint8 tensor; the mapping lives as long as the tensor."""
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
-    try:
-        if create:
-            try:
-                # reserve the pages now: writing to an over-committed tmpfs mapping is SIGBUS
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as e:
-                os.close(fd)
-                fd = -1
-                _unlink_quietly(path)
-                raise ConfigError(
-                    f"cannot reserve {nbytes / 2**20:.1f} MiB of shared memory at {path}: {e}; "
-                    f"lower the pool size or enlarge {os.path.dirname(path)}"
-                ) from e
-        else:
-            size = os.fstat(fd).st_size
-            if size != nbytes:
-                raise TransferError(
-                    f"shared segment {path} has {size} bytes but the handle says {nbytes}"
-                )
-        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    # the tensor holds a buffer export of the mmap, so the mapping outlives this frame
-    return torch.frombuffer(mm, dtype=torch.uint8)
-
-
-class SharedPoolTensor:
-    """A pool tensor another process on this host can write into, one-sided.
-
-    CPU: a POSIX shared-memory segment named ``{prefix}-{pid}-{random}`` in ``shm_dir``,
-    mapped into this process; the owner unlinks it on :meth:`close` (or when garbage
-    collected, or at interpreter exit), and the memory itself goes away once every
-    mapping, here and in peers, is dropped. CUDA: an ordinary device tensor exported through
-    CUDA IPC (peers on the same GPU map the same memory); keep the owner alive while peers
-    use it.
-
-    Create with :meth:`create`; publish :attr:`handle` (``handle.to_dict()``) to the peer,
-    which maps it with :func:`attach`.
-    """
-
-    def __init__(self, tensor: torch.Tensor, handle: SharedHandle, path: str | None) -> None:
-        """Wrap an already-shared tensor; use :meth:`create` instead."""
-        self.tensor = tensor
-        self.handle = handle
-        self._path = path
-        self._finalizer = (
-            weakref.finalize(self, _unlink_quietly, path) if path is not None else None
-        )
-
-    @classmethod
-    def create(
-        cls,
-        shape: Sequence[int],
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        prefix: str = DEFAULT_SHM_PREFIX,
-        shm_dir: str = SHM_DIR,
-    ) -> SharedPoolTensor:
-        """Allocate a zero-filled shared tensor of ``shape`` and ``dtype`` on ``device``."""
-        shape = tuple(int(s) for s in shape)
-        if not shape or any(s <= 0 for s in shape):
-            raise ValueError(f"shared tensor shape must be non-empty and positive, got {shape}")
-        if not prefix or "/" in prefix:
-            raise ValueError(f"shared-memory prefix must be a non-empty name, got {prefix!r}")
-        device = torch.device(device)
-        numel = 1
-        for s in shape:
-            numel *= s
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        strides = _contiguous_strides(shape)
-        if device.type == "cuda":
-            tensor = torch.zeros(shape, dtype=dtype, device=device)
-            return cls(tensor, _cuda_handle(tensor), None)
-        if device.type != "cpu":
-            raise ValueError(f"shared pool tensors live on cpu or cuda, not {device}")
-        if not os.path.isdir(shm_dir):
-            raise ConfigError(f"shared-memory directory {shm_dir} does not exist on this host")
-        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
-        path = os.path.join(shm_dir, name)
-        flat = _map_segment(path, nbytes, create=True)  # [nbytes] uint8, zero-filled by tmpfs
-        tensor = flat.view(dtype).view(shape)
-        handle = SharedHandle(
-            kind="cpu_shm",
-            name=name,
-            shape=shape,
-            strides=strides,
-            storage_offset=0,
-            dtype=_dtype_name(dtype),
-            nbytes=nbytes,
-            shm_dir=shm_dir,
-        )
-        return cls(tensor, handle, path)
-
-    @property
-    def name(self) -> str:
-        """The segment name (CPU) or a label of the IPC handle (CUDA)."""
-        return self.handle.name
-
-    def close(self) -> None:
-        """Unlink the segment (CPU) and drop this object's tensor reference. Idempotent.
-
-        Mappings still held (here or in peers) stay valid until they are dropped; no new
-        peer can attach after this.
-        """
-        if self._finalizer is not None:
-            self._finalizer()
-        self.tensor = None  # type: ignore[assignment]
-
-    def __enter__(self) -> SharedPoolTensor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides = []
-    acc = 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= s
-    return tuple(reversed(strides))
-
-
-def _cuda_handle(tensor: torch.Tensor) -> SharedHandle:
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    _, args = reduce_tensor(tensor)
-    (
-        _tcls,
-        size,
-        stride,
-        offset,
-        _scls,
-        dtype,
-        device,
-        ipc_handle,
-        storage_size,
-        storage_offset_bytes,
-        _requires_grad,
-        ref_counter_handle,
-        ref_counter_offset,
-        event_handle,
-        event_sync_required,
-    ) = args
-    return SharedHandle(
-        kind="cuda_ipc",
-        name=f"cuda:{device}:{ipc_handle.hex()[:16]}",
-        shape=tuple(size),
-        strides=tuple(stride),
-        storage_offset=int(offset),
-        dtype=_dtype_name(dtype),
-        nbytes=int(storage_size),
-        cuda={
-            "device": int(device),
-            "ipc_handle": bytes(ipc_handle),
-            "storage_offset_bytes": int(storage_offset_bytes),
-            "ref_counter_handle": bytes(ref_counter_handle),
-            "ref_counter_offset": int(ref_counter_offset),
-            "event_handle": bytes(event_handle) if event_handle is not None else None,
-            "event_sync_required": bool(event_sync_required),
-        },
-    )
-
-
-def attach(handle: SharedHandle | dict[str, Any]) -> torch.Tensor:
-    """Map a peer's shared pool tensor into this process; returns a writable view of it.
-
-    The mapping lasts as long as the returned tensor (and views of it). Raises
-    TransferError if the segment is gone or does not match the handle.
-    """
-    if isinstance(handle, dict):
-        handle = SharedHandle.from_dict(handle)
-    dtype = _dtype_from_name(handle.dtype)
-    if handle.kind == "cpu_shm":
-        if "/" in handle.name:
-            raise TransferError(f"bad shared segment name {handle.name!r}")
-        path = os.path.join(handle.shm_dir, handle.name)
-        try:
-            flat = _map_segment(path, handle.nbytes, create=False)  # [nbytes] uint8
-        except FileNotFoundError as e:
-            raise TransferError(f"shared segment {path} does not exist (owner closed?)") from e
-        return flat.view(dtype).as_strided(handle.shape, handle.strides, handle.storage_offset)
-    if handle.kind == "cuda_ipc":
-        return _attach_cuda(handle, dtype)
-    raise TransferError(f"unknown shared handle kind {handle.kind!r}")
-
-
-def _attach_cuda(handle: SharedHandle, dtype: torch.dtype) -> torch.Tensor:
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    if not torch.cuda.is_available():
-        raise TransferError("a CUDA IPC handle cannot be attached without CUDA")
-    c = handle.cuda or {}
-    try:
-        return rebuild_cuda_tensor(
-            torch.Tensor,
-            torch.Size(handle.shape),
-            handle.strides,
-            handle.storage_offset,
-            torch.UntypedStorage,
-            dtype,
-            c["device"],
-            c["ipc_handle"],
-            handle.nbytes,
-            c["storage_offset_bytes"],
-            False,
-            c["ref_counter_handle"],
-            c["ref_counter_offset"],
-            c["event_handle"],
-            c["event_sync_required"],
-        )
-    except (KeyError, RuntimeError) as e:
-        raise TransferError(f"cannot open CUDA IPC handle {handle.name}: {e}") from e
+# shared-memory segments
 
 
 def remove_stale_segments(prefix: str = DEFAULT_SHM_PREFIX, shm_dir: str = SHM_DIR) -> list[str]:
@@ -408,7 +118,8 @@ def remove_stale_segments(prefix: str = DEFAULT_SHM_PREFIX, shm_dir: str = SHM_D
             pass
         except PermissionError:
             continue  # alive, someone else's
-        _unlink_quietly(os.path.join(shm_dir, name))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(shm_dir, name))
         removed.append(name)
     return removed
 

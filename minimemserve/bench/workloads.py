@@ -27,6 +27,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from minimemserve.bench.data import iter_sharegpt
+
 # ShareGPT conversations read before the seeded shuffle; the qualifying sessions are drawn
 # from these, so a different seed gives a different sample of the same (fast to read) head.
 SHAREGPT_SCAN_LIMIT = 4000
@@ -219,7 +221,7 @@ def sharegpt_sessions(
     gpt reply, capped at ``max_output_tokens``. A session stops at ``max_turns`` turns or
     before the turn whose prompt + output would exceed ``max_context``.
     ``conversations`` replaces the dataset (for tests); by default it is read with
-    :func:`minimemserve.data.iter_sharegpt`.
+    :func:`minimemserve.bench.data.iter_sharegpt`.
     """
     _check_positive(
         num_sessions=num_sessions,
@@ -232,8 +234,6 @@ def sharegpt_sessions(
             f"ShareGPT sessions are multi-turn: max_turns must be >= 2, got {max_turns}"
         )
     if conversations is None:
-        from minimemserve.data import iter_sharegpt
-
         conversations = iter_sharegpt(limit=scan_limit)
     pool = [c for c in conversations if len(_message_pairs(c["conversations"])) >= 2]
     random.Random(seed).shuffle(pool)

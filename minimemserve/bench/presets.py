@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import sentencepiece as spm
 import torch
 
-from minimemserve.data import sharegpt_text
+from minimemserve.bench.data import sharegpt_text
 from minimemserve.errors import ConfigError
 from minimemserve.model.tokenizer import TOKENIZER_FILENAME, Tokenizer
 
@@ -33,7 +34,6 @@ __all__ = [
     "PRESETS",
     "Preset",
     "preset_dir",
-    "sharegpt_text",
     "train_tokenizer",
     "write_random_llama",
 ]
@@ -70,8 +70,6 @@ def train_tokenizer(
     so ``decode(encode(text)) == text``. Input order is kept (no sampling), so the same lines
     give the same model. The caller bounds training time by bounding the input.
     """
-    import sentencepiece as spm
-
     lines = [line for line in text_lines if line]
     if not lines:
         raise ConfigError("train_tokenizer needs at least one non-empty text line")
@@ -163,7 +161,7 @@ def write_random_llama(
     about ``shards`` files with an index when ``shards > 1``) and, if ``tokenizer_model`` is
     given, a copy of it as ``tokenizer.model``; its size must equal ``vocab_size``.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # heavy: only writing needs it
 
     if shards < 1:
         raise ConfigError(f"shards must be >= 1, got {shards}")

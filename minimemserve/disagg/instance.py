@@ -1,0 +1,531 @@
+"""The process of one serving instance: an engine with a role, behind an RPC node.
+
+``instance_main(spec)`` is the entry point the launcher spawns. It builds the engine with
+its role's recipe, puts the hbm pool tensor in shared memory so peers on this host can
+write KV into it one-sided, reports ``Ready`` to the frontend, and then loops: answer
+control messages, step the engine while it has work, push finished outputs (and
+hand-offs) to the frontend, send heartbeats.
+
+:class:`RemotePool` is a peer's MemPool as the sending side of a transfer sees it: the
+receiving steps (``recv_alloc``, ``recv_commit``, ``recv_abort``) are requests to the peer,
+and ``recv_copy`` writes straight into this process's mapping of the peer's pool tensor,
+so ``MemPool.transfer(remote, ...)`` works across processes unchanged.
+
+What each instance holds for a peer is tracked (``grants``: blocks it allocated for the
+peer's transfers and references the peer has not returned yet), so when the frontend
+reports the peer dead, every such block is released and nothing leaks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import sys
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..blocks.copy import check_pool_tensor, move_blocks
+from ..config import EngineConfig
+from ..engine import Engine
+from ..errors import InstanceDied, InvalidRequest, TransferError
+from ..mempool import MemPool
+from ..mempool.shared import SharedPoolTensor, attach
+from ..request import Request
+from .rpc import (
+    DEFAULT_TIMEOUT_S,
+    LOOPBACK,
+    Abort,
+    AbortRequest,
+    Accept,
+    AllocReply,
+    AllocRequest,
+    Commit,
+    FreeMem,
+    Handoff,
+    Heartbeat,
+    Info,
+    Msg,
+    Output,
+    PeerDown,
+    PeerInfo,
+    Peers,
+    Probe,
+    ProbeReply,
+    PushPrefix,
+    Query,
+    Ready,
+    RemoteError,
+    RequestState,
+    RpcNode,
+    Shutdown,
+    Submit,
+)
+
+FRONTEND = "frontend"
+# How long an idle instance blocks on its socket before checking its parent and heartbeat.
+IDLE_POLL_S = 0.02
+# How often the loop checks that the launching process still exists.
+PARENT_CHECK_S = 0.5
+# Hand-offs remembered per prefill instance; far more than can be in flight at once.
+HANDOFF_MEMORY = 65_536
+# Default heartbeat period; the frontend declares an instance dead after many missed beats.
+DEFAULT_HEARTBEAT_S = 0.5
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """Start-up arguments of one instance process (passed once, at spawn)."""
+
+    name: str
+    role: str
+    config: str
+    model_dir: str
+    frontend: str
+    engine_config: EngineConfig
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_threads: int = 1
+    host: str = LOOPBACK
+    port: int = 0
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    parent_pid: int = 0
+    shared_pool: bool = False  # hbm pool in shared memory, for peers to write into
+
+
+class SharedMemPool(MemPool):
+    """A MemPool whose hbm tier tensor lives in shared memory (CPU) or is IPC-exported (CUDA).
+
+    :attr:`shared` is the segment; publish ``shared.handle.to_dict()`` to peers.
+    """
+
+    def __init__(self, layout, num_blocks: int, **kw) -> None:
+        """As ``MemPool``; the hbm tier's tensor is made in shared memory (dram stays private)."""
+        made: list[SharedPoolTensor] = []
+
+        def factory(shape, dtype, device) -> torch.Tensor:
+            if made:  # the dram tier: private host memory, pinned when CUDA is present
+                return torch.zeros(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+            made.append(SharedPoolTensor.create(tuple(shape), dtype, device))
+            return made[0].tensor  # [num_blocks, L, 2, block_size, n_kv_heads, head_dim]
+
+        super().__init__(layout, num_blocks, tensor_factory=factory, **kw)
+        self.shared = made[0]
+
+
+def state_of(req: Request) -> RequestState:
+    """What travels with a handed-off request."""
+    return RequestState(
+        req.request_id,
+        req.tokens.tolist(),
+        req.num_prompt,
+        req.params,
+        req.arrival_time,
+        list(req.blocks),
+        req.num_computed,
+        req.max_total_tokens,
+        req.prefill_instance,
+        req.metrics,
+    )
+
+
+def request_of(s: RequestState) -> Request:
+    """Rebuild a prefilled request from its state."""
+    req = Request(s.request_id, s.tokens[: s.num_prompt], s.params, s.arrival_time)
+    req.tokens.extend(s.tokens[s.num_prompt :])
+    req.blocks, req.num_computed = s.blocks, s.num_computed
+    req.max_total_tokens, req.prefill_instance, req.metrics = (
+        s.max_total_tokens,
+        s.prefill_instance,
+        s.metrics,
+    )
+    req.prefilled = True
+    return req
+
+
+class RemotePool:
+    """A peer instance's MemPool as the sending side of a transfer sees it.
+
+    ``kv`` is this process's view of the peer's hbm pool tensor (shared memory, or CUDA
+    IPC). Blocks the peer allocated for a transfer that then fails are released there
+    (``recv_abort``, best effort when the peer is gone).
+    """
+
+    def __init__(self, node: RpcNode, peer: str, kv: torch.Tensor, pool: MemPool) -> None:
+        """Proxy ``peer``'s pool, whose hbm tensor this process maps as ``kv``; ``pool`` is
+        this instance's own (the peer's has the same layout and dtype)."""
+        self.node, self.peer, self.kv = node, peer, kv
+        self.instance_id = peer
+        self.layout, self.dtype, self.block_size = pool.layout, pool.dtype, pool.block_size
+        self._xfers = itertools.count()
+        self._xfer = ""  # id of the transfer in progress towards this peer
+
+    def recv_alloc(self, tokens: Sequence[int] | None, num_blocks: int) -> tuple[list, list]:
+        """Step 1 on the peer: match ``tokens`` (if given) and allocate the rest."""
+        self._xfer = f"{self.node.name}>{self.peer}#{next(self._xfers)}"
+        toks = None if tokens is None else list(tokens)
+        try:
+            rep = self.node.call(self.peer, AllocRequest(self._xfer, toks, num_blocks))
+        except TransferError:
+            # the peer may have allocated before the answer got lost: ask it to let go
+            self.node.try_push(self.peer, Abort(self._xfer, []))
+            raise
+        if not isinstance(rep, AllocReply) or len(rep.matched) + len(rep.new) != num_blocks:
+            self.node.try_push(self.peer, Abort(self._xfer, []))
+            raise TransferError(f"{self.peer} answered AllocRequest with {rep!r:.200}")
+        return rep.matched, rep.new
+
+    def recv_copy(self, blocks: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
+        """Step 2: blocks ``src_ids`` of this process's pool tensor ``src`` go straight into
+        the peer's ``blocks`` (one-sided; one pass when ``blocks`` is one run)."""
+        check_pool_tensor(self.layout, self.dtype, src, "recv_copy")
+        if not blocks:
+            return
+        if self.peer in self.node.dead:
+            raise InstanceDied(f"instance {self.peer} died before the write")
+        move_blocks(self.kv, list(blocks), src, list(src_ids), self.layout.block_dim)
+        if self.kv.is_cuda:
+            torch.cuda.current_stream(self.kv.device).synchronize()  # land before Commit
+
+    def recv_commit(self, tokens: Sequence[int] | None, blocks: Sequence[int]) -> None:
+        """Step 3 on the peer: keep ``blocks`` (indexing ``tokens`` when given)."""
+        toks = None if tokens is None else list(tokens)
+        self.node.call(self.peer, Commit(self._xfer, toks, list(blocks)))
+
+    def recv_abort(self, blocks: Sequence[int]) -> None:
+        """On failure: the peer releases every block it took for this transfer (best effort)."""
+        self.node.try_push(self.peer, Abort(self._xfer, list(blocks)))
+
+    def free_mem(self, blocks: Sequence[int], tier: str = "hbm") -> None:
+        """Drop one of this process's references on the peer's hbm ``blocks``."""
+        self.node.call(self.peer, FreeMem(list(blocks)))
+
+    def probe(self, tokens: Sequence[int]) -> ProbeReply:
+        """Cached prefix length of ``tokens`` on the peer and its load."""
+        rep = self.node.call(self.peer, Probe(list(tokens)))
+        if not isinstance(rep, ProbeReply):
+            raise TransferError(f"{self.peer} answered Probe with {type(rep).__name__}")
+        return rep
+
+
+class RemotePeer:
+    """A peer instance as recipes see it: ``.pool`` to transfer into, ``.accept`` to hand off."""
+
+    def __init__(self, name: str, role: str, pool: RemotePool) -> None:
+        """Wrap ``pool`` (the peer's remote pool) under the peer's ``name`` and ``role``."""
+        self.name, self.role, self.pool = name, role, pool
+
+    def accept(self, req: Request) -> None:
+        """Pass ``req`` (its ``blocks`` already ids in the peer's pool) to the peer; when it
+        cannot take it, the peer drops the blocks and ``TransferError`` is raised."""
+        req.decode_instance = self.name
+        try:
+            self.pool.node.call(self.name, Accept(state_of(req)))
+        except TransferError:
+            self.pool.node.try_push(self.name, FreeMem(list(req.blocks)))
+            raise
+
+
+class InstanceServer:
+    """One instance: engine, RPC node, peers, and the loop that drives them."""
+
+    def __init__(self, spec: InstanceSpec) -> None:
+        """Build the engine and bind the control socket (does not announce itself yet)."""
+        self.spec = spec
+        self.name = spec.name
+        self.stopping = False
+        self.inbox: list[Request] = []
+        self.grants: dict[str, Counter[int]] = {}
+        self.xfers: dict[tuple[str, str], list[int]] = {}
+        self.remotes: dict[str, RemotePeer] = {}
+        # recent hand-offs (request id -> decode instance), so the frontend can find the
+        # requests a dead decode instance held even if our Handoff notice is still in flight
+        self.handed: OrderedDict[str, str] = OrderedDict()
+        self._last_beat = 0.0
+        self._last_parent_check = 0.0
+        self.engine = Engine(
+            spec.model_dir,
+            config=spec.config,
+            role=spec.role,
+            peers=self,
+            device=spec.device,
+            dtype=spec.dtype,
+            engine_config=spec.engine_config,
+            instance_id=spec.name,
+            pool_factory=SharedMemPool if spec.shared_pool else None,
+        )
+        self.pool = self.engine.pool
+        self.node = RpcNode(
+            spec.name,
+            self._handle,
+            host=spec.host,
+            port=spec.port,
+            timeout_s=spec.timeout_s,
+            on_wait=self._heartbeat,
+        )
+        self.node.connect(FRONTEND, spec.frontend)
+        self.handlers = {
+            AllocRequest: self._on_alloc,
+            Commit: self._on_commit,
+            Abort: self._on_abort,
+            FreeMem: lambda sender, m: self.pool.free_mem(self._ungrant(sender, m.blocks)),
+            Accept: self._on_accept,
+            Probe: lambda sender, m: ProbeReply(
+                self.pool.cached_prefix_len(m.tokens), self._load()
+            ),
+            Submit: self._on_submit,
+            Query: self._on_query,
+            Peers: self._on_peers,
+            PushPrefix: lambda sender, m: Info({"tokens": self._push_prefix(m.tokens, m.to)}),
+            PeerDown: self._on_peer_down,
+            AbortRequest: self._on_abort_request,
+            Shutdown: self._on_shutdown,
+            Heartbeat: lambda sender, m: None,
+        }
+
+    # ---- what recipes need (``Peers``) -------------------------------------------------------
+    def pick_decode(self, req: Request, exclude: Sequence[str]) -> RemotePeer:
+        """The live decode peer holding most of ``req`` (probed), least loaded on a tie."""
+        decodes = [n for n, p in self.remotes.items() if p.role == "decode"]
+        live = [d for d in decodes if d not in self.node.dead and d not in exclude]
+        if not live:
+            gone = ", ".join(f"{d}: {self.node.dead.get(d, 'refused')}" for d in decodes)
+            raise InstanceDied(f"no live decode instance to continue the request ({gone})")
+        scores = {}
+        for d in live if len(live) > 1 else ():
+            with contextlib.suppress(TransferError):
+                rep = self.remotes[d].pool.probe(req.tokens[: req.num_computed])
+                scores[d] = (rep.cached, -rep.load)
+        return self.remotes[max(scores, key=scores.__getitem__) if scores else live[0]]
+
+    def prefill_pool(self, req: Request) -> RemotePool:
+        """The pool of the instance that prefilled ``req``."""
+        peer = self.remotes.get(req.prefill_instance)
+        if peer is None:
+            raise InstanceDied(f"prefill instance {req.prefill_instance!r} is unknown here")
+        return peer.pool
+
+    def peer_failed(self, name: str, error: TransferError) -> None:
+        """A peer that answered with an error is alive; one that did not answer is dead."""
+        if not isinstance(error, RemoteError) and name not in self.node.dead:
+            self._peer_down(name, f"stopped answering: {error}")
+
+    # ---- control messages -----------------------------------------------------------------
+    def _handle(self, sender: str, msg: Msg) -> Msg | None:
+        handler = self.handlers.get(type(msg))
+        if handler is None:
+            raise ValueError(f"{self.name} does not handle {type(msg).__name__}")
+        return handler(sender, msg)
+
+    def _load(self) -> int:
+        sched = self.engine.scheduler
+        return len(sched.waiting) + len(sched.running) + len(self.inbox)
+
+    def _on_alloc(self, sender: str, m: AllocRequest) -> AllocReply:
+        matched, new = self.pool.recv_alloc(m.tokens, m.num_blocks)
+        self._grant(sender, matched + new)
+        self.xfers[(sender, m.xfer)] = matched + new
+        return AllocReply(matched, new)
+
+    def _on_commit(self, sender: str, m: Commit) -> None:
+        self.xfers.pop((sender, m.xfer), None)
+        self.pool.recv_commit(m.tokens, m.blocks)
+
+    def _on_abort(self, sender: str, m: Abort) -> None:
+        blocks = self.xfers.pop((sender, m.xfer), None)
+        self.pool.recv_abort(self._ungrant(sender, m.blocks if blocks is None else blocks))
+
+    def _on_accept(self, sender: str, m: Accept) -> None:
+        req = request_of(m.state)
+        held = self._ungrant(sender, req.blocks)
+        if len(held) != len(req.blocks):
+            self.pool.free_mem(held)
+            raise ValueError(f"request {req.request_id} arrived with blocks not sent here")
+        self.inbox.append(req)
+
+    def _on_submit(self, sender: str, m: Submit) -> None:
+        ids = self.engine.validate(m.prompt, m.params)
+        rid = m.request_id
+        if rid in self.engine.requests or any(r.request_id == rid for r in self.inbox):
+            raise InvalidRequest(f"request id {rid!r} is already in use on {self.name}")
+        req = Request(rid, ids, m.params, m.arrival_time)
+        req.max_total_tokens = min(len(ids) + m.params.max_tokens, self.engine.max_model_len)
+        req.prefill_instance = self.name
+        self.inbox.append(req)
+
+    def _on_query(self, sender: str, m: Query) -> Info:
+        if m.what == "validate":
+            if m.params is None:
+                raise InvalidRequest("validate needs sampling params")
+            return Info({"ids": self.engine.validate(m.prompt, m.params)})
+        if m.what == "check":
+            try:
+                self.pool.check()
+                ok, error = True, None
+            except AssertionError as e:
+                ok, error = False, str(e)
+            return Info({"ok": ok, "error": error, "pool": self.pool.stats()})
+        return Info(
+            {
+                "pool": self.pool.stats(),
+                "requests": len(self.engine.requests) + len(self.inbox),
+                "grants": {p: sum(c.values()) for p, c in self.grants.items()},
+                "dead_peers": dict(self.node.dead),
+            }
+        )
+
+    def _on_peers(self, sender: str, m: Peers) -> None:
+        for p in m.peers:
+            if p.name == self.name:
+                continue
+            self.node.connect(p.name, p.address)
+            if p.handle is not None:
+                pool = RemotePool(self.node, p.name, attach(p.handle), self.pool)
+                self.remotes[p.name] = RemotePeer(p.name, p.role, pool)
+
+    def _on_peer_down(self, sender: str, m: PeerDown) -> Info:
+        self._peer_down(m.name, m.reason)
+        return Info({"handed": [r for r, d in self.handed.items() if d == m.name]})
+
+    def _on_abort_request(self, sender: str, m: AbortRequest) -> Output | None:
+        for i, req in enumerate(self.inbox):
+            if req.request_id == m.request_id:  # not admitted yet: let the engine finish it
+                del self.inbox[i]
+                self.engine.add_prefilled(req)
+                break
+        out = self.engine.abort(m.request_id)
+        return None if out is None else Output(out)
+
+    def _on_shutdown(self, sender: str, m: Shutdown) -> None:
+        self.stopping = True
+
+    def _push_prefix(self, tokens: list[int], to: str) -> int:
+        """Send this pool's cached prefix of ``tokens`` to peer ``to`` (indexed there);
+        returns the tokens it covers."""
+        peer = self.remotes.get(to)
+        if peer is None or to in self.node.dead:
+            raise InstanceDied(f"{self.name} has no live peer {to!r} to send a prefix to")
+        blocks = self.pool.match(tokens)  # whole blocks, never the last token
+        if not blocks:
+            return 0
+        n = len(blocks) * self.pool.block_size
+        try:
+            got = self.pool.transfer_with_insert(peer.pool, tokens[:n], blocks)
+            peer.pool.free_mem(got)  # the peer's index keeps its own reference
+        finally:
+            self.pool.free_mem(blocks)
+        return n
+
+    def _grant(self, peer: str, blocks: list[int]) -> None:
+        self.grants.setdefault(peer, Counter()).update(blocks)
+
+    def _ungrant(self, peer: str, blocks: list[int]) -> list[int]:
+        """Remove ``blocks`` from what ``peer`` holds here; returns those it really held."""
+        held = self.grants.get(peer, Counter())
+        out = []
+        for b in blocks:
+            if held[b] > 0:
+                held[b] -= 1
+                out.append(b)
+        return out
+
+    def _peer_down(self, name: str, reason: str) -> None:
+        self.node.dead.setdefault(name, reason)
+        held = self.grants.pop(name, Counter())
+        for key in [k for k in self.xfers if k[0] == name]:
+            del self.xfers[key]
+        blocks = list(held.elements())
+        if blocks:
+            self.pool.free_mem(blocks)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def announce(self) -> None:
+        """Tell the frontend where this instance listens and how to map its pool."""
+        shared = getattr(self.pool, "shared", None)
+        handle = shared.handle.to_dict() if shared is not None else None
+        info = PeerInfo(self.name, self.spec.role, self.node.address, handle)
+        self.node.push(FRONTEND, Ready(info, os.getpid()))
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_beat >= self.spec.heartbeat_s:
+            self._last_beat = now
+            self.node.try_push(FRONTEND, Heartbeat())
+
+    def _admit(self) -> None:
+        inbox, self.inbox = self.inbox, []
+        for req in inbox:
+            self.engine.add_prefilled(req)
+
+    def _flush(self, outputs) -> None:
+        for out in outputs:
+            self.node.try_push(FRONTEND, Output(out))
+        for req in self.engine.handoffs:
+            self.handed[req.request_id] = req.decode_instance
+            if len(self.handed) > HANDOFF_MEMORY:
+                self.handed.popitem(last=False)
+            self.node.try_push(FRONTEND, Handoff(req.request_id, req.decode_instance))
+        self.engine.handoffs.clear()
+
+    def run(self) -> None:
+        """Serve until told to stop, or until the launching process is gone."""
+        while not self.stopping:
+            if not self._parent_alive():
+                break  # orphaned: the frontend died without shutting us down
+            self._heartbeat()
+            busy = bool(self.inbox) or self.engine.has_unfinished()
+            self.node.serve(0.0 if busy else IDLE_POLL_S)
+            if self.stopping:
+                break
+            self._admit()
+            if self.engine.has_unfinished():
+                self._flush(self.engine.step())
+
+    def _parent_alive(self) -> bool:
+        now = time.monotonic()
+        if now - self._last_parent_check < PARENT_CHECK_S or not self.spec.parent_pid:
+            return True
+        self._last_parent_check = now
+        try:
+            os.kill(self.spec.parent_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass  # exists, owned by someone else
+        return True
+
+    def close(self) -> None:
+        """Release sockets and unlink the shared pool segment."""
+        self.node.close()
+        shared = getattr(self.pool, "shared", None)
+        if shared is not None:
+            shared.close()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def instance_main(spec: InstanceSpec) -> None:
+    """Entry point of a spawned instance process."""
+    # Ctrl-C reaches the whole process group; the frontend decides how we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    torch.set_num_threads(spec.num_threads)
+    server = InstanceServer(spec)
+    try:
+        server.announce()
+        server.run()
+    finally:
+        with contextlib.suppress(Exception):
+            server.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    # Everything this process owns is released above; skip the slow interpreter teardown.
+    os._exit(0)

@@ -1,0 +1,246 @@
+"""Control plane: typed msgspec messages over ZeroMQ, validation, processes, timeouts, close."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+
+import msgpack
+import pytest
+
+from minimemserve.disagg import rpc
+from minimemserve.disagg.rpc import (
+    Abort,
+    Ack,
+    AllocReply,
+    AllocRequest,
+    Commit,
+    Envelope,
+    Error,
+    FreeMem,
+    Heartbeat,
+    Info,
+    Probe,
+    ProbeReply,
+    RemoteError,
+    RpcNode,
+    Shutdown,
+)
+from minimemserve.errors import InstanceDied, TransferError
+from minimemserve.sampling import SamplingParams
+
+JOIN_S = 30
+BLOCK_SIZE = 4
+
+
+class _Receiver:
+    """A fake receiving instance: hands out block ids, remembers who it heard from."""
+
+    def __init__(self) -> None:
+        self.next_block = 100
+        self.heard: list[str] = []
+        self.stop = False
+
+    def __call__(self, sender: str, msg: rpc.Msg) -> rpc.Msg | None:
+        self.heard.append(sender)
+        if isinstance(msg, AllocRequest):
+            matched = list(range(len(msg.tokens or []) // BLOCK_SIZE))
+            new = list(range(self.next_block, self.next_block + msg.num_blocks - len(matched)))
+            self.next_block += len(new)
+            return AllocReply(matched, new)
+        if isinstance(msg, Abort):
+            raise KeyError(f"no transfer {msg.xfer}")
+        if isinstance(msg, Probe):
+            return Info({"heard": sorted(set(self.heard))})
+        if isinstance(msg, Shutdown):
+            self.stop = True
+        return None
+
+
+def _serve(queue: mp.Queue) -> None:
+    """Child: bind a free port, report it, serve until told to stop."""
+    receiver = _Receiver()
+    node = RpcNode("decode-0", receiver)
+    queue.put(node.address)
+    while not receiver.stop:
+        node.serve(0.05)
+    node.close()
+
+
+def _start_child() -> tuple[mp.Process, RpcNode]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_serve, args=(queue,))
+    child.start()
+    node = RpcNode("prefill-0", lambda s, m: None, timeout_s=5)
+    node.connect("decode-0", queue.get(timeout=JOIN_S))
+    return child, node
+
+
+def test_every_message_round_trips_as_plain_msgpack() -> None:
+    messages = [
+        AllocRequest("x1", [1, 2, 3], 4),
+        AllocRequest("x2", None, 0),
+        AllocReply([0], [7, 8]),
+        Commit("x1", None, [0, 7, 8]),
+        Abort("x1", [7]),
+        rpc.Submit("r1", [5, 6], SamplingParams(max_tokens=3, stop_token_ids=(2,)), 1.5),
+        Ack(),
+        Heartbeat(),
+        Error("PoolExhausted", "no blocks"),
+    ]
+    for msg in messages:
+        payload = rpc.encode(Envelope("push", 3, "P0", msg))
+        raw = msgpack.unpackb(payload, raw=False)  # plain maps, no pickle inside
+        assert raw["msg"]["type"] == type(msg).__name__
+        env = rpc.decode(payload)
+        assert env.msg == msg and env.seq == 3 and env.sender == "P0"
+
+
+@pytest.mark.parametrize(
+    ("msg", "match"),
+    [
+        ({"type": "Nope"}, "Invalid value 'Nope'"),
+        ({"type": "AllocRequest", "xfer": "x"}, "missing required field"),
+        ({"type": "AllocRequest", "xfer": "x", "tokens": None, "num_blocks": -1}, ">= 0"),
+        ({"type": "FreeMem", "blocks": ["x"]}, "Expected `int`"),
+        ({"type": "FreeMem", "blocks": [1], "extra": 2}, "unknown field"),
+        (
+            {"type": "Submit", "request_id": "r", "prompt": [1], "arrival_time": 0.0,
+             "params": {"max_tokens": 0}},
+            "max_tokens",
+        ),
+    ],
+)  # fmt: skip
+def test_malformed_messages_raise_clear_errors(msg, match) -> None:
+    payload = msgpack.packb({"kind": "req", "seq": 1, "sender": "x", "msg": msg})
+    with pytest.raises(TransferError, match=match):
+        rpc.decode(payload)
+
+
+def test_garbage_is_a_transfer_error() -> None:
+    with pytest.raises(TransferError, match="malformed control message"):
+        rpc.decode(b"\xc1garbage")
+
+
+def test_requests_round_trip_across_processes() -> None:
+    child, node = _start_child()
+    try:
+        assert node.call("decode-0", AllocRequest("x1", list(range(9)), 5)) == AllocReply(
+            [0, 1], [100, 101, 102]
+        )
+        assert node.call("decode-0", AllocRequest("x2", None, 2)) == AllocReply([], [103, 104])
+        assert node.call("decode-0", Commit("x1", list(range(9)), [0, 1, 100])) == Ack()
+        with pytest.raises(RemoteError, match="peer decode-0 failed Abort: KeyError") as e:
+            node.call("decode-0", Abort("x9", [5]))
+        assert isinstance(e.value, TransferError) and e.value.kind == "KeyError"
+        node.push("decode-0", Heartbeat())
+        assert node.call("decode-0", Probe([])) == Info({"heard": ["prefill-0"]})
+        assert node.call("decode-0", Shutdown("bye")) == Ack()
+    finally:
+        child.join(JOIN_S)
+        node.close()
+    assert child.exitcode == 0
+
+
+def test_dead_peer_fails_with_a_named_error() -> None:
+    child, node = _start_child()
+    try:
+        assert node.call("decode-0", AllocRequest("x1", None, 1)).new == [100]
+        child.kill()
+        child.join(JOIN_S)
+        with pytest.raises(TransferError, match="decode-0 did not answer AllocRequest within 0.3"):
+            node.call("decode-0", AllocRequest("x2", None, 1), timeout_s=0.3)
+        node.dead["decode-0"] = "killed in a test"
+        with pytest.raises(InstanceDied, match="killed in a test"):  # no wait at all
+            node.call("decode-0", Probe([1, 2]), timeout_s=1e9)
+    finally:
+        node.close()
+
+
+def test_late_reply_is_dropped_and_the_next_request_gets_its_own() -> None:
+    receiver = _Receiver()
+    server = RpcNode("d", receiver)
+    client = RpcNode("c", lambda s, m: None)
+    client.connect("d", server.address)
+    try:
+        with pytest.raises(TransferError, match="did not answer"):
+            client.call("d", AllocRequest("late", None, 1), timeout_s=0.05)
+        assert server.serve(timeout_s=5.0) == 1  # answers the timed-out request now
+        stop = threading.Event()
+
+        def serve() -> None:
+            while not stop.is_set():
+                server.serve(0.01)
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        try:
+            reply = client.call("d", AllocRequest("fresh", None, 1))
+        finally:
+            stop.set()
+            thread.join(JOIN_S)
+        assert reply.new == [101]  # not the late [100]
+    finally:
+        client.close()
+        server.close()
+
+
+def test_close_is_final_and_idempotent() -> None:
+    node = RpcNode("p", lambda s, m: None, timeout_s=0.05)
+    node.connect("nobody", "tcp://127.0.0.1:9")
+    for _ in range(100):
+        node.push("nobody", Heartbeat())  # queued towards a port nobody listens on
+    assert node.address.startswith("tcp://127.0.0.1:")
+    node.close()
+    node.close()
+    with pytest.raises(TransferError, match="no connection"):
+        node.push("nobody", Ack())
+    with pytest.raises(ValueError, match="timeout_s must be positive"):
+        RpcNode("q", lambda s, m: None, timeout_s=0)
+
+
+def test_calls_in_both_directions_at_once_do_not_deadlock():
+    """A waits on B while B waits on A: each keeps serving while it waits."""
+    seen: dict[str, list[str]] = {"A": [], "B": []}
+
+    def handler(me):
+        def handle(sender, msg):
+            seen[me].append(sender)
+            return ProbeReply(len(getattr(msg, "tokens", [])), 0)
+
+        return handle
+
+    a, b = RpcNode("A", handler("A"), timeout_s=5), RpcNode("B", handler("B"), timeout_s=5)
+    a.connect("B", b.address)
+    b.connect("A", a.address)
+    results: dict[str, object] = {}
+    start = threading.Barrier(2)
+    done = threading.Barrier(2)
+
+    def call(node, peer, n):
+        start.wait(5)  # both calls go out together
+        results[node.name] = node.call(peer, Probe(list(range(n))))
+        while done.n_waiting == 0 and len(results) < 2:
+            node.serve(0.02)  # keep serving until the other call has its answer too
+        node.serve(0.02)
+        done.wait(5)
+
+    try:
+        threads = [
+            threading.Thread(target=call, args=(a, "B", 3)),
+            threading.Thread(target=call, args=(b, "A", 5)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert results["A"] == ProbeReply(3, 0) and results["B"] == ProbeReply(5, 0)
+        assert seen == {"A": ["B"], "B": ["A"]}
+        a.push("B", FreeMem([]))  # a push is handled without a reply
+        while len(seen["B"]) < 2 and b.serve(5.0):
+            pass
+        assert seen["B"] == ["A", "A"]
+    finally:
+        a.close()
+        b.close()
