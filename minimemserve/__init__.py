@@ -4,9 +4,9 @@ Context caching and prefill/decode disaggregation are compositions of MemPool ca
 table, ``minimemserve.disagg.recipes``. Importing this package touches no device.
 """
 
-import importlib
-
 from .config import EngineConfig, parse_config_name
+from .disagg.runtime import ProcessCluster
+from .engine import Engine
 from .errors import (
     CheckpointError,
     ConfigError,
@@ -15,7 +15,6 @@ from .errors import (
     PoolExhausted,
     TransferError,
 )
-from .engine import Engine
 from .llm import LLM
 from .mempool import MemPool
 from .request import RequestMetrics, RequestOutput
@@ -23,17 +22,6 @@ from .sampling import SamplingParams
 from .scheduler.cost_model import CostModel
 from .scheduler.global_scheduler import GlobalScheduler
 from .serving import Serving
-
-# names from modules that need the optional ZeroMQ / msgspec stack load on first use
-_LAZY = {"ProcessCluster": "minimemserve.disagg.runtime"}
-
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'minimemserve' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
 
 __all__ = [
     "LLM",

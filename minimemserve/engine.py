@@ -187,9 +187,7 @@ class Engine:
         try:  # any integer type (numpy, torch scalars) becomes a plain int
             ids = [operator.index(t) for t in prompt]
         except TypeError as e:
-            raise InvalidRequest(
-                f"a prompt is text or token ids, and a token id is not an integer: {e}"
-            ) from None
+            raise InvalidRequest(f"a token id is not an integer: {e}") from None
         if not ids:
             raise InvalidRequest("empty prompt")
         vocab = self.model_config.vocab_size

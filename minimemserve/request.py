@@ -73,24 +73,6 @@ class Request:
     new token is sampled.
     """
 
-    __slots__ = (
-        "request_id",
-        "params",
-        "arrival_time",
-        "tokens",
-        "num_prompt",
-        "blocks",
-        "num_computed",
-        "status",
-        "max_total_tokens",
-        "finish_reason",
-        "error",
-        "prefilled",
-        "prefill_instance",
-        "decode_instance",
-        "metrics",
-    )
-
     def __init__(
         self,
         request_id: str,

@@ -14,4 +14,4 @@ if ! python -c "import torch" 2>/dev/null; then
         python -m pip install -q "torch==${MINIMEMSERVE_CPU_TORCH:-2.13.0}"
     fi
 fi
-python -m pip install -q -e ".[dev,bench,disagg]"
+python -m pip install -q -e ".[dev,bench]"

@@ -41,6 +41,7 @@ from minimemserve.bench.workloads import (
     total_turns,
 )
 from minimemserve.config import EngineConfig, parse_config_name
+from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.llm import LLM
 from minimemserve.model.tokenizer import Tokenizer
 from minimemserve.request import RequestMetrics, RequestOutput
@@ -124,10 +125,6 @@ def in_process_target(spec: TargetSpec) -> Serving:
 def process_target(spec: TargetSpec, **cluster_kw: Any) -> Serving:
     """A ``ProcessCluster`` (one process per instance) of config ``spec.config``;
     ``cluster_kw`` go to its constructor (cores, policy, cost model, ...)."""
-    # The process runtime needs the optional pyzmq and msgpack; importing it here keeps the
-    # command line and the in-process runtime working without them.
-    from minimemserve.disagg.runtime import ProcessCluster
-
     o = spec.options
     return ProcessCluster(
         spec.model_dir,

@@ -6,10 +6,8 @@ write KV into it one-sided, reports ``Ready`` to the frontend, and then loops: a
 control messages, step the engine while it has work, push finished outputs (and
 hand-offs) to the frontend, send heartbeats.
 
-:class:`RemotePool` is a peer's MemPool as the sending side of a transfer sees it: the
-receiving steps (``recv_alloc``, ``recv_commit``, ``recv_abort``) are requests to the peer,
-and ``recv_copy`` writes straight into this process's mapping of the peer's pool tensor,
-so ``MemPool.transfer(remote, ...)`` works across processes unchanged.
+:class:`RemotePool` is a peer's MemPool as a transfer sees it, so ``MemPool.transfer(remote,
+...)`` works across processes unchanged.
 
 What each instance holds for a peer is tracked (``grants``: blocks it allocated for the
 peer's transfers and references the peer has not returned yet), so when the frontend
@@ -121,48 +119,33 @@ class SharedMemPool(MemPool):
 
 def state_of(req: Request) -> RequestState:
     """What travels with a handed-off request."""
-    return RequestState(
-        req.request_id,
-        req.tokens.tolist(),
-        req.num_prompt,
-        req.params,
-        req.arrival_time,
-        list(req.blocks),
-        req.num_computed,
-        req.max_total_tokens,
-        req.prefill_instance,
-        req.metrics,
-    )
+    fields = {f: getattr(req, f) for f in RequestState.__struct_fields__}
+    return RequestState(**fields | {"tokens": req.tokens.tolist(), "blocks": list(req.blocks)})
 
 
 def request_of(s: RequestState) -> Request:
     """Rebuild a prefilled request from its state."""
-    req = Request(s.request_id, s.tokens[: s.num_prompt], s.params, s.arrival_time)
-    req.tokens.extend(s.tokens[s.num_prompt :])
-    req.blocks, req.num_computed = s.blocks, s.num_computed
-    req.max_total_tokens, req.prefill_instance, req.metrics = (
-        s.max_total_tokens,
-        s.prefill_instance,
-        s.metrics,
-    )
-    req.prefilled = True
+    req = Request(s.request_id, s.tokens, s.params, s.arrival_time)
+    for f in ("num_prompt", "blocks", "num_computed", "max_total_tokens", "prefill_instance"):
+        setattr(req, f, getattr(s, f))
+    req.metrics, req.prefilled = s.metrics, True
     return req
 
 
 class RemotePool:
-    """A peer instance's MemPool as the sending side of a transfer sees it.
+    """A peer instance as the sending side of a transfer and a recipe see it: its MemPool
+    (``recv_*`` and ``free_mem`` are requests to the peer, ``recv_copy`` a one-sided write
+    into this process's mapping ``kv`` of its hbm pool tensor) and ``accept`` to hand it a
+    request. Blocks the peer allocated for a transfer that then fails are released there
+    (``recv_abort``, best effort when the peer is gone)."""
 
-    ``kv`` is this process's view of the peer's hbm pool tensor (shared memory, or CUDA
-    IPC). Blocks the peer allocated for a transfer that then fails are released there
-    (``recv_abort``, best effort when the peer is gone).
-    """
-
-    def __init__(self, node: RpcNode, peer: str, kv: torch.Tensor, pool: MemPool) -> None:
-        """Proxy ``peer``'s pool, whose hbm tensor this process maps as ``kv``; ``pool`` is
-        this instance's own (the peer's has the same layout and dtype)."""
-        self.node, self.peer, self.kv = node, peer, kv
-        self.instance_id = peer
+    def __init__(self, node: RpcNode, info: PeerInfo, kv: torch.Tensor, pool: MemPool) -> None:
+        """Proxy peer ``info``, whose hbm tensor this process maps as ``kv``; ``pool`` is this
+        instance's own (the peer's has the same layout and dtype)."""
+        self.node, self.name, self.role, self.kv = node, info.name, info.role, kv
+        self.peer = self.instance_id = info.name
         self.layout, self.dtype, self.block_size = pool.layout, pool.dtype, pool.block_size
+        self.pool = self  # as a ``Peer``: the pool to transfer into is this proxy
         self._xfers = itertools.count()
         self._xfer = ""  # id of the transfer in progress towards this peer
 
@@ -213,22 +196,14 @@ class RemotePool:
             raise TransferError(f"{self.peer} answered Probe with {type(rep).__name__}")
         return rep
 
-
-class RemotePeer:
-    """A peer instance as recipes see it: ``.pool`` to transfer into, ``.accept`` to hand off."""
-
-    def __init__(self, name: str, role: str, pool: RemotePool) -> None:
-        """Wrap ``pool`` (the peer's remote pool) under the peer's ``name`` and ``role``."""
-        self.name, self.role, self.pool = name, role, pool
-
     def accept(self, req: Request) -> None:
         """Pass ``req`` (its ``blocks`` already ids in the peer's pool) to the peer; when it
         cannot take it, the peer drops the blocks and ``TransferError`` is raised."""
         req.decode_instance = self.name
         try:
-            self.pool.node.call(self.name, Accept(state_of(req)))
+            self.node.call(self.name, Accept(state_of(req)))
         except TransferError:
-            self.pool.node.try_push(self.name, FreeMem(list(req.blocks)))
+            self.node.try_push(self.name, FreeMem(list(req.blocks)))
             raise
 
 
@@ -243,7 +218,7 @@ class InstanceServer:
         self.inbox: list[Request] = []
         self.grants: dict[str, Counter[int]] = {}
         self.xfers: dict[tuple[str, str], list[int]] = {}
-        self.remotes: dict[str, RemotePeer] = {}
+        self.remotes: dict[str, RemotePool] = {}
         # recent hand-offs (request id -> decode instance), so the frontend can find the
         # requests a dead decode instance held even if our Handoff notice is still in flight
         self.handed: OrderedDict[str, str] = OrderedDict()
@@ -290,7 +265,7 @@ class InstanceServer:
         }
 
     # ---- what recipes need (``Peers``) -------------------------------------------------------
-    def pick_decode(self, req: Request, exclude: Sequence[str]) -> RemotePeer:
+    def pick_decode(self, req: Request, exclude: Sequence[str]) -> RemotePool:
         """The live decode peer holding most of ``req`` (probed), least loaded on a tie."""
         decodes = [n for n, p in self.remotes.items() if p.role == "decode"]
         live = [d for d in decodes if d not in self.node.dead and d not in exclude]
@@ -300,7 +275,7 @@ class InstanceServer:
         scores = {}
         for d in live if len(live) > 1 else ():
             with contextlib.suppress(TransferError):
-                rep = self.remotes[d].pool.probe(req.tokens[: req.num_computed])
+                rep = self.remotes[d].probe(req.tokens[: req.num_computed])
                 scores[d] = (rep.cached, -rep.load)
         return self.remotes[max(scores, key=scores.__getitem__) if scores else live[0]]
 
@@ -309,7 +284,7 @@ class InstanceServer:
         peer = self.remotes.get(req.prefill_instance)
         if peer is None:
             raise InstanceDied(f"prefill instance {req.prefill_instance!r} is unknown here")
-        return peer.pool
+        return peer
 
     def peer_failed(self, name: str, error: TransferError) -> None:
         """A peer that answered with an error is alive; one that did not answer is dead."""
@@ -386,8 +361,7 @@ class InstanceServer:
                 continue
             self.node.connect(p.name, p.address)
             if p.handle is not None:
-                pool = RemotePool(self.node, p.name, attach(p.handle), self.pool)
-                self.remotes[p.name] = RemotePeer(p.name, p.role, pool)
+                self.remotes[p.name] = RemotePool(self.node, p, attach(p.handle), self.pool)
 
     def _on_peer_down(self, sender: str, m: PeerDown) -> Info:
         self._peer_down(m.name, m.reason)
@@ -416,8 +390,8 @@ class InstanceServer:
             return 0
         n = len(blocks) * self.pool.block_size
         try:
-            got = self.pool.transfer_with_insert(peer.pool, tokens[:n], blocks)
-            peer.pool.free_mem(got)  # the peer's index keeps its own reference
+            got = self.pool.transfer_with_insert(peer, tokens[:n], blocks)
+            peer.free_mem(got)  # the peer's index keeps its own reference
         finally:
             self.pool.free_mem(blocks)
         return n

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 import zmq
@@ -223,34 +223,45 @@ class Error(Msg):
     message: str
 
 
+MESSAGES = (
+    AllocRequest, AllocReply, Commit, Abort, FreeMem, Probe, ProbeReply, Ready, Peers, Submit,
+    Accept, Output, Handoff, AbortRequest, Query, Info, PeerDown, PushPrefix, Shutdown,
+    Heartbeat, Ack, Error,
+)  # fmt: skip
+
+
 class Envelope(msgspec.Struct, forbid_unknown_fields=True):
     """What travels: the kind of frame, its sequence number, the sender and the message."""
 
     kind: Literal["req", "rep", "push"]
     seq: int
     sender: str
-    msg: (
-        AllocRequest | AllocReply | Commit | Abort | FreeMem | Probe | ProbeReply | Ready | Peers
-        | Submit | Accept | Output | Handoff | AbortRequest | Query | Info | PeerDown
-        | PushPrefix | Shutdown | Heartbeat | Ack | Error
-    )  # fmt: skip
+    msg: Msg
 
 
-_encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(Envelope).decode
+class Codec:
+    """Encodes envelopes; decodes and validates them against a fixed set of message types
+    (the runtime's ``MESSAGES`` plus any ``extra`` a tool adds, such as a benchmark's)."""
 
+    def __init__(self, extra: tuple[type[Msg], ...] = ()) -> None:
+        """Know ``MESSAGES`` and ``extra``."""
+        msg_type = Union[MESSAGES + tuple(extra)]  # noqa: UP007 - a runtime union of classes
+        env = msgspec.defstruct("Envelope", [("kind", Literal["req", "rep", "push"]),
+                                             ("seq", int), ("sender", str), ("msg", msg_type)],
+                                forbid_unknown_fields=True)  # fmt: skip
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(env).decode
 
-def encode(env: Envelope) -> bytes:
-    """Pack a frame (msgpack maps; message structs tagged ``"type": class name``)."""
-    return _encode(env)
+    def encode(self, env: Envelope) -> bytes:
+        """Pack a frame (msgpack maps; message structs tagged ``"type": class name``)."""
+        return self._encode(env)
 
-
-def decode(payload: bytes) -> Envelope:
-    """Unpack and validate a frame; raises ``TransferError`` naming what is wrong."""
-    try:
-        return _decode(payload)
-    except (msgspec.DecodeError, ValueError) as e:
-        raise TransferError(f"malformed control message: {e}") from None
+    def decode(self, payload: bytes) -> Envelope:
+        """Unpack and validate a frame; raises ``TransferError`` naming what is wrong."""
+        try:
+            return self._decode(payload)
+        except (msgspec.DecodeError, ValueError) as e:
+            raise TransferError(f"malformed control message: {e}") from None
 
 
 def endpoint(host: str = LOOPBACK, port: int = 0) -> str:
@@ -295,6 +306,7 @@ class RpcNode:
         port: int = 0,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         on_wait: Callable[[], None] | None = None,
+        codec: Codec | None = None,
     ) -> None:
         """Bind ``host:port`` (port 0 picks a free one; see :attr:`address`)."""
         if timeout_s <= 0:
@@ -303,6 +315,7 @@ class RpcNode:
         self.handler = handler
         self.timeout_s = timeout_s
         self.on_wait = on_wait
+        self.codec = codec or Codec()
         self.dead: dict[str, str] = {}  # peer name -> why it is considered dead
         self._ctx = zmq.Context()
         self._server = self._socket(zmq.ROUTER)
@@ -354,7 +367,7 @@ class RpcNode:
 
     def _handle(self, ident: bytes, payload: bytes) -> None:
         try:
-            env = decode(payload)
+            env = self.codec.decode(payload)
         except TransferError as e:
             self._reply(ident, -1, Error("TransferError", str(e)))
             return
@@ -367,7 +380,8 @@ class RpcNode:
 
     def _reply(self, ident: bytes, seq: int, msg: Msg) -> None:
         try:
-            self._server.send_multipart([ident, _encode(Envelope("rep", seq, self.name, msg))])
+            frame = self.codec.encode(Envelope("rep", seq, self.name, msg))
+            self._server.send_multipart([ident, frame])
         except zmq.ZMQError:
             pass  # the asker is gone; its own timeout tells it
 
@@ -381,7 +395,7 @@ class RpcNode:
         if sock is None:
             raise TransferError(f"{self.name} has no connection to {peer!r} ({op})")
         try:
-            sock.send(_encode(Envelope(kind, seq, self.name, msg)), zmq.NOBLOCK)
+            sock.send(self.codec.encode(Envelope(kind, seq, self.name, msg)), zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise TransferError(f"{peer} is not taking messages ({op}): {e}") from e
         return sock
@@ -428,12 +442,11 @@ class RpcNode:
             if self.on_wait is not None:
                 self.on_wait()
 
-    @staticmethod
-    def _reply_to(sock: zmq.Socket, seq: int) -> Msg | None:
+    def _reply_to(self, sock: zmq.Socket, seq: int) -> Msg | None:
         """The reply numbered ``seq`` among the frames waiting on ``sock``, if it came."""
         while True:
             try:
-                env = decode(sock.recv(zmq.NOBLOCK))
+                env = self.codec.decode(sock.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return None
             if env.kind == "rep" and env.seq == seq:

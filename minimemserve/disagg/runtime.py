@@ -6,18 +6,14 @@ where its peers are, routes requests, and implements ``Serving``. KV moves betwe
 only through MemPool's transfer calls, whose receiving side is an ``instance.RemotePool``.
 
 Routing: a ``GlobalScheduler`` picks the entry instance (colocated, or prefill) by its
-``policy``; the default, ``prompt_tree``, weighs each instance's believed cached prefix and
-queued work with the cost model. Finished requests update its prompt trees with what the
-recipe table says they left cached. With
-``prompt_tree_transfer`` an instance holding more of a prompt first sends the missing KV
-to the chosen one (``PushPrefix``). The prefill instance picks the decode instance
-holding most of the prompt.
+``policy``; finished requests update its prompt trees with what the recipe table says they
+left cached; with ``prompt_tree_transfer`` an instance holding more of a prompt first sends
+the missing KV to the chosen one (``PushPrefix``).
 
-Faults: the frontend watches process exit codes and heartbeats. When an instance dies it
-names it (log, :attr:`ProcessCluster.dead`, the error of affected requests), unlinks its
-shared segment, tells every other instance (which then release whatever they held for it
-and stop sending to it), and re-runs the requests that were on it elsewhere when possible;
-otherwise they end with ``finish_reason="error"``. Nothing waits longer than ``timeout_s``.
+Faults: the frontend watches exit codes and heartbeats. When an instance dies it is named
+(log, :attr:`ProcessCluster.dead`, the error of affected requests), its shared segment
+unlinked, every other instance told (they release what they held for it), and its requests
+re-run elsewhere when possible, else ended with ``finish_reason="error"``.
 """
 
 from __future__ import annotations
@@ -106,6 +102,12 @@ class _Inflight:
     where: str
     reruns: int = 0
 
+    def end(self, rid: str, reason: str, error: str | None = None) -> RequestOutput:
+        """The output of a request ended here, with no token from an instance."""
+        m = RequestMetrics(self.arrival_time, finish_time=time.perf_counter())
+        m.prompt_tokens = len(self.prompt)
+        return RequestOutput(rid, list(self.prompt), [], None, reason, m, error)
+
 
 @dataclass
 class InstanceInfo:
@@ -133,14 +135,11 @@ def _reap(instances: list[InstanceInfo]) -> None:
     """Stop every process still running and unlink every segment (idempotent)."""
     for inst in instances:
         p = inst.process
-        if p.is_alive():
-            p.join(SHUTDOWN_GRACE_S)
-        if p.is_alive():
-            p.terminate()
-            p.join(2.0)
-        if p.is_alive():
-            p.kill()
-            p.join(2.0)
+        for stop, wait_s in ((None, SHUTDOWN_GRACE_S), (p.terminate, 2.0), (p.kill, 2.0)):
+            if p.is_alive():
+                if stop is not None:
+                    stop()
+                p.join(wait_s)
         _unlink_segment(inst.handle)
 
 
@@ -409,9 +408,7 @@ class ProcessCluster:
                 return
         self._inflight.pop(rid, None)
         self.scheduler.finished(rid)
-        m = RequestMetrics(arrival_time=f.arrival_time, prompt_tokens=len(f.prompt))
-        m.finish_time = time.perf_counter()
-        self._done.append(RequestOutput(rid, list(f.prompt), [], None, "error", m, error=error))
+        self._done.append(f.end(rid, "error", error))
 
     # ---- routing ---------------------------------------------------------------------------
     def _route(self, prompt: Sequence[int]) -> Route:
@@ -462,7 +459,7 @@ class ProcessCluster:
         try:  # any integer type (numpy, torch scalars) becomes a plain int
             return [operator.index(t) for t in prompt]
         except TypeError as e:
-            raise InvalidRequest(f"a prompt is text or token ids, and a token id is not an integer: {e}") from None
+            raise InvalidRequest(f"a token id is not an integer: {e}") from None
 
     def _raise_remote(self, e: RemoteError) -> None:
         cls = _REQUEST_ERRORS.get(e.kind)
@@ -536,9 +533,7 @@ class ProcessCluster:
                 rep = self.node.call(name, AbortRequest(request_id))
                 if isinstance(rep, Output):
                     return rep.output
-        m = RequestMetrics(arrival_time=f.arrival_time, prompt_tokens=len(f.prompt))
-        m.finish_time = time.perf_counter()
-        return RequestOutput(request_id, list(f.prompt), [], None, "abort", m)
+        return f.end(request_id, "abort")
 
     def location(self, request_id: str) -> str | None:
         """The instance a request is on now (as far as the frontend knows); None once done."""

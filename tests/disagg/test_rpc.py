@@ -90,10 +90,10 @@ def test_every_message_round_trips_as_plain_msgpack() -> None:
         Error("PoolExhausted", "no blocks"),
     ]
     for msg in messages:
-        payload = rpc.encode(Envelope("push", 3, "P0", msg))
+        payload = rpc.Codec().encode(Envelope("push", 3, "P0", msg))
         raw = msgpack.unpackb(payload, raw=False)  # plain maps, no pickle inside
         assert raw["msg"]["type"] == type(msg).__name__
-        env = rpc.decode(payload)
+        env = rpc.Codec().decode(payload)
         assert env.msg == msg and env.seq == 3 and env.sender == "P0"
 
 
@@ -115,12 +115,12 @@ def test_every_message_round_trips_as_plain_msgpack() -> None:
 def test_malformed_messages_raise_clear_errors(msg, match) -> None:
     payload = msgpack.packb({"kind": "req", "seq": 1, "sender": "x", "msg": msg})
     with pytest.raises(TransferError, match=match):
-        rpc.decode(payload)
+        rpc.Codec().decode(payload)
 
 
 def test_garbage_is_a_transfer_error() -> None:
     with pytest.raises(TransferError, match="malformed control message"):
-        rpc.decode(b"\xc1garbage")
+        rpc.Codec().decode(b"\xc1garbage")
 
 
 def test_requests_round_trip_across_processes() -> None:
