@@ -1,14 +1,15 @@
 """KV transfer micro-benchmark: moving one request's KV from a prefill (P) to a decode (D) pool.
 
 P is this process; D is a second process (spawned) that owns the receiving pools and
-answers on the control plane (ZeroMQ + msgpack). For every transport available here and
+answers on the runtime's control plane (``minimemserve.disagg.rpc``: ZeroMQ + msgpack, with
+the benchmark's own messages added to the codec). For every transport available here and
 every transfer mode, the same blocks go from P's pool to D's pool, at low load (1 transfer
 at a time) and high load (16 transfers at once), and the result is checked bit for bit in D.
 
 Transports:
   copy  same process: P copies into a pool of its own (the in-process path).
   shm   same host: D's pools live in shared memory; P maps them and writes one-sided, then
-        tells D with a WriteDone request (the timing includes that round trip).
+        tells D with the runtime's Commit request (the timing includes that round trip).
   gloo  torch.distributed point-to-point between P and D (two-sided; the timing ends when
         D has scattered the data and its 1-element acknowledgement reached P).
 
@@ -39,12 +40,15 @@ import math
 import multiprocessing as mp
 import os
 import platform
+import secrets
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Any
 
+import msgspec
 import torch
 from tqdm.auto import tqdm
 
@@ -60,12 +64,7 @@ from minimemserve.bench.transports import (
 from minimemserve.blocks.allocator import BlockAllocator
 from minimemserve.blocks.copy import is_run
 from minimemserve.blocks.layout import KVLayout
-from minimemserve.disagg.control import (
-    ControlClient,
-    ControlServer,
-    MessageCodec,
-    WriteDone,
-)
+from minimemserve.disagg import rpc
 from minimemserve.mempool.shared import SharedPoolTensor
 
 RESULTS = Path(__file__).resolve().parent / "results" / "transfer.json"
@@ -86,65 +85,59 @@ ACK_TAG = 1_000  # above every per-transfer tag
 # ------------------------------------------------------------------ control messages (bench)
 
 
-@dataclass
-class Setup:
+class Setup(rpc.Msg):
     """P -> D: allocate the receiving pools (aggregated and per-layer) in shared memory."""
 
-    agg_shape: list[int]
-    per_layer_shape: list[int]
+    agg_shape: list[rpc.Count]
+    per_layer_shape: list[rpc.Count]
     dtype: str
-    threads: int
+    threads: Annotated[int, msgspec.Meta(ge=1)]
 
 
-@dataclass
-class Handles:
+class Handles(rpc.Msg):
     """D -> P: the shared handles of D's two pools."""
 
-    agg: dict
-    per_layer: dict
+    agg: dict[str, Any]
+    per_layer: dict[str, Any]
 
 
-@dataclass
-class JoinGloo:
+class JoinGloo(rpc.Msg):
     """P -> D: join the gloo group whose store listens on host:port."""
 
     host: str
-    port: int
+    port: Annotated[int, msgspec.Meta(ge=1, lt=65536)]
 
 
-@dataclass
-class Prepare:
+class Prepare(rpc.Msg):
     """P -> D: zero the destination blocks; for gloo, then run ``rounds`` receive rounds."""
 
     transport: str
     mode: str
-    dst_ids: list[list[int]]
-    rounds: int
+    dst_ids: list[rpc.Ids]
+    rounds: rpc.Count
 
 
-@dataclass
-class Verify:
+class Verify(rpc.Msg):
     """P -> D: per-block checksums of the destination blocks of every transfer."""
 
     mode: str
-    dst_ids: list[list[int]]
+    dst_ids: list[rpc.Ids]
 
 
-@dataclass
-class Checksums:
+class Checksums(rpc.Msg):
     """D -> P: one list of per-block checksums per transfer."""
 
     sums: list[list[list[list[int]]]]  # [transfer][block][layer][K, V]
 
 
-@dataclass
-class Stop:
+class Stop(rpc.Msg):
     """P -> D: exit."""
 
     reason: str
 
 
-BENCH_CODEC_TYPES = (Setup, Handles, JoinGloo, Prepare, Verify, Checksums, Stop)
+# Both nodes decode these besides the runtime's own messages (P sends rpc.Commit for shm).
+BENCH_MESSAGES = (Setup, Handles, JoinGloo, Prepare, Verify, Checksums, Stop)
 
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -167,10 +160,9 @@ def piece_checksums(pool: torch.Tensor, mode: str) -> torch.Tensor:
 
 
 class Decoder:
-    """D's side: owns the receiving pools and follows P's commands."""
+    """D's side: owns the receiving pools and follows P's commands (the node's handler)."""
 
-    def __init__(self, server: ControlServer) -> None:
-        self.server = server
+    def __init__(self) -> None:
         self.pools: dict[str, SharedPoolTensor] = {}
         self.gloo: GlooTransport | None = None
         self.job: tuple | None = None  # work to run after the reply went out
@@ -181,7 +173,8 @@ class Decoder:
         key = "per_layer" if mode == TransferMode.BY_REQUEST.value else "agg"
         return self.pools[key].tensor
 
-    def __call__(self, msg: object) -> object:
+    def __call__(self, sender: str, msg: rpc.Msg) -> rpc.Msg | None:
+        """Answer one message from P (``None`` replies ``Ack``)."""
         if isinstance(msg, Setup):
             torch.set_num_threads(msg.threads)
             dtype = DTYPES[msg.dtype]
@@ -205,8 +198,8 @@ class Decoder:
             if msg.transport == "gloo" and msg.rounds > 0:
                 self.job = ("recv", msg)
             return None
-        if isinstance(msg, WriteDone):
-            return None  # the data is already in our pool; a real D would commit here
+        if isinstance(msg, rpc.Commit):
+            return None  # the data is already in our pool; a real D would keep the blocks
         if isinstance(msg, Verify):
             sums = piece_checksums(self.pool_for(msg.mode), msg.mode)
             return Checksums([sums[ids].tolist() for ids in msg.dst_ids])
@@ -243,19 +236,27 @@ class Decoder:
             p.close()
 
 
-def decoder_main(host: str, port: int, queue: mp.Queue) -> None:
-    """Entry point of the D process."""
+def decoder_main(host: str, port: int, secret: bytes, queue: mp.Queue) -> None:
+    """Entry point of the D process: report the node's address, then serve until told to stop."""
     torch.set_num_threads(1)
-    with ControlServer(host, port, name="D", codec=MessageCodec(BENCH_CODEC_TYPES)) as server:
-        queue.put(server.port)
-        decoder = Decoder(server)
-        try:
-            while not decoder.stop:
-                server.serve_once(decoder, timeout_s=0.05)
-                if decoder.job is not None:
-                    decoder.run_job()
-        finally:
-            decoder.close()
+    decoder = Decoder()
+    node = rpc.RpcNode(
+        "D",
+        decoder,
+        host=host,
+        port=port,
+        timeout_s=CONTROL_TIMEOUT_S,
+        codec=rpc.Codec(secret, extra=BENCH_MESSAGES),
+    )
+    try:
+        queue.put(node.address)
+        while not decoder.stop:
+            node.serve(0.05)
+            if decoder.job is not None:
+                decoder.run_job()
+    finally:
+        decoder.close()
+        node.close()
 
 
 # ------------------------------------------------------------------ P: the sending side
@@ -333,7 +334,7 @@ class Bench:
         self.src_sums: dict[str, torch.Tensor] = {}  # layout -> [N, L, 2] piece checksums
         self.memcpy_ms: dict[int, list[float]] = {}  # every baseline run, by concurrency
         self.memcpy_bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.client: ControlClient | None = None
+        self.node: rpc.RpcNode | None = None
         self.child: mp.Process | None = None
         self.shm: dict[str, torch.Tensor] = {}
         self.gloo: GlooTransport | None = None
@@ -364,17 +365,19 @@ class Bench:
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         a = self.args
-        self.child = ctx.Process(target=decoder_main, args=(a.host, a.ctrl_port, queue))
+        secret = secrets.token_bytes(32)  # reaches D through the spawn pipe, not argv
+        self.child = ctx.Process(target=decoder_main, args=(a.host, a.ctrl_port, secret, queue))
         self.child.start()
-        port = queue.get(timeout=STARTUP_TIMEOUT_S)
-        self.client = ControlClient(
-            f"tcp://{a.host}:{port}",
-            name="P",
-            peer="D",
+        address = queue.get(timeout=STARTUP_TIMEOUT_S)
+        self.node = rpc.RpcNode(
+            "P",
+            self._unexpected,
+            host=a.host,
             timeout_s=CONTROL_TIMEOUT_S,
-            codec=MessageCodec(BENCH_CODEC_TYPES),
+            codec=rpc.Codec(secret, extra=BENCH_MESSAGES),
         )
-        handles = self.client.request(
+        self.node.connect("D", address)
+        handles = self.call(
             Setup(
                 list(self.src["agg"].shape),
                 list(self.src["per_layer"].shape),
@@ -387,7 +390,7 @@ class Bench:
             self.shm["per_layer"] = SharedMemoryTransport(handles.per_layer).dst
         if "gloo" in a.transports:
             store = start_store(a.host, a.gloo_port, timeout_s=CONTROL_TIMEOUT_S)
-            self.client.request(JoinGloo(a.host, store.port))
+            self.call(JoinGloo(a.host, store.port))
             self.gloo = GlooTransport(0, store=store, timeout_s=CONTROL_TIMEOUT_S)
 
     def stop_decoder(self) -> None:
@@ -395,15 +398,24 @@ class Bench:
         if self.gloo is not None:
             self.gloo.close()
         self.shm.clear()
-        if self.client is not None:
+        if self.node is not None:
             try:
-                self.client.request(Stop("done"), timeout_s=10)
+                self.call(Stop("done"), timeout_s=10)
             finally:
-                self.client.close()
+                self.node.close()
         if self.child is not None:
             self.child.join(30)
             if self.child.is_alive():
                 self.child.kill()
+
+    @staticmethod
+    def _unexpected(sender: str, msg: rpc.Msg) -> rpc.Msg | None:
+        """P's handler: D only answers, it never asks."""
+        raise ValueError(f"unexpected {type(msg).__name__} from {sender}")
+
+    def call(self, msg: rpc.Msg, timeout_s: float | None = None) -> rpc.Msg:
+        """Send ``msg`` to D and return its reply."""
+        return self.node.call("D", msg, timeout_s=timeout_s)
 
     # -- measurements
 
@@ -435,7 +447,7 @@ class Bench:
                 list(pool.map(write, range(c)))
             cell.data_ms.append((time.perf_counter() - t0) * 1e3)
             if transport == "shm":
-                self.client.request(WriteDone(f"round{c}", sum(self.dst_ids[:c], [])))
+                self.call(rpc.Commit(f"round{c}", None, sum(self.dst_ids[:c], [])))
 
         self._zero_dst(transport, mode, c, dst)
         cell.times_ms = measure(one_round, self.args.cell_budget_s, MIN_REPS, MAX_REPS)
@@ -464,11 +476,11 @@ class Bench:
             self.gloo.recv_tensor(ack, tag=ACK_TAG)
 
         ids = self.dst_ids[:c]
-        self.client.request(Prepare("gloo", mode, ids, rounds=1))
+        self.call(Prepare("gloo", mode, ids, rounds=1))
         first = timed(one_round)
         budget_ms = self.args.cell_budget_s * 1e3
         reps = int(min(MAX_REPS, max(MIN_REPS, budget_ms / max(first, 1e-3))))
-        self.client.request(Prepare("gloo", mode, ids, rounds=reps))
+        self.call(Prepare("gloo", mode, ids, rounds=reps))
         cell.times_ms = [timed(one_round) for _ in range(reps)]
         cell.verified = self._verify("gloo", mode, c, None)
         return cell
@@ -479,7 +491,7 @@ class Bench:
 
     def _zero_dst(self, transport: str, mode: str, c: int, dst: torch.Tensor) -> None:
         if transport == "shm":
-            self.client.request(Prepare("shm", mode, self.dst_ids[:c], rounds=0))
+            self.call(Prepare("shm", mode, self.dst_ids[:c], rounds=0))
         else:
             dst.zero_()
 
@@ -492,7 +504,7 @@ class Bench:
             sums = piece_checksums(dst, mode)
             got = [sums[self.dst_ids[i]].tolist() for i in range(c)]
         else:
-            got = self.client.request(Verify(mode, self.dst_ids[:c])).sums
+            got = self.call(Verify(mode, self.dst_ids[:c])).sums
         return got == want
 
     def run(self) -> None:
@@ -690,7 +702,7 @@ def main() -> None:
         "notes": [
             "high load: copy/shm use one thread per transfer; gloo posts all transfers "
             "back-to-back (async, one tag each) and waits for all",
-            "shm times include the WriteDone control round trip; write_ms_median excludes it",
+            "shm times include the Commit control round trip; write_ms_median excludes it",
             "gloo times end when D's acknowledgement (sent after its scatter) reaches P",
             "vs_memcpy uses a plain copy of the same bytes timed right after each cell; "
             "the memcpy lines above the table pool all those runs",

@@ -1,14 +1,13 @@
-"""Torch attention backend over the paged, aggregated KV pool.
+"""Torch attention backend: the reference every other backend is tested against, and the
+fast path on the CPU.
 
-The reference every other backend is tested against, and the fast path on the CPU.
-The pool is addressed as rows of ``n_kv_heads * head_dim`` elements: row indices of
-every token slot are computed once per step, and each layer only adds its own offset,
-so storing is one ``index_copy_`` and gathering one ``index_select`` per K or V.
-Decodes run as batched SDPA in which the query heads sharing a KV head play the role of
-query positions (no K/V repeat for GQA); each prefill chunk runs 4-D SDPA, the form
-PyTorch's fused CPU kernel takes: one causal call without a cached prefix, and with one,
-an unmasked call over the prefix and a causal call over the new tokens, merged by their
-log-sum-exp.
+The pool is addressed as rows of ``n_kv_heads * head_dim`` elements; the row of every token
+slot is computed once per step and each layer adds its own offset, so storing is one
+``index_copy_`` and gathering one ``index_select`` per K or V. Decodes run as batched SDPA
+in which the query heads sharing a KV head act as query positions (no K/V repeat for GQA).
+Each prefill chunk runs 4-D SDPA, the form PyTorch's fused CPU kernel takes: one causal call
+without a cached prefix; with one, an unmasked call over the prefix and a causal call over
+the new tokens, merged by their log-sum-exp.
 """
 
 from __future__ import annotations
@@ -21,9 +20,9 @@ from .base import AttentionMetadata, SeqSlice, build_metadata
 
 # PyTorch's fused CPU attention also returns the log-sum-exp through this op.
 _HAS_CPU_LSE = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-# Decodes are attended in groups whose gathered K+V take about this many bytes, so the
-# gathered copy is still in cache when SDPA reads it (3-4x faster than one big gather on a
-# 2-core CPU at 64 sequences x 384 tokens).
+# Decodes are attended in groups whose gathered K+V take about this many bytes, so the copy
+# is still in cache when SDPA reads it (3-4x faster than one big gather on a 2-core CPU at
+# 64 sequences x 384 tokens).
 DECODE_GROUP_BYTES = 6 << 20
 
 
@@ -33,51 +32,33 @@ class TorchAttention:
     name = "torch"
 
     def __init__(self, kv_pool: torch.Tensor, layout: KVLayout, num_heads: int, scale: float):
-        n = kv_pool.shape[layout.block_dim]
-        if tuple(kv_pool.shape) != layout.pool_shape(n):
+        if tuple(kv_pool.shape) != layout.pool_shape(kv_pool.shape[layout.block_dim]):
             raise ValueError(f"pool shape {tuple(kv_pool.shape)} does not match {layout}")
         if not kv_pool.is_contiguous():
             raise ValueError("the torch backend needs a contiguous pool tensor")
         if num_heads % layout.num_kv_heads:
             raise ValueError(f"{num_heads} heads are not a multiple of {layout.num_kv_heads}")
-        self.kv_pool = kv_pool
-        self.layout = layout
-        self.num_heads = num_heads
-        self.scale = scale
+        self.kv_pool, self.layout, self.num_heads, self.scale = kv_pool, layout, num_heads, scale
         row = layout.num_kv_heads * layout.head_dim
         self.rows = kv_pool.view(-1, row)  # [num_rows, n_kv * head_dim]
-        # strides of (block, layer, k|v, offset) counted in rows
-        if layout.kind == AGGREGATED:
-            st = kv_pool.stride()[:4]  # [N, L, 2, bs, ...]
-        else:
-            s = kv_pool.stride()  # [L, 2, N, bs, ...]
-            st = (s[2], s[0], s[1], s[3])
-        self.row_stride = tuple(x // row for x in st)
+        s = kv_pool.stride()  # [N, L, 2, bs, ...] or [L, 2, N, bs, ...]
+        st = s[:4] if layout.kind == AGGREGATED else (s[2], s[0], s[1], s[3])
+        self.row_stride = tuple(x // row for x in st)  # (block, layer, k|v, offset) in rows
 
     def prepare(self, slices: list[SeqSlice]) -> AttentionMetadata:
         """Build the step's metadata plus the row indices every layer reuses."""
         md = build_metadata(slices, self.layout.block_size, self.kv_pool.device)
         sb, _, _, so = self.row_stride
         bs = self.layout.block_size
-        dev = self.kv_pool.device
         md.backend_data["slot_rows"] = (md.slot_mapping // bs) * sb + (md.slot_mapping % bs) * so
-        offsets = torch.arange(bs, device=dev) * so  # [bs]
-        tables = md.block_tables.long()
         if md.num_prefills:
             md.backend_data["starts"] = md.query_start_loc.tolist()
-        if md.num_decodes:
-            md.backend_data["decode"] = self._decode_groups(md, tables, offsets)
-        return md
-
-    def _decode_groups(self, md: AttentionMetadata, tables, offsets):
-        """Row indices and padding masks of the decodes, in cache-sized groups."""
-        sb = self.row_stride[0]
-        bs = self.layout.block_size
+        # decode row indices and padding masks, in cache-sized groups
+        offsets = torch.arange(bs, device=self.kv_pool.device) * so  # [bs]
         row_bytes = self.rows.shape[1] * self.rows.element_size()
-        groups = []
-        first = md.num_prefills
+        groups = md.backend_data["decode"] = []
+        first = i = md.num_prefills
         end = first + md.num_decodes
-        i = first
         while i < end:
             lens = md.seq_lens_host[i:end]
             n, longest = 0, 0
@@ -87,17 +68,13 @@ class TorchAttention:
                     break
                 n, longest = n + 1, longest_n
             nb = self.layout.num_blocks_for(longest)
-            t = tables[i : i + n, :nb]  # [n, nb]
+            t = md.block_tables[i : i + n, :nb].long()  # [n, nb]
             gather = (t[:, :, None] * sb + offsets).reshape(-1)  # [n * nb * bs]
             pos = torch.arange(nb * bs, device=t.device)
             valid = pos[None, :] < md.seq_lens[i : i + n, None].long()  # [n, S]
             groups.append((i - first, n, nb * bs, gather, valid[:, None, None, :]))
             i += n
-        return groups
-
-    def _layer_base(self, layer_id: int) -> tuple[int, int]:
-        _, sl, st, _ = self.row_stride
-        return layer_id * sl, layer_id * sl + st  # K rows, V rows
+        return md
 
     def forward(
         self,
@@ -109,14 +86,14 @@ class TorchAttention:
     ) -> torch.Tensor:
         """Store the new K/V of ``layer_id``, then attend; returns ``[T, H, D]``."""
         T, H, D = q.shape
-        KV = self.layout.num_kv_heads
-        kb, vb = self._layer_base(layer_id)
+        KV, G = self.layout.num_kv_heads, H // self.layout.num_kv_heads
+        sb, sl, st, so = self.row_stride
+        kb, vb = layer_id * sl, layer_id * sl + st  # first K and V rows of the layer
         slots = md.backend_data["slot_rows"]
         self.rows.index_copy_(0, slots + kb, k.reshape(T, KV * D).to(self.rows.dtype))
         self.rows.index_copy_(0, slots + vb, v.reshape(T, KV * D).to(self.rows.dtype))
 
         out = torch.empty_like(q)
-        G = H // KV
         for i in range(md.num_prefills):
             s, e = md.backend_data["starts"][i : i + 2]
             ctx, total = md.context_lens_host[i], md.seq_lens_host[i]
@@ -124,48 +101,42 @@ class TorchAttention:
             if ctx == 0:
                 ki, vi = _per_head(k[s:e], G), _per_head(v[s:e], G)  # [1, H, q, D]
                 oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale)
+                out[s:e] = oi[0].transpose(0, 1)
+                continue
+            table = md.block_tables[i, : self.layout.num_blocks_for(total)].long()
+            offsets = torch.arange(self.layout.block_size, device=table.device) * so
+            idx = (table[:, None] * sb + offsets).reshape(-1)
+            if _HAS_CPU_LSE and q.device.type == "cpu":
+                idx = idx[:ctx]  # the new tokens' K/V are at hand: gather the prefix only
+                kp = _per_head(self.rows.index_select(0, idx + kb).view(ctx, KV, D), G)
+                vp = _per_head(self.rows.index_select(0, idx + vb).view(ctx, KV, D), G)
+                kn, vn = _per_head(k[s:e], G), _per_head(v[s:e], G)  # [1, H, q, D]
+                oi = self._prefix_and_new(qi, kp.to(q.dtype), vp.to(q.dtype), kn, vn)
             else:
-                nb = self.layout.num_blocks_for(total)
-                table = md.block_tables[i, :nb].long()
-                sb, _, _, so = self.row_stride
-                idx = (table[:, None] * sb + torch.arange(self.layout.block_size) * so).reshape(-1)
-                if _HAS_CPU_LSE and q.device.type == "cpu":
-                    idx = idx[:ctx]  # the new tokens' K/V are at hand: gather the prefix only
-                    kp = _per_head(self.rows.index_select(0, idx + kb).view(ctx, KV, D), G)
-                    vp = _per_head(self.rows.index_select(0, idx + vb).view(ctx, KV, D), G)
-                    kn, vn = _per_head(k[s:e], G), _per_head(v[s:e], G)  # [1, H, q, D]
-                    oi = self._prefix_and_new(qi, kp.to(q.dtype), vp.to(q.dtype), kn, vn)
-                else:
-                    idx = idx[:total]
-                    ki = _per_head(self.rows.index_select(0, idx + kb).view(total, KV, D), G)
-                    vi = _per_head(self.rows.index_select(0, idx + vb).view(total, KV, D), G)
-                    qpos = torch.arange(ctx, total, device=q.device)
-                    mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]
-                    oi = F.scaled_dot_product_attention(
-                        qi, ki.to(q.dtype), vi.to(q.dtype), attn_mask=mask, scale=self.scale
-                    )  # mask: [q, total]
+                idx = idx[:total]
+                ki = _per_head(self.rows.index_select(0, idx + kb).view(total, KV, D), G)
+                vi = _per_head(self.rows.index_select(0, idx + vb).view(total, KV, D), G)
+                qpos = torch.arange(ctx, total, device=q.device)
+                mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]  # [q, total]
+                oi = F.scaled_dot_product_attention(
+                    qi, ki.to(q.dtype), vi.to(q.dtype), attn_mask=mask, scale=self.scale
+                )
             out[s:e] = oi[0].transpose(0, 1)
 
-        if md.num_decodes:
-            p0 = md.num_prefill_tokens
-            for start, n, S, gather, valid in md.backend_data["decode"]:
-                kd = self.rows.index_select(0, gather + kb).view(n, S, KV, D).transpose(1, 2)
-                vd = self.rows.index_select(0, gather + vb).view(n, S, KV, D).transpose(1, 2)
-                # the G query heads sharing a KV head act as G query positions: no K/V repeat
-                qd = q[p0 + start : p0 + start + n].view(n, KV, G, D)
-                od = F.scaled_dot_product_attention(
-                    qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=valid, scale=self.scale
-                )  # [n, KV, G, D]
-                out[p0 + start : p0 + start + n] = od.reshape(n, H, D)
+        p0 = md.num_prefill_tokens
+        for start, n, S, gather, valid in md.backend_data["decode"]:
+            kd = self.rows.index_select(0, gather + kb).view(n, S, KV, D).transpose(1, 2)
+            vd = self.rows.index_select(0, gather + vb).view(n, S, KV, D).transpose(1, 2)
+            qd = q[p0 + start : p0 + start + n].view(n, KV, G, D)  # G query heads as positions
+            od = F.scaled_dot_product_attention(
+                qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=valid, scale=self.scale
+            )  # [n, KV, G, D]
+            out[p0 + start : p0 + start + n] = od.reshape(n, H, D)
         return out
 
     def _prefix_and_new(self, q, kp, vp, kn, vn) -> torch.Tensor:
-        """Attention of new queries over a cached prefix plus themselves, in two fused calls.
-
-        The prefix part needs no mask and the new part is plain causal, so both run in the
-        fast kernel (one masked call over all keys is dense and slower than a full causal
-        prefill); the two partial results merge by their log-sum-exp. All ``[1, H, *, D]``.
-        """
+        """Attention over a cached prefix (unmasked) plus the new tokens (causal): both run in
+        the fast fused kernel, unlike one dense masked call, and merge by their log-sum-exp."""
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         op, lp = flash(q, kp, vp, 0.0, False, attn_mask=None, scale=self.scale)[:2]
         on, ln = flash(q, kn, vn, 0.0, True, attn_mask=None, scale=self.scale)[:2]
@@ -176,11 +147,8 @@ class TorchAttention:
 
 
 def _per_head(x: torch.Tensor, group: int) -> torch.Tensor:
-    """``[T, KV, D]`` → ``[1, KV * group, T, D]``, each KV head repeated for its query heads.
-
-    PyTorch's fused CPU attention kernel takes 4-D inputs with equal head counts; 3-D or
-    ``enable_gqa`` inputs fall back to a path 3-5x slower on long prompts, so the copy pays.
-    """
+    """``[T, KV, D]`` → ``[1, KV * group, T, D]``: PyTorch's fused CPU kernel takes 4-D inputs
+    with equal head counts (3-D or ``enable_gqa`` inputs run 3-5x slower on long prompts)."""
     x = x.transpose(0, 1)  # [KV, T, D]
     if group > 1:
         x = x.repeat_interleave(group, dim=0)  # [H, T, D]

@@ -24,7 +24,7 @@ import sys
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,7 @@ from .rpc import (
     Accept,
     AllocReply,
     AllocRequest,
+    Codec,
     Commit,
     FreeMem,
     Handoff,
@@ -95,6 +96,7 @@ class InstanceSpec:
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     parent_pid: int = 0
     shared_pool: bool = False  # hbm pool in shared memory, for peers to write into
+    secret: bytes = field(default=b"", repr=False)  # the cluster's control-plane key
 
 
 class SharedMemPool(MemPool):
@@ -243,6 +245,7 @@ class InstanceServer:
             port=spec.port,
             timeout_s=spec.timeout_s,
             on_wait=self._heartbeat,
+            codec=Codec(spec.secret),
         )
         self.node.connect(FRONTEND, spec.frontend)
         self.handlers = {

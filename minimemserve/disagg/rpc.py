@@ -3,11 +3,13 @@
 An :class:`RpcNode` is one process's end: a ROUTER socket that peers send to, and a DEALER
 socket per peer it sends to. Messages are ``msgspec`` structs, tagged by class name and
 validated field by field (types, ranges) when decoded, inside an :class:`Envelope`; nothing
-is pickled. A request carries a sequence number, so a late reply to a request that timed
-out is recognised and dropped. While a node waits for the answer to its own request it
-keeps answering requests that reach it: prefill and decode instances call each other (D
-sends decode-phase KV back to P while P is sending to D), and a node that only waited
-would deadlock.
+is pickled. Every frame carries an HMAC of the cluster's secret (made by the frontend and
+handed to the instances it spawns, never on a command line or in a file): a frame without
+it is dropped unanswered, whoever sent it, loopback included. A request carries a sequence
+number, so a late reply to a request that timed out is recognised and dropped. While a node
+waits for the answer to its own request it keeps answering requests that reach it: P and D
+call each other (D sends decode-phase KV back while P is sending to it), and a node that
+only waited would deadlock.
 
 Transfer protocol (receiving side of ``MemPool.transfer``): :class:`AllocRequest` →
 :class:`AllocReply` (``recv_alloc``), the sender writes into the shared pool tensor,
@@ -16,6 +18,7 @@ Transfer protocol (receiving side of ``MemPool.transfer``): :class:`AllocRequest
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import time
 from collections.abc import Callable
@@ -38,6 +41,7 @@ WAIT_SLICE_S = 0.05
 SEND_HWM = 10_000
 # Largest control message accepted: a 1M-token prompt is ~9 MB of msgpack.
 MAX_MESSAGE_BYTES = 32 << 20
+TAG_BYTES = 32  # HMAC-SHA256 of the payload, sent in front of it
 
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Ids = list[Count]
@@ -239,12 +243,20 @@ class Envelope(msgspec.Struct, forbid_unknown_fields=True):
     msg: Msg
 
 
-class Codec:
-    """Encodes envelopes; decodes and validates them against a fixed set of message types
-    (the runtime's ``MESSAGES`` plus any ``extra`` a tool adds, such as a benchmark's)."""
+class Unauthenticated(TransferError):
+    """A frame without a valid authentication tag: dropped unanswered."""
 
-    def __init__(self, extra: tuple[type[Msg], ...] = ()) -> None:
-        """Know ``MESSAGES`` and ``extra``."""
+
+class Codec:
+    """Packs envelopes behind an HMAC-SHA256 tag of the cluster's secret; checks the tag,
+    then decodes and validates against a fixed set of message types (the runtime's
+    ``MESSAGES`` plus any ``extra`` a tool adds, such as a benchmark's)."""
+
+    def __init__(self, secret: bytes, extra: tuple[type[Msg], ...] = ()) -> None:
+        """Sign with ``secret`` (at least 16 bytes, shared by every process of a cluster)."""
+        if not isinstance(secret, bytes) or len(secret) < 16:
+            raise ValueError("the control-plane secret must be at least 16 bytes")
+        self._secret = secret
         msg_type = Union[MESSAGES + tuple(extra)]  # noqa: UP007 - a runtime union of classes
         env = msgspec.defstruct("Envelope", [("kind", Literal["req", "rep", "push"]),
                                              ("seq", int), ("sender", str), ("msg", msg_type)],
@@ -253,15 +265,29 @@ class Codec:
         self._decode = msgspec.msgpack.Decoder(env).decode
 
     def encode(self, env: Envelope) -> bytes:
-        """Pack a frame (msgpack maps; message structs tagged ``"type": class name``)."""
-        return self._encode(env)
+        """Tag and pack a frame (msgpack maps; message structs tagged by class name)."""
+        payload = self._encode(env)
+        return hmac.digest(self._secret, payload, "sha256") + payload
 
-    def decode(self, payload: bytes) -> Envelope:
-        """Unpack and validate a frame; raises ``TransferError`` naming what is wrong."""
+    def decode(self, frame: bytes) -> Envelope:
+        """Check the tag, unpack and validate; raises ``Unauthenticated``, or
+        ``TransferError`` naming what is wrong with an authentic frame."""
+        tag, payload = frame[:TAG_BYTES], frame[TAG_BYTES:]
+        if not hmac.compare_digest(tag, hmac.digest(self._secret, payload, "sha256")):
+            raise Unauthenticated("control frame without a valid authentication tag")
         try:
             return self._decode(payload)
         except (msgspec.DecodeError, ValueError) as e:
             raise TransferError(f"malformed control message: {e}") from None
+
+    @staticmethod
+    def seq_of(frame: bytes) -> int:
+        """The sequence number of an authentic frame that failed validation (-1 if none)."""
+        try:
+            seq = msgspec.msgpack.decode(frame[TAG_BYTES:]).get("seq", -1)
+        except (msgspec.DecodeError, AttributeError):
+            return -1
+        return seq if type(seq) is int else -1
 
 
 def endpoint(host: str = LOOPBACK, port: int = 0) -> str:
@@ -306,16 +332,18 @@ class RpcNode:
         port: int = 0,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         on_wait: Callable[[], None] | None = None,
-        codec: Codec | None = None,
+        codec: Codec,
     ) -> None:
-        """Bind ``host:port`` (port 0 picks a free one; see :attr:`address`)."""
+        """Bind ``host:port`` (port 0 picks a free one; see :attr:`address`); ``codec`` holds
+        the cluster's secret."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.name = name
         self.handler = handler
         self.timeout_s = timeout_s
         self.on_wait = on_wait
-        self.codec = codec or Codec()
+        self.codec = codec
+        self.rejected = 0  # frames dropped: unauthenticated, or failed validation
         self.dead: dict[str, str] = {}  # peer name -> why it is considered dead
         self._ctx = zmq.Context()
         self._server = self._socket(zmq.ROUTER)
@@ -368,8 +396,12 @@ class RpcNode:
     def _handle(self, ident: bytes, payload: bytes) -> None:
         try:
             env = self.codec.decode(payload)
-        except TransferError as e:
-            self._reply(ident, -1, Error("TransferError", str(e)))
+        except Unauthenticated:
+            self.rejected += 1
+            return
+        except TransferError as e:  # a member sent something invalid: tell it at once
+            self.rejected += 1
+            self._reply(ident, self.codec.seq_of(payload), Error("TransferError", str(e)))
             return
         try:
             reply = self.handler(env.sender, env.msg)
@@ -449,6 +481,9 @@ class RpcNode:
                 env = self.codec.decode(sock.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return None
+            except Unauthenticated:
+                self.rejected += 1
+                continue
             if env.kind == "rep" and env.seq == seq:
                 return env.msg
             # else: the late answer to a request that timed out

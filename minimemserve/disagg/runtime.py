@@ -24,6 +24,7 @@ import logging
 import multiprocessing as mp
 import operator
 import os
+import secrets
 import signal
 import threading
 import time
@@ -53,6 +54,7 @@ from .rpc import (
     DEFAULT_TIMEOUT_S,
     LOOPBACK,
     AbortRequest,
+    Codec,
     Handoff,
     Heartbeat,
     Info,
@@ -222,8 +224,14 @@ class ProcessCluster:
         )
         # transfers (the recipes', or the scheduler's prefix pushes) need pools peers can map
         linked = milestone.moves_kv or policy == "prompt_tree_transfer"
+        secret = secrets.token_bytes(32)  # reaches the instances through the spawn pipe
         self.node = RpcNode(
-            "frontend", self._handle, host=host, port=base_port, timeout_s=timeout_s
+            "frontend",
+            self._handle,
+            host=host,
+            port=base_port,
+            timeout_s=timeout_s,
+            codec=Codec(secret),
         )
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
@@ -249,6 +257,7 @@ class ProcessCluster:
                     heartbeat_s=heartbeat_s,
                     parent_pid=os.getpid(),
                     shared_pool=linked,
+                    secret=secret,
                 )
                 proc = ctx.Process(target=instance_main, args=(spec,), name=f"mms-{name}")
                 proc.daemon = True

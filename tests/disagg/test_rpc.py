@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import multiprocessing as mp
 import threading
 
@@ -31,6 +32,18 @@ from minimemserve.sampling import SamplingParams
 
 JOIN_S = 30
 BLOCK_SIZE = 4
+SECRET = b"a test secret of 32 bytes, fixed"
+CODEC = rpc.Codec(SECRET)
+
+
+def node(name: str, handler, **kw) -> RpcNode:
+    return RpcNode(name, handler, codec=CODEC, **kw)
+
+
+class _Bogus(rpc.Msg):
+    """A message type the receiving node does not know."""
+
+    n: int
 
 
 class _Receiver:
@@ -60,7 +73,7 @@ class _Receiver:
 def _serve(queue: mp.Queue) -> None:
     """Child: bind a free port, report it, serve until told to stop."""
     receiver = _Receiver()
-    node = RpcNode("decode-0", receiver)
+    node = RpcNode("decode-0", receiver, codec=rpc.Codec(SECRET))
     queue.put(node.address)
     while not receiver.stop:
         node.serve(0.05)
@@ -72,7 +85,7 @@ def _start_child() -> tuple[mp.Process, RpcNode]:
     queue = ctx.Queue()
     child = ctx.Process(target=_serve, args=(queue,))
     child.start()
-    node = RpcNode("prefill-0", lambda s, m: None, timeout_s=5)
+    node = RpcNode("prefill-0", lambda s, m: None, timeout_s=5, codec=CODEC)
     node.connect("decode-0", queue.get(timeout=JOIN_S))
     return child, node
 
@@ -90,10 +103,12 @@ def test_every_message_round_trips_as_plain_msgpack() -> None:
         Error("PoolExhausted", "no blocks"),
     ]
     for msg in messages:
-        payload = rpc.Codec().encode(Envelope("push", 3, "P0", msg))
-        raw = msgpack.unpackb(payload, raw=False)  # plain maps, no pickle inside
+        payload = CODEC.encode(Envelope("push", 3, "P0", msg))
+        tag, body = payload[: rpc.TAG_BYTES], payload[rpc.TAG_BYTES :]
+        assert tag == hmac.digest(SECRET, body, "sha256")
+        raw = msgpack.unpackb(body, raw=False)  # plain maps, no pickle inside
         assert raw["msg"]["type"] == type(msg).__name__
-        env = rpc.Codec().decode(payload)
+        env = CODEC.decode(payload)
         assert env.msg == msg and env.seq == 3 and env.sender == "P0"
 
 
@@ -114,13 +129,45 @@ def test_every_message_round_trips_as_plain_msgpack() -> None:
 )  # fmt: skip
 def test_malformed_messages_raise_clear_errors(msg, match) -> None:
     payload = msgpack.packb({"kind": "req", "seq": 1, "sender": "x", "msg": msg})
+    payload = hmac.digest(SECRET, payload, "sha256") + payload  # authentic, but invalid
     with pytest.raises(TransferError, match=match):
-        rpc.Codec().decode(payload)
+        CODEC.decode(payload)
 
 
-def test_garbage_is_a_transfer_error() -> None:
-    with pytest.raises(TransferError, match="malformed control message"):
-        rpc.Codec().decode(b"\xc1garbage")
+def test_garbage_and_frames_signed_with_another_key_are_unauthenticated() -> None:
+    for frame in (b"\xc1garbage", rpc.Codec(b"another secret, 32 bytes as well").encode(
+        Envelope("req", 1, "frontend", Shutdown("forged"))
+    )):  # fmt: skip
+        with pytest.raises(rpc.Unauthenticated):
+            CODEC.decode(frame)
+
+
+def test_forged_and_invalid_frames_are_dropped_or_refused_and_the_node_keeps_serving() -> None:
+    receiver = _Receiver()
+    server = node("d", receiver)
+    forger = RpcNode("frontend", lambda s, m: None, timeout_s=0.3,
+                     codec=rpc.Codec(b"not the cluster's secret, 32 b.."))  # fmt: skip
+    client = node("c", lambda s, m: None, timeout_s=5)
+    forger.connect("d", server.address)
+    client.connect("d", server.address)
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: [server.serve(0.01) for _ in iter(stop.is_set, True)])
+    thread.start()
+    try:
+        with pytest.raises(TransferError, match="did not answer Shutdown"):  # dropped, no answer
+            forger.call("d", Shutdown("forged"))
+        assert not receiver.stop and server.rejected == 1 and receiver.heard == []
+        bad = rpc.Codec(SECRET, extra=(_Bogus,))  # a member sending a type the node lacks
+        client.codec = bad
+        with pytest.raises(RemoteError, match="TransferError: malformed"):  # answered at once
+            client.call("d", _Bogus(1))
+        client.codec = CODEC
+        assert client.call("d", AllocRequest("x", None, 1)) == AllocReply([], [100])
+    finally:
+        stop.set()
+        thread.join(JOIN_S)
+        for n in (server, forger, client):
+            n.close()
 
 
 def test_requests_round_trip_across_processes() -> None:
@@ -160,8 +207,8 @@ def test_dead_peer_fails_with_a_named_error() -> None:
 
 def test_late_reply_is_dropped_and_the_next_request_gets_its_own() -> None:
     receiver = _Receiver()
-    server = RpcNode("d", receiver)
-    client = RpcNode("c", lambda s, m: None)
+    server = node("d", receiver)
+    client = node("c", lambda s, m: None)
     client.connect("d", server.address)
     try:
         with pytest.raises(TransferError, match="did not answer"):
@@ -187,17 +234,19 @@ def test_late_reply_is_dropped_and_the_next_request_gets_its_own() -> None:
 
 
 def test_close_is_final_and_idempotent() -> None:
-    node = RpcNode("p", lambda s, m: None, timeout_s=0.05)
-    node.connect("nobody", "tcp://127.0.0.1:9")
+    p = node("p", lambda s, m: None, timeout_s=0.05)
+    p.connect("nobody", "tcp://127.0.0.1:9")
     for _ in range(100):
-        node.push("nobody", Heartbeat())  # queued towards a port nobody listens on
-    assert node.address.startswith("tcp://127.0.0.1:")
-    node.close()
-    node.close()
+        p.push("nobody", Heartbeat())  # queued towards a port nobody listens on
+    assert p.address.startswith("tcp://127.0.0.1:")
+    p.close()
+    p.close()
     with pytest.raises(TransferError, match="no connection"):
-        node.push("nobody", Ack())
+        p.push("nobody", Ack())
     with pytest.raises(ValueError, match="timeout_s must be positive"):
-        RpcNode("q", lambda s, m: None, timeout_s=0)
+        node("q", lambda s, m: None, timeout_s=0)
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        rpc.Codec(b"short")
 
 
 def test_calls_in_both_directions_at_once_do_not_deadlock():
@@ -211,7 +260,7 @@ def test_calls_in_both_directions_at_once_do_not_deadlock():
 
         return handle
 
-    a, b = RpcNode("A", handler("A"), timeout_s=5), RpcNode("B", handler("B"), timeout_s=5)
+    a, b = node("A", handler("A"), timeout_s=5), node("B", handler("B"), timeout_s=5)
     a.connect("B", b.address)
     b.connect("A", a.address)
     results: dict[str, object] = {}
