@@ -67,6 +67,7 @@ from .rpc import (
 )
 
 FRONTEND = "frontend"
+PEER = "peer"  # any instance the frontend announced
 # How long an idle instance blocks on its socket before checking its parent and heartbeat.
 IDLE_POLL_S = 0.02
 # How often the loop checks that the launching process still exists.
@@ -248,23 +249,28 @@ class InstanceServer:
             codec=Codec(spec.secret),
         )
         self.node.connect(FRONTEND, spec.frontend)
+        self.peer_names: set[str] = set()  # the other instances, as the frontend announced
+        # message type -> (who may send it, handler)
         self.handlers = {
-            AllocRequest: self._on_alloc,
-            Commit: self._on_commit,
-            Abort: self._on_abort,
-            FreeMem: lambda sender, m: self.pool.free_mem(self._ungrant(sender, m.blocks)),
-            Accept: self._on_accept,
-            Probe: lambda sender, m: ProbeReply(
-                self.pool.cached_prefix_len(m.tokens), self._load()
+            AllocRequest: (PEER, self._on_alloc),
+            Commit: (PEER, self._on_commit),
+            Abort: (PEER, self._on_abort),
+            FreeMem: (PEER, lambda s, m: self.pool.free_mem(self._ungrant(s, m.blocks))),
+            Accept: (PEER, self._on_accept),
+            Probe: (
+                PEER,
+                lambda s, m: ProbeReply(self.pool.cached_prefix_len(m.tokens), self._load()),
             ),
-            Submit: self._on_submit,
-            Query: self._on_query,
-            Peers: self._on_peers,
-            PushPrefix: lambda sender, m: Info({"tokens": self._push_prefix(m.tokens, m.to)}),
-            PeerDown: self._on_peer_down,
-            AbortRequest: self._on_abort_request,
-            Shutdown: self._on_shutdown,
-            Heartbeat: lambda sender, m: None,
+            Submit: (FRONTEND, self._on_submit),
+            Query: (FRONTEND, self._on_query),
+            Peers: (FRONTEND, self._on_peers),
+            PushPrefix: (
+                FRONTEND,
+                lambda s, m: Info({"tokens": self._push_prefix(m.tokens, m.to)}),
+            ),
+            PeerDown: (FRONTEND, self._on_peer_down),
+            AbortRequest: (FRONTEND, self._on_abort_request),
+            Shutdown: (FRONTEND, self._on_shutdown),
         }
 
     # ---- what recipes need (``Peers``) -------------------------------------------------------
@@ -296,9 +302,11 @@ class InstanceServer:
 
     # ---- control messages -----------------------------------------------------------------
     def _handle(self, sender: str, msg: Msg) -> Msg | None:
-        handler = self.handlers.get(type(msg))
-        if handler is None:
-            raise ValueError(f"{self.name} does not handle {type(msg).__name__}")
+        who, handler = self.handlers.get(type(msg), (None, None))
+        if who is None or (
+            sender != FRONTEND if who == FRONTEND else sender not in self.peer_names
+        ):
+            raise PermissionError(f"{self.name} takes no {type(msg).__name__} from {sender!r}")
         return handler(sender, msg)
 
     def _load(self) -> int:
@@ -306,13 +314,21 @@ class InstanceServer:
         return len(sched.waiting) + len(sched.running) + len(self.inbox)
 
     def _on_alloc(self, sender: str, m: AllocRequest) -> AllocReply:
-        matched, new = self.pool.recv_alloc(m.tokens, m.num_blocks)
+        n, layout = m.num_blocks, self.pool.layout
+        if n > self.pool.capacity() or (
+            m.tokens is not None
+            and not len(m.tokens) // layout.block_size <= n <= layout.num_blocks_for(len(m.tokens))
+        ):
+            raise ValueError(f"{n} blocks for {len(m.tokens or ())} tokens cannot be received here")
+        matched, new = self.pool.recv_alloc(m.tokens, n)
         self._grant(sender, matched + new)
         self.xfers[(sender, m.xfer)] = matched + new
         return AllocReply(matched, new)
 
     def _on_commit(self, sender: str, m: Commit) -> None:
-        self.xfers.pop((sender, m.xfer), None)
+        if self.xfers.get((sender, m.xfer)) != m.blocks:
+            raise ValueError(f"{sender} commits blocks not allocated for transfer {m.xfer!r}")
+        del self.xfers[(sender, m.xfer)]
         self.pool.recv_commit(m.tokens, m.blocks)
 
     def _on_abort(self, sender: str, m: Abort) -> None:
@@ -320,12 +336,30 @@ class InstanceServer:
         self.pool.recv_abort(self._ungrant(sender, m.blocks if blocks is None else blocks))
 
     def _on_accept(self, sender: str, m: Accept) -> None:
+        self._check_state(m.state)
         req = request_of(m.state)
         held = self._ungrant(sender, req.blocks)
         if len(held) != len(req.blocks):
             self.pool.free_mem(held)
             raise ValueError(f"request {req.request_id} arrived with blocks not sent here")
         self.inbox.append(req)
+
+    def _check_state(self, s: RequestState) -> None:
+        """A handed-over request must be one this engine can continue."""
+        n, vocab = len(s.tokens), self.engine.model_config.vocab_size
+        problems = {
+            "a token id is outside the vocabulary": any(not 0 <= t < vocab for t in s.tokens),
+            "lengths do not add up": not 0 < s.num_prompt <= n <= s.max_total_tokens
+            or s.num_computed > n
+            or s.max_total_tokens > self.engine.max_model_len,
+            "blocks do not cover the computed tokens": len(s.blocks)
+            != self.pool.layout.num_blocks_for(s.num_computed),
+            "the prefill instance is unknown": s.prefill_instance not in self.peer_names,
+            "the request id is in use": s.request_id in self.engine.requests,
+        }
+        bad = [what for what, failed in problems.items() if failed]
+        if bad:
+            raise ValueError(f"request {s.request_id!r} refused: {'; '.join(bad)}")
 
     def _on_submit(self, sender: str, m: Submit) -> None:
         ids = self.engine.validate(m.prompt, m.params)
@@ -355,12 +389,16 @@ class InstanceServer:
                 "requests": len(self.engine.requests) + len(self.inbox),
                 "grants": {p: sum(c.values()) for p, c in self.grants.items()},
                 "dead_peers": dict(self.node.dead),
+                "rejected": self.node.rejected,
             }
         )
 
     def _on_peers(self, sender: str, m: Peers) -> None:
+        if self.peer_names:
+            raise PermissionError("the peers of an instance are announced once")
+        self.peer_names = {p.name for p in m.peers} - {self.name, FRONTEND}
         for p in m.peers:
-            if p.name == self.name:
+            if p.name not in self.peer_names:
                 continue
             self.node.connect(p.name, p.address)
             if p.handle is not None:

@@ -330,10 +330,10 @@ class ProcessCluster:
 
     # ---- messages from instances -----------------------------------------------------------
     def _handle(self, sender: str, msg: Msg) -> None:
-        self._last_heard[sender] = time.monotonic()
         handler = self._handlers.get(type(msg))
-        if handler is None:
-            raise ValueError(f"the frontend does not handle {type(msg).__name__}")
+        if handler is None or sender not in self.instances or sender in self.dead:
+            raise PermissionError(f"the frontend takes no {type(msg).__name__} from {sender!r}")
+        self._last_heard[sender] = time.monotonic()
         handler(sender, msg)
 
     def _on_output(self, sender: str, msg: Output) -> None:
@@ -345,7 +345,7 @@ class ProcessCluster:
 
     def _on_handoff(self, sender: str, msg: Handoff) -> None:
         f = self._inflight.get(msg.request_id)
-        if f is None or f.where != sender:
+        if f is None or f.where != sender or msg.to not in self.instances:
             return
         if msg.to in self.dead:  # handed over before that instance died: lost there
             reason = f"InstanceDied: instance {msg.to} died ({self.dead[msg.to]})"
@@ -355,10 +355,10 @@ class ProcessCluster:
             self.scheduler.prefilled(msg.request_id)
 
     def _on_ready(self, sender: str, msg: Ready) -> None:
-        inst = self.instances.get(msg.info.name)
-        if inst is None:
-            raise ValueError(f"unknown instance {msg.info.name!r} reported ready")
-        inst.address, inst.handle, inst.pid = msg.info.address, msg.info.handle, msg.pid
+        inst, info = self.instances[sender], msg.info
+        if inst.address or (info.name, info.role) != (sender, inst.role):
+            raise PermissionError(f"{sender} cannot report ready as {info.name} ({info.role})")
+        inst.address, inst.handle, inst.pid = info.address, info.handle, msg.pid
 
     # ---- liveness --------------------------------------------------------------------------
     def _live(self, role: str) -> list[str]:
@@ -572,6 +572,11 @@ class ProcessCluster:
             for name in self.instances
             if name not in self.dead
         }
+
+    def stats(self) -> dict[str, dict]:
+        """Per live instance: pool stats, requests held, blocks granted to peers, dead peers,
+        control frames rejected; ``"frontend"``: frames the frontend rejected."""
+        return self._ask_all("stats") | {"frontend": {"rejected": self.node.rejected}}
 
     def pool_stats(self) -> dict[str, dict]:
         """``{live instance: MemPool.stats()}``."""
