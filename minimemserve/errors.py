@@ -1,14 +1,14 @@
 """Exceptions raised by minimemserve. Bad request values are `ValueError` subclasses."""
 
 import reprlib
+from collections.abc import Sequence
 
 
 def shown(value: object) -> str:
-    """A short repr of a bad value for an error message (long strings, lists and ints are
-    elided; Python refuses to print an int of more than 4300 digits at all)."""
+    """A short repr of a bad value for an error message (even of a too-long-to-print int)."""
     try:
         return reprlib.repr(value)
-    except ValueError:
+    except ValueError:  # Python refuses to print an int of more than 4300 digits
         return f"<a {type(value).__name__} holding an integer too long to print>"
 
 
@@ -41,15 +41,9 @@ class InstanceDied(TransferError):
 
 
 class SamplingError(MiniMemServeError, RuntimeError):
-    """The logits of some batch rows hold NaN or +inf (or only -inf): no token can be drawn.
+    """Some batch rows' logits hold NaN or +inf (or only -inf): no token can be drawn. ``rows``
+    lists them; ``tokens`` holds every row's token (None for those), so only they fail."""
 
-    ``rows`` lists those rows; ``tokens`` holds the token of every other row (None for the
-    bad ones), so the engine can fail just the requests of the bad rows.
-    """
-
-    def __init__(
-        self, message: str, rows: list[int] | None = None, tokens: list[int | None] | None = None
-    ) -> None:
+    def __init__(self, message: str, rows: Sequence[int] = (), tokens: Sequence = ()) -> None:
         super().__init__(message)
-        self.rows = rows or []
-        self.tokens = tokens or []
+        self.rows, self.tokens = list(rows), list(tokens)

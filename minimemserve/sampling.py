@@ -20,93 +20,62 @@ INT64_LIMIT = 2**63  # counts, seeds and token ids fit a signed 64-bit int (nump
 GREEDY_TEMPERATURE = 1e-5
 
 
-_INVALID: Any = object()  # what a converter returns for a value of the wrong type
+def _scalar(kinds: type | tuple[type, ...], to: type) -> Callable[[Any], Any]:
+    """Converter of a Python or numpy scalar of ``kinds`` (a bool is no number) to ``to``."""
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, kinds) and (to is bool or not isinstance(value, bool)):
+            return to(value)
+        raise TypeError
+
+    return convert
 
 
-def _as_int(value: Any) -> int:
-    """An integer (Python or numpy, not bool) as ``int``."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    return _INVALID
-
-
-def _as_float(value: Any) -> float:
-    """A real number (Python or numpy, not bool) as ``float``."""
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        try:
-            return float(value)
-        except OverflowError:  # an int beyond the float range
-            pass
-    return _INVALID
-
-
-def _as_bool(value: Any) -> bool:
-    return bool(value) if isinstance(value, (bool, np.bool_)) else _INVALID
+_as_int = _scalar(numbers.Integral, int)
+_as_float = _scalar(numbers.Real, float)
+_as_bool = _scalar((bool, np.bool_), bool)
 
 
 def _as_seed(value: Any) -> int | None:
     return None if value is None else _as_int(value)
 
 
-def _stop_ids(value: Any) -> tuple[int, ...]:
-    """``stop_token_ids`` as a tuple of ints."""
-    if not isinstance(value, (list, tuple, set, frozenset)):
-        return _INVALID
-    ids = tuple(_as_int(t) for t in value)
-    return ids if all(t is not _INVALID for t in ids) else _INVALID
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return tuple(map(_as_int, value))
+    raise TypeError
 
 
-# field -> (converter, accepts the converted value, what a valid value is)
+def _is_id(value: int) -> bool:  # seeds and token ids
+    return 0 <= value < INT64_LIMIT
+
+
+# field -> (converter, raising TypeError or OverflowError; accepts the value; what is valid)
 _FIELDS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "max_tokens": (_as_int, lambda v: 1 <= v < INT64_LIMIT, "an integer in [1, 2**63)"),
     "temperature": (_as_float, lambda v: 0 <= v < math.inf, "a finite number >= 0"),
-    "top_k": (
-        _as_int,
-        lambda v: v == -1 or 0 <= v < INT64_LIMIT,
-        "0 or -1 (off), or an integer in [1, 2**63)",
-    ),
+    "top_k": (_as_int, lambda v: -1 <= v < INT64_LIMIT, "-1 or 0 (off), or in [1, 2**63)"),
     "top_p": (_as_float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "seed": (
-        _as_seed,
-        lambda v: v is None or 0 <= v < INT64_LIMIT,
-        "None or an integer in [0, 2**63)",
-    ),
-    "stop_token_ids": (
-        _stop_ids,
-        lambda v: all(0 <= t < INT64_LIMIT for t in v),
-        "a list, tuple or set of integers in [0, 2**63)",
-    ),
+    "seed": (_as_seed, lambda v: v is None or _is_id(v), "None or an integer in [0, 2**63)"),
+    "stop_token_ids": (_as_ids, lambda v: all(map(_is_id, v)), "integers in [0, 2**63)"),
     "ignore_eos": (_as_bool, lambda v: True, "a bool"),
 }
 
 
 def token_seed(seed: int, n: int) -> int:
-    """Seed of the generator that draws token ``n`` of a request seeded with ``seed``.
-
-    A function of ``(seed, n)`` alone, always within torch's 64-bit seed range. The CPU
-    generator keeps only the low 32 bits of its seed, so the high half is folded into them:
-    seeds that differ only above bit 32 still draw different tokens.
-    """
+    """Seed of the generator drawing token ``n`` of a request seeded with ``seed``, 64-bit. The
+    CPU generator keeps only its low 32 bits, so the high half is folded into them."""
     x = (seed * _SEED_STRIDE + n) & _U64_MASK
     return x ^ (x >> 32)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the tokens of one request.
-
-    ``temperature=0`` is greedy (deterministic), and so is any temperature below
-    ``GREEDY_TEMPERATURE`` (1e-5): at such temperatures the distribution is the argmax, and
-    dividing logits by them only risks overflow. ``top_k=0`` (or -1) and ``top_p=1`` disable
-    those filters. With ``seed`` set (any integer in [0, 2**63), e.g. ``time.time_ns()``), the
-    n-th token is drawn from a generator seeded by :func:`token_seed` of ``(seed, n)`` alone,
-    so the result does not depend on batching, preemption or on which instance computes it.
-
-    Every field is checked on construction: a value of the wrong type or out of range raises
-    ``InvalidRequest`` naming the field. Numpy scalars are accepted and stored as the Python
-    value; bools are not counts and are rejected for ``max_tokens``, ``top_k`` and ``seed``.
-    ``stop_token_ids`` is stored as a tuple; an id outside the vocabulary never matches.
-    """
+    """How to pick the tokens of one request. A temperature below ``GREEDY_TEMPERATURE``
+    (0 too) is greedy; ``top_k=0`` (or -1) and ``top_p=1`` disable those filters. With a
+    ``seed``, token n depends only on ``token_seed(seed, n)``, not on batching, preemption or
+    placement. A bad type or range raises ``InvalidRequest`` naming the field; numpy scalars
+    are stored as Python values, ``stop_token_ids`` as a tuple (an unknown id never matches)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -119,8 +88,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for name, (convert, valid, rule) in _FIELDS.items():
             raw = getattr(self, name)
-            value = convert(raw)
-            if value is _INVALID or not valid(value):
+            try:
+                value = convert(raw)
+                ok = valid(value)
+            except (TypeError, OverflowError):
+                ok = False
+            if not ok:
                 raise InvalidRequest(f"SamplingParams.{name} must be {rule}, got {shown(raw)}")
             object.__setattr__(self, name, value)
 
@@ -130,9 +103,7 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
-def _draw(
-    logits: torch.Tensor, row_max: torch.Tensor, p: SamplingParams, gen: torch.Generator
-) -> int | None:
+def _draw(logits: torch.Tensor, row_max: torch.Tensor, p: SamplingParams, gen) -> int | None:
     """One token from a row of finite-maximum logits ``[V]``; None if no distribution results."""
     row = logits / p.temperature  # [V]
     if not torch.isfinite(row).all():  # the division overflowed: shift first (same softmax)
@@ -146,10 +117,8 @@ def _draw(
         # drop a token when the mass before it already reaches top_p (the first always stays)
         drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
         drop[0] = False  # also when top_p is below the smallest fp32 and compares as 0
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-    total = float(probs.sum())  # NaN if a probability is
-    if not 0 < total < math.inf:
+        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p.masked_fill(drop, 0.0))
+    if not 0 < float(probs.sum()) < math.inf:  # NaN if a probability is
         return None
     return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
 
@@ -160,12 +129,9 @@ def sample(
     num_generated: list[int],
     generator: torch.Generator,
 ) -> list[int]:
-    """One token per row. Rows without a seed draw from the engine's CPU ``generator``.
-
-    A row whose logits hold NaN or +inf, or only -inf, has no distribution to draw from:
-    the other rows are still sampled, then ``SamplingError`` names the bad rows and carries
-    the tokens of the good ones, so the caller can fail those requests alone.
-    """
+    """One token per row; rows without a seed draw from the engine's CPU ``generator``. A row
+    of logits holding NaN or +inf, or only -inf, has no distribution: the other rows are still
+    sampled, then ``SamplingError`` names the bad rows and carries the others' tokens."""
     row_max = logits.max(dim=-1).values  # [B]; NaN if the row holds a NaN
     finite = torch.isfinite(row_max).tolist()
     out: list[int | None] = logits.argmax(dim=-1).tolist()
@@ -179,10 +145,6 @@ def sample(
             out[i] = _draw(logits[i], row_max[i], p, gen)
     bad = [i for i, token in enumerate(out) if token is None]
     if bad:
-        raise SamplingError(
-            f"logits of batch row(s) {bad} are not finite (NaN, +inf or all -inf): "
-            "no token can be sampled for them",
-            rows=bad,
-            tokens=out,
-        )
+        message = f"logits of batch row(s) {bad} are not finite (NaN, +inf or all -inf)"
+        raise SamplingError(message, rows=bad, tokens=out)
     return cast(list[int], out)

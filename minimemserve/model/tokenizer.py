@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,18 +14,12 @@ TOKENIZER_FILENAME = "tokenizer.model"
 
 
 class Tokenizer:
-    """Text to token ids and back, through a sentencepiece model.
+    """Text to token ids and back, through a sentencepiece model. ``encode`` prepends BOS
+    by default, as Llama-2 prompts start with it; ``decode`` drops control tokens."""
 
-    ``encode`` prepends BOS by default, as Llama-2 prompts start with it; ``decode`` drops
-    control tokens (BOS, EOS, padding) unless asked to render them.
-    """
-
-    def __init__(self, processor: spm.SentencePieceProcessor, source: str = "<memory>") -> None:
+    def __init__(self, processor: spm.SentencePieceProcessor) -> None:
         self._sp = processor
-        self.source = source
-        self._special = frozenset(
-            i for i in range(processor.get_piece_size()) if processor.is_control(i)
-        )
+        self._special = frozenset(filter(processor.is_control, range(len(processor))))
 
     @classmethod
     def from_file(cls, file: str | Path) -> Tokenizer:
@@ -37,7 +32,7 @@ class Tokenizer:
             processor.load(str(file))
         except (OSError, RuntimeError) as exc:
             raise CheckpointError(f"cannot load sentencepiece model {file}: {exc}") from exc
-        return cls(processor, source=str(file))
+        return cls(processor)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -52,23 +47,19 @@ class Tokenizer:
     @property
     def bos_id(self) -> int | None:
         """Begin-of-sequence id, or None if the model has none."""
-        value = self._sp.bos_id()
-        return None if value < 0 else value
+        return self._sp.bos_id() if self._sp.bos_id() >= 0 else None
 
     @property
     def eos_id(self) -> int | None:
         """End-of-sequence id, or None if the model has none."""
-        value = self._sp.eos_id()
-        return None if value < 0 else value
+        return self._sp.eos_id() if self._sp.eos_id() >= 0 else None
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of ``text``, with BOS first when ``add_bos`` (and the model has one)."""
         if not isinstance(text, str):
             raise InvalidRequest(f"text to encode must be a str, got {type(text).__name__}")
         ids = self._sp.encode(text)
-        if add_bos and self.bos_id is not None:
-            ids.insert(0, self.bos_id)
-        return ids
+        return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         """Text of ``ids``; control tokens are dropped, or rendered as their piece when
@@ -81,19 +72,11 @@ class Tokenizer:
             )
         if skip_special:
             return self._sp.decode([i for i in ids if i not in self._special])
-        parts: list[str] = []
-        run: list[int] = []
-        for i in ids:
-            if i in self._special:
-                if run:
-                    parts.append(self._sp.decode(run))
-                    run = []
-                parts.append(self._sp.id_to_piece(i))
-            else:
-                run.append(i)
-        if run:
-            parts.append(self._sp.decode(run))
-        return "".join(parts)
+        runs = itertools.groupby(ids, key=self._special.__contains__)
+        return "".join(
+            "".join(map(self._sp.id_to_piece, run)) if special else self._sp.decode(list(run))
+            for special, run in runs
+        )
 
     def id_to_piece(self, token_id: int) -> str:
         """The sentencepiece piece of one id (``"▁the"``, ``"<0x0A>"``, ``"</s>"``...)."""

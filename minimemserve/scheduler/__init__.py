@@ -1,5 +1,4 @@
-"""Schedulers: the local one batches requests inside an instance; the global one routes
-requests between instances, weighing cached prefixes against queued work with a cost model."""
+"""Schedulers: local (batching inside an instance) and global (routing between instances)."""
 
 from .cost_model import CostModel, OpSample
 from .global_scheduler import POLICIES, GlobalScheduler, PromptTrees, Route, TokenCost

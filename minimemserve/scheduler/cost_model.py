@@ -1,24 +1,15 @@
 """The operator-level prefill cost model the global scheduler routes with.
 
-``exec(x, y)`` predicts the time of one prefill step for a prompt of ``x`` tokens whose
-first ``x*y`` tokens are already cached; it is the sum of three fitted parts:
-
-- linear layers (qkv, o, gate_up, down, lm_head): ``a*n + b``, ``n = x - round(x*y)`` new
-  tokens (their FLOPs are proportional to the rows they multiply);
-- prefix attention: ``a*x²*y + b*x² + c*x + d`` (the new queries attend to the cached
-  prefix and causally to each other);
-- everything else (embedding, norms, rotary, activations, batch metadata, scheduling and
-  the step's own overhead): ``a*n + b``.
-
-``transfer(n)`` predicts moving ``n`` tokens' KV between instances: ``a*bytes + b``.
-
-The coefficients are fitted by least squares (:meth:`CostModel.fit`) from real measurements
-of this engine on this device; :mod:`minimemserve.bench.profile` takes them and
-``bench/cost_model.py`` fits and checks the model.
+``exec(x, y)`` predicts one prefill step of ``x`` prompt tokens whose first ``x*y`` are
+cached, as the sum of three fitted parts (linear layers, prefix attention, everything
+else; see :class:`CostModel`); ``transfer(n)`` predicts moving ``n`` tokens' KV between
+instances. The coefficients are least-squares fits to measurements of this engine on this
+device (:mod:`minimemserve.bench.profile` takes them; ``bench/cost_model.py`` fits them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import numbers
@@ -32,13 +23,15 @@ import torch
 
 _PART_NAMES = ("linear", "attention", "other")
 _FORMAT = "minimemserve.cost_model/1"
+# coefficient field -> how many coefficients its formula has
+_NUM_COEFS = {"linear": 2, "attention": 4, "other": 2, "transfer_coef": 2}
 
 
 def _check_count(what: str, x: Any) -> int:
     """``x`` as a non-negative int, or a ValueError naming ``what``."""
-    if isinstance(x, bool):
-        raise ValueError(f"{what} must be an int, got {x!r}")
     try:
+        if isinstance(x, bool):
+            raise TypeError
         x = operator.index(x)
     except TypeError:
         raise ValueError(f"{what} must be an int, got {x!r}") from None
@@ -47,29 +40,20 @@ def _check_count(what: str, x: Any) -> int:
     return x
 
 
-def _check_x(x: Any) -> int:
-    return _check_count("prompt length x", x)
-
-
-def _check_y(y: Any) -> float:
+def _check_xy(x: Any, y: Any) -> tuple[int, float]:
+    """The prompt length ``x`` and cached fraction ``y`` checked, as an int and a float."""
+    x = _check_count("prompt length x", x)
     if isinstance(y, bool) or not isinstance(y, numbers.Real):
         raise ValueError(f"cached fraction y must be a number in [0, 1], got {y!r}")
-    y = float(y)
-    if not 0.0 <= y <= 1.0:  # also rejects NaN
+    if not 0.0 <= (y := float(y)) <= 1.0:  # also rejects NaN
         raise ValueError(f"cached fraction y must be in [0, 1], got {y}")
-    return y
-
-
-def _new_tokens(x: int, y: float) -> int:
-    """Tokens computed by the prefill: the prompt minus its cached prefix."""
-    return x - round(x * y)
+    return x, y
 
 
 @dataclass(frozen=True)
 class OpSample:
     """One measured prefill step: ``x`` prompt tokens, a fraction ``y`` of them cached, and
-    seconds spent in linear layers, attention, everything else, and the whole step
-    (``total_s = linear_s + attention_s + other_s``)."""
+    seconds in linear layers, attention, everything else, and the whole step."""
 
     x: int
     y: float
@@ -79,8 +63,9 @@ class OpSample:
     total_s: float
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "x", _check_x(self.x))
-        object.__setattr__(self, "y", _check_y(self.y))
+        x, y = _check_xy(self.x, self.y)
+        object.__setattr__(self, "x", x)
+        object.__setattr__(self, "y", y)
         for name in ("linear_s", "attention_s", "other_s", "total_s"):
             v = getattr(self, name)
             if not isinstance(v, numbers.Real) or not math.isfinite(v):
@@ -89,23 +74,12 @@ class OpSample:
     @property
     def new_tokens(self) -> int:
         """Tokens the step computed (``x`` less the cached prefix)."""
-        return _new_tokens(self.x, self.y)
-
-
-def _coefs(name: str, value: Any, size: int) -> tuple[float, ...]:
-    try:
-        out = tuple(float(v) for v in value)
-    except (TypeError, ValueError):
-        raise ValueError(f"CostModel.{name} must be {size} numbers, got {value!r}") from None
-    if len(out) != size or not all(math.isfinite(v) for v in out):
-        raise ValueError(f"CostModel.{name} must be {size} finite numbers, got {value!r}")
-    return out
+        return self.x - round(self.x * self.y)
 
 
 def _lstsq(rows: list[list[float]], targets: list[float]) -> tuple[float, ...]:
-    """Least-squares coefficients of ``rows @ c ≈ targets`` (minimum norm when the rows do
-    not determine every coefficient). Columns are scaled to unit norm first, because
-    ``x²`` and ``1`` differ by six orders of magnitude."""
+    """Least-squares ``c`` of ``rows @ c ≈ targets`` (minimum norm when underdetermined).
+    Columns are scaled to unit norm first: ``x²`` and ``1`` are six orders of magnitude apart."""
     a = torch.tensor(rows, dtype=torch.float64)  # [S, K]
     b = torch.tensor(targets, dtype=torch.float64)[:, None]  # [S, 1]
     norms = a.norm(dim=0)  # [K]
@@ -114,16 +88,26 @@ def _lstsq(rows: list[list[float]], targets: list[float]) -> tuple[float, ...]:
     return tuple((sol / norms).tolist())
 
 
+def _fit_transfer(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    pairs = [(float(b), float(s)) for b, s in samples]
+    if not pairs:
+        return (0.0, 0.0)
+    if any(b < 0 or s < 0 or not math.isfinite(b + s) for b, s in pairs):
+        raise ValueError(f"transfer samples must be (bytes >= 0, seconds >= 0), got {pairs}")
+    if len({b for b, _ in pairs}) == 1:  # one size: a bandwidth through the origin
+        bb = sum(b * b for b, _ in pairs)
+        return (sum(b * s for b, s in pairs) / bb if bb else 0.0, 0.0)
+    a, b = _lstsq([[b, 1.0] for b, _ in pairs], [s for _, s in pairs])
+    return (a, b)
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """Predicted prefill time ``exec(x, y)`` for a prompt of ``x`` tokens with a fraction
-    ``y`` already cached, built per operator; and ``transfer(n)`` for moving ``n`` tokens' KV.
+    """Predicted prefill time ``exec(x, y)`` per operator, and ``transfer(n)`` of KV, in
+    seconds; each part is clamped at zero, so a negative fitted intercept never predicts
+    negative time."""
 
-    Coefficients are in seconds. Each part is clamped at zero, so a fit with a negative
-    intercept never predicts negative time.
-    """
-
-    linear: tuple[float, float]  # all linear layers: a*n + b, n = new tokens
+    linear: tuple[float, float]  # qkv, o, gate_up, down, lm_head: a*n + b, n = new tokens
     attention: tuple[float, float, float, float]  # prefix attention: a*x²*y + b*x² + c*x + d
     other: tuple[float, float]  # norms, rotary, activations, embedding, step overhead: a*n + b
     transfer_coef: tuple[float, float] = (0.0, 0.0)  # seconds = a*bytes + b
@@ -131,10 +115,15 @@ class CostModel:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "linear", _coefs("linear", self.linear, 2))
-        object.__setattr__(self, "attention", _coefs("attention", self.attention, 4))
-        object.__setattr__(self, "other", _coefs("other", self.other, 2))
-        object.__setattr__(self, "transfer_coef", _coefs("transfer_coef", self.transfer_coef, 2))
+        for name, size in _NUM_COEFS.items():
+            value = getattr(self, name)
+            try:
+                coefs = tuple(float(v) for v in value)
+            except (TypeError, ValueError):
+                coefs = ()
+            if len(coefs) != size or not all(math.isfinite(v) for v in coefs):
+                raise ValueError(f"CostModel.{name} must be {size} finite numbers, got {value!r}")
+            object.__setattr__(self, name, coefs)
         kv = self.kv_bytes_per_token
         if isinstance(kv, bool) or not isinstance(kv, numbers.Integral) or kv < 0:
             raise ValueError(f"CostModel.kv_bytes_per_token must be an int >= 0, got {kv!r}")
@@ -142,19 +131,13 @@ class CostModel:
         if not isinstance(self.device, str):
             raise ValueError(f"CostModel.device must be a string, got {self.device!r}")
 
-    # ---- predictions ----------------------------------------------------------------------
     def parts(self, x: int, y: float) -> dict[str, float]:
-        """Predicted seconds per operator class: ``{"linear", "attention", "other"}``.
-
-        ``x = 0`` (nothing to compute) is zero for every part.
-        """
-        x, y = _check_x(x), _check_y(y)
+        """Predicted seconds per operator class: ``{"linear", "attention", "other"}``."""
+        x, y = _check_xy(x, y)
         if x == 0:
             return dict.fromkeys(_PART_NAMES, 0.0)
-        n = _new_tokens(x, y)
-        la, lb = self.linear
-        aa, ab, ac, ad = self.attention
-        oa, ob = self.other
+        n = x - round(x * y)
+        (la, lb), (aa, ab, ac, ad), (oa, ob) = self.linear, self.attention, self.other
         return {
             "linear": max(0.0, la * n + lb),
             "attention": max(0.0, aa * x * x * y + ab * x * x + ac * x + ad),
@@ -168,12 +151,9 @@ class CostModel:
     def transfer(self, num_tokens: int) -> float:
         """Predicted seconds to move ``num_tokens`` tokens' KV to another instance."""
         n = _check_count("num_tokens", num_tokens)
-        if n == 0:
-            return 0.0
         a, b = self.transfer_coef
-        return max(0.0, a * n * self.kv_bytes_per_token + b)
+        return max(0.0, a * n * self.kv_bytes_per_token + b) if n else 0.0
 
-    # ---- fitting --------------------------------------------------------------------------
     @classmethod
     def fit(
         cls,
@@ -184,9 +164,8 @@ class CostModel:
     ) -> CostModel:
         """Least-squares fit of each operator's formula to measured ``samples``.
 
-        ``transfer_samples`` are ``(bytes, seconds)`` pairs; with a single message size
-        among them the line goes through the origin (a bandwidth), since one size cannot
-        separate a fixed cost from a per-byte one. With none, ``transfer`` predicts 0.
+        ``transfer_samples`` are ``(bytes, seconds)`` pairs; with one message size among them
+        the line goes through the origin (a bandwidth); with none, ``transfer`` predicts 0.
         """
         samples = list(samples)
         if not samples:
@@ -196,30 +175,18 @@ class CostModel:
                 raise ValueError(f"sample {i} is a {type(s).__name__}, not an OpSample")
         n_rows = [[float(s.new_tokens), 1.0] for s in samples]
         attn_rows = [[s.x * s.x * s.y, float(s.x * s.x), float(s.x), 1.0] for s in samples]
-        linear = _lstsq(n_rows, [s.linear_s for s in samples])
-        attention = _lstsq(attn_rows, [s.attention_s for s in samples])
-        other = _lstsq(n_rows, [s.other_s for s in samples])
         return cls(
-            linear=linear,
-            attention=attention,
-            other=other,
+            linear=_lstsq(n_rows, [s.linear_s for s in samples]),
+            attention=_lstsq(attn_rows, [s.attention_s for s in samples]),
+            other=_lstsq(n_rows, [s.other_s for s in samples]),
             transfer_coef=_fit_transfer(transfer_samples),
             kv_bytes_per_token=kv_bytes_per_token,
             device=device,
         )
 
-    # ---- JSON -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict (coefficients as lists)."""
-        return {
-            "format": _FORMAT,
-            "linear": list(self.linear),
-            "attention": list(self.attention),
-            "other": list(self.other),
-            "transfer_coef": list(self.transfer_coef),
-            "kv_bytes_per_token": self.kv_bytes_per_token,
-            "device": self.device,
-        }
+        """Plain JSON-ready dict."""
+        return {"format": _FORMAT, **dataclasses.asdict(self)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CostModel:
@@ -228,17 +195,10 @@ class CostModel:
             raise ValueError(f"a cost model dict is needed, got {type(d).__name__}")
         if d.get("format", _FORMAT) != _FORMAT:
             raise ValueError(f"unknown cost model format {d['format']!r}; expected {_FORMAT!r}")
-        missing = [k for k in ("linear", "attention", "other") if k not in d]
+        missing = [k for k in _PART_NAMES if k not in d]
         if missing:
             raise ValueError(f"cost model dict lacks {', '.join(missing)}")
-        return cls(
-            linear=d["linear"],
-            attention=d["attention"],
-            other=d["other"],
-            transfer_coef=d.get("transfer_coef", (0.0, 0.0)),
-            kv_bytes_per_token=d.get("kv_bytes_per_token", 0),
-            device=d.get("device", "cpu"),
-        )
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
     def save(self, path: str | Path) -> Path:
         """Write the model as JSON to ``path``."""
@@ -255,16 +215,3 @@ class CostModel:
         if isinstance(d, dict) and isinstance(d.get("model"), dict):
             d = d["model"]
         return cls.from_dict(d)
-
-
-def _fit_transfer(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
-    pairs = [(float(b), float(s)) for b, s in samples]
-    if not pairs:
-        return (0.0, 0.0)
-    if any(b < 0 or s < 0 or not math.isfinite(b + s) for b, s in pairs):
-        raise ValueError(f"transfer samples must be (bytes >= 0, seconds >= 0), got {pairs}")
-    if len({b for b, _ in pairs}) == 1:  # one size: a bandwidth through the origin
-        bb = sum(b * b for b, _ in pairs)
-        return (sum(b * s for b, s in pairs) / bb if bb else 0.0, 0.0)
-    a, b = _lstsq([[b, 1.0] for b, _ in pairs], [s for _, s in pairs])
-    return (a, b)

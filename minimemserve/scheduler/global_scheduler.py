@@ -1,26 +1,12 @@
 """The global scheduler: which instance serves a request, judged by global prompt trees.
 
-The scheduler keeps, for every instance, a prompt tree: a radix tree of the token prefixes
-it believes are cached there (what finished requests left behind), each entry expiring
-after a TTL because instances evict on their own. For a prompt of ``x`` tokens it looks up
-the cached prefix ``y_p`` on each candidate ``p`` and the work already queued there, and
-picks
-
-    argmin_p  queued_p + exec(x, y_p)
-
-where ``exec`` is the cost model's predicted prefill time and ``queued_p`` the work routed
-to ``p`` that has not finished: the predicted prefills, plus the decode steps those
-requests share (one single-token step per output token, averaged over the requests, as
-they run in the same steps). With transfers
-allowed, an instance ``q`` holding more of the prompt may first send the missing part to
-``p``, when ``transfer(y_q - y_p) + exec(x, y_q)`` beats ``exec(x, y_p)``.
-
-Policies, for comparison: ``round_robin``, ``least_load`` (fewest queued requests),
-``session`` (a hash of the first block, so a conversation keeps its instance),
-``prompt_tree`` and ``prompt_tree_transfer``.
-
-The scheduler only decides; the cluster that owns it submits, moves KV, and reports back
-with :meth:`GlobalScheduler.finished`. It is plain Python and not thread-safe.
+Per instance, a prompt tree holds the prefixes finished requests left cached there, for a
+TTL (instances evict on their own). A prompt of ``x`` tokens goes to ``argmin_p queued_p +
+exec(x, y_p)``: ``y_p`` is the fraction believed cached on ``p``, ``exec`` the predicted
+prefill, ``queued_p`` the unfinished work routed to ``p`` (its prefills, plus the decode
+steps its requests share). ``prompt_tree_transfer`` also weighs letting an instance ``q``
+holding more send the missing part first: ``transfer(y_q - y_p) + exec(x, y_q)``. The
+scheduler only decides; its owner submits, moves KV and reports back. Not thread-safe.
 """
 
 from __future__ import annotations
@@ -28,7 +14,6 @@ from __future__ import annotations
 import itertools
 import time
 import zlib
-from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,11 +42,9 @@ class Cost(Protocol):
 
     def exec(self, x: int, y: float) -> float:
         """Predicted prefill time of ``x`` prompt tokens with a fraction ``y`` cached."""
-        ...
 
     def transfer(self, num_tokens: int) -> float:
         """Predicted time to move the KV of ``num_tokens`` tokens between instances."""
-        ...
 
 
 class TokenCost:
@@ -78,13 +61,9 @@ class TokenCost:
 
 @dataclass(frozen=True)
 class Route:
-    """Where a request goes.
-
-    ``cached_tokens`` is the prefix the scheduler expects to hit on ``instance`` (after the
-    transfer, when there is one); ``transfer_from`` names the instance that should first
-    send its cached ``transfer_tokens``-token prefix to ``instance``; ``cost`` is the
-    predicted queue plus prefill time the choice was made on.
-    """
+    """Where a request goes, the prefix expected to hit there (after the transfer, if any)
+    and the predicted queue plus prefill ``cost``; ``transfer_from`` should first send its
+    cached ``transfer_tokens``-token prefix to ``instance``."""
 
     instance: str
     cached_tokens: int
@@ -94,11 +73,8 @@ class Route:
 
 
 class PromptTrees:
-    """Per instance, the token prefixes believed cached there, each expiring after a TTL.
-
-    One radix tree per instance keeps expiry exact per instance (a prefix may live on
-    several); a lookup walks each candidate's tree, a few microseconds apiece.
-    """
+    """Per instance, a radix tree of ``block_size``-token prefixes believed cached there,
+    each entry living ``ttl_s`` seconds (exact per instance: a prefix may live on several)."""
 
     def __init__(
         self,
@@ -106,18 +82,10 @@ class PromptTrees:
         ttl_s: float = DEFAULT_TTL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """Trees of ``block_size``-token blocks whose entries live ``ttl_s`` seconds."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
-        self.block_size = block_size
-        self.ttl_s = ttl_s
-        self._clock = clock
+        self.block_size, self.ttl_s, self._clock = block_size, ttl_s, clock
         self._trees: dict[str, RadixTree] = {}
-
-    @property
-    def instances(self) -> list[str]:
-        """Instances with a tree, in the order they were added."""
-        return list(self._trees)
 
     def add(self, name: str) -> None:
         """Start an empty tree for ``name`` (no-op when it has one)."""
@@ -129,20 +97,15 @@ class PromptTrees:
 
     def record(self, name: str, tokens: Sequence[int]) -> None:
         """``tokens`` (whole blocks of them) are now cached on ``name``; renews their TTL."""
-        tree = self._trees.get(name)
-        if tree is None:
-            return  # an instance dropped meanwhile
-        toks = as_tokens(tokens)
+        tree, toks = self._trees.get(name), as_tokens(tokens)  # no tree: dropped meanwhile
         whole = len(toks) - len(toks) % self.block_size
-        if whole:
+        if tree is not None and whole:
             tree.insert(toks[:whole], [0] * (whole // self.block_size), ttl=self.ttl_s)
 
     def cached(self, name: str, tokens: Sequence[int]) -> int:
         """Tokens of ``tokens``' prefix believed cached on ``name`` (whole blocks)."""
         tree = self._trees.get(name)
-        if tree is None:
-            return 0
-        return tree.match_prefix(tokens).num_tokens
+        return 0 if tree is None else tree.match_prefix(tokens).num_tokens
 
     def expire(self) -> int:
         """Drop every expired entry now; returns how many blocks were dropped."""
@@ -164,10 +127,8 @@ class _Queued:
 
 class GlobalScheduler:
     """Routes requests over named instances of one kind by ``policy`` (see the module).
-
-    ``caching`` says whether the instances keep a prefix cache; without one every cached
-    prefix is 0 and the tree policies reduce to the shortest predicted queue.
-    """
+    Without ``caching`` (no prefix cache on the instances) the tree policies reduce to the
+    shortest predicted queue."""
 
     def __init__(
         self,
@@ -180,69 +141,50 @@ class GlobalScheduler:
         caching: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """Schedule over ``instances`` (names, at least one)."""
         if policy not in POLICIES:
             raise ConfigError(f"unknown routing policy {policy!r}; choose from {POLICIES}")
         if not instances:
             raise ValueError("a global scheduler needs at least one instance")
         if len(set(instances)) != len(instances):
             raise ValueError(f"instance names repeat: {list(instances)}")
-        self.policy = policy
-        self.block_size = block_size
+        self.policy, self.block_size, self.caching = policy, block_size, caching
         self.cost = cost_model or TokenCost()
-        self.caching = caching
-        self._clock = clock
-        self._last_sweep = clock()
+        self._clock, self._last_sweep = clock, clock()
         self.trees = PromptTrees(block_size, ttl_s, clock)
-        self.live: list[str] = []
+        self.live = list(instances)
         for name in instances:
-            self.add_instance(name)
+            self.trees.add(name)
         self._queued: dict[str, _Queued] = {}
         self._rr = itertools.count()
         self.num_transfers = 0  # routes that asked for a prefix transfer
         self.dispatches: Counter[str] = Counter()  # requests sent to each instance
 
-    # ---- membership --------------------------------------------------------------------
-    def add_instance(self, name: str) -> None:
-        """Take ``name`` into the rotation with an empty prompt tree."""
-        if name not in self.live:
-            self.live.append(name)
-            self.trees.add(name)
-
     def drop(self, name: str) -> list[str]:
         """Remove a dead instance; returns the request ids that were routed to it."""
-        if name in self.live:
-            self.live.remove(name)
+        self.live = [p for p in self.live if p != name]
         self.trees.drop(name)
         lost = [rid for rid, q in self._queued.items() if q.instance == name]
-        for rid in lost:
-            del self._queued[rid]
+        self._queued = {rid: q for rid, q in self._queued.items() if q.instance != name}
         return lost
 
-    # ---- load --------------------------------------------------------------------------
     def queued_cost(self, name: str) -> float:
         """Predicted work on ``name``: the prefills of its unfinished requests, plus their
         decode steps, which the running requests share (so the mean, not the sum)."""
         mine = [q for q in self._queued.values() if q.instance == name and q.active]
-        if not mine:
-            return 0.0
-        return sum(q.prefill for q in mine) + sum(q.decode for q in mine) / len(mine)
+        return sum(q.prefill for q in mine) + sum(q.decode for q in mine) / max(len(mine), 1)
 
     def queued_requests(self, name: str) -> int:
         """Unfinished requests routed to ``name``."""
         return sum(1 for q in self._queued.values() if q.instance == name and q.active)
 
-    # ---- decisions ---------------------------------------------------------------------
     def route(self, tokens: Sequence[int]) -> Route:
         """Pick the instance for a prompt; raises ``InstanceDied`` when none is live."""
         if not self.live:
             raise InstanceDied("no live instance to route to")
         toks = as_tokens(tokens)
-        x = len(toks)
-        if not x:
+        if not toks:
             raise InvalidRequest("empty prompt: nothing to route")
-        now = self._clock()
-        if now - self._last_sweep >= SWEEP_EVERY_S:
+        if (now := self._clock()) - self._last_sweep >= SWEEP_EVERY_S:
             self._last_sweep = now
             self.trees.expire()
         if self.policy == "round_robin":
@@ -253,13 +195,12 @@ class GlobalScheduler:
             head = toks[: self.block_size].tobytes()
             name = self.live[zlib.crc32(head) % len(self.live)]
         else:
-            return self._by_cost(toks, {p: self.cached_tokens(p, toks) for p in self.live})
+            return self._by_cost(len(toks), {p: self.cached_tokens(p, toks) for p in self.live})
         cached = self.cached_tokens(name, toks)
-        return Route(name, cached, self.queued_cost(name) + self._exec(x, cached))
+        return Route(name, cached, self.queued_cost(name) + self._exec(len(toks), cached))
 
     def cached_tokens(self, name: str, tokens: Sequence[int]) -> int:
-        """Tokens of ``tokens`` believed cached on ``name`` that a request would not
-        compute (the engine always computes the last token)."""
+        """Tokens of ``tokens`` believed cached on ``name``, but the last (always computed)."""
         if not self.caching or not tokens:
             return 0
         return min(self.trees.cached(name, tokens), len(tokens) - 1)
@@ -267,57 +208,47 @@ class GlobalScheduler:
     def _exec(self, x: int, cached: int) -> float:
         return self.cost.exec(x, cached / x)
 
-    def _by_cost(self, toks: array, cached: dict[str, int]) -> Route:
-        x = len(toks)
-        best: Route | None = None
+    def _by_cost(self, x: int, cached: dict[str, int]) -> Route:
+        options = []  # the first cheapest wins ties
         for p in self.live:
             queued = self.queued_cost(p)
-            option = Route(p, cached[p], queued + self._exec(x, cached[p]))
-            if self.policy == "prompt_tree_transfer":
+            options.append(Route(p, cached[p], queued + self._exec(x, cached[p])))
+            if self.policy == "prompt_tree_transfer":  # or q sends p the part it lacks first
                 for q in self.live:
-                    more = cached[q] - cached[p]
-                    if q == p or more <= 0:
-                        continue
-                    cost = queued + self.cost.transfer(more) + self._exec(x, cached[q])
-                    if cost < option.cost:
-                        option = Route(p, cached[q], cost, q, cached[q])
-            if best is None or option.cost < best.cost:
-                best = option
-        assert best is not None
+                    if cached[q] > cached[p]:
+                        cost = queued + self.cost.transfer(cached[q] - cached[p])
+                        cost += self._exec(x, cached[q])
+                        options.append(Route(p, cached[q], cost, q, cached[q]))
+        best = min(options, key=lambda r: r.cost)
         if best.transfer_from is not None:
             self.num_transfers += 1
         return best
 
-    # ---- bookkeeping -------------------------------------------------------------------
     def dispatched(
         self, request_id: str, route: Route, num_tokens: int, max_tokens: int = 0
     ) -> None:
-        """``request_id`` (``num_tokens`` prompt tokens, up to ``max_tokens`` to generate)
-        was submitted as ``route`` says. Until it finishes (or is handed to a decode
-        instance) it weighs on the instance with its predicted prefill and one
-        single-token step per output token (see :meth:`queued_cost`)."""
+        """``request_id`` (``num_tokens`` prompt tokens, up to ``max_tokens`` to generate) was
+        submitted as ``route`` says. Until it finishes (or is handed to a decode instance) it
+        weighs on the instance with its prefill and one single-token step per output token."""
         prefill = decode = 0.0
         if num_tokens:
-            x = num_tokens
-            prefill = self._exec(x, route.cached_tokens)
-            decode = max_tokens * self._exec(x, x - 1)
+            prefill = self._exec(num_tokens, route.cached_tokens)
+            decode = max_tokens * self._exec(num_tokens, num_tokens - 1)
         self._queued[request_id] = _Queued(route.instance, prefill, decode)
         self.dispatches[route.instance] += 1
 
     def prefilled(self, request_id: str) -> None:
         """``request_id``'s prefill is done (handed to a decode instance): it no longer
         weighs on its instance's queue, but its cache is still recorded when it finishes."""
-        q = self._queued.get(request_id)
-        if q is not None:
+        if (q := self._queued.get(request_id)) is not None:
             q.active = False
 
     def finished(self, request_id: str, cached_tokens: Sequence[int] | None = None) -> None:
         """``request_id`` ended; ``cached_tokens`` is what it left cached where it ran (its
         prompt plus output with caching, None when it failed or nothing is cached)."""
         q = self._queued.pop(request_id, None)
-        if q is None or cached_tokens is None or not self.caching:
-            return
-        self.trees.record(q.instance, cached_tokens)
+        if q is not None and cached_tokens is not None:
+            self.record(q.instance, cached_tokens)
 
     def record(self, instance: str, tokens: Sequence[int]) -> None:
         """``tokens`` are now cached on ``instance`` (e.g. after a prefix transfer)."""

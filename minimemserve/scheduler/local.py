@@ -14,12 +14,11 @@ class LocalScheduler:
     """Decides, every step, which requests compute how many tokens.
 
     Each step first gives every running request its pending tokens (one for a decode, a
-    chunk for an unfinished prefill) within ``max_num_batched_tokens``, then admits waiting
-    requests while budget, sequence slots and blocks remain, so new prompts join a running
-    decode batch. A long prompt is split into chunks, so it cannot stall decodes for
-    longer than one step. When a running request cannot get a block, the most recently
-    admitted request is preempted: its recipe releases (and, with caching, indexes) its
-    KV, and it is recomputed later.
+    chunk of a prefill) within ``max_num_batched_tokens``, then admits waiting requests
+    while budget, sequence slots and blocks remain. Chunking keeps a long prompt from
+    stalling decodes for more than one step. When a running request cannot get a block,
+    the newest one is preempted: its recipe releases (with caching, indexes) its KV, and
+    it is recomputed later.
     """
 
     def __init__(self, pool, recipe: Recipe, max_num_seqs: int, max_num_batched_tokens: int):
@@ -47,9 +46,8 @@ class LocalScheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> tuple[list[tuple[Request, int]], list[Request]]:
-        """The step's batch, ``(request, number of tokens to compute)`` pairs, and the
-        requests that failed: they can never get blocks (the pool is too small with nothing
-        else running); their error says why and the caller ends them."""
+        """The step's ``(request, tokens to compute)`` pairs, and the requests that failed
+        because they can never get blocks (their error says why; the caller ends them)."""
         budget = self.max_num_batched_tokens
         batch: dict[Request, int] = {}
         failed: list[Request] = []
