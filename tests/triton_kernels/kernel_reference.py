@@ -38,7 +38,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
     vf = v.to(dev).float().repeat_interleave(group, dim=1)
     s = torch.einsum("mhd,nhd->hmn", q.float(), kf) * scale  # [H, M, N]
     m, n = q.shape[0], k.shape[0]
-    visible = torch.arange(n, device=dev)[None, :] <= (causal_from + torch.arange(m, device=dev))[:, None]
+    visible = (
+        torch.arange(n, device=dev)[None, :] <= (causal_from + torch.arange(m, device=dev))[:, None]
+    )
     s = s.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hmn,nhd->mhd", s.softmax(-1), vf)  # [M, H, D]
 

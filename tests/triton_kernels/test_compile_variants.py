@@ -89,8 +89,12 @@ def varied_run(dtype, block_size, head_dim, group, steps, longest, seed=0):
 
     def random_step():
         n_pre = rng.randint(0, 3)
-        prefills = [seq(rng.choice([0, rng.randint(1, 90)]), rng.randint(2, 40)) for _ in range(n_pre)]
-        return prefills + [seq(rng.randint(0, longest - 1), 1) for _ in range(rng.randint(not n_pre, 6))]
+        prefills = [
+            seq(rng.choice([0, rng.randint(1, 90)]), rng.randint(2, 40)) for _ in range(n_pre)
+        ]
+        return prefills + [
+            seq(rng.randint(0, longest - 1), 1) for _ in range(rng.randint(not n_pre, 6))
+        ]
 
     # first the table widths Triton would specialise on (1 and 16 blocks), then random steps
     fixed = [[seq(0, 3)], [seq(0, 2), seq(0, 1)], [seq(5, 9), seq(16 * block_size - 1, 1)]]
@@ -102,12 +106,13 @@ def varied_run(dtype, block_size, head_dim, group, steps, longest, seed=0):
         backend.forward(q, k, v, step % 2, md)
 
     k_cache, v_cache = backend.views[0]
-    lens = torch.randint(1, 40, (5,), dtype=torch.int32, device=DEVICE)
+    # every length fits the narrowest table below, so no lookup leaves its row
+    lens = torch.randint(1, 3 * block_size + 1, (5,), dtype=torch.int32, device=DEVICE)
     for width, splits, offset in ((3, 1, 0), (5, 2, 1), (4, 7, 3), (6, 16, 2)):
         tables = torch.randint(1, num_blocks, (5, width), dtype=torch.int32, device=DEVICE)
         batch = 5 - offset
         q = torch.randn(batch, heads, head_dim, device=DEVICE).to(dtype)
-        plan = plan_decode(k_cache, batch, heads, 40, num_splits=splits)
+        plan = plan_decode(k_cache, batch, heads, 3 * block_size, num_splits=splits)
         launch_decode(plan, q, k_cache, v_cache, tables, lens, torch.empty_like(q), 0.1, offset)
 
 

@@ -37,5 +37,7 @@ def test_every_masked_load_has_other(path):
 
 
 def test_the_check_sees_the_kernels_loads():
-    counts = {p.name: len(list(_masked_loads(ast.parse(p.read_text())))) for p in KERNELS.glob("*.py")}
+    counts = {
+        p.name: len(list(_masked_loads(ast.parse(p.read_text())))) for p in KERNELS.glob("*.py")
+    }
     assert counts["prefix_prefill.py"] >= 8 and counts["paged_decode.py"] >= 5

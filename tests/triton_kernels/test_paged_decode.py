@@ -23,13 +23,13 @@ from kernel_reference import (
 
 from minimemserve.blocks.layout import AGGREGATED, PER_LAYER
 from triton_kernels import launch_decode, paged_decode, plan_decode
+from triton_kernels.common import SMEM_BUDGET, block_d
 from triton_kernels.paged_decode import (
     MAX_SPLITS,
     MIN_TOKENS_PER_SPLIT,
     choose_num_splits,
     decode_tiles,
 )
-from triton_kernels.common import SMEM_BUDGET, block_d
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 AGG, PL = AGGREGATED, PER_LAYER

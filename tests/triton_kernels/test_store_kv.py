@@ -7,7 +7,6 @@ import torch
 from kernel_reference import DEVICE, GPU, make_pool
 
 from minimemserve.blocks.layout import AGGREGATED, PER_LAYER
-
 from triton_kernels import store_kv
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
