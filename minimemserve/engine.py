@@ -233,6 +233,16 @@ class Engine:
         """Whether any request still waits or runs here."""
         return self.scheduler.has_unfinished()
 
+    def has_room(self, blocks: int, arriving: Sequence[Request] = ()) -> bool:
+        """Whether a request that may grow to ``blocks`` blocks fits beside the growth every
+        request here (and ``arriving``) may still need: a decode instance's admission."""
+        layout = self.pool.layout
+        growth = sum(
+            max(0, layout.num_blocks_for(r.max_total_tokens) - len(r.blocks))
+            for r in (*self.requests.values(), *arriving)
+        )
+        return self.pool.num_available() - growth >= blocks
+
     def check_pools(self, require_idle: bool = True) -> dict[str, dict]:
         """Audit this instance's pool (see ``minimemserve.serving.Serving.check_pools``)."""
         return {self.pool.instance_id: audit_pool(self.pool, require_idle)}
@@ -247,6 +257,7 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule → run model → postprocess. Returns finished requests."""
+        done = self._retry_parked()
         batch, failed = self.scheduler.schedule()
         tokens: list[int | None] = [None] * len(batch)
         bad: dict[Request, str] = {}
@@ -255,7 +266,7 @@ class Engine:
                 tokens, bad = self.runner.run(batch, self.generator)
         except Exception as e:  # the forward pass failed: its requests fail, the engine lives
             bad = {req: f"{type(e).__name__}: {e}" for req, _ in batch}
-        return self._postprocess(batch, tokens, failed, bad)
+        return done + self._postprocess(batch, tokens, failed, bad)
 
     def _postprocess(self, batch, tokens, failed, bad: dict[Request, str]) -> list[RequestOutput]:
         done = [self._finish(req, Hook.FAILURE, "error") for req in failed]
@@ -279,15 +290,35 @@ class Engine:
                 done.append(self._finish(req, Hook.FINISH, reason, now))
             elif not req.prefilled:
                 req.prefilled = True
-                outcome = self.recipe.run(Hook.PREFILLED, self.pool, req, self.peers)
-                if outcome is not Outcome.KEEP:
-                    self.scheduler.remove(req)
-                if outcome is Outcome.HANDED_OFF:
-                    self.requests.pop(req.request_id, None)
-                    req.status = Status.FINISHED
-                    self.handoffs.append(req)
-                elif outcome is Outcome.FAILED:
-                    done.append(self._finish(req, Hook.FAILURE, "error", now))
+                done += self._prefilled(req)
+        return done
+
+    def _prefilled(self, req: Request) -> list[RequestOutput]:
+        """Run the prefilled hook: keep decoding here, hand off, park (decode side full)
+        or fail."""
+        outcome = self.recipe.run(Hook.PREFILLED, self.pool, req, self.peers)
+        if outcome is Outcome.LATER:
+            if req.status is not Status.PARKED:
+                self.scheduler.park(req)
+            return []
+        if outcome is not Outcome.KEEP:
+            self.scheduler.remove(req)
+        if outcome is Outcome.HANDED_OFF:
+            self.requests.pop(req.request_id, None)
+            req.status = Status.FINISHED
+            self.handoffs.append(req)
+        elif outcome is Outcome.FAILED:
+            return [self._finish(req, Hook.FAILURE, "error")]
+        return []
+
+    def _retry_parked(self) -> list[RequestOutput]:
+        """Hand off parked requests in arrival order while decode instances have room."""
+        done: list[RequestOutput] = []
+        parked = self.scheduler.parked
+        while parked and (head := parked[0]).status is Status.PARKED:
+            done += self._prefilled(head)
+            if parked and parked[0] is head:
+                break  # still no room: the rest wait behind it
         return done
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:

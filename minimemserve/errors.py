@@ -47,3 +47,15 @@ class SamplingError(MiniMemServeError, RuntimeError):
     def __init__(self, message: str, rows: Sequence[int] = (), tokens: Sequence = ()) -> None:
         super().__init__(message)
         self.rows, self.tokens = list(rows), list(tokens)
+
+
+class RemoteError(TransferError):
+    """A peer's handler failed; ``peer``, ``op`` and ``kind`` (its exception class) say which."""
+
+    def __init__(self, peer: str, op: str, kind: str, message: str) -> None:
+        """Build the error from the peer's :class:`Error` reply."""
+        super().__init__(f"peer {peer} failed {op}: {kind}: {message}")
+        self.peer = peer
+        self.op = op
+        self.kind = kind
+        self.remote_message = message

@@ -16,6 +16,7 @@ class Status(enum.Enum):
 
     WAITING = "waiting"  # not admitted, or preempted and waiting to recompute
     RUNNING = "running"
+    PARKED = "parked"  # prefilled, waiting for a decode instance with room
     FINISHED = "finished"
 
 

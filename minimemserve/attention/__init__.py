@@ -23,19 +23,16 @@ def make_backend(
 ) -> AttentionBackend:
     """Build the named backend (``None`` picks the device default) over ``kv_pool``."""
     name = name or default_backend(kv_pool.device)
+    # importing triton fixes whether its CPU interpreter is on: only when the backend is built
     if name == "torch":
-        return TorchAttention(kv_pool, layout, num_heads, scale)
-    # triton (and flash_attn) are optional, heavy imports, and importing triton fixes
-    # whether its CPU interpreter is on: load them only when their backend is built
-    if name == "triton":
-        from .triton_backend import TritonAttention
-
-        return TritonAttention(kv_pool, layout, num_heads, scale)
-    if name == "flash-attn":
-        from .flash_attn_backend import FlashAttnAttention
-
-        return FlashAttnAttention(kv_pool, layout, num_heads, scale)
-    raise ConfigError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
+        cls = TorchAttention
+    elif name == "triton":
+        from .triton_backend import TritonAttention as cls  # lazy: triton is optional and heavy
+    elif name == "flash-attn":
+        from .flash_attn_backend import FlashAttnAttention as cls  # lazy: flash-attn, triton
+    else:
+        raise ConfigError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
+    return cls(kv_pool, layout, num_heads, scale)
 
 
 __all__ = [

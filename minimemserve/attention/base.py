@@ -1,14 +1,12 @@
 """The attention-backend interface and the per-step batch metadata every backend reads.
 
-A step's batch is a list of sequence slices. Each slice has a block table (the
-sequence's MemPool block ids, in order), ``num_computed`` tokens whose KV is already in
-the pool and ``num_new`` tokens computed now. Slices with more than one new token
-(prefill chunks) come first, single-token slices (decodes) after; the model runner
-orders them so. The new tokens of all slices are flattened into one ``[T, ...]`` batch.
+A step is a list of sequence slices, prefill chunks (more than one new token) first, then
+single-token decodes; the new tokens of all slices are flattened into one ``[T, ...]`` batch.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,19 +17,16 @@ import torch
 class SeqSlice:
     """What one sequence contributes to a step."""
 
-    block_table: list[int]
+    block_table: list[int]  # the sequence's MemPool block ids, in order
     num_computed: int  # tokens already in the KV pool (cached prefix + earlier chunks)
     num_new: int  # tokens whose KV is written and whose queries are computed now
 
 
 @dataclass
 class AttentionMetadata:
-    """Per-step tensors shared by every layer (built once per step by ``prepare``).
-
-    Index tensors live on the compute device. Prefill slices (``num_new > 1``) come first:
-    slices ``[0, num_prefills)`` own tokens ``[0, num_prefill_tokens)``; the remaining
-    ``num_decodes`` slices own one token each.
-    """
+    """Per-step tensors shared by every layer, index tensors on the compute device. Slices
+    ``[0, num_prefills)`` own tokens ``[0, num_prefill_tokens)``; the ``num_decodes`` others
+    own one token each."""
 
     positions: torch.Tensor  # int64 [T] absolute position of each new token
     slot_mapping: torch.Tensor  # int64 [T] block_id * block_size + offset of each new token
@@ -44,8 +39,7 @@ class AttentionMetadata:
     num_decodes: int
     max_query_len: int
     max_seq_len: int
-    # host copies, so backends that loop on the CPU need no device sync
-    query_lens_host: list[int]
+    query_lens_host: list[int]  # host copies: backends looping on the CPU need no sync
     context_lens_host: list[int]
     seq_lens_host: list[int]
     block_size: int
@@ -64,29 +58,20 @@ def build_metadata(slices: list[SeqSlice], block_size: int, device) -> Attention
             if i != num_prefills:
                 raise ValueError("prefill slices must come before decode slices")
             num_prefills += 1
-        if len(s.block_table) * block_size < s.num_computed + s.num_new:
-            raise ValueError(
-                f"slice {i}: {len(s.block_table)} blocks cannot hold "
-                f"{s.num_computed + s.num_new} tokens"
-            )
+        if len(s.block_table) * block_size < (n := s.num_computed + s.num_new):
+            raise ValueError(f"slice {i}: {len(s.block_table)} blocks cannot hold {n} tokens")
     q_lens = [s.num_new for s in slices]
     ctx = [s.num_computed for s in slices]
     seq = [c + q for c, q in zip(ctx, q_lens)]
-    positions: list[int] = []
-    slots: list[int] = []
+    positions, slots = [], []
     for s in slices:
         for p in range(s.num_computed, s.num_computed + s.num_new):
             positions.append(p)
             slots.append(s.block_table[p // block_size] * block_size + p % block_size)
     max_blocks = max(len(s.block_table) for s in slices)
     table = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in slices]
-    starts = [0]
-    for q in q_lens:
-        starts.append(starts[-1] + q)
-
-    def t(x, dtype):
-        return torch.tensor(x, dtype=dtype, device=device)
-
+    starts = [0, *itertools.accumulate(q_lens)]
+    t = lambda x, dtype: torch.tensor(x, dtype=dtype, device=device)
     return AttentionMetadata(
         positions=t(positions, torch.int64),
         slot_mapping=t(slots, torch.int64),
@@ -107,12 +92,12 @@ def build_metadata(slices: list[SeqSlice], block_size: int, device) -> Attention
 
 
 class AttentionBackend(Protocol):
-    """How the model computes attention over the paged, aggregated KV pool.
+    """How the model computes attention over the paged KV pool.
 
-    A backend is built over one pool tensor ``[num_blocks, L, 2, block_size, n_kv, head_dim]``
-    (it never allocates KV itself). ``forward`` first stores the new tokens' K and V of
-    layer ``layer_id`` into their slots, then returns attention of the new queries over
-    the cached prefix and the new tokens (causal).
+    A backend is built over one pool tensor (``KVLayout.pool_shape``; it never allocates KV
+    itself). ``forward`` stores the new tokens' K and V of layer ``layer_id`` into their slots,
+    then returns causal attention of the new queries over the cached prefix and new tokens.
+    It may return a per-step buffer the next layer's call overwrites (Triton): consume it first.
     """
 
     name: str

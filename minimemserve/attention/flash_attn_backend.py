@@ -1,12 +1,10 @@
-"""flash-attn backend: FlashAttention for the new tokens, the Triton kernels for the rest.
+"""flash-attn backend: FlashAttention for fresh prefills, the Triton kernels for the rest.
 
-Used only where the ``flash_attn`` package imports (the ``gpu`` extra, CUDA only). A
-prefill slice without a cached prefix is plain causal attention over its own tokens, which
-``flash_attn_varlen_func`` runs on the contiguous ``[T, H, D]`` batch. Slices with a cached
-prefix and decodes read the pool through its strides with ``prefix_prefill`` and
-``paged_decode``: flash-attn's paged API wants a ``[num_blocks, block_size, ...]`` cache
-with a contiguous block stride (and block sizes that are multiples of 256 in its paged
-kernels), which the aggregated layout's per-layer views are not.
+Used only where ``flash_attn`` imports (the ``gpu`` extra, CUDA only). A prefill without a
+cached prefix is plain causal attention, which ``flash_attn_varlen_func`` runs on the
+contiguous ``[T, H, D]`` batch. Prefixes and decodes go through ``prefix_prefill`` and
+``paged_decode``: flash-attn's paged API wants a cache with a contiguous block stride (and
+block sizes that are multiples of 256), which the aggregated layout's layer views are not.
 """
 
 from __future__ import annotations
@@ -58,16 +56,6 @@ class FlashAttnAttention(TritonAttention):
         no_prefix = md.num_prefills > 0 and not any(md.context_lens_host[: md.num_prefills])
         if not no_prefix or q.dtype not in FLASH_DTYPES or md.num_decodes:
             return super().forward(q, k, v, layer_id, md)
-        # every slice is a fresh prefill: store K/V, then one varlen FlashAttention call
-        self.store(k, v, layer_id, md)
-        return self._varlen(
-            q,
-            k,
-            v,
-            md.query_start_loc,
-            md.query_start_loc,
-            md.max_query_len,
-            md.max_query_len,
-            softmax_scale=self.scale,
-            causal=True,
-        )
+        self.store(k, v, layer_id, md)  # every slice is a fresh prefill: one varlen call
+        qsl, n = md.query_start_loc, md.max_query_len
+        return self._varlen(q, k, v, qsl, qsl, n, n, softmax_scale=self.scale, causal=True)

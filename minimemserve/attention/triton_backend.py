@@ -1,18 +1,11 @@
 """Triton attention backend: the kernels of ``triton_kernels`` over the pool, in place.
 
-Per layer and step: ``store_kv`` writes the new tokens' K/V into their slots, then
-``prefix_prefill`` attends the prefill slices' tokens (cached prefix from the pool, new
-tokens from ``k``/``v``) and ``paged_decode`` the single-token decodes. Every kernel reads
-``pool[:, layer_id, 0|1]`` (or the per-layer layout's views) through strides.
-
-Host work happens once per step, in ``prepare``: the index tensors reach the device in one
-copy of a packed buffer, the split count and tiles are chosen, the output and split buffers
-are allocated, and the inputs are checked on the first layer. ``forward`` then only
-launches kernels, so a layer costs its launches and nothing else on the host.
-
-On the CPU the kernels run in Triton's interpreter, which needs ``TRITON_INTERPRET=1``
-set before ``triton`` is first imported (see ``triton_kernels.common``); the interpreter has
-no bf16. It is a correctness path, the ``torch`` backend is the fast one there.
+Per layer, ``store_kv`` writes the new K/V into their slots, ``prefix_prefill`` attends the
+prefill slices and ``paged_decode`` the decodes, each reading ``pool[:, layer_id, 0|1]``
+through strides. ``prepare`` does the step's host work once (one packed index upload, split
+counts and tiles, output buffers), so ``forward`` only launches kernels. On the CPU the
+kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` before triton is first imported;
+no bf16), a correctness path: the ``torch`` backend is the fast one there.
 """
 
 from __future__ import annotations
@@ -39,14 +32,7 @@ from ..blocks.layout import KVLayout, layer_views
 from .base import AttentionMetadata, SeqSlice, build_metadata
 
 # index tensors of a step, packed into one buffer for a single host-to-device copy
-PACKED_FIELDS = (
-    "positions",
-    "slot_mapping",
-    "query_start_loc",
-    "context_lens",
-    "seq_lens",
-    "block_tables",
-)
+PACKED_FIELDS = "positions slot_mapping query_start_loc context_lens seq_lens block_tables".split()
 # each packed field starts at a multiple of this many bytes: the pointer alignment Triton
 # specialises kernels on then never changes between steps
 PACK_ALIGN = 16
@@ -59,14 +45,9 @@ def is_available() -> bool:
 
 @dataclass
 class TritonStep:
-    """The per-step part of the work, shared by every layer of the step.
+    """The per-step part of the work, shared by every layer of the step."""
 
-    ``out`` is the attention output of the layer being run: each ``forward`` overwrites and
-    returns it, so a caller consumes it before the next layer (the model's output projection
-    does).
-    """
-
-    out: torch.Tensor  # [T, H, D] in the pool's dtype
+    out: torch.Tensor  # [T, H, D] in the pool's dtype, overwritten by each layer's forward
     prefill: PrefillPlan | None
     decode: DecodePlan | None
     checked: bool = False  # the inputs of the first layer passed the checks
@@ -78,7 +59,8 @@ class TritonAttention:
     name = "triton"
 
     def __init__(self, kv_pool: torch.Tensor, layout: KVLayout, num_heads: int, scale: float):
-        if tuple(kv_pool.shape) != layout.pool_shape(_num_blocks(kv_pool, layout)):
+        num_blocks = kv_pool.shape[layout.block_dim] if kv_pool.dim() == 6 else -1
+        if tuple(kv_pool.shape) != layout.pool_shape(num_blocks):
             raise ValueError(f"pool shape {tuple(kv_pool.shape)} does not match {layout}")
         if num_heads <= 0 or num_heads % layout.num_kv_heads != 0:
             raise ValueError(
@@ -87,16 +69,11 @@ class TritonAttention:
             )
         if scale <= 0:
             raise ValueError(f"scale must be positive, got {scale}")
-        self.kv_pool = kv_pool
-        self.layout = layout
-        self.num_heads = num_heads
-        self.scale = scale
+        self.kv_pool, self.layout, self.num_heads, self.scale = kv_pool, layout, num_heads, scale
         self.device = kv_pool.device
-        # per-layer K/V views, built and checked once
         self.views = [layer_views(kv_pool, layout, i) for i in range(layout.num_layers)]
         check_cache_views(*self.views[0])
-        # SMs the decode split heuristic fills; the device's count (1 in the interpreter)
-        self.num_sms = num_sms(self.device)
+        self.num_sms = num_sms(self.device)  # the decode split heuristic fills these (1 on CPU)
 
     def prepare(self, slices: list[SeqSlice]) -> AttentionMetadata:
         """Build the step's metadata on the pool's device and plan every launch of the step."""
@@ -104,25 +81,15 @@ class TritonAttention:
         md = build_metadata(slices, self.layout.block_size, "cpu" if on_cuda else self.device)
         if on_cuda:
             md = upload_metadata(md, self.device)
-        p_seq, p_tok = md.num_prefills, md.num_prefill_tokens
-        k_cache = self.views[0][0]
-        num_tokens = p_tok + md.num_decodes
+        k_cache, p, H = self.views[0][0], md.num_prefills, self.num_heads
         prefill = decode = None
-        if p_seq:
-            prefill = plan_prefill(k_cache, p_seq, self.num_heads, max(md.query_lens_host[:p_seq]))
+        if p:
+            prefill = plan_prefill(k_cache, p, H, max(md.query_lens_host[:p]))
         if md.num_decodes:
-            decode = plan_decode(
-                k_cache,
-                md.num_decodes,
-                self.num_heads,
-                max(md.seq_lens_host[p_seq:]),
-                sms=self.num_sms,
-            )
-        out = torch.empty(
-            (num_tokens, self.num_heads, self.layout.head_dim),
-            dtype=self.kv_pool.dtype,
-            device=self.device,
-        )
+            longest = max(md.seq_lens_host[p:])
+            decode = plan_decode(k_cache, md.num_decodes, H, longest, sms=self.num_sms)
+        shape = (md.num_prefill_tokens + md.num_decodes, H, self.layout.head_dim)
+        out = torch.empty(shape, dtype=self.kv_pool.dtype, device=self.device)
         md.backend_data["triton"] = TritonStep(out, prefill, decode)
         return md
 
@@ -134,42 +101,22 @@ class TritonAttention:
         layer_id: int,
         md: AttentionMetadata,
     ) -> torch.Tensor:
-        """Store the new K/V of ``layer_id``, then attend; returns ``[T, H, D]`` (the step's
-        output buffer, see ``TritonStep``)."""
-        k_cache, v_cache = self.layer(layer_id)  # [N, bs, KV, D]
+        """Store the new K/V of ``layer_id``, then attend; returns the step's ``[T, H, D]``
+        output buffer, which the next layer overwrites."""
+        kv = self.layer(layer_id)  # K and V, each [N, bs, KV, D]
         step: TritonStep = md.backend_data["triton"]
         if not step.checked:
             self._check_inputs(q, k, v, step)
-        dtype = k_cache.dtype
+        dtype = kv[0].dtype
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        launch_store_kv(k_cache, v_cache, k, v, md.slot_mapping)
-        out, p_tok = step.out, md.num_prefill_tokens
-        if step.prefill is not None:
-            launch_prefill(
-                step.prefill,
-                q,
-                k,
-                v,
-                k_cache,
-                v_cache,
-                md.block_tables,
-                md.query_start_loc,
-                md.context_lens,
-                out,
-                self.scale,
-            )
-        if step.decode is not None:
-            launch_decode(
-                step.decode,
-                q[p_tok:],
-                k_cache,
-                v_cache,
-                md.block_tables,
-                md.seq_lens,
-                out[p_tok:],
-                self.scale,
-                row_offset=md.num_prefills,
-            )
+        launch_store_kv(*kv, k, v, md.slot_mapping)
+        out, tables, p = step.out, md.block_tables, md.num_prefill_tokens
+        if (plan := step.prefill) is not None:
+            args = (md.query_start_loc, md.context_lens, out, self.scale)
+            launch_prefill(plan, q, k, v, *kv, tables, *args)
+        if (plan := step.decode) is not None:
+            args = (md.seq_lens, out[p:], self.scale)
+            launch_decode(plan, q[p:], *kv, tables, *args, row_offset=md.num_prefills)
         return out
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,11 +145,8 @@ class TritonAttention:
 
 
 def upload_metadata(md: AttentionMetadata, device: torch.device) -> AttentionMetadata:
-    """``md`` with its index tensors moved to ``device`` in one copy of a packed buffer.
-
-    Each field is laid out at a ``PACK_ALIGN``-byte boundary of one host buffer (pinned for CUDA); the
-    device copy is sliced back into views of each field's dtype and shape.
-    """
+    """``md`` with its index tensors moved to ``device`` in one copy of a packed host buffer
+    (pinned for CUDA), each field at a ``PACK_ALIGN``-byte boundary, sliced back into views."""
     spans, size = [], 0
     for name in PACKED_FIELDS:
         t = getattr(md, name)
@@ -213,15 +157,5 @@ def upload_metadata(md: AttentionMetadata, device: torch.device) -> AttentionMet
     for _, t, start, nbytes in spans:
         host[start : start + nbytes].copy_(t.reshape(-1).view(torch.uint8))
     packed = host.to(device, non_blocking=True)
-    fields = {
-        name: packed[start : start + nbytes].view(t.dtype).view(t.shape)
-        for name, t, start, nbytes in spans
-    }
+    fields = {n: packed[a : a + b].view(t.dtype).view(t.shape) for n, t, a, b in spans}
     return dataclasses.replace(md, **fields)
-
-
-def _num_blocks(pool: torch.Tensor, layout: KVLayout) -> int:
-    """The block count a pool tensor of ``layout`` holds (its block dimension)."""
-    if pool.dim() != 6:
-        return -1
-    return pool.shape[0] if layout.kind == "aggregated" else pool.shape[2]

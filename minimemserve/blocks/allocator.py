@@ -1,12 +1,9 @@
 """A refcounted block allocator: a free list and one reference count per block id.
 
-Plain Python, no torch: block ids are ints in ``[0, num_blocks)``. A block is free when its
-count is 0. Free blocks are handed out first-in, first-out from a queue, or, on request, as
-one ascending run of ids found in a byte map of the free blocks (``bytes.find``, a C-speed
-scan), so a transfer can land in one contiguous piece of the pool. A block taken as part of
-a run stays in the queue as a stale entry, skipped when it comes up. Every call validates
-its whole argument before changing anything, so a call that raises leaves the allocator as
-it was.
+Plain Python. Free blocks come from a first-in, first-out queue or, on request, as one
+ascending run of ids found in a byte map of the free blocks (``bytes.find``, a C-speed
+scan); a block taken in a run stays queued as a stale entry, skipped when it comes up.
+Every call validates its whole argument first: a call that raises changes nothing.
 """
 
 from __future__ import annotations
@@ -18,22 +15,17 @@ from minimemserve.errors import PoolExhausted
 
 
 class BlockAllocator:
-    """Hands out block ids with a reference count each.
+    """Block ids ``0 .. num_blocks - 1``, each with a reference count (0 when free).
 
-    ``alloc`` takes blocks from the free list with count 1 (first-in, first-out, so recently
-    freed blocks are reused last; ``contiguous=True`` prefers one ascending run of ids);
-    ``incref`` adds holders; ``decref`` drops them and returns the blocks that reached 0 to
-    the free list.
+    ``alloc`` hands out free blocks with count 1 (recently freed ones last); ``incref``
+    adds holders; ``decref`` drops them and frees the blocks that reach 0.
     """
 
     def __init__(self, num_blocks: int) -> None:
-        """Manage ids ``0 .. num_blocks - 1``, all free."""
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
-        self._num_blocks = num_blocks
-        # queue of free ids; may also hold stale ids (taken by a run), skipped when popped
-        self._free: deque[int] = deque(range(num_blocks))
-        self._num_free = num_blocks
+        self._num_blocks = self._num_free = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))  # may hold stale ids, skipped
         self._free_map = bytearray(b"\x01") * num_blocks  # 1 where the block is free
         self._refcount: list[int] = [0] * num_blocks
         self._no_floor = bytes(num_blocks)  # decref's floor when none is given
@@ -49,20 +41,14 @@ class BlockAllocator:
         return self._num_free
 
     def alloc(self, n: int, contiguous: bool = False) -> list[int]:
-        """Take ``n`` free blocks, each with reference count 1.
-
-        With ``contiguous``, the blocks are the lowest ascending run ``[b, b + n)`` of free
-        ids when one exists (a transfer then lands in one piece); otherwise they come from
-        the free list as usual.
-        """
+        """Take ``n`` free blocks with count 1: with ``contiguous``, the lowest free run
+        ``[b, b + n)`` when there is one (a transfer then lands in one piece)."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"block count must be a non-negative int, got {n!r}")
         if n > self._num_free:
             raise PoolExhausted(
                 f"asked for {n} blocks but only {self._num_free} of {self._num_blocks} are free"
             )
-        if not n:
-            return []
         rc, free_map = self._refcount, self._free_map
         start = free_map.find(b"\x01" * n) if contiguous and n > 1 else -1
         if start >= 0:
@@ -88,8 +74,7 @@ class BlockAllocator:
             if type(b) is not int or not 0 <= b < n or not rc[b]:
                 self.check_id(b)
                 raise ValueError(f"block {b} is free: take it with alloc, not incref")
-        for b in blocks:
-            rc[b] += 1
+        self.share(blocks)
 
     def share(self, blocks: Iterable[int]) -> None:
         """``incref`` without checks, for ids known to be held already (an index's blocks)."""
@@ -99,18 +84,21 @@ class BlockAllocator:
 
     def decref(self, blocks: Iterable[int], floor: Sequence[int] | None = None) -> list[int]:
         """Drop one reference from each block; return the blocks that became free.
-
-        ``floor[b]``, when given, is how many references of block ``b`` are reserved by
-        someone else (they may not be dropped here).
-        """
+        ``floor[b]`` references of block ``b``, when given, are someone else's to drop."""
         blocks = list(blocks)
         rc, n = self._refcount, self._num_blocks
         reserved = self._no_floor if floor is None else floor
         freed = []
         for i, b in enumerate(blocks):
             if type(b) is not int or not 0 <= b < n or rc[b] <= reserved[b]:
-                self._undo_decref(blocks[:i])
-                self._refuse_decref(b, reserved)
+                self.share(blocks[:i])  # undo, then say why
+                self.check_id(b)
+                if reserved[b]:
+                    raise ValueError(
+                        f"block {b} has {rc[b]} reference(s), {reserved[b]} of them "
+                        "reserved: none is left to drop"
+                    )
+                raise ValueError(f"block {b} is already free (double free)")
             r = rc[b] - 1
             rc[b] = r
             if not r:
@@ -122,20 +110,6 @@ class BlockAllocator:
         if len(self._free) > 2 * self._num_blocks + 64:
             self._free = deque(self.free_blocks())  # drop the stale entries
         return freed
-
-    def _undo_decref(self, blocks: list[int]) -> None:
-        rc = self._refcount
-        for b in blocks:
-            rc[b] += 1
-
-    def _refuse_decref(self, b: int, reserved: Sequence[int]) -> None:
-        self.check_id(b)
-        if reserved[b]:
-            raise ValueError(
-                f"block {b} has {self._refcount[b]} reference(s), {reserved[b]} of them "
-                "reserved: none is left to drop"
-            )
-        raise ValueError(f"block {b} is already free (double free)")
 
     def refcount(self, block: int) -> int:
         """Current reference count of ``block``."""

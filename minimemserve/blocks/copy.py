@@ -1,13 +1,7 @@
-"""Copying whole KV blocks between pool tensors in as few passes over memory as possible.
-
-A block copy reads each source byte once and writes each destination byte once when it can:
-
-- destination ids that form one ascending run (what ``BlockAllocator.alloc(contiguous=True)``
-  hands out) take one gather, straight into that slice of the destination;
-- scattered ids on the CPU take one copy per block (a single pass, where a gather into a
-  buffer followed by a scatter would be two);
-- scattered ids on a GPU take a gather and a scatter (two kernels instead of one launch per
-  block).
+"""Copying whole KV blocks between pool tensors in as few passes over memory as possible:
+destination ids in one ascending run (``alloc(contiguous=True)``) take one gather straight
+into that slice; scattered ids take one copy per block on the CPU (one pass, not a gather
+and a scatter) and a gather and a scatter on a GPU (two kernels, not one per block).
 """
 
 from __future__ import annotations
@@ -27,9 +21,8 @@ def is_run(ids: Sequence[int]) -> bool:
 def check_pool_tensor(layout: KVLayout, dtype: torch.dtype, t: torch.Tensor, what: str) -> None:
     """Raise ValueError, naming ``what``, unless ``t`` is a pool tensor of ``layout`` and
     ``dtype`` (any number of blocks)."""
-    if t.dim() != len(layout.pool_shape(0)) or tuple(t.shape) != layout.pool_shape(
-        t.shape[layout.block_dim]
-    ):
+    num_blocks = t.shape[layout.block_dim] if t.dim() == len(layout.pool_shape(0)) else -1
+    if tuple(t.shape) != layout.pool_shape(num_blocks):
         raise ValueError(f"{what} expects a pool tensor of layout {layout}, got {tuple(t.shape)}")
     if t.dtype != dtype:
         raise ValueError(f"{what} expects {dtype}, got {t.dtype}")
@@ -42,12 +35,8 @@ def move_blocks(
     src_ids: Sequence[int],
     dim: int = 0,
 ) -> None:
-    """``dst[dst_ids] = src[src_ids]`` along the block dimension ``dim`` of two pool tensors.
-
-    ``dim`` is 0 for the aggregated layout and 2 for the per-layer one. The tensors may live
-    on different devices (offload and onload between tiers); they must share the dtype and
-    the block shape.
-    """
+    """``dst[dst_ids] = src[src_ids]`` along the block dimension ``dim`` (0 aggregated, 2
+    per-layer) of two pool tensors of one dtype and block shape, on any devices."""
     dst_ids, src_ids = [int(b) for b in dst_ids], [int(b) for b in src_ids]
     if len(dst_ids) != len(src_ids):
         raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")

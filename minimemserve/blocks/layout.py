@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 AGGREGATED = "aggregated"  # [num_blocks, L, 2, block_size, n_kv_heads, head_dim]
@@ -10,14 +11,9 @@ PER_LAYER = "per_layer"  # [L, 2, num_blocks, block_size, n_kv_heads, head_dim],
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of one KV block.
-
-    In the aggregated layout a pool tensor is
-    ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``: block ``b`` is one
-    contiguous chunk holding K and V of every layer for ``block_size`` tokens. Layer ``l``
-    of the pool is read through strides as ``pool[:, l, 0]`` (K) and ``pool[:, l, 1]`` (V),
-    each a ``[num_blocks, block_size, num_kv_heads, head_dim]`` view.
-    """
+    """Shape of one KV block. In the aggregated layout a pool tensor is ``[num_blocks,
+    num_layers, 2, block_size, num_kv_heads, head_dim]``: block ``b`` is one contiguous chunk
+    holding K and V of every layer for ``block_size`` tokens."""
 
     num_layers: int
     block_size: int
@@ -32,14 +28,9 @@ class KVLayout:
         if self.kind not in (AGGREGATED, PER_LAYER):
             raise ValueError(f"unknown KV layout kind {self.kind!r}")
 
-    @property
-    def block_numel(self) -> int:
-        """Elements in one block (all layers, K and V)."""
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
-
     def block_bytes(self, element_size: int) -> int:
-        """Bytes in one block for an element size in bytes."""
-        return self.block_numel * element_size
+        """Bytes in one block (all layers, K and V) for an element size in bytes."""
+        return math.prod(self.pool_shape(1)) * element_size
 
     @property
     def block_dim(self) -> int:
@@ -59,10 +50,8 @@ class KVLayout:
 
 
 def layer_views(pool, layout: KVLayout, layer: int):
-    """K and V views of one layer, each ``[num_blocks, block_size, n_kv_heads, head_dim]``.
-
-    Works for both layouts by indexing, so kernels read either through strides.
-    """
+    """K and V views of one layer, each ``[num_blocks, block_size, n_kv_heads, head_dim]``,
+    in either layout (kernels read them through strides)."""
     if layout.kind == AGGREGATED:
         return pool[:, layer, 0], pool[:, layer, 1]
     return pool[layer, 0], pool[layer, 1]

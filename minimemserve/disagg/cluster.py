@@ -98,12 +98,15 @@ class InProcessCluster:
     def _best(instances: list[Instance], tokens: Sequence[int]) -> Instance:
         return max(instances, key=lambda i: (i.pool.cached_prefix_len(tokens), -i.load()))
 
-    def pick_decode(self, req: Request, exclude: Sequence[str]) -> Instance:
-        """The decode instance holding most of ``req``'s computed tokens."""
+    def pick_decode(self, req: Request, exclude: Sequence[str]) -> Instance | None:
+        """The decode instance with room for ``req`` holding most of its computed tokens;
+        None when every one is full."""
         live = [i for i in self.role("decode") if i.name not in exclude]
         if not live:
             raise InstanceDied(f"no decode instance left to continue the request ({exclude})")
-        return self._best(live, req.tokens[: req.num_computed])
+        blocks = self.pool.layout.num_blocks_for(req.max_total_tokens)
+        roomy = [i for i in live if i.engine.has_room(blocks)]
+        return self._best(roomy, req.tokens[: req.num_computed]) if roomy else None
 
     def prefill_pool(self, req: Request):
         """The pool of the instance that prefilled ``req``."""

@@ -192,9 +192,10 @@ class RemotePool:
         """Drop one of this process's references on the peer's hbm ``blocks``."""
         self.node.call(self.peer, FreeMem(list(blocks)))
 
-    def probe(self, tokens: Sequence[int]) -> ProbeReply:
-        """Cached prefix length of ``tokens`` on the peer and its load."""
-        rep = self.node.call(self.peer, Probe(list(tokens)))
+    def probe(self, tokens: Sequence[int], blocks: int = 0) -> ProbeReply:
+        """Cached prefix length of ``tokens`` on the peer, its load, and whether it has room
+        for a request of ``blocks`` blocks."""
+        rep = self.node.call(self.peer, Probe(list(tokens), blocks))
         if not isinstance(rep, ProbeReply):
             raise TransferError(f"{self.peer} answered Probe with {type(rep).__name__}")
         return rep
@@ -274,19 +275,22 @@ class InstanceServer:
         }
 
     # ---- what recipes need (``Peers``) -------------------------------------------------------
-    def pick_decode(self, req: Request, exclude: Sequence[str]) -> RemotePool:
-        """The live decode peer holding most of ``req`` (probed), least loaded on a tie."""
+    def pick_decode(self, req: Request, exclude: Sequence[str]) -> RemotePool | None:
+        """The live decode peer with room for ``req`` holding most of it (probed), least
+        loaded on a tie; None when every live one is full."""
         decodes = [n for n, p in self.remotes.items() if p.role == "decode"]
         live = [d for d in decodes if d not in self.node.dead and d not in exclude]
         if not live:
             gone = ", ".join(f"{d}: {self.node.dead.get(d, 'refused')}" for d in decodes)
             raise InstanceDied(f"no live decode instance to continue the request ({gone})")
+        blocks = self.pool.layout.num_blocks_for(req.max_total_tokens)
         scores = {}
-        for d in live if len(live) > 1 else ():
+        for d in live:
             with contextlib.suppress(TransferError):
-                rep = self.remotes[d].probe(req.tokens[: req.num_computed])
-                scores[d] = (rep.cached, -rep.load)
-        return self.remotes[max(scores, key=scores.__getitem__) if scores else live[0]]
+                rep = self.remotes[d].probe(req.tokens[: req.num_computed], blocks)
+                if rep.room:
+                    scores[d] = (rep.cached, -rep.load)
+        return self.remotes[max(scores, key=scores.__getitem__)] if scores else None
 
     def prefill_pool(self, req: Request) -> RemotePool:
         """The pool of the instance that prefilled ``req``."""
@@ -312,6 +316,10 @@ class InstanceServer:
     def _load(self) -> int:
         sched = self.engine.scheduler
         return len(sched.waiting) + len(sched.running) + len(self.inbox)
+
+    def _on_probe(self, sender: str, m: Probe) -> ProbeReply:
+        room = self.engine.has_room(m.blocks, self.inbox)
+        return ProbeReply(self.pool.cached_prefix_len(m.tokens), self._load(), room)
 
     def _on_alloc(self, sender: str, m: AllocRequest) -> AllocReply:
         n, layout = m.num_blocks, self.pool.layout

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..errors import TransferError
+from ..errors import PoolExhausted, RemoteError, TransferError
 from ..request import Request
 
 logger = logging.getLogger(__name__)
@@ -52,10 +52,12 @@ class Hook(str, enum.Enum):
 
 
 class Outcome(enum.Enum):
-    """What a hook did with the request: it stays, moved to another instance, or failed."""
+    """What a hook did with the request: it stays, moved to another instance, must wait
+    (every decode instance is full: it keeps its KV here and tries again), or failed."""
 
     KEEP = "keep"
     HANDED_OFF = "handed_off"
+    LATER = "later"
     FAILED = "failed"
 
 
@@ -74,9 +76,10 @@ class Peer(Protocol):
 class Peers(Protocol):
     """What the transfer calls of a recipe need from the instance's surroundings."""
 
-    def pick_decode(self, req: Request, exclude: Sequence[str]) -> Peer:
-        """The decode instance to continue ``req`` on, not one in ``exclude``; raises
-        ``InstanceDied`` (a ``TransferError``) naming why when none is left."""
+    def pick_decode(self, req: Request, exclude: Sequence[str]) -> Peer | None:
+        """The decode instance to continue ``req`` on, not one in ``exclude``, with room for
+        the whole request; None when every live one is full (backpressure); raises
+        ``InstanceDied`` (a ``TransferError``) naming why when none is alive."""
         ...
 
     def prefill_pool(self, req: Request) -> Any:
@@ -129,12 +132,22 @@ def _hand_off(pool, req: Request, peers: Peers, with_insert: bool) -> Outcome:
         except TransferError as e:  # no decode instance left
             req.error = f"{type(e).__name__}: {e}"
             return Outcome.FAILED
+        if peer is None:
+            return Outcome.LATER
         before = _sent_bytes(pool)
         try:
             if with_insert:
                 got = pool.transfer_with_insert(peer.pool, tokens, src)
             else:
                 got = pool.transfer(peer.pool, src)
+        except PoolExhausted:  # filled up since it said it had room: wait, as when full
+            return Outcome.LATER
+        except RemoteError as e:
+            if e.kind == "PoolExhausted":
+                return Outcome.LATER
+            tried.append(peer.name)
+            peers.peer_failed(peer.name, e)
+            continue
         except TransferError as e:
             tried.append(peer.name)
             peers.peer_failed(peer.name, e)
@@ -163,7 +176,7 @@ def _send_back(pool, req: Request, peers: Peers) -> None:
             p_pool, req.tokens[: whole * pool.block_size], req.blocks[:whole]
         )
         p_pool.free_mem(got)  # the prefill pool's index keeps its own references
-    except TransferError as e:  # the answer stands; only the next turn's hit is smaller
+    except (TransferError, PoolExhausted) as e:  # the answer stands; the next hit is smaller
         logger.warning("request %s: decode-phase KV not sent back: %s", req.request_id, e)
     req.metrics.transferred_bytes += _sent_bytes(pool) - before
 

@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 import zmq
 
-from ..errors import InstanceDied, TransferError
+from ..errors import InstanceDied, RemoteError, TransferError
 from ..request import RequestMetrics, RequestOutput
 from ..sampling import SamplingParams
 
@@ -91,16 +91,19 @@ class FreeMem(Msg):
 
 
 class Probe(Msg):
-    """How much of ``tokens`` is cached on the receiver, and how loaded it is."""
+    """How much of ``tokens`` is cached on the receiver, how loaded it is, and whether it
+    has room for a request that may grow to ``blocks`` blocks."""
 
     tokens: Ids
+    blocks: Count = 0
 
 
 class ProbeReply(Msg):
-    """Cached prefix length in tokens, and requests queued or running."""
+    """Cached prefix length in tokens, requests queued or running, room for the request."""
 
     cached: Count
     load: Count
+    room: bool = True
 
 
 # ---- the runtime's messages ---------------------------------------------------------------
@@ -295,18 +298,6 @@ def endpoint(host: str = LOOPBACK, port: int = 0) -> str:
     if not 0 <= port < 65536:
         raise ValueError(f"port must be in [0, 65536), got {port}")
     return f"tcp://{host}:{port if port else '*'}"
-
-
-class RemoteError(TransferError):
-    """A peer's handler failed; ``peer``, ``op`` and ``kind`` (its exception class) say which."""
-
-    def __init__(self, peer: str, op: str, kind: str, message: str) -> None:
-        """Build the error from the peer's :class:`Error` reply."""
-        super().__init__(f"peer {peer} failed {op}: {kind}: {message}")
-        self.peer = peer
-        self.op = op
-        self.kind = kind
-        self.remote_message = message
 
 
 Handler = Callable[[str, Msg], "Msg | None"]

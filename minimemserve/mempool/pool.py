@@ -1,67 +1,47 @@
 """MemPool: the one allocator of KV memory, its tiers and its radix index.
 
-A pool has an ``hbm`` tier (a pool tensor on the compute device) and optionally a
-``dram`` tier (a host tensor, pinned when CUDA is present). Each tier has its own
-``BlockAllocator``. The radix index maps token prefixes to cached blocks and holds
-exactly one reference on each block it lists. Every block of a tier is in one of three
-states:
+A pool has an ``hbm`` tier (a tensor on the compute device) and optionally a ``dram`` tier
+(host memory, pinned when CUDA is present), each with its own ``BlockAllocator``. The
+radix index maps token prefixes to cached blocks and holds one reference on each block it
+lists. Every block of a tier is in one of three states:
 
 - free: no reference;
 - cached-only: its only reference is the index's (evictable);
 - referenced: someone other than the index holds it.
 
-Caching and disaggregation recipes are sequences of calls on this class. Bookkeeping is
-plain Python; torch only moves data. A pool is not thread-safe: one owner calls it.
-
-This module holds the block API, the index calls and transfers; the tiers (evictable
-counts, eviction, offload, onload) are in :mod:`minimemserve.mempool.tiers` and the audit
-(``stats``, ``check``) in :mod:`minimemserve.mempool.audit`. ``match`` onloads a cached
-``dram`` path top-down, and ``insert`` moves a ``dram`` prefix back to the caller's
-``hbm`` blocks.
+``check`` audits that ``free + cached-only + referenced == num_blocks`` per tier, every
+block in exactly one state. Caching and disaggregation recipes are sequences of calls on
+this class. Bookkeeping is plain Python, torch only moves data; one owner calls a pool.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from minimemserve.blocks.copy import check_pool_tensor, move_blocks
-from minimemserve.blocks.layout import KVLayout
-from minimemserve.errors import ConfigError, PoolExhausted
-from minimemserve.mempool.audit import AuditMixin
-from minimemserve.mempool.radix import RadixTree, as_tokens
-from minimemserve.mempool.tiers import DRAM, HBM, TIERS, PoolNode, Tier, TierMixin
+from ..blocks.copy import check_pool_tensor, move_blocks
+from ..blocks.layout import KVLayout
+from ..errors import ConfigError, PoolExhausted
+from .radix import RadixTree, as_tokens
+from .tiers import DRAM, HBM, TIERS, PoolAccountingError, PoolNode, Tier, TierMixin
 
+# match: calls, whole-block tokens asked, tokens hit; blocks newly inserted, deleted, evicted,
+# offloaded to dram, onloaded back by match; transfers: blocks and bytes each way, calls
 COUNTERS = (
-    "match_calls",
-    "query_tokens",  # whole-block tokens asked of match
-    "hit_tokens",  # tokens match returned from the cache
-    "inserted_blocks",  # blocks newly indexed by insert
-    "deleted_blocks",  # blocks dropped from the index by delete
-    "evicted_blocks",  # cached blocks dropped to make room
-    "offloaded_blocks",  # cached hbm blocks moved to dram to make room
-    "onloaded_blocks",  # cached dram blocks brought back to hbm by match
-    "sent_blocks",
-    "sent_bytes",
-    "recv_blocks",
-    "recv_bytes",
-    "transfers_sent",
-    "transfers_recv",
-    "transfers_aborted",
-)
+    "match_calls query_tokens hit_tokens inserted_blocks deleted_blocks evicted_blocks "
+    "offloaded_blocks onloaded_blocks sent_blocks sent_bytes recv_blocks recv_bytes "
+    "transfers_sent transfers_recv transfers_aborted"
+).split()
 
 
-# makes one zero-filled pool tensor: (shape, dtype, device) -> tensor
-TensorFactory = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
-
-
-class MemPool(TierMixin, AuditMixin):
+class MemPool(TierMixin):
     """Elastic KV memory pool of one instance: tiers, refcounted blocks, a radix index.
 
     Block ids are per tier. Every call that hands out blocks (``alloc_mem``, ``match``,
     ``transfer*``) gives the caller one reference per block, released with ``free_mem``.
-    ``insert`` never consumes the caller's references.
+    ``tensor_factory(shape, dtype, device)``, when given, makes the zero-filled tensors.
     """
 
     def __init__(
@@ -74,47 +54,33 @@ class MemPool(TierMixin, AuditMixin):
         dtype: torch.dtype = torch.float32,
         instance_id: str = "0",
         pin_memory: bool | None = None,
-        tensor_factory: TensorFactory | None = None,
+        tensor_factory: Callable[..., torch.Tensor] | None = None,
     ) -> None:
-        """Allocate the pool tensors (zero-filled) and the bookkeeping.
-
-        ``tensor_factory(shape, dtype, device)``, when given, makes every tier's tensor
-        (for instance in shared memory) instead of ``torch.zeros``; it then decides about
-        pinning too.
-        """
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         for name, value, least in (("num_blocks", num_blocks, 1), ("dram_blocks", dram_blocks, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ConfigError(f"{name} must be an int >= {least}, got {value!r}")
-        self.layout = layout
-        self.block_size = layout.block_size
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.instance_id = str(instance_id)
-        self._block_dim = layout.block_dim
         cuda = torch.cuda.is_available()
         pin = cuda if pin_memory is None else bool(pin_memory)
         if pin and not cuda:
             raise ConfigError("pin_memory=True needs CUDA, which is not available")
-        host = torch.device("cpu")
-        if tensor_factory is None:
-            hbm_kv = torch.zeros(layout.pool_shape(num_blocks), dtype=dtype, device=self.device)
-        else:
-            hbm_kv = tensor_factory(layout.pool_shape(num_blocks), dtype, self.device)
-        self._tiers: dict[str, Tier] = {HBM: Tier(HBM, hbm_kv, num_blocks)}
+        self.layout, self.block_size, self.dtype = layout, layout.block_size, dtype
+        self.device, self.instance_id = torch.device(device), str(instance_id)
+        self._block_dim, self._block_bytes = layout.block_dim, layout.block_bytes(dtype.itemsize)
+
+        def tier(name: str, n: int, where: torch.device, pinned: bool) -> Tier:
+            shape = layout.pool_shape(n)
+            if tensor_factory is not None:
+                return Tier(name, tensor_factory(shape, dtype, where), n)
+            return Tier(name, torch.zeros(shape, dtype=dtype, device=where, pin_memory=pinned), n)
+
+        self._tiers = {HBM: tier(HBM, num_blocks, self.device, False)}
         if dram_blocks:
-            shape = layout.pool_shape(dram_blocks)
-            if tensor_factory is None:
-                dram_kv = torch.zeros(shape, dtype=dtype, device=host, pin_memory=pin)
-            else:
-                dram_kv = tensor_factory(shape, dtype, host)
-            self._tiers[DRAM] = Tier(DRAM, dram_kv, dram_blocks)
+            self._tiers[DRAM] = tier(DRAM, dram_blocks, torch.device("cpu"), pin)
         self._tree = RadixTree(self.block_size, node_type=PoolNode)
         self._clock = 0  # logical time: one tick per call, so LRU order is deterministic
         self._counters = dict.fromkeys(COUNTERS, 0)
-
-    # -- tiers -------------------------------------------------------------------------
 
     @property
     def tiers(self) -> tuple[str, ...]:
@@ -161,21 +127,10 @@ class MemPool(TierMixin, AuditMixin):
             raise ValueError(f"unknown tier {tier!r}; tiers are {TIERS}")
         return t
 
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
-    # -- allocation --------------------------------------------------------------------
-
     def alloc_mem(self, n: int, tier: str = HBM, contiguous: bool = False) -> list[int]:
-        """``n`` blocks of ``tier`` with one reference each, held by the caller.
-
-        Evicts cached-only blocks, least recently used leaves first, when too few are
-        free; an evicted hbm block moves to dram when there is a dram tier with room (or
-        room it can make by evicting). Raises ``PoolExhausted`` without changing
-        anything when free plus evictable blocks fall short. ``contiguous`` asks for one
-        ascending run of ids when the free blocks hold one (data then lands in one piece).
-        """
+        """``n`` blocks of ``tier``, held by the caller; evicts cached-only blocks LRU-first
+        (hbm ones to dram if it has room) or raises ``PoolExhausted``, changing nothing.
+        ``contiguous`` asks for one ascending run of ids when the free blocks hold one."""
         t = self._tier(tier)
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"block count must be a non-negative int, got {n!r}")
@@ -189,25 +144,14 @@ class MemPool(TierMixin, AuditMixin):
         return self._take(t, n, contiguous)
 
     def free_mem(self, blocks: Sequence[int], tier: str = HBM) -> None:
-        """Drop one of the caller's references on each block.
-
-        The index's own reference on a cached block is not the caller's: freeing it is an
-        error, like a double free.
-        """
+        """Drop one of the caller's references on each block (never the index's own)."""
         t = self._tier(tier)
         self._unhold(t, list(blocks), t.indexed)
 
-    # -- the index ---------------------------------------------------------------------
-
     def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> int:
-        """Index the whole blocks of ``tokens``; ``blocks[i]`` holds tokens ``[i*bs, (i+1)*bs)``.
-
-        The index takes its own reference on each block it adds. Where a prefix is
-        already cached in hbm it keeps its blocks and the caller's duplicates are not
-        taken; a prefix cached only in dram is replaced by the caller's hbm blocks. The
-        caller keeps its references and frees them as usual. Returns how many blocks were
-        newly indexed.
-        """
+        """Index the whole blocks of ``tokens`` (``blocks[i]`` holds block ``i``), taking the
+        index's own references; return how many blocks were newly indexed. A prefix cached
+        in hbm keeps its blocks; one cached in dram takes the caller's."""
         toks = as_tokens(tokens)
         bs = self.block_size
         nb = len(toks) // bs
@@ -220,16 +164,16 @@ class MemPool(TierMixin, AuditMixin):
             return 0
         if len(toks) != nb * bs:
             toks = toks[: nb * bs]
-        now = self._tick()
+        self._clock += 1
+        now = self._clock
         match = self._tree.match_prefix(toks, now=now)
         matched = len(match.values)
-        # blocks the index will take from the caller: dram-cached positions and the new tail
-        spans = []
-        pos = 0
+        spans, pos = [], 0  # (node, first position, blocks matched in it)
         for node in match.nodes:
             c = min(len(node.values), matched - pos)
             spans.append((node, pos, c))
             pos += c
+        # the index takes the caller's blocks where the prefix is in dram, and the new tail
         taken = [b for n, p, c in spans if n.tier != HBM for b in blocks[p : p + c]]
         taken += blocks[matched:nb]
         if len(set(taken)) != len(taken):
@@ -245,18 +189,17 @@ class MemPool(TierMixin, AuditMixin):
                 self._unindex(self._tiers[node.tier], node.values)
                 self._uncount(node)
                 node.values, node.tier, node.holder = blocks[p : p + c], HBM, self.instance_id
-                self._adopt(hbm, node)
+                self._index(hbm, node, adopt=True)
             parent = node
-        existing = self._tree.insert(toks, blocks[:nb], now=now, tier=HBM, holder=self.instance_id)
-        assert existing == matched, (existing, matched)
+        self._tree.insert(toks, blocks[:nb], now=now, tier=HBM, holder=self.instance_id)
         if matched < nb:
-            self._adopt(hbm, parent.children[toks[matched * bs : (matched + 1) * bs].tobytes()])
+            new = parent.children[toks[matched * bs : (matched + 1) * bs].tobytes()]
+            self._index(hbm, new, adopt=True)
         self._counters["inserted_blocks"] += len(taken)
         return len(taken)
 
     @staticmethod
     def _check_held(hbm: Tier, blocks: list[int]) -> None:
-        """Raise ValueError unless the caller holds a reference on each of ``blocks``."""
         rc, indexed, capacity = hbm.alloc.refcounts(), hbm.indexed, hbm.alloc.num_blocks
         for b in blocks:
             if type(b) is not int or not 0 <= b < capacity:
@@ -264,21 +207,12 @@ class MemPool(TierMixin, AuditMixin):
             if rc[b] - indexed[b] < 1:
                 raise ValueError(f"block {b} is not held by the caller (refcount {rc[b]})")
 
-    def _adopt(self, hbm: Tier, node: PoolNode) -> None:
-        """Index ``node``'s blocks, held by the caller (so pinned)."""
-        self._index(hbm, node)
-        node.run = 0
-        self._restate(node)
-
     def match(self, tokens: Sequence[int]) -> list[int]:
-        """Longest cached prefix of ``tokens`` in whole blocks, as hbm block ids.
-
-        The caller holds one new reference on each returned block. Cached blocks in dram
-        are onloaded first while hbm has room; the match ends at the first block that
-        cannot be brought to hbm.
-        """
+        """Longest cached prefix of ``tokens`` in whole blocks, as hbm block ids the caller
+        holds a new reference on. Cached dram blocks are onloaded while hbm has room."""
         toks = as_tokens(tokens)
-        now = self._tick()
+        self._clock += 1
+        now = self._clock
         match = self._tree.match_prefix(toks, now=now)
         if match.nodes and match.nodes[-1].tier != HBM:
             self._onload(toks, now)
@@ -297,40 +231,19 @@ class MemPool(TierMixin, AuditMixin):
         in_hbm, in_dram, room = self._match_room(as_tokens(tokens))
         return (in_hbm + min(in_dram, room)) * self.block_size
 
-    def _match_room(self, toks) -> tuple[int, int, int]:
-        """For a match of ``toks`` now: cached blocks in hbm (a prefix), cached blocks in
-        dram after them, and hbm blocks that can be made available with that prefix held."""
-        match = self._tree.match_prefix(toks, touch=False)
-        nodes, blocks = self._hbm_prefix(match)
-        # a match holds the hbm part of the path before it makes room for the dram part
-        room = self.num_available(HBM) - self._hold_cost(nodes, len(blocks))
-        return len(blocks), len(match.values) - len(blocks), room
-
     def delete(self, tokens: Sequence[int]) -> int:
-        """Drop the cached entries of ``tokens`` that no other cached sequence shares.
-
-        That is the path's suffix below its last branching node, together with every
-        cached extension of ``tokens``. If ``tokens`` is cached only in part and the
-        cached part continues with other tokens, all of it is shared and nothing is
-        dropped. The index records no sequence ends, so a shorter sequence cached inside
-        the dropped suffix goes too. Blocks free once nobody else holds them. Returns the
-        number of blocks dropped from the index.
-        """
-        toks = as_tokens(tokens)
-        nb = len(toks) // self.block_size
+        """Drop the cached path of ``tokens`` below its last branch, with every extension
+        (nothing if the cached part continues with other tokens; a shorter sequence inside
+        goes too); return how many blocks left the index."""
+        toks, bs = as_tokens(tokens), self.block_size
         match = self._tree.match_prefix(toks, touch=False)
-        if not match.nodes:
+        path, matched = match.nodes, len(match.values)
+        ends_inside = sum(len(n.values) for n in path) != matched
+        if not path or (matched < len(toks) // bs and (ends_inside or path[-1].children)):
             return 0
-        matched = len(match.values)
-        path = match.nodes
-        last_whole = sum(len(n.values) for n in path) == matched
-        if matched < nb and (not last_whole or path[-1].children):
-            return 0
-        cut = path[0]
-        for i in range(len(path) - 1, 0, -1):
-            if len(path[i - 1].children) > 1:
-                cut = path[i]
-                break
+        # drop the path below its last branching node (all of it when it never branches)
+        forks = [i for i in range(1, len(path)) if len(path[i - 1].children) > 1]
+        cut = path[forks[-1] if forks else 0]
         parent, blocked = cut.parent, cut.blocked
         dropped = self._drop(self._tree.remove(cut))
         if blocked:
@@ -339,25 +252,18 @@ class MemPool(TierMixin, AuditMixin):
         self._counters["deleted_blocks"] += dropped
         return dropped
 
-    # -- transfer ----------------------------------------------------------------------
-
     def recv_alloc(
         self, tokens: Sequence[int] | None, num_blocks: int
     ) -> tuple[list[int], list[int]]:
-        """Receiving side, step 1: blocks for an incoming transfer of ``num_blocks``.
-
-        With ``tokens``, the cached prefix is matched first and only the rest is
-        allocated: returns ``(matched, allocated)``. Without, ``([], allocated)``. The
-        caller holds a reference on every returned block. The allocated blocks are one
-        ascending run when the free blocks hold one, so the data lands in one piece.
-        """
+        """Receiving side, step 1: ``(matched, allocated)``, ``num_blocks`` held blocks in all
+        (a cached prefix of ``tokens`` is matched first; the rest is one run if possible)."""
         if not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
         if tokens is None:
             return [], self.alloc_mem(num_blocks, contiguous=True)
         toks = as_tokens(tokens)
-        # onloaded or freshly allocated, every block missing from hbm costs one hbm block:
-        # fail before matching, so a refused transfer leaves the pool as it was
+        # every block missing from hbm costs one hbm block, onloaded or allocated: fail
+        # before matching, so a refused transfer leaves the pool as it was
         in_hbm, _, room = self._match_room(toks)
         if num_blocks - in_hbm > room:
             raise PoolExhausted(
@@ -377,21 +283,13 @@ class MemPool(TierMixin, AuditMixin):
         return matched, new
 
     def recv_copy(self, blocks: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
-        """Receiving side, step 2 when the sender's pool tensor ``src`` is reachable from
-        here (same process): copy its blocks ``src_ids`` straight into ``blocks``.
-
-        One pass over the data when ``blocks`` is one run (what ``recv_alloc`` hands out
-        when it can); no packed copy in between.
-        """
-        blocks, src_ids = list(blocks), list(src_ids)
+        """Receiving side, step 2, when the sender's pool tensor ``src`` is in this process:
+        copy its blocks ``src_ids`` straight into ``blocks`` (one pass when they are a run)."""
         check_pool_tensor(self.layout, self.dtype, src, "recv_copy")
-        hbm = self._tiers[HBM]
-        for b in blocks:
-            if hbm.alloc.refcount(b) < 1:
-                raise ValueError(f"recv_copy into free block {b}")
-        move_blocks(hbm.kv, blocks, src, src_ids, self._block_dim)
+        blocks = self._not_free(blocks, "recv_copy into")
+        move_blocks(self._tiers[HBM].kv, blocks, src, src_ids, self._block_dim)
         self._counters["recv_blocks"] += len(blocks)
-        self._counters["recv_bytes"] += len(blocks) * self.layout.block_bytes(src.element_size())
+        self._counters["recv_bytes"] += len(blocks) * self._block_bytes
 
     def recv_commit(self, tokens: Sequence[int] | None, blocks: Sequence[int]) -> None:
         """Receiving side, step 3: index ``tokens -> blocks`` when tokens are given."""
@@ -405,40 +303,44 @@ class MemPool(TierMixin, AuditMixin):
         self._counters["transfers_aborted"] += 1
 
     def transfer(self, dst: MemPool, src_blocks: Sequence[int]) -> list[int]:
-        """Send hbm blocks to ``dst``: dst allocates, data moves, dst returns its ids.
-
-        The caller holds one reference on each returned block of ``dst``.
-        """
-        src = self._check_send(dst, src_blocks)
-        matched, new = dst.recv_alloc(None, len(src))
-        try:
-            self._send(dst, src, new)
-            dst.recv_commit(None, matched + new)
-        except BaseException:
-            dst.recv_abort(matched + new)
-            raise
-        self._counters["transfers_sent"] += 1
-        return new
+        """Send hbm blocks to ``dst``: dst allocates, data moves, dst returns its ids (the
+        caller holds one reference on each)."""
+        return self._transfer(dst, None, src_blocks)
 
     def transfer_with_insert(
         self, dst: MemPool, tokens: Sequence[int], src_blocks: Sequence[int]
     ) -> list[int]:
-        """Send the KV of ``tokens`` to ``dst`` and index it there.
-
-        ``dst`` matches its own index first and receives only the blocks it lacks, then
-        inserts ``tokens``. Returns the full block list on ``dst`` (the caller holds a
-        reference on each).
-        """
-        toks = as_tokens(tokens)
-        src = self._check_send(dst, src_blocks)
+        """Send the KV of ``tokens`` to ``dst``, which receives only the blocks its index
+        lacks and indexes them; returns every block on ``dst``, each held by the caller."""
+        toks, n = as_tokens(tokens), len(src_blocks)
         lo, hi = len(toks) // self.block_size, self.layout.num_blocks_for(len(toks))
-        if not lo <= len(src) <= hi:
+        if not lo <= n <= hi:
+            raise ValueError(f"{len(toks)} tokens need {hi} blocks (or {lo} whole ones), got {n}")
+        return self._transfer(dst, toks, src_blocks)
+
+    def _not_free(self, blocks: Sequence[int], what: str) -> list[int]:
+        alloc, blocks = self._tiers[HBM].alloc, list(blocks)
+        for b in blocks:
+            if alloc.refcount(b) < 1:
+                raise ValueError(f"{what} free block {b}")
+        return blocks
+
+    def _transfer(self, dst: MemPool, toks, src_blocks: Sequence[int]) -> list[int]:
+        """dst allocates what it lacks, this pool's tensor is read straight into dst's blocks
+        (here, or one-sided into a peer's mapping), dst commits; or dst releases it all."""
+        if dst.layout != self.layout or dst.dtype != self.dtype:
             raise ValueError(
-                f"{len(toks)} tokens need {hi} blocks (or {lo} whole ones), got {len(src)}"
+                f"cannot transfer between pools of different layout or dtype: "
+                f"{self.layout}/{self.dtype} -> {dst.layout}/{dst.dtype}"
             )
+        src = self._not_free(src_blocks, "cannot send")
         matched, new = dst.recv_alloc(toks, len(src))
+        src = src[len(matched) :]
         try:
-            self._send(dst, src[len(matched) :], new)
+            if src:
+                dst.recv_copy(new, self._tiers[HBM].kv, src)
+                self._counters["sent_blocks"] += len(src)
+                self._counters["sent_bytes"] += len(src) * self._block_bytes
             dst.recv_commit(toks, matched + new)
         except BaseException:
             dst.recv_abort(matched + new)
@@ -446,28 +348,95 @@ class MemPool(TierMixin, AuditMixin):
         self._counters["transfers_sent"] += 1
         return matched + new
 
-    def _check_send(self, dst: MemPool, src_blocks: Sequence[int]) -> list[int]:
-        if dst.layout != self.layout or dst.dtype != self.dtype:
-            raise ValueError(
-                f"cannot transfer between pools of different layout or dtype: "
-                f"{self.layout}/{self.dtype} -> {dst.layout}/{dst.dtype}"
-            )
-        src = list(src_blocks)
-        hbm = self._tiers[HBM]
-        for b in src:
-            if hbm.alloc.refcount(b) < 1:
-                raise ValueError(f"cannot send free block {b}")
-        return src
+    def stats(self) -> dict[str, Any]:
+        """Per tier ``{"total", "free", "referenced", "cached_only"}``; index size; counters."""
+        out: dict[str, Any] = {}
+        for name, t in self._tiers.items():
+            rc, total, free = t.alloc.refcounts(), t.alloc.num_blocks, t.alloc.num_free
+            cached_only = sum(1 for b, i in enumerate(t.indexed) if i and rc[b] == 1)
+            referenced = total - free - cached_only
+            out[name] = dict(total=total, free=free, referenced=referenced, cached_only=cached_only)
+        out["index"] = {"blocks": self._tree.num_blocks, "nodes": self._tree.num_nodes}
+        out["counters"] = dict(self._counters)
+        return out
 
-    def _send(self, dst: MemPool, src_ids: list[int], dst_ids: list[int]) -> None:
-        """Move blocks into the receiver's: it reads this pool's tensor straight into its
-        blocks (a pool in this process, or a peer's mapped pool written one-sided)."""
-        if not src_ids:
-            return
-        kv = self._tiers[HBM].kv
-        dst.recv_copy(dst_ids, kv, src_ids)
-        self._counters["sent_blocks"] += len(src_ids)
-        self._counters["sent_bytes"] += len(src_ids) * self.layout.block_bytes(kv.element_size())
+    def check(self) -> None:
+        """Audit the bookkeeping by a full scan; raise ``PoolAccountingError`` if it is off."""
+        errors: list[str] = []
+        held = self._check_tree(errors)
+        count = dict.fromkeys(self._tiers, 0)  # evictable blocks, recounted
+        whole: dict[PoolNode, bool] = {}  # the subtree holds cached-only blocks only
+        for node in reversed(list(self._tree.nodes())):  # children before parents
+            if (t := self._tiers.get(node.tier)) is None:
+                continue
+            rc, values = t.alloc.refcounts(), node.values
+            i = len(values)
+            while i and rc[values[i - 1]] == 1:
+                i -= 1
+            kids_whole = all(whole.get(c, False) for c in node.children.values())
+            whole[node] = kids_whole and i == 0
+            count[node.tier] += (len(values) - i) if kids_whole else 0
+        for name, t in self._tiers.items():
+            self._check_tier(t, held[name], errors)
+            if t.evictable != count[name]:
+                errors.append(f"{name}: {t.evictable} blocks counted evictable, {count[name]} are")
+        if errors:
+            raise PoolAccountingError("MemPool accounting: " + "; ".join(errors[:20]))
+
+    def _check_tree(self, errors: list[str]) -> dict[str, set[int]]:
+        """Check the shape of the index; return the blocks it lists per tier."""
+        bs = self.block_size
+        held: dict[str, set[int]] = {name: set() for name in self._tiers}
+        num_values = 0
+        for node in self._tree.nodes():
+            where, tier, parent = f"node {node!r}", node.tier, node.parent
+            if tier not in self._tiers:
+                errors.append(f"{where} has tier {tier!r}")
+                continue
+            if not node.values or len(node.tokens) != len(node.values) * bs:
+                errors.append(f"{where}: {len(node.tokens)} tokens, {len(node.values)} blocks")
+            if node.key != node.tokens[:bs].tobytes():
+                errors.append(f"{where}: key does not match its first block")
+            if parent is None or parent.children.get(node.key) is not node:
+                errors.append(f"{where} is not its parent's child")
+            elif parent.tier == DRAM and tier == HBM:
+                errors.append(f"{where} is in hbm below a dram node")
+            t = self._tiers[tier]
+            num_values += len(node.values)
+            for b in node.values:
+                if not 0 <= b < t.alloc.num_blocks:
+                    errors.append(f"{where} lists {tier} block {b}, out of range")
+                    continue
+                if b in held[tier]:
+                    errors.append(f"{tier} block {b} is cached twice")
+                if t.node_of[b] is not node:
+                    errors.append(f"{tier} block {b} is mapped to another node")
+                held[tier].add(b)
+        if num_values != self._tree.num_blocks:
+            errors.append(f"index counts {self._tree.num_blocks} blocks but lists {num_values}")
+        return held
+
+    @staticmethod
+    def _check_tier(t: Tier, held: set[int], errors: list[str]) -> None:
+        """Check that each block of ``t`` is in one state: free, cached-only or referenced."""
+        name, rc = t.name, t.alloc.refcounts()
+        free_list = t.alloc.free_blocks()  # each free block once, in queue order
+        free = set(free_list)
+        counts = {"free": 0, "cached_only": 0, "referenced": 0}
+        for b in range(t.alloc.num_blocks):
+            r, cached, listed = rc[b], b in held, b in free
+            if t.indexed[b] != cached:
+                errors.append(f"{name} block {b}: index flag {t.indexed[b]}, in tree {cached}")
+            if r < 0 or (r == 0) != listed:
+                where = "in" if listed else "not in"
+                errors.append(f"{name} block {b} has refcount {r} and is {where} the free list")
+            if cached and r == 0:
+                errors.append(f"{name} block {b} is cached without a reference")
+            elif cached and r > 1 and name == DRAM:
+                errors.append(f"dram block {b} is cached and held elsewhere too")
+            counts["free" if r == 0 else "cached_only" if cached and r == 1 else "referenced"] += 1
+        if sum(counts.values()) != t.alloc.num_blocks or counts["free"] != len(free_list):
+            errors.append(f"{name}: states {counts} do not add up to {t.alloc.num_blocks}")
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{n}={t.alloc.num_blocks}" for n, t in self._tiers.items())

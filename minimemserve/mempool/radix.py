@@ -1,17 +1,9 @@
-"""A compressed radix tree over token ids at block granularity (plain Python).
+"""A compressed radix tree over token ids at block granularity, in plain Python.
 
-Each node holds a run of tokens whose length is a multiple of ``block_size`` (an
-``array('q')``) and one int value per block. What the values mean is the owner's
-business: MemPool stores block ids; the global scheduler keeps one tree per instance and
-only uses the prefixes (and their expiry). Children are keyed by the bytes of their first
-block, so walking one edge costs one dict lookup and one C-level comparison of array
-slices. Nodes split only at block boundaries.
-
-Besides the values, a node carries its last access time, an optional expiry time (for
-prompt trees with a TTL), the tier its blocks live in and the instance that holds them.
-
-Token sequences are ``array('q')`` internally; passing one avoids a conversion that costs
-about 10 ns per token for a list.
+A node holds a token run of whole blocks (``array('q')``; passing one skips a conversion
+of about 10 ns per token) and one int value per block: block ids in MemPool's index,
+placeholders in the global scheduler's prompt trees (whose entries expire after a TTL).
+Children are keyed by their first block's bytes: an edge costs a dict lookup and a memcmp.
 """
 
 from __future__ import annotations
@@ -35,65 +27,27 @@ def as_tokens(tokens: Sequence[int]) -> array:
 
 
 class RadixNode:
-    """One edge of the tree: a token run, one value per block, and metadata.
+    """One edge: a token run, one value per block, and metadata (last access, expiry time or
+    None, tier, holder). ``key`` is the first block's bytes, its key in ``parent.children``."""
 
-    ``tokens`` has ``len(values) * block_size`` entries. ``key`` is the bytes of the first
-    block (the node's key in its parent's ``children``). ``expires_at`` is None for
-    entries that never expire. The root has no tokens and no parent.
-    """
+    __slots__ = ("key", "tokens", "values", "children", "parent")
+    __slots__ += ("last_access", "expires_at", "tier", "holder")
 
-    __slots__ = (
-        "key",
-        "tokens",
-        "values",
-        "children",
-        "parent",
-        "last_access",
-        "expires_at",
-        "tier",
-        "holder",
-    )
-
-    def __init__(
-        self,
-        key: bytes,
-        tokens: array,
-        values: list[int],
-        parent: RadixNode | None,
-        last_access: float,
-        expires_at: float | None = None,
-        tier: str | None = None,
-        holder: str | None = None,
-    ) -> None:
-        self.key = key
-        self.tokens = tokens
-        self.values = values
+    def __init__(self, key: bytes, tokens: array, values: list, parent: RadixNode | None) -> None:
+        self.key, self.tokens, self.values, self.parent = key, tokens, values, parent
         self.children: dict[bytes, RadixNode] = {}
-        self.parent = parent
-        self.last_access = last_access
-        self.expires_at = expires_at
-        self.tier = tier
-        self.holder = holder
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks (values) on this node."""
-        return len(self.values)
+        self.last_access: float = 0.0
+        self.expires_at: float | None = None
+        self.tier: str | None = None
+        self.holder: str | None = None
 
     def __repr__(self) -> str:
-        return (
-            f"RadixNode(blocks={len(self.values)}, children={len(self.children)}, "
-            f"tier={self.tier!r}, last_access={self.last_access})"
-        )
+        blocks, kids, t = len(self.values), len(self.children), self.last_access
+        return f"RadixNode(blocks={blocks}, children={kids}, tier={self.tier!r}, last_access={t})"
 
 
 class Match(NamedTuple):
-    """Result of ``RadixTree.match_prefix``.
-
-    ``nodes`` are the nodes the match walked through, in order. Every node but possibly
-    the last is matched in full; the last may be matched only in part. ``values`` are the
-    matched blocks' values in order (``num_tokens // block_size`` of them).
-    """
+    """What ``match_prefix`` found: the walked nodes (the last perhaps in part), the values."""
 
     num_tokens: int
     values: list[int]
@@ -101,11 +55,8 @@ class Match(NamedTuple):
 
 
 class RadixTree:
-    """Block-granular compressed radix tree mapping token prefixes to per-block values.
-
-    ``clock`` gives the time used when a call passes no ``now`` (access times and TTLs);
-    ``node_type`` is the class of every node (a subclass may carry the owner's bookkeeping).
-    """
+    """Token prefixes to per-block values. ``clock`` gives the time when a call passes no
+    ``now``; ``node_type`` is the class of every node (it may carry the owner's state)."""
 
     def __init__(
         self,
@@ -116,40 +67,21 @@ class RadixTree:
     ) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        self.block_size = block_size
-        self._clock = clock
-        self._node = node_type
-        self.root = node_type(b"", array(TOKEN_TYPECODE), [], None, 0.0)
-        self._num_blocks = 0
-        self._num_nodes = 0
-
-    # -- queries -----------------------------------------------------------------------
-
-    @property
-    def num_blocks(self) -> int:
-        """Values (blocks) stored in the whole tree."""
-        return self._num_blocks
-
-    @property
-    def num_nodes(self) -> int:
-        """Nodes in the tree, the root excluded."""
-        return self._num_nodes
+        self.block_size, self._clock, self._node = block_size, clock, node_type
+        self.root = node_type(b"", array(TOKEN_TYPECODE), [], None)
+        self.num_blocks = 0  # values in the whole tree
+        self.num_nodes = 0  # the root excluded
 
     def match_prefix(
         self, tokens: Sequence[int], *, now: float | None = None, touch: bool = True
     ) -> Match:
-        """Longest stored prefix of ``tokens`` in whole blocks.
-
-        Touches the access time of the walked nodes unless ``touch`` is False. An expired
-        node met on the way is removed with its subtree and ends the match.
-        """
+        """Longest stored prefix of ``tokens`` in whole blocks, touching the walked nodes
+        unless ``touch`` is False. An expired node met on the way is removed."""
         tokens = as_tokens(tokens)
         bs = self.block_size
         end = len(tokens) - len(tokens) % bs
-        if now is None:
-            now = self._clock()
-        node = self.root
-        pos = 0
+        now = self._clock() if now is None else now
+        node, pos = self.root, 0
         values: list[int] = []
         nodes: list[RadixNode] = []
         while pos < end:
@@ -159,38 +91,32 @@ class RadixTree:
             if child.expires_at is not None and child.expires_at <= now:
                 self.remove(child)
                 break
-            n = len(child.tokens)
-            stop = pos + n
+            nodes.append(child)
+            stop = pos + len(child.tokens)
             if stop <= end and tokens[pos:stop] == child.tokens:
                 values += child.values
-                nodes.append(child)
-                pos = stop
-                node = child
+                node, pos = child, stop
                 continue
             k = self._common_blocks(child, tokens, pos, end)
             values += child.values[:k]
-            nodes.append(child)
             pos += k * bs
             break
         if touch:
-            for n_ in nodes:
-                n_.last_access = now
+            for n in nodes:
+                n.last_access = now
         return Match(pos, values, nodes)
 
     def _common_blocks(self, node: RadixNode, tokens: array, pos: int, end: int) -> int:
         """Whole blocks ``node.tokens`` shares with ``tokens[pos:end]`` (its first block does)."""
         bs = self.block_size
         lo, hi = 1, min(len(node.tokens), end - pos) // bs
-        # the shared prefix is monotone in length: binary search on slice equality
-        while lo < hi:
+        while lo < hi:  # the shared prefix is monotone in length: binary search
             mid = (lo + hi + 1) // 2
             if node.tokens[: mid * bs] == tokens[pos : pos + mid * bs]:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
-
-    # -- updates -----------------------------------------------------------------------
 
     def insert(
         self,
@@ -202,32 +128,22 @@ class RadixTree:
         tier: str | None = None,
         holder: str | None = None,
     ) -> int:
-        """Store ``tokens`` (a whole number of blocks) with one value per block.
-
-        Blocks whose prefix is already stored keep their existing values; only the new
-        suffix takes ``values``, ``tier`` and ``holder``. Every node on the path is touched
-        and, with a ``ttl``, expires no earlier than ``now + ttl``. Returns how many leading
-        blocks were already stored (``values[result:]`` were taken).
-        """
+        """Store ``tokens`` (whole blocks) with one value per block; return how many leading
+        blocks were stored already (they keep their values, tier and holder). The path is
+        touched and, with a ``ttl``, expires no earlier than ``now + ttl``."""
         tokens = as_tokens(tokens)
-        bs = self.block_size
-        if len(tokens) % bs:
+        bs, end = self.block_size, len(tokens)
+        if end % bs:
+            raise ValueError(f"insert takes whole blocks: {end} tokens is not a multiple of {bs}")
+        if len(values) != end // bs:
             raise ValueError(
-                f"insert takes whole blocks: {len(tokens)} tokens is not a multiple of {bs}"
-            )
-        if len(values) != len(tokens) // bs:
-            raise ValueError(
-                f"{len(tokens)} tokens are {len(tokens) // bs} blocks but {len(values)} "
-                "values were given"
+                f"{end} tokens are {end // bs} blocks but {len(values)} values were given"
             )
         if ttl is not None and ttl <= 0:
             raise ValueError(f"ttl must be positive, got {ttl}")
-        if now is None:
-            now = self._clock()
+        now = self._clock() if now is None else now
         expires_at = None if ttl is None else now + ttl
-        end = len(tokens)
-        node = self.root
-        pos = 0
+        node, pos = self.root, 0
         while pos < end:
             key = tokens[pos : pos + bs].tobytes()
             child = node.children.get(key)
@@ -235,124 +151,86 @@ class RadixTree:
                 self.remove(child)
                 child = None
             if child is None:
-                new = self._node(
-                    key,
-                    tokens[pos:end],
-                    list(values[pos // bs :]),
-                    node,
-                    now,
-                    expires_at,
-                    tier,
-                    holder,
-                )
-                node.children[key] = new
-                self._num_nodes += 1
-                self._num_blocks += len(new.values)
+                vals = list(values[pos // bs :])
+                new = node.children[key] = self._node(key, tokens[pos:], vals, node)
+                new.last_access, new.expires_at = now, expires_at
+                new.tier, new.holder = tier, holder
+                self.num_nodes += 1
+                self.num_blocks += len(vals)
                 return pos // bs
-            n = len(child.tokens)
-            if not (pos + n <= end and tokens[pos : pos + n] == child.tokens):
+            stop = pos + len(child.tokens)
+            if stop > end or tokens[pos:stop] != child.tokens:
                 k = self._common_blocks(child, tokens, pos, end)
                 if k < len(child.values):
                     child = self.split(child, k)
-            self._refresh(child, now, expires_at)
+            child.last_access = now
+            if expires_at is not None and child.expires_at is not None:
+                child.expires_at = max(child.expires_at, expires_at)
             pos += len(child.tokens)
             node = child
         return pos // bs
 
-    @staticmethod
-    def _refresh(node: RadixNode, now: float, expires_at: float | None) -> None:
-        node.last_access = now
-        if expires_at is not None and node.expires_at is not None:
-            node.expires_at = max(node.expires_at, expires_at)
-
     def split(self, node: RadixNode, num_blocks: int) -> RadixNode:
-        """Cut ``node`` after its first ``num_blocks`` blocks; return the new head node.
-
-        ``node`` itself keeps the tail (and its children) and becomes the head's only
-        child, so references to ``node`` still reach the same blocks. Metadata is copied.
-        """
+        """Cut ``node`` after ``num_blocks`` blocks; return the new head, a copy of its
+        metadata. ``node`` keeps the tail and its children and becomes the head's child."""
         if node is self.root or not 0 < num_blocks < len(node.values):
             raise ValueError(
                 f"cannot split a node of {len(node.values)} blocks after {num_blocks} blocks"
             )
-        cut = num_blocks * self.block_size
-        parent = node.parent
-        assert parent is not None
-        head = self._node(
-            node.key,
-            node.tokens[:cut],
-            node.values[:num_blocks],
-            parent,
-            node.last_access,
-            node.expires_at,
-            node.tier,
-            node.holder,
-        )
+        cut, parent = num_blocks * self.block_size, node.parent
+        head = self._node(node.key, node.tokens[:cut], node.values[:num_blocks], parent)
+        head.last_access, head.expires_at = node.last_access, node.expires_at
+        head.tier, head.holder = node.tier, node.holder
         parent.children[node.key] = head
-        node.tokens = node.tokens[cut:]
-        node.values = node.values[num_blocks:]
+        node.tokens, node.values = node.tokens[cut:], node.values[num_blocks:]
         node.key = node.tokens[: self.block_size].tobytes()
         node.parent = head
         head.children[node.key] = node
-        self._num_nodes += 1
+        self.num_nodes += 1
         return head
 
     def truncate(self, node: RadixNode, num_blocks: int) -> list[tuple[RadixNode, list[int]]]:
-        """Drop the last ``num_blocks`` blocks of ``node`` and every descendant of it.
-
-        Returns the dropped values grouped by the node that held them (``node`` first,
-        which stays in the tree while it has blocks left). Dropping all of its blocks
-        removes the node.
-        """
+        """Drop the last ``num_blocks`` blocks of ``node`` and all its descendants; return the
+        values grouped by node, ``node`` first (it stays while it has blocks left)."""
         if node is self.root or not 0 < num_blocks <= len(node.values):
             raise ValueError(f"cannot drop {num_blocks} blocks of a node of {len(node.values)}")
         if num_blocks == len(node.values):
             return self.remove(node)
-        dropped: list[tuple[RadixNode, list[int]]] = []
-        for child in list(node.children.values()):
-            dropped += self.remove(child)
+        dropped = [d for child in list(node.children.values()) for d in self.remove(child)]
         keep = len(node.values) - num_blocks
         tail = node.values[keep:]
-        node.values = node.values[:keep]
-        node.tokens = node.tokens[: keep * self.block_size]
-        self._num_blocks -= num_blocks
+        node.values, node.tokens = node.values[:keep], node.tokens[: keep * self.block_size]
+        self.num_blocks -= num_blocks
         return [(node, tail), *dropped]
 
     def remove(self, node: RadixNode) -> list[tuple[RadixNode, list[int]]]:
         """Remove ``node`` and its subtree; return their values grouped by node (preorder)."""
-        if node is self.root:
-            raise ValueError("cannot remove the root")
         parent = node.parent
         if parent is None or parent.children.get(node.key) is not node:
-            raise ValueError("node is not in this tree")
+            raise ValueError("cannot remove the root or a node not in this tree")
         del parent.children[node.key]
-        out = []
-        stack = [node]
+        out, stack = [], [node]
         while stack:
             n = stack.pop()
             out.append((n, n.values))
             stack.extend(n.children.values())
             n.parent = None
-        self._num_nodes -= len(out)
-        self._num_blocks -= sum(len(v) for _, v in out)
+        self.num_nodes -= len(out)
+        self.num_blocks -= sum(len(v) for _, v in out)
         return out
 
     def expire(self, now: float | None = None) -> list[tuple[RadixNode, list[int]]]:
         """Remove every node whose expiry time has passed, with its subtree."""
-        if now is None:
-            now = self._clock()
+        now = self._clock() if now is None else now
         dropped: list[tuple[RadixNode, list[int]]] = []
         stack = [self.root]
         while stack:
-            node = stack.pop()
-            for child in list(node.children.values()):
+            for child in list(stack.pop().children.values()):
                 if child.expires_at is not None and child.expires_at <= now:
                     dropped += self.remove(child)
                 else:
                     stack.append(child)
         return dropped
-
-    # -- iteration ---------------------------------------------------------------------
 
     def nodes(self) -> Iterator[RadixNode]:
         """Every node but the root, parents before children."""
@@ -361,26 +239,3 @@ class RadixTree:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
-
-    def leaves(self) -> Iterator[RadixNode]:
-        """Nodes without children."""
-        return (n for n in self.nodes() if not n.children)
-
-    def path(self, node: RadixNode) -> list[RadixNode]:
-        """Nodes from the root's child down to ``node``."""
-        out = []
-        while node is not self.root:
-            out.append(node)
-            assert node.parent is not None, "node is detached"
-            node = node.parent
-        return out[::-1]
-
-    def tokens_of(self, node: RadixNode) -> array:
-        """The full token prefix ending with ``node``."""
-        out = array(TOKEN_TYPECODE)
-        for n in self.path(node):
-            out += n.tokens
-        return out
-
-    def __len__(self) -> int:
-        return self._num_blocks

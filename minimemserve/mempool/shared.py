@@ -1,10 +1,6 @@
-"""Pool tensors shared with other processes on this host, written one-sided by peers.
-
-CPU: a POSIX shared-memory segment named ``{prefix}-{pid}-{random}`` in ``shm_dir``. CUDA:
-a device tensor exported through CUDA IPC (peers on the same GPU map the same memory). The
-owner publishes ``SharedPoolTensor.handle.to_dict()`` (plain values, msgpack-able); a peer
-maps it with :func:`attach`.
-"""
+"""Pool tensors that peers on this host write into one-sided: a POSIX shared-memory segment
+``{prefix}-{pid}-{random}`` in ``shm_dir`` (CPU) or CUDA IPC (one GPU). The owner publishes
+``handle.to_dict()`` (plain values, msgpack-able); a peer maps it with :func:`attach`."""
 
 from __future__ import annotations
 
@@ -23,20 +19,15 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from minimemserve.errors import ConfigError, TransferError
 
-# Short on purpose: segment names show up in /dev/shm listings and macOS caps them at 31 chars.
-DEFAULT_SHM_PREFIX = "mms"
-# Where Linux keeps POSIX shared memory (what shm_open(3) creates files in).
-SHM_DIR = "/dev/shm"
+DEFAULT_SHM_PREFIX = "mms"  # short: segment names show up in listings; macOS caps them at 31
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory (shm_open(3))
 
 
 @dataclass(frozen=True)
 class SharedHandle:
-    """What a peer needs to map a :class:`SharedPoolTensor`: plain values only.
-
-    ``kind`` is ``"cpu_shm"`` (``name`` is a segment in ``shm_dir``) or ``"cuda_ipc"``
-    (``cuda`` holds the IPC handle fields). ``nbytes`` is the size of the whole segment or
-    storage the view lives in.
-    """
+    """What a peer needs to map a :class:`SharedPoolTensor`, in plain values: ``kind`` is
+    ``"cpu_shm"`` (``name`` is a segment in ``shm_dir``) or ``"cuda_ipc"`` (``cuda`` holds
+    the IPC fields); ``nbytes`` is the size of the segment or storage the view lives in."""
 
     kind: str
     name: str
@@ -50,25 +41,17 @@ class SharedHandle:
 
     def to_dict(self) -> dict[str, Any]:
         """A dict of plain values (ints, strings, bytes, lists), safe to msgpack."""
-        out = asdict(self)
-        out["shape"], out["strides"] = list(self.shape), list(self.strides)
-        return out
+        return asdict(self) | {"shape": list(self.shape), "strides": list(self.strides)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SharedHandle:
         """Read a handle back from :meth:`to_dict` output; raises TransferError if malformed."""
         try:
-            return cls(
-                kind=str(data["kind"]),
-                name=str(data["name"]),
-                shape=tuple(int(x) for x in data["shape"]),
-                strides=tuple(int(x) for x in data["strides"]),
-                storage_offset=int(data["storage_offset"]),
-                dtype=str(data["dtype"]),
-                nbytes=int(data["nbytes"]),
-                shm_dir=str(data.get("shm_dir", SHM_DIR)),
-                cuda=data.get("cuda"),
-            )
+            shape, strides = (tuple(int(x) for x in data[k]) for k in ("shape", "strides"))
+            kind, name, dtype = (str(data[k]) for k in ("kind", "name", "dtype"))
+            offset, nbytes = int(data["storage_offset"]), int(data["nbytes"])
+            shm_dir, cuda = str(data.get("shm_dir", SHM_DIR)), data.get("cuda")
+            return cls(kind, name, shape, strides, offset, dtype, nbytes, shm_dir, cuda)
         except (KeyError, TypeError, ValueError) as e:
             raise TransferError(f"malformed shared-tensor handle: {e!r}") from e
 
@@ -79,12 +62,11 @@ def _unlink_quietly(path: str) -> None:
 
 
 def _map_segment(path: str, nbytes: int, create: bool) -> torch.Tensor:
-    """Map a shared segment as a flat uint8 tensor; the mapping lives as long as the tensor."""
+    """Map a shared segment as a flat uint8 tensor, which keeps the mapping alive."""
     fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
     try:
         if create:
-            try:
-                # reserve the pages now: writing to an over-committed tmpfs mapping is SIGBUS
+            try:  # reserve the pages now: writing to an over-committed tmpfs mapping is SIGBUS
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
                 _unlink_quietly(path)
@@ -97,22 +79,18 @@ def _map_segment(path: str, nbytes: int, create: bool) -> torch.Tensor:
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    # the tensor holds a buffer export of the mmap, so the mapping outlives this frame
     return torch.frombuffer(mm, dtype=torch.uint8)
 
 
 class SharedPoolTensor:
     """A pool tensor another process on this host can write into, one-sided.
 
-    CPU: the owner unlinks the segment on :meth:`close` (or when garbage collected, or at
-    interpreter exit); the memory itself goes away once every mapping, here and in peers,
-    is dropped. CUDA: keep the owner alive while peers use it.
+    CPU: the owner unlinks the segment on :meth:`close`, garbage collection or exit; the
+    memory goes once every mapping is dropped. CUDA: keep the owner alive while peers use it.
     """
 
     def __init__(self, tensor: torch.Tensor, handle: SharedHandle, path: str | None) -> None:
-        """Wrap an already-shared tensor; use :meth:`create` instead."""
-        self.tensor = tensor
-        self.handle = handle
+        self.tensor, self.handle = tensor, handle
         self._finalizer = weakref.finalize(self, _unlink_quietly, path) if path else None
 
     @classmethod
@@ -142,9 +120,8 @@ class SharedPoolTensor:
         path = os.path.join(shm_dir, name)
         nbytes = math.prod(shape) * dtype.itemsize
         tensor = _map_segment(path, nbytes, create=True).view(dtype).view(shape)  # zeroed by tmpfs
-        handle = SharedHandle(
-            "cpu_shm", name, shape, tensor.stride(), 0, _dtype_name(dtype), nbytes, shm_dir
-        )
+        dt = str(dtype).removeprefix("torch.")
+        handle = SharedHandle("cpu_shm", name, shape, tensor.stride(), 0, dt, nbytes, shm_dir)
         return cls(tensor, handle, path)
 
     @property
@@ -153,11 +130,7 @@ class SharedPoolTensor:
         return self.handle.name
 
     def close(self) -> None:
-        """Unlink the segment (CPU) and drop this object's tensor reference. Idempotent.
-
-        Mappings still held (here or in peers) stay valid until they are dropped; no new
-        peer can attach after this.
-        """
+        """Unlink the segment (mappings stay valid; no peer can attach) and drop the tensor."""
         if self._finalizer is not None:
             self._finalizer()
         self.tensor = None  # type: ignore[assignment]
@@ -167,10 +140,6 @@ class SharedPoolTensor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _cuda_handle(tensor: torch.Tensor) -> SharedHandle:
@@ -187,53 +156,36 @@ def _cuda_handle(tensor: torch.Tensor) -> SharedHandle:
         "event_handle": None if event is None else bytes(event),
         "event_sync_required": bool(event_sync),
     }
-    name, dt = f"cuda:{device}:{ipc.hex()[:16]}", _dtype_name(dtype)
+    name, dt = f"cuda:{device}:{ipc.hex()[:16]}", str(dtype).removeprefix("torch.")
     shape, strides = tuple(size), tuple(stride)
     return SharedHandle("cuda_ipc", name, shape, strides, int(offset), dt, int(nbytes), cuda=cuda)
 
 
 def attach(handle: SharedHandle | dict[str, Any]) -> torch.Tensor:
-    """Map a peer's shared pool tensor into this process; returns a writable view of it.
-
-    The mapping lasts as long as the returned tensor (and views of it). Raises
-    TransferError if the segment is gone or does not match the handle.
-    """
-    if isinstance(handle, dict):
-        handle = SharedHandle.from_dict(handle)
-    dtype = getattr(torch, handle.dtype, None)
+    """Map a peer's shared pool tensor here: a writable view that keeps the mapping alive.
+    Raises TransferError if the segment is gone or does not match the handle."""
+    h = SharedHandle.from_dict(handle) if isinstance(handle, dict) else handle
+    dtype = getattr(torch, h.dtype, None)
     if not isinstance(dtype, torch.dtype):
-        raise TransferError(f"shared handle names an unknown dtype {handle.dtype!r}")
-    if handle.kind == "cpu_shm":
-        if "/" in handle.name:
-            raise TransferError(f"bad shared segment name {handle.name!r}")
-        path = os.path.join(handle.shm_dir, handle.name)
+        raise TransferError(f"shared handle names an unknown dtype {h.dtype!r}")
+    if h.kind == "cpu_shm":
+        if "/" in h.name:
+            raise TransferError(f"bad shared segment name {h.name!r}")
+        path = os.path.join(h.shm_dir, h.name)
         try:
-            flat = _map_segment(path, handle.nbytes, create=False)  # [nbytes] uint8
+            flat = _map_segment(path, h.nbytes, create=False)  # [nbytes] uint8
         except FileNotFoundError as e:
             raise TransferError(f"shared segment {path} does not exist (owner closed?)") from e
-        return flat.view(dtype).as_strided(handle.shape, handle.strides, handle.storage_offset)
-    if handle.kind != "cuda_ipc":
-        raise TransferError(f"unknown shared handle kind {handle.kind!r}")
+        return flat.view(dtype).as_strided(h.shape, h.strides, h.storage_offset)
+    if h.kind != "cuda_ipc":
+        raise TransferError(f"unknown shared handle kind {h.kind!r}")
     if not torch.cuda.is_available():
         raise TransferError("a CUDA IPC handle cannot be attached without CUDA")
-    c = handle.cuda or {}
-    try:
-        return rebuild_cuda_tensor(
-            torch.Tensor,
-            torch.Size(handle.shape),
-            handle.strides,
-            handle.storage_offset,
-            torch.UntypedStorage,
-            dtype,
-            c["device"],
-            c["ipc_handle"],
-            handle.nbytes,
-            c["storage_offset_bytes"],
-            False,  # requires_grad
-            c["ref_counter_handle"],
-            c["ref_counter_offset"],
-            c["event_handle"],
-            c["event_sync_required"],
-        )
+    c = h.cuda or {}
+    try:  # the arguments reduce_tensor gave, in order (False: requires_grad)
+        args = (torch.Tensor, torch.Size(h.shape), h.strides, h.storage_offset)
+        args += (torch.UntypedStorage, dtype, c["device"], c["ipc_handle"], h.nbytes)
+        args += (c["storage_offset_bytes"], False, c["ref_counter_handle"], c["ref_counter_offset"])
+        return rebuild_cuda_tensor(*args, c["event_handle"], c["event_sync_required"])
     except (KeyError, RuntimeError) as e:
-        raise TransferError(f"cannot open CUDA IPC handle {handle.name}: {e}") from e
+        raise TransferError(f"cannot open CUDA IPC handle {h.name}: {e}") from e

@@ -1,15 +1,13 @@
-"""MemPool's tiers: per-tier bookkeeping, the evictable counts, eviction, offload and onload.
+"""MemPool's tiers: per-tier bookkeeping, the evictable counts, eviction, offload, onload.
 
-A cached block is *pinned* when someone besides the index holds it (refcount > 1). A
-cached block is evictable when it and every block below it in the index (later in its
-node, and in all descendant nodes of any tier) are cached-only. Each tier keeps the count
-of its evictable blocks up to date, from per-node state (see ``PoolNode``) changed only
-where a call touches the index or the references of indexed blocks.
-"""
+A cached block is evictable when it and every block below it in the index (later in its
+node, and in all descendants of any tier) are cached-only. Each tier keeps that count up
+to date from per-node state."""
 
 from __future__ import annotations
 
 import heapq
+import itertools
 
 import torch
 
@@ -27,22 +25,15 @@ class PoolAccountingError(AssertionError):
 
 
 class PoolNode(RadixNode):
-    """A node of MemPool's index, with the state behind its tier's evictable count.
-
-    ``run``: trailing blocks whose only reference is the index's; ``below``: children
-    holding a pinned block in their subtree. ``blocked`` (this subtree holds one) and
-    ``evictable`` (``run`` when ``below`` is 0) are what is counted now in the parent's
-    ``below`` and in the tier's count.
-    """
+    """An index node with the state behind its tier's evictable count: ``run`` trailing
+    cached-only blocks, ``below`` children whose subtree holds a pinned (referenced) block;
+    ``blocked`` and ``evictable`` are what the parent's ``below`` and the count include."""
 
     __slots__ = ("run", "below", "blocked", "evictable")
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
-        self.run = len(self.values)
-        self.below = 0
-        self.blocked = False
-        self.evictable = 0
+        self.run, self.below, self.blocked, self.evictable = len(self.values), 0, False, 0
 
 
 class Tier:
@@ -51,36 +42,33 @@ class Tier:
     __slots__ = ("name", "kv", "alloc", "indexed", "node_of", "evictable")
 
     def __init__(self, name: str, kv: torch.Tensor, num_blocks: int) -> None:
-        self.name = name
-        self.kv = kv
-        self.alloc = BlockAllocator(num_blocks)
+        self.name, self.kv, self.alloc = name, kv, BlockAllocator(num_blocks)
         self.indexed = bytearray(num_blocks)  # 1 where the index holds a reference
         self.node_of: list[PoolNode | None] = [None] * num_blocks  # the node listing a block
         self.evictable = 0
 
 
 class TierMixin:
-    """MemPool's tier half: index references, evictable counts, eviction, offload, onload.
-
-    Along every root-to-leaf path of the index, ``hbm`` nodes come first and ``dram``
-    nodes after. Eviction keeps that order (it takes ``hbm`` nodes with no ``hbm`` child)
-    and onload brings a path to ``hbm`` top-down.
-    """
+    """MemPool's tier half. Along every path of the index, ``hbm`` nodes come before
+    ``dram`` ones: eviction takes ``hbm`` nodes with no ``hbm`` child; onload goes top-down."""
 
     _tiers: dict[str, Tier]
     _tree: RadixTree
     _counters: dict[str, int]
     _block_dim: int
 
-    # -- index references and per-node state ----------------------------------------------
-
-    def _index(self, t: Tier, node: PoolNode, incref: bool = True) -> None:
-        """The index lists ``node``'s blocks (taking a reference unless the caller's is it)."""
+    def _index(self, t: Tier, node: PoolNode, adopt: bool) -> None:
+        """List ``node``'s blocks: with ``adopt`` blocks the caller holds (so pinned), which
+        the index takes a reference on; else blocks whose references are the index's."""
         for b in node.values:
             t.indexed[b] = 1
             t.node_of[b] = node
-        if incref:
+        if adopt:
             t.alloc.incref(node.values)
+            node.run = 0
+            self._restate(node)
+        else:
+            self._settle(node, fresh=True)
 
     def _unindex(self, t: Tier, values: list[int]) -> None:
         for b in values:
@@ -104,8 +92,7 @@ class TierMixin:
             node.below += 1 if blocked else -1
 
     def _settle(self, node: PoolNode, fresh: bool = False) -> None:
-        """Recount ``node.run`` (from scratch when ``fresh``, else from where it ended, as
-        after pins were dropped) and restate the node."""
+        """Recount ``node.run`` (all of it when ``fresh``, else past where it ended) and restate."""
         rc = self._tiers[node.tier].alloc.refcounts()
         values = node.values
         i = len(values) - (0 if fresh else node.run)
@@ -115,13 +102,12 @@ class TierMixin:
         self._restate(node)
 
     def _uncount(self, node: PoolNode) -> None:
-        """Take ``node`` out of its tier's count (before it changes tier or leaves)."""
+        """Take ``node`` out of its tier's count before it changes tier or leaves."""
         self._tiers[node.tier].evictable -= node.evictable
         node.evictable = 0
 
     def _hold(self, t: Tier, nodes: list[PoolNode], blocks: list[int]) -> None:
-        """Take a reference on ``blocks``, the first blocks along ``nodes`` (index blocks:
-        no checks), and pin them in the nodes' state."""
+        """Take a reference on ``blocks``, the first blocks along ``nodes``, and pin them."""
         t.alloc.share(blocks)
         left = len(blocks)
         for node in nodes:
@@ -140,15 +126,18 @@ class TierMixin:
         for node in nodes:
             self._settle(node)
 
-    def _hold_cost(self, nodes: list[PoolNode], count: int) -> int:
-        """Evictable blocks that holding the first ``count`` blocks along ``nodes`` pins."""
-        lost = 0
+    def _match_room(self, toks) -> tuple[int, int, int]:
+        """Cached blocks of ``toks`` in hbm, then in dram, and hbm room with the first held."""
+        match = self._tree.match_prefix(toks, touch=False)
+        nodes, blocks = self._hbm_prefix(match)
+        hbm, left = self._tiers[HBM], len(blocks)
+        room = hbm.alloc.num_free + hbm.evictable
         for node in nodes:
             n = len(node.values)
-            c = min(count, n)
-            count -= c
-            lost += node.evictable - (0 if node.below else min(node.run, n - c))
-        return lost
+            c = min(left, n)
+            left -= c
+            room -= node.evictable - (0 if node.below else min(node.run, n - c))
+        return len(blocks), len(match.values) - len(blocks), room
 
     def _split(self, node: PoolNode, k: int) -> PoolNode:
         """``RadixTree.split`` keeping the state: returns the head (the first ``k`` blocks)."""
@@ -166,15 +155,12 @@ class TierMixin:
         return head
 
     def _drop(self, dropped: list[tuple[PoolNode, list[int]]]) -> int:
-        """Give back the index's references on values cut from the tree; uncount the nodes
-        that left it. Returns the number of values."""
-        n = 0
+        """Release values cut from the tree, uncounting the nodes that left it; count them."""
         for node, values in dropped:
             if node.parent is None:
                 self._uncount(node)
             self._unindex(self._tiers[node.tier], values)
-            n += len(values)
-        return n
+        return sum(len(values) for _, values in dropped)
 
     @staticmethod
     def _hbm_prefix(match: Match) -> tuple[list[PoolNode], list[int]]:
@@ -187,40 +173,30 @@ class TierMixin:
             return nodes, match.values
         return nodes[:k], match.values[: sum(len(n.values) for n in nodes[:k])]
 
-    # -- eviction, offload and onload --------------------------------------------------------
-
     def _take(self, t: Tier, n: int, contiguous: bool) -> list[int]:
-        """``n`` blocks of ``t``, evicting first if too few are free (the caller has checked
-        that enough are evictable)."""
-        short = n - t.alloc.num_free
-        if short > 0:
-            self._evict(t, short)
+        if n > t.alloc.num_free:
+            self._evict(t, n - t.alloc.num_free)
         return t.alloc.alloc(n, contiguous)
 
     def _evict(self, t: Tier, need: int) -> None:
-        """Free ``need`` blocks of ``t`` by evicting cached-only blocks, LRU first."""
+        """Free ``need`` blocks of ``t``: cached-only ones, LRU first; hbm ones go to dram."""
         dram = self._tiers.get(DRAM) if t.name == HBM else None
-        if dram is not None:
-            # make room in dram first, so every evicted hbm block can move there
-            want = min(need, dram.alloc.num_free + dram.evictable)
-            if dram.alloc.num_free < want:
-                self._evict(dram, want - dram.alloc.num_free)
-        root = self._tree.root
-        ready = [  # children before parents, as ties in access time go
-            n
-            for n in reversed(list(self._tree.nodes()))
-            if n.tier == t.name
-            and n.evictable
-            and not any(c.tier == t.name for c in n.children.values())
+        if dram is not None and dram.alloc.num_free < need and dram.evictable:  # room there first
+            self._evict(dram, min(need - dram.alloc.num_free, dram.evictable))
+        root, name = self._tree.root, t.name
+        nodes = reversed(list(self._tree.nodes()))  # children first, as ties in access time go
+        heap = [
+            (n.last_access, i, n)
+            for i, n in enumerate(nodes)
+            if n.tier == name and n.evictable and all(c.tier != name for c in n.children.values())
         ]
-        heap = [(n.last_access, i, n) for i, n in enumerate(ready)]
         heapq.heapify(heap)
-        seq = len(heap)
+        seq = itertools.count(self._tree.num_nodes)  # ties: pushed nodes go after the first
         while need > 0:
             if not heap:
-                raise PoolAccountingError(f"eviction of {t.name} fell {need} blocks short")
+                raise PoolAccountingError(f"eviction of {name} fell {need} blocks short")
             node = heapq.heappop(heap)[2]
-            if node.parent is None or node.tier != t.name or not node.evictable:
+            if node.parent is None or node.tier != name or not node.evictable:
                 continue
             k = min(node.evictable, need)
             parent = node.parent
@@ -230,15 +206,13 @@ class TierMixin:
             if (
                 gone
                 and parent is not root
-                and parent.tier == t.name
-                and all(c.tier != t.name and not c.blocked for c in parent.children.values())
+                and parent.tier == name
+                and all(c.tier != name and not c.blocked for c in parent.children.values())
             ):
-                heapq.heappush(heap, (parent.last_access, seq, parent))
-                seq += 1
+                heapq.heappush(heap, (parent.last_access, next(seq), parent))
 
     def _evict_tail(self, t: Tier, node: PoolNode, k: int, dram: Tier | None) -> None:
-        """Evict the last ``k`` blocks of ``node``: move them to dram when it has free
-        blocks, drop the rest (with everything below them)."""
+        """Evict ``node``'s last ``k`` blocks: to dram while it has free blocks, else dropped."""
         moved = min(k, dram.alloc.num_free) if dram is not None else 0
         cut = k - moved
         if cut:
@@ -246,29 +220,22 @@ class TierMixin:
             if node.parent is not None:
                 node.run -= cut
                 self._restate(node)
-        if not moved:
-            return
-        assert dram is not None
-        if moved < len(node.values):
-            self._split(node, len(node.values) - moved)  # node keeps the tail
-        new = dram.alloc.alloc(moved, contiguous=True)
-        self._move(node, t, dram, new)
-        self._counters["offloaded_blocks"] += moved
+        if moved:
+            if moved < len(node.values):
+                self._split(node, len(node.values) - moved)  # node keeps the tail
+            self._move(node, t, dram, dram.alloc.alloc(moved, contiguous=True))
+            self._counters["offloaded_blocks"] += moved
 
     def _move(self, node: PoolNode, src: Tier, dst: Tier, new: list[int]) -> None:
-        """Copy ``node``'s blocks to ``new`` blocks of ``dst``, whose fresh references
-        become the index's; the old blocks lose theirs."""
+        """Move ``node``'s blocks to ``new`` blocks of ``dst``; the index's references go along."""
         move_blocks(dst.kv, new, src.kv, node.values, self._block_dim)
         self._unindex(src, node.values)
         self._uncount(node)
-        node.values = new
-        node.tier = dst.name
-        self._index(dst, node, incref=False)
-        self._settle(node, fresh=True)
+        node.values, node.tier = new, dst.name
+        self._index(dst, node, adopt=False)
 
     def _onload(self, toks, now: int) -> None:
-        """Bring the dram part of ``toks``' cached path to hbm, top-down, while hbm has
-        room (possibly by evicting other cached blocks)."""
+        """Bring the dram part of ``toks``' cached path to hbm, top-down, while hbm has room."""
         hbm, dram = self._tiers[HBM], self._tiers[DRAM]
         while True:
             match = self._tree.match_prefix(toks, now=now)

@@ -28,6 +28,7 @@ class LocalScheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.parked: deque[Request] = deque()  # prefilled, holding KV, waiting for room on D
 
     def add(self, req: Request) -> None:
         """Queue a request (it keeps any blocks it arrives with, e.g. after a transfer)."""
@@ -36,14 +37,20 @@ class LocalScheduler:
 
     def remove(self, req: Request) -> None:
         """Forget a request (finished, aborted or handed off); its blocks are the caller's."""
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        for queue in (self.running, self.waiting, self.parked):
+            if req in queue:
+                queue.remove(req)
+                return
+
+    def park(self, req: Request) -> None:
+        """Set a running request aside with its KV until it can be handed off."""
+        self.running.remove(req)
+        req.status = Status.PARKED
+        self.parked.append(req)
 
     def has_unfinished(self) -> bool:
-        """True while any request waits or runs."""
-        return bool(self.waiting or self.running)
+        """True while any request waits, runs or is parked."""
+        return bool(self.waiting or self.running or self.parked)
 
     def schedule(self) -> tuple[list[tuple[Request, int]], list[Request]]:
         """The step's ``(request, tokens to compute)`` pairs, and the requests that failed
@@ -69,7 +76,7 @@ class LocalScheduler:
             except PoolExhausted as e:
                 if arrived:
                     self.recipe.run(Hook.PREEMPT, self.pool, req)
-                if not self.running:  # nothing will ever free blocks for it: fail it
+                if not (self.running or self.parked):  # nothing will free blocks: fail it
                     self.waiting.popleft()
                     req.error = f"PoolExhausted: {e}"
                     failed.append(req)

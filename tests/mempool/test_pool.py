@@ -582,6 +582,13 @@ def test_check_catches_unbalanced_books():
     pool._tiers["hbm"].evictable += 1
     with pytest.raises(PoolAccountingError, match="3 blocks counted evictable, 2 are"):
         pool.check()
+    pool = MemPool(LAYOUT, 4)
+    (held,) = pool.alloc_mem(1)
+    alloc = pool._tiers["hbm"].alloc
+    alloc._free_map[held] = 1  # listed free while referenced
+    alloc._free.append(held)
+    with pytest.raises(PoolAccountingError, match="refcount 1 and is in the free list"):
+        pool.check()
     assert issubclass(PoolAccountingError, AssertionError)
 
 
