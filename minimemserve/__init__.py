@@ -1,8 +1,7 @@
 """minimemserve: a compact Llama-2 serving engine built on one elastic KV memory pool.
 
-Context caching and prefill/decode disaggregation are compositions of MemPool calls: one
-table, ``minimemserve.disagg.recipes``. Importing this package touches no device.
-"""
+Context caching and prefill/decode disaggregation are compositions of MemPool calls (the
+table in ``minimemserve.disagg.recipes``). Importing this package touches no device."""
 
 from .config import EngineConfig, parse_config_name
 from .disagg.runtime import ProcessCluster

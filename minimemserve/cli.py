@@ -4,36 +4,25 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
 
 from minimemserve.bench import driver
 from minimemserve.bench.presets import preset_dir
 from minimemserve.llm import LLM
 from minimemserve.sampling import SamplingParams
 
+_LLM_OPTIONS = ("config", "device", "dtype", "block_size", "attention")  # generate's, for LLM
+
 
 def _generate(args: argparse.Namespace) -> int:
-    llm = LLM(
-        args.model,
-        config=args.config,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        attention=args.attention,
-    )
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
+    llm = LLM(args.model, **{k: getattr(args, k) for k in _LLM_OPTIONS})
+    sampling = {f.name for f in fields(SamplingParams)}  # the options named like its fields
+    params = SamplingParams(**{k: v for k, v in vars(args).items() if k in sampling})
     for out in llm.generate(args.prompt, params):
-        m = out.metrics
+        m, n = out.metrics, len(out.token_ids)
         print(out.text)
         print(
-            f"[{len(out.token_ids)} tokens, finish={out.finish_reason}, "
-            f"ttft={m.ttft * 1e3:.1f} ms, "
+            f"[{n} tokens, finish={out.finish_reason}, ttft={m.ttft * 1e3:.1f} ms, "
             f"latency={m.latency * 1e3:.1f} ms, cached={m.cached_tokens}]",
             file=sys.stderr,
         )

@@ -14,24 +14,23 @@ DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of host RAM: 64k tokens of the tiny fp32
 DEFAULT_GPU_KV_FRACTION = 0.5  # share of free GPU memory given to the hbm tier when unsized
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # config-name suffix -> caching milestone of a disaggregated deployment (xPyD[-CC...])
-_DISAGG_MILESTONES = {
-    "": "PD-Basic",
-    "CC1": "PD-Caching-1",
-    "CC2": "PD-Caching-2",
-    "CC3": "PD-Caching-3",
-    "CC": "PD-Caching-3",
+_DISAGG_MILESTONES = {"": "PD-Basic", "CC": "PD-Caching-3"} | {
+    f"CC{i}": f"PD-Caching-{i}" for i in "123"
 }
-_COLOCATED = {"PD": "PD", "PD-CC": "PD-CC"}
+_COLOCATED = ("PD", "PD-CC")  # config names that are their milestone's name
 _NAME_PREFIX = {"colocated": "C", "prefill": "P", "decode": "D"}  # instance names: P0, D1, ...
+# EngineConfig size field -> its smallest valid value
+_MINIMUM = {
+    **dict.fromkeys(["num_blocks", "kv_memory_bytes", "max_num_seqs", "max_num_batched_tokens"], 1),
+    "dram_blocks": 0,
+    "max_model_len": 2,
+}
 
 
 @dataclass(frozen=True)
 class Deployment:
-    """What a config name means: a caching milestone and how many instances of each role.
-
-    ``counts`` follows ``milestone.roles``; a colocated milestone's single count is chosen
-    by the runtime (one in process, ``num_colocated`` across processes).
-    """
+    """A config name's caching milestone and instance count per role (``milestone.roles``
+    order); the runtime picks a colocated milestone's count."""
 
     name: str
     milestone: Milestone
@@ -51,7 +50,7 @@ def parse_config_name(name: str) -> Deployment:
     if not isinstance(name, str):
         raise ConfigError(f"config name must be a string, got {name!r}")
     if name in _COLOCATED:
-        return Deployment(name, MILESTONES[_COLOCATED[name]], (1,))
+        return Deployment(name, MILESTONES[name], (1,))
     m = re.fullmatch(r"(\d+)P(\d+)D(?:-(CC[123]?))?", name)
     if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
         raise ConfigError(
@@ -64,21 +63,16 @@ def parse_config_name(name: str) -> Deployment:
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"float32"`` / ``"float16"`` / ``"bfloat16"`` (or a torch dtype) to a torch dtype."""
-    if isinstance(dtype, torch.dtype):
-        if dtype in _DTYPES.values():
-            return dtype
-    elif dtype in _DTYPES:
-        return _DTYPES[dtype]
-    raise ConfigError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    resolved = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(dtype)
+    if resolved not in _DTYPES.values():
+        raise ConfigError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    return resolved
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Sizes and limits of one engine instance.
-
-    The hbm tier holds ``num_blocks`` blocks, or as many as ``kv_memory_bytes`` allows; with
-    neither given, 1 GiB on the CPU and half the free memory on CUDA.
-    """
+    """Sizes and limits of one engine instance. The hbm tier holds ``num_blocks`` blocks, or
+    as many as ``kv_memory_bytes`` allows (default: 1 GiB on CPU, half the free CUDA memory)."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -93,33 +87,22 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks <= 0:
-            raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.kv_memory_bytes is not None and self.kv_memory_bytes <= 0:
-            raise ConfigError(f"kv_memory_bytes must be positive, got {self.kv_memory_bytes}")
-        if self.dram_blocks < 0:
-            raise ConfigError(f"dram_blocks must be >= 0, got {self.dram_blocks}")
-        if self.max_num_seqs <= 0:
-            raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens <= 0:
-            raise ConfigError(
-                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
-            )
-        if self.max_model_len is not None and self.max_model_len <= 1:
-            raise ConfigError(f"max_model_len must be > 1, got {self.max_model_len}")
+        for name, low in _MINIMUM.items():
+            value = getattr(self, name)
+            if value is None and getattr(EngineConfig, name) is None:
+                continue  # an optional size left unset (its default is None)
+            if value < low:
+                raise ConfigError(f"{name} must be >= {low}, got {value}")
 
     def hbm_blocks(self, block_bytes: int, device: torch.device) -> int:
         """Number of hbm blocks for a block of ``block_bytes`` bytes."""
         if self.num_blocks is not None:
             return self.num_blocks
         budget = self.kv_memory_bytes
-        if budget is None:
-            if device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(device)
-                budget = int(free * DEFAULT_GPU_KV_FRACTION)
-            else:
-                budget = DEFAULT_CPU_KV_BYTES
-        n = budget // block_bytes
-        if n <= 0:
+        if budget is None and device.type == "cuda":
+            budget = int(torch.cuda.mem_get_info(device)[0] * DEFAULT_GPU_KV_FRACTION)
+        elif budget is None:
+            budget = DEFAULT_CPU_KV_BYTES
+        if (n := budget // block_bytes) <= 0:
             raise ConfigError(f"a KV budget of {budget} bytes holds no {block_bytes}-byte block")
         return n

@@ -1,9 +1,7 @@
 """One engine instance: model + MemPool + local scheduler + the recipe of its role.
 
-The step is three lines: ``schedule → run model → postprocess``. The scheduler decides
-who computes how many tokens (and calls the pool through the recipe); the runner turns
-that into tensors; postprocess samples, checks stop conditions and runs the hooks.
-"""
+A step is ``schedule → run model → postprocess``: the scheduler picks who computes how many
+tokens, the runner turns that into tensors, postprocess checks stops and runs the hooks."""
 
 from __future__ import annotations
 
@@ -35,17 +33,14 @@ class ModelRunner:
     """Turns a scheduled batch into one forward pass and the sampled tokens."""
 
     def __init__(self, model: LlamaModel, backend, device: torch.device):
-        self.model = model
-        self.backend = backend
-        self.device = device
+        self.model, self.backend, self.device = model, backend, device
 
     @torch.inference_mode()
     def run(
         self, batch: list[tuple[Request, int]], generator: torch.Generator
     ) -> tuple[list[int | None], dict[Request, str]]:
-        """Compute ``batch`` (prefill chunks first, decodes after): a token per row that
-        finished its pending tokens (None for the others), and the requests whose logits
-        allowed no token, with why."""
+        """A token per row of ``batch`` that finished its pending tokens (None for the others),
+        and the requests whose logits allowed no token, with why."""
         slices, ids, last_rows, sample_for = [], [], [], []
         for req, n in sorted(batch, key=lambda rn: rn[1] == 1):  # prefill chunks first
             start = req.num_computed
@@ -54,32 +49,25 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 last_rows.append(len(ids) - 1)
                 sample_for.append(req)
-        md = self.backend.prepare(slices)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
-        hidden = self.model(input_ids, self.backend, md)  # [T, hidden]
+        hidden = self.model(input_ids, self.backend, self.backend.prepare(slices))  # [T, hidden]
         tokens: list[int | None] = []
         bad: dict[Request, str] = {}
         if sample_for:
             rows = torch.tensor(last_rows, device=self.device)
             logits = self.model.compute_logits(hidden[rows])  # [B, vocab] fp32
-            params = [r.params for r in sample_for]
+            params, done = [r.params for r in sample_for], [r.num_output for r in sample_for]
             try:
-                tokens = sample(logits, params, [r.num_output for r in sample_for], generator)
+                tokens = sample(logits, params, done, generator)
             except SamplingError as e:  # those rows fail alone; the others keep their token
-                tokens = e.tokens
-                bad = {sample_for[i]: f"SamplingError: {e}" for i in e.rows}
+                tokens, bad = e.tokens, {sample_for[i]: f"SamplingError: {e}" for i in e.rows}
         by_req = dict(zip(map(id, sample_for), tokens))
         return [by_req.get(id(req)) for req, _ in batch], bad
 
 
 class Engine:
-    """A serving instance over one MemPool (implements ``minimemserve.serving.Serving``).
-
-    ``add_request`` validates and queues; ``step`` runs one iteration and returns the
-    requests that finished in it; ``has_unfinished`` says whether work remains. ``role``
-    picks the recipe of ``config``'s milestone (by default its only role); ``peers`` is what
-    the recipe's transfer calls need in a disaggregated deployment.
-    """
+    """A ``Serving`` instance over one MemPool. ``role`` picks the recipe of ``config``'s
+    milestone (default: its only role); ``peers`` serve the recipe's transfer calls."""
 
     def __init__(
         self,
@@ -104,9 +92,7 @@ class Engine:
                 f"config {config!r} has roles {list(roles)}: give one of them as role= (or run "
                 "the whole deployment with minimemserve.LLM or a cluster)"
             )
-        self.role = role
-        self.recipe = milestone.recipes[role]
-        self.peers = peers
+        self.role, self.recipe, self.peers = role, milestone.recipes[role], peers
         self.config = engine_config or EngineConfig()
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype)
@@ -121,34 +107,23 @@ class Engine:
             self.model = LlamaModel(self.model_config)
             self.model.load_hf_weights(load_weights(model_dir, self.model_config))
             self.model.to(device=self.device, dtype=self.dtype).eval()
-        mc = self.model_config
-        self.max_model_len = min(
-            self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
-        )
-
-        layout = KVLayout(
-            mc.num_hidden_layers, self.config.block_size, mc.num_key_value_heads, mc.head_dim
-        )
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        num_blocks = self.config.hbm_blocks(layout.block_bytes(elem), self.device)
-        make_pool = pool_factory or MemPool
-        self.pool = make_pool(
+        mc, cfg = self.model_config, self.config
+        context = mc.max_position_embeddings
+        self.max_model_len = min(cfg.max_model_len or context, context)
+        layout = KVLayout(mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads, mc.head_dim)
+        self.pool = (pool_factory or MemPool)(
             layout,
-            num_blocks,
-            dram_blocks=self.config.dram_blocks,
+            cfg.hbm_blocks(layout.block_bytes(self.dtype.itemsize), self.device),
+            dram_blocks=cfg.dram_blocks,
             device=self.device,
             dtype=self.dtype,
             instance_id=instance_id,
         )
         self.backend = make_backend(
-            self.config.attention,
-            self.pool.kv("hbm"),
-            layout,
-            mc.num_attention_heads,
-            mc.head_dim**-0.5,
+            cfg.attention, self.pool.kv("hbm"), layout, mc.num_attention_heads, mc.head_dim**-0.5
         )
         self.scheduler = LocalScheduler(
-            self.pool, self.recipe, self.config.max_num_seqs, self.config.max_num_batched_tokens
+            self.pool, self.recipe, cfg.max_num_seqs, cfg.max_num_batched_tokens
         )
         self.runner = ModelRunner(self.model, self.backend, self.device)
         self.generator = torch.Generator().manual_seed(self.config.seed)
@@ -156,17 +131,22 @@ class Engine:
         self.handoffs: list[Request] = []  # prefilled here, decoding elsewhere; the owner drains
         self._ids = itertools.count()
 
-    # ---- requests -------------------------------------------------------------------------
     def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         """Token ids of ``prompt``, or a ``ValueError``/``PoolExhausted`` naming the problem."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("empty prompt")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt) if prompt else []
         else:
-            ids = self._token_ids(prompt)
+            try:  # any integer type (numpy, torch scalars) becomes a plain int
+                ids = [operator.index(t) for t in prompt]
+            except TypeError as e:
+                raise InvalidRequest(f"a token id is not an integer: {e}") from None
+        if not ids:
+            raise InvalidRequest("empty prompt")
+        vocab = self.model_config.vocab_size
+        if bad := [t for t in ids if not 0 <= t < vocab]:
+            raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(
                 f"prompt too long: {len(ids)} tokens, the context holds {self.max_model_len} "
@@ -175,25 +155,11 @@ class Engine:
         need = self.pool.layout.num_blocks_for(
             min(len(ids) + params.max_tokens, self.max_model_len)
         )
-        total = self.pool.capacity("hbm")
-        if need > total:
+        if need > (total := self.pool.capacity("hbm")):
             raise PoolExhausted(
                 f"request needs {need} KV blocks but the pool has only {total} in all; "
                 "give the engine more KV memory or ask for fewer tokens"
             )
-        return ids
-
-    def _token_ids(self, prompt) -> list[int]:
-        try:  # any integer type (numpy, torch scalars) becomes a plain int
-            ids = [operator.index(t) for t in prompt]
-        except TypeError as e:
-            raise InvalidRequest(f"a token id is not an integer: {e}") from None
-        if not ids:
-            raise InvalidRequest("empty prompt")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
         return ids
 
     def add_request(
@@ -222,12 +188,10 @@ class Engine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and release its blocks; returns its output, or None if unknown."""
-        req = self.requests.get(request_id)
-        if req is None:
+        if (req := self.requests.get(request_id)) is None:
             return None
         self.scheduler.remove(req)
-        req.finish_reason = "abort"
-        return self._finish(req, Hook.FINISH)
+        return self._finish(req, Hook.FINISH, "abort")
 
     def has_unfinished(self) -> bool:
         """Whether any request still waits or runs here."""
@@ -245,7 +209,15 @@ class Engine:
 
     def check_pools(self, require_idle: bool = True) -> dict[str, dict]:
         """Audit this instance's pool (see ``minimemserve.serving.Serving.check_pools``)."""
-        return {self.pool.instance_id: audit_pool(self.pool, require_idle)}
+        self.pool.check()
+        stats = self.pool.stats()
+        held = {t: stats[t]["referenced"] for t in self.pool.tiers if stats[t]["referenced"]}
+        if require_idle and held:
+            raise PoolAccountingError(
+                f"instance {self.pool.instance_id}: blocks still referenced after every request "
+                f"finished: {held}"
+            )
+        return {self.pool.instance_id: {"pool": stats}}
 
     def pool_stats(self) -> dict[str, dict]:
         """``{instance id: MemPool.stats()}``."""
@@ -254,18 +226,14 @@ class Engine:
     def close(self) -> None:
         """Nothing to release in process."""
 
-    # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule → run model → postprocess. Returns finished requests."""
         done = self._retry_parked()
         batch, failed = self.scheduler.schedule()
-        tokens: list[int | None] = [None] * len(batch)
-        bad: dict[Request, str] = {}
         try:
-            if batch:
-                tokens, bad = self.runner.run(batch, self.generator)
+            tokens, bad = self.runner.run(batch, self.generator) if batch else ([], {})
         except Exception as e:  # the forward pass failed: its requests fail, the engine lives
-            bad = {req: f"{type(e).__name__}: {e}" for req, _ in batch}
+            tokens, bad = [None] * len(batch), {req: f"{type(e).__name__}: {e}" for req, _ in batch}
         return done + self._postprocess(batch, tokens, failed, bad)
 
     def _postprocess(self, batch, tokens, failed, bad: dict[Request, str]) -> list[RequestOutput]:
@@ -282,10 +250,8 @@ class Engine:
                 continue
             req.tokens.append(tok)
             req.metrics.output_tokens = req.num_output
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            reason = self._stop_reason(req, tok)
-            if reason is not None:
+            req.metrics.first_token_time = req.metrics.first_token_time or now
+            if (reason := self._stop_reason(req, tok)) is not None:
                 self.scheduler.remove(req)
                 done.append(self._finish(req, Hook.FINISH, reason, now))
             elif not req.prefilled:
@@ -294,8 +260,7 @@ class Engine:
         return done
 
     def _prefilled(self, req: Request) -> list[RequestOutput]:
-        """Run the prefilled hook: keep decoding here, hand off, park (decode side full)
-        or fail."""
+        """Run the prefilled hook: keep decoding, hand off, park (decode side full) or fail."""
         outcome = self.recipe.run(Hook.PREFILLED, self.pool, req, self.peers)
         if outcome is Outcome.LATER:
             if req.status is not Status.PARKED:
@@ -323,36 +288,18 @@ class Engine:
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params
-        if tok in p.stop_token_ids:
-            return "stop"
-        if not p.ignore_eos and tok in self.model_config.eos_token_ids:
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.model_config.eos_token_ids):
             return "stop"
         if req.num_output >= p.max_tokens or req.num_tokens >= req.max_total_tokens:
             return "length"
         return None
 
     def _finish(
-        self, req: Request, hook: Hook, reason: str | None = None, now: float | None = None
+        self, req: Request, hook: Hook, reason: str, now: float | None = None
     ) -> RequestOutput:
-        req.finish_reason = reason or req.finish_reason
+        req.finish_reason = reason
         self.recipe.run(hook, self.pool, req, self.peers)
         req.status = Status.FINISHED
         req.metrics.finish_time = now or time.perf_counter()
         self.requests.pop(req.request_id, None)
         return req.to_output(self.tokenizer.decode(req.output_token_ids))
-
-
-def audit_pool(pool, require_idle: bool = True) -> dict:
-    """``pool.check()``, and with ``require_idle`` no block referenced outside the index.
-
-    Raises ``PoolAccountingError`` on a problem; returns ``{"pool": pool.stats()}``."""
-    pool.check()
-    stats = pool.stats()
-    if require_idle:
-        held = {t: stats[t]["referenced"] for t in pool.tiers if stats[t]["referenced"]}
-        if held:
-            raise PoolAccountingError(
-                f"instance {pool.instance_id}: blocks still referenced after every request "
-                f"finished: {held}"
-            )
-    return {"pool": stats}

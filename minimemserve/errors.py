@@ -41,8 +41,8 @@ class InstanceDied(TransferError):
 
 
 class SamplingError(MiniMemServeError, RuntimeError):
-    """Some batch rows' logits hold NaN or +inf (or only -inf): no token can be drawn. ``rows``
-    lists them; ``tokens`` holds every row's token (None for those), so only they fail."""
+    """Some batch rows' logits (NaN, +inf or only -inf) allow no token. ``rows`` lists them;
+    ``tokens`` holds every row's token (None for those), so only they fail."""
 
     def __init__(self, message: str, rows: Sequence[int] = (), tokens: Sequence = ()) -> None:
         super().__init__(message)
@@ -53,9 +53,5 @@ class RemoteError(TransferError):
     """A peer's handler failed; ``peer``, ``op`` and ``kind`` (its exception class) say which."""
 
     def __init__(self, peer: str, op: str, kind: str, message: str) -> None:
-        """Build the error from the peer's :class:`Error` reply."""
         super().__init__(f"peer {peer} failed {op}: {kind}: {message}")
-        self.peer = peer
-        self.op = op
-        self.kind = kind
-        self.remote_message = message
+        self.peer, self.op, self.kind, self.remote_message = peer, op, kind, message

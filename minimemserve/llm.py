@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -17,17 +18,12 @@ from .serving import Serving
 
 
 class LLM:
-    """Offline generation over one configuration.
+    """Offline generation over one deployment, run in this process: ``config`` is ``PD``,
+    ``PD-CC``, ``1P1D``, ``1P1D-CC1/2/3`` (``1P1D-CC`` = CC3) or ``xPyD``. ``engine`` is their
+    cluster (a ``Serving``); ``model_dir=None`` uses the tiny preset checkpoint. Other keyword
+    arguments are ``EngineConfig`` fields (``num_blocks``, ``max_num_seqs``...).
 
-    ``config`` names the deployment: ``PD`` / ``PD-CC`` run one colocated engine;
-    ``1P1D``, ``1P1D-CC1/2/3`` (``1P1D-CC`` = CC3) and ``xPyD`` forms run prefill and decode
-    instances in this process, moving KV through MemPool's transfer calls. ``engine`` is the
-    in-process cluster of them all (a ``minimemserve.serving.Serving``). With
-    ``model_dir=None`` the tiny preset checkpoint is written (once, cached) and used.
-
-    >>> llm = LLM(None, config="PD-CC")
-    >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0.0))[0]
-    >>> out.token_ids, out.text, out.metrics.ttft
+    >>> LLM(None, config="PD-CC").generate(["Hello"], SamplingParams(temperature=0.0))[0].text
     """
 
     def __init__(
@@ -37,31 +33,11 @@ class LLM:
         config: str = "PD",
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_memory_bytes: int | None = None,
-        dram_blocks: int = 0,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        max_model_len: int | None = None,
-        attention: str | None = None,
-        seed: int = 0,
+        **engine_config: Any,
     ):
-        if model_dir is None:
-            model_dir = preset_dir("tiny")
-        self.model_dir = Path(model_dir)
+        self.model_dir = Path(preset_dir("tiny") if model_dir is None else model_dir)
         self.deployment = parse_config_name(config)
-        ecfg = EngineConfig(
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_memory_bytes=kv_memory_bytes,
-            dram_blocks=dram_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            attention=attention,
-            seed=seed,
-        )
+        ecfg = EngineConfig(**engine_config)
         self.engine: Serving = InProcessCluster(
             self.model_dir, self.deployment, device=device, dtype=dtype, engine_config=ecfg
         )
@@ -88,10 +64,7 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run ``prompts`` (strings or token-id lists) to completion; outputs in input order.
-
-        Every prompt is validated before any is queued, so a bad one raises (a
-        ``ValueError`` subclass, or ``PoolExhausted``) and leaves the engine as it was.
-        """
+        All are validated before any is queued: a bad one raises and changes nothing."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text or as token ids
         params = params or SamplingParams()

@@ -59,20 +59,15 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str  # "length" | "stop" | "error"
+    finish_reason: str  # "length" | "stop" | "abort" | "error"
     metrics: RequestMetrics
     error: str | None = None
 
 
 class Request:
-    """Mutable state of one request on one instance.
-
-    ``tokens`` holds the prompt followed by the generated tokens, as the ``array('q')`` the
-    radix index reads without conversion. KV covers ``tokens[:num_computed]`` in ``blocks``
-    (MemPool block ids, one reference held). Prefill and decode are the same thing here:
-    each step computes some of the ``num_pending`` tokens, and when none is left pending a
-    new token is sampled.
-    """
+    """Mutable state of one request on one instance. ``tokens`` (prompt, then output) is an
+    ``array('q')``; KV covers ``tokens[:num_computed]`` in ``blocks`` (one reference held each).
+    A step computes some ``num_pending`` tokens; once none is pending, a token is sampled."""
 
     def __init__(
         self,

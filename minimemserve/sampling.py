@@ -31,34 +31,24 @@ def _scalar(kinds: type | tuple[type, ...], to: type) -> Callable[[Any], Any]:
     return convert
 
 
-_as_int = _scalar(numbers.Integral, int)
-_as_float = _scalar(numbers.Real, float)
-_as_bool = _scalar((bool, np.bool_), bool)
-
-
-def _as_seed(value: Any) -> int | None:
-    return None if value is None else _as_int(value)
-
-
 def _as_ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, (list, tuple, set, frozenset)):
         return tuple(map(_as_int, value))
     raise TypeError
 
 
-def _is_id(value: int) -> bool:  # seeds and token ids
-    return 0 <= value < INT64_LIMIT
-
-
+_as_int, _as_float = _scalar(numbers.Integral, int), _scalar(numbers.Real, float)
+_as_seed = lambda v: None if v is None else _as_int(v)
+_IDS = range(INT64_LIMIT)  # seeds and token ids
 # field -> (converter, raising TypeError or OverflowError; accepts the value; what is valid)
 _FIELDS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "max_tokens": (_as_int, lambda v: 1 <= v < INT64_LIMIT, "an integer in [1, 2**63)"),
     "temperature": (_as_float, lambda v: 0 <= v < math.inf, "a finite number >= 0"),
     "top_k": (_as_int, lambda v: -1 <= v < INT64_LIMIT, "-1 or 0 (off), or in [1, 2**63)"),
     "top_p": (_as_float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    "seed": (_as_seed, lambda v: v is None or _is_id(v), "None or an integer in [0, 2**63)"),
-    "stop_token_ids": (_as_ids, lambda v: all(map(_is_id, v)), "integers in [0, 2**63)"),
-    "ignore_eos": (_as_bool, lambda v: True, "a bool"),
+    "seed": (_as_seed, lambda v: v is None or v in _IDS, "None or an integer in [0, 2**63)"),
+    "stop_token_ids": (_as_ids, lambda v: all(t in _IDS for t in v), "integers in [0, 2**63)"),
+    "ignore_eos": (_scalar((bool, np.bool_), bool), lambda v: True, "a bool"),
 }
 
 
@@ -71,11 +61,10 @@ def token_seed(seed: int, n: int) -> int:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the tokens of one request. A temperature below ``GREEDY_TEMPERATURE``
-    (0 too) is greedy; ``top_k=0`` (or -1) and ``top_p=1`` disable those filters. With a
-    ``seed``, token n depends only on ``token_seed(seed, n)``, not on batching, preemption or
-    placement. A bad type or range raises ``InvalidRequest`` naming the field; numpy scalars
-    are stored as Python values, ``stop_token_ids`` as a tuple (an unknown id never matches)."""
+    """How to pick the tokens of one request. A temperature below ``GREEDY_TEMPERATURE`` is
+    greedy; ``top_k=0`` (or -1) and ``top_p=1`` disable those filters. With a ``seed``, token n
+    depends only on ``token_seed(seed, n)``. A bad value raises ``InvalidRequest`` naming the
+    field; numpy scalars become Python values, ``stop_token_ids`` a tuple."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -89,8 +78,7 @@ class SamplingParams:
         for name, (convert, valid, rule) in _FIELDS.items():
             raw = getattr(self, name)
             try:
-                value = convert(raw)
-                ok = valid(value)
+                ok = valid(value := convert(raw))
             except (TypeError, OverflowError):
                 ok = False
             if not ok:
@@ -114,8 +102,7 @@ def _draw(logits: torch.Tensor, row_max: torch.Tensor, p: SamplingParams, gen) -
     probs = torch.softmax(row, dim=-1)
     if p.top_p < 1.0:
         sorted_p, idx = torch.sort(probs, descending=True)
-        # drop a token when the mass before it already reaches top_p (the first always stays)
-        drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
+        drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p  # the mass before it reaches top_p
         drop[0] = False  # also when top_p is below the smallest fp32 and compares as 0
         probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p.masked_fill(drop, 0.0))
     if not 0 < float(probs.sum()) < math.inf:  # NaN if a probability is
@@ -129,9 +116,8 @@ def sample(
     num_generated: list[int],
     generator: torch.Generator,
 ) -> list[int]:
-    """One token per row; rows without a seed draw from the engine's CPU ``generator``. A row
-    of logits holding NaN or +inf, or only -inf, has no distribution: the other rows are still
-    sampled, then ``SamplingError`` names the bad rows and carries the others' tokens."""
+    """One token per row; rows without a seed draw from the engine's CPU ``generator``. Rows
+    with NaN, +inf or only -inf raise ``SamplingError``, which carries the others' tokens."""
     row_max = logits.max(dim=-1).values  # [B]; NaN if the row holds a NaN
     finite = torch.isfinite(row_max).tolist()
     out: list[int | None] = logits.argmax(dim=-1).tolist()
@@ -143,8 +129,7 @@ def sample(
             if p.seed is not None:
                 gen = torch.Generator().manual_seed(token_seed(p.seed, num_generated[i]))
             out[i] = _draw(logits[i], row_max[i], p, gen)
-    bad = [i for i, token in enumerate(out) if token is None]
-    if bad:
+    if bad := [i for i, token in enumerate(out) if token is None]:
         message = f"logits of batch row(s) {bad} are not finite (NaN, +inf or all -inf)"
         raise SamplingError(message, rows=bad, tokens=out)
     return cast(list[int], out)

@@ -1,9 +1,6 @@
-"""The one serving interface every runtime offers, and every caller uses.
-
-``Engine`` (one instance), ``InProcessCluster`` (several instances in this process) and
-``ProcessCluster`` (one process per instance) all implement :class:`Serving`; ``LLM``, the
-benchmark driver and the server drive it without knowing which they hold.
-"""
+"""The one serving interface of every runtime: ``Engine`` (one instance), ``InProcessCluster``
+(instances in this process) and ``ProcessCluster`` (a process per instance). ``LLM``, the
+benchmark driver and the server drive it without knowing which they hold."""
 
 from __future__ import annotations
 
@@ -21,9 +18,7 @@ class Serving(Protocol):
     tokenizer: Any  # the model's tokenizer (``encode`` / ``decode``)
 
     def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        """Token ids of ``prompt``, or a ``ValueError`` subclass / ``PoolExhausted`` naming
-        what is wrong. Queues nothing."""
-        ...
+        """Token ids of ``prompt``; raises a ``ValueError`` or ``PoolExhausted``; queues nothing."""
 
     def add_request(
         self,
@@ -33,32 +28,24 @@ class Serving(Protocol):
         arrival_time: float | None = None,
     ) -> str:
         """Validate and queue a request; returns its id."""
-        ...
 
     def step(self) -> list[RequestOutput]:
         """Advance (one engine step, or a short wait for remote results); returns the
         requests that finished since the last call."""
-        ...
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and release its blocks; returns its partial output
         (``finish_reason="abort"``), or None when the id is unknown or already finished."""
-        ...
 
     def has_unfinished(self) -> bool:
         """Whether any added request has not been returned by :meth:`step` yet."""
-        ...
 
     def check_pools(self, require_idle: bool = True) -> dict[str, dict]:
-        """Audit every instance's MemPool (``MemPool.check``); with ``require_idle``, a block
-        still referenced outside the cache index is an error too. Raises on a problem;
-        returns ``{instance name: {"pool": stats}}``."""
-        ...
+        """Audit every instance's MemPool (raises on a problem; with ``require_idle``, on a block
+        referenced outside the cache index too); returns ``{instance name: {"pool": stats}}``."""
 
     def pool_stats(self) -> dict[str, dict]:
         """``{instance name: MemPool.stats()}``."""
-        ...
 
     def close(self) -> None:
         """Release processes and memory (a no-op in process)."""
-        ...

@@ -1,10 +1,8 @@
 """Every instance of a deployment in one process, stepped in turn.
 
-KV moves between instances only through MemPool's ``transfer`` / ``transfer_with_insert``
-(a plain tensor copy inside one process); which calls run where is the recipe table's
-business. New requests go to the entry-role instance holding the longest cached prefix of
-the prompt (least loaded on a tie); a prefilled request goes to the decode instance that
-holds the most of it.
+KV moves between instances only through the recipes' MemPool calls (a plain tensor copy
+here). A new request goes to the entry-role instance holding the longest cached prefix of its
+prompt (least loaded on a tie), a prefilled one to the decode instance holding the most of it.
 """
 
 from __future__ import annotations
@@ -26,15 +24,11 @@ class Instance:
     """One engine with a name and a role, as peers see it (``.pool``, ``.accept``)."""
 
     def __init__(self, name: str, role: str, engine: Engine):
-        self.name = name
-        self.role = role
-        self.engine = engine
-        self.pool = engine.pool
+        self.name, self.role, self.engine, self.pool = name, role, engine, engine.pool
 
     def load(self) -> int:
         """Requests waiting or running here."""
-        sched = self.engine.scheduler
-        return len(sched.waiting) + len(sched.running)
+        return len(self.engine.scheduler.waiting) + len(self.engine.scheduler.running)
 
     def accept(self, req: Request) -> None:
         """Take over a request whose KV was just transferred into this pool."""
@@ -43,36 +37,20 @@ class Instance:
 
 
 class InProcessCluster:
-    """The instances of ``deployment`` in this process (implements ``Serving``).
+    """The instances of ``deployment`` in this process, entry role first: a ``Serving``, and
+    the ``Peers`` of their recipes."""
 
-    ``instances`` lists them, entry role first; ``role(name)`` those of one role.
-    """
-
-    def __init__(
-        self,
-        model_dir: str | Path,
-        deployment: Deployment,
-        *,
-        device: str | torch.device = "cpu",
-        dtype: str | torch.dtype = "float32",
-        engine_config: EngineConfig | None = None,
-    ):
+    def __init__(self, model_dir: str | Path, deployment: Deployment, *,
+                 device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
+                 engine_config: EngineConfig | None = None):  # fmt: skip
         self.deployment = deployment
         self.instances: list[Instance] = []
         first = None
         for name, role in deployment.instances():
-            eng = Engine(
-                model_dir,
-                config=deployment.name,
-                role=role,
-                peers=self,
-                device=device,
-                dtype=dtype,
-                engine_config=engine_config,
-                instance_id=name,
-                share_model_with=first,  # one copy of the weights in the process
-            )
-            first = first or eng
+            eng = Engine(model_dir, config=deployment.name, role=role, peers=self, device=device,
+                         dtype=dtype, engine_config=engine_config, instance_id=name,
+                         share_model_with=first)  # fmt: skip
+            first = first or eng  # one copy of the weights in the process
             self.instances.append(Instance(name, role, eng))
         self.by_name = {inst.name: inst for inst in self.instances}
         self.entry = self.role(deployment.milestone.roles[0])
@@ -93,16 +71,13 @@ class InProcessCluster:
         """Every instance's MemPool, entry role first."""
         return [i.pool for i in self.instances]
 
-    # ---- what recipes need (``Peers``) -------------------------------------------------------
     @staticmethod
     def _best(instances: list[Instance], tokens: Sequence[int]) -> Instance:
         return max(instances, key=lambda i: (i.pool.cached_prefix_len(tokens), -i.load()))
 
     def pick_decode(self, req: Request, exclude: Sequence[str]) -> Instance | None:
-        """The decode instance with room for ``req`` holding most of its computed tokens;
-        None when every one is full."""
-        live = [i for i in self.role("decode") if i.name not in exclude]
-        if not live:
+        """The decode instance with room for ``req`` holding most of it; None if all are full."""
+        if not (live := [i for i in self.role("decode") if i.name not in exclude]):
             raise InstanceDied(f"no decode instance left to continue the request ({exclude})")
         blocks = self.pool.layout.num_blocks_for(req.max_total_tokens)
         roomy = [i for i in live if i.engine.has_room(blocks)]
@@ -115,7 +90,6 @@ class InProcessCluster:
     def peer_failed(self, name: str, error: Exception) -> None:
         """In one process a failed copy is a bug, not a dead peer: nothing to mark."""
 
-    # ---- Serving -----------------------------------------------------------------------------
     def validate(self, prompt, params: SamplingParams) -> list[int]:
         """Validate against every role (each instance must be able to hold the request)."""
         ids = self.entry[0].engine.validate(prompt, params)
@@ -123,13 +97,8 @@ class InProcessCluster:
             inst.engine.validate(ids, params)
         return ids
 
-    def add_request(
-        self,
-        prompt,
-        params: SamplingParams,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-    ) -> str:
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:  # fmt: skip
         """Route to the entry instance with the longest cached prefix (least loaded on ties)."""
         ids = self.validate(prompt, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -149,8 +118,7 @@ class InProcessCluster:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort ``request_id`` on whichever instance holds it."""
         for inst in self.instances:
-            out = inst.engine.abort(request_id)
-            if out is not None:
+            if (out := inst.engine.abort(request_id)) is not None:
                 return out
         return None
 

@@ -29,42 +29,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..blocks.copy import check_pool_tensor, move_blocks
-from ..config import EngineConfig
+from ..config import EngineConfig, parse_config_name
 from ..engine import Engine
-from ..errors import InstanceDied, InvalidRequest, TransferError
+from ..errors import InstanceDied, InvalidRequest, RemoteError, TransferError
 from ..mempool import MemPool
 from ..mempool.shared import SharedPoolTensor, attach
 from ..request import Request
-from .rpc import (
-    DEFAULT_TIMEOUT_S,
-    LOOPBACK,
-    Abort,
-    AbortRequest,
-    Accept,
-    AllocReply,
-    AllocRequest,
-    Codec,
-    Commit,
-    FreeMem,
-    Handoff,
-    Heartbeat,
-    Info,
-    Msg,
-    Output,
-    PeerDown,
-    PeerInfo,
-    Peers,
-    Probe,
-    ProbeReply,
-    PushPrefix,
-    Query,
-    Ready,
-    RemoteError,
-    RequestState,
-    RpcNode,
-    Shutdown,
-    Submit,
-)
+from . import rpc
 
 FRONTEND = "frontend"
 PEER = "peer"  # any instance the frontend announced
@@ -91,9 +62,9 @@ class InstanceSpec:
     device: str = "cpu"
     dtype: str = "float32"
     num_threads: int = 1
-    host: str = LOOPBACK
+    host: str = rpc.LOOPBACK
     port: int = 0
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    timeout_s: float = rpc.DEFAULT_TIMEOUT_S
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     parent_pid: int = 0
     shared_pool: bool = False  # hbm pool in shared memory, for peers to write into
@@ -120,13 +91,13 @@ class SharedMemPool(MemPool):
         self.shared = made[0]
 
 
-def state_of(req: Request) -> RequestState:
+def state_of(req: Request) -> rpc.RequestState:
     """What travels with a handed-off request."""
-    fields = {f: getattr(req, f) for f in RequestState.__struct_fields__}
-    return RequestState(**fields | {"tokens": req.tokens.tolist(), "blocks": list(req.blocks)})
+    fields = {f: getattr(req, f) for f in rpc.RequestState.__struct_fields__}
+    return rpc.RequestState(**fields | {"tokens": req.tokens.tolist(), "blocks": list(req.blocks)})
 
 
-def request_of(s: RequestState) -> Request:
+def request_of(s: rpc.RequestState) -> Request:
     """Rebuild a prefilled request from its state."""
     req = Request(s.request_id, s.tokens, s.params, s.arrival_time)
     for f in ("num_prompt", "blocks", "num_computed", "max_total_tokens", "prefill_instance"):
@@ -142,7 +113,9 @@ class RemotePool:
     request. Blocks the peer allocated for a transfer that then fails are released there
     (``recv_abort``, best effort when the peer is gone)."""
 
-    def __init__(self, node: RpcNode, info: PeerInfo, kv: torch.Tensor, pool: MemPool) -> None:
+    def __init__(
+        self, node: rpc.RpcNode, info: rpc.PeerInfo, kv: torch.Tensor, pool: MemPool
+    ) -> None:
         """Proxy peer ``info``, whose hbm tensor this process maps as ``kv``; ``pool`` is this
         instance's own (the peer's has the same layout and dtype)."""
         self.node, self.name, self.role, self.kv = node, info.name, info.role, kv
@@ -157,14 +130,14 @@ class RemotePool:
         self._xfer = f"{self.node.name}>{self.peer}#{next(self._xfers)}"
         toks = None if tokens is None else list(tokens)
         try:
-            rep = self.node.call(self.peer, AllocRequest(self._xfer, toks, num_blocks))
+            rep = self.node.call(self.peer, rpc.AllocRequest(self._xfer, toks, num_blocks))
         except TransferError:
             # the peer may have allocated before the answer got lost: ask it to let go
-            self.node.try_push(self.peer, Abort(self._xfer, []))
+            self.node.try_push(self.peer, rpc.Abort(self._xfer, []))
             raise
-        if not isinstance(rep, AllocReply) or len(rep.matched) + len(rep.new) != num_blocks:
-            self.node.try_push(self.peer, Abort(self._xfer, []))
-            raise TransferError(f"{self.peer} answered AllocRequest with {rep!r:.200}")
+        if not isinstance(rep, rpc.AllocReply) or len(rep.matched) + len(rep.new) != num_blocks:
+            self.node.try_push(self.peer, rpc.Abort(self._xfer, []))
+            raise TransferError(f"{self.peer} answered rpc.AllocRequest with {rep!r:.200}")
         return rep.matched, rep.new
 
     def recv_copy(self, blocks: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
@@ -177,27 +150,27 @@ class RemotePool:
             raise InstanceDied(f"instance {self.peer} died before the write")
         move_blocks(self.kv, list(blocks), src, list(src_ids), self.layout.block_dim)
         if self.kv.is_cuda:
-            torch.cuda.current_stream(self.kv.device).synchronize()  # land before Commit
+            torch.cuda.current_stream(self.kv.device).synchronize()  # land before rpc.Commit
 
     def recv_commit(self, tokens: Sequence[int] | None, blocks: Sequence[int]) -> None:
         """Step 3 on the peer: keep ``blocks`` (indexing ``tokens`` when given)."""
         toks = None if tokens is None else list(tokens)
-        self.node.call(self.peer, Commit(self._xfer, toks, list(blocks)))
+        self.node.call(self.peer, rpc.Commit(self._xfer, toks, list(blocks)))
 
     def recv_abort(self, blocks: Sequence[int]) -> None:
         """On failure: the peer releases every block it took for this transfer (best effort)."""
-        self.node.try_push(self.peer, Abort(self._xfer, list(blocks)))
+        self.node.try_push(self.peer, rpc.Abort(self._xfer, list(blocks)))
 
     def free_mem(self, blocks: Sequence[int], tier: str = "hbm") -> None:
         """Drop one of this process's references on the peer's hbm ``blocks``."""
-        self.node.call(self.peer, FreeMem(list(blocks)))
+        self.node.call(self.peer, rpc.FreeMem(list(blocks)))
 
-    def probe(self, tokens: Sequence[int], blocks: int = 0) -> ProbeReply:
+    def probe(self, tokens: Sequence[int], blocks: int = 0) -> rpc.ProbeReply:
         """Cached prefix length of ``tokens`` on the peer, its load, and whether it has room
         for a request of ``blocks`` blocks."""
-        rep = self.node.call(self.peer, Probe(list(tokens), blocks))
-        if not isinstance(rep, ProbeReply):
-            raise TransferError(f"{self.peer} answered Probe with {type(rep).__name__}")
+        rep = self.node.call(self.peer, rpc.Probe(list(tokens), blocks))
+        if not isinstance(rep, rpc.ProbeReply):
+            raise TransferError(f"{self.peer} answered rpc.Probe with {type(rep).__name__}")
         return rep
 
     def accept(self, req: Request) -> None:
@@ -205,9 +178,9 @@ class RemotePool:
         cannot take it, the peer drops the blocks and ``TransferError`` is raised."""
         req.decode_instance = self.name
         try:
-            self.node.call(self.name, Accept(state_of(req)))
+            self.node.call(self.name, rpc.Accept(state_of(req)))
         except TransferError:
-            self.node.try_push(self.name, FreeMem(list(req.blocks)))
+            self.node.try_push(self.name, rpc.FreeMem(list(req.blocks)))
             raise
 
 
@@ -224,7 +197,7 @@ class InstanceServer:
         self.xfers: dict[tuple[str, str], list[int]] = {}
         self.remotes: dict[str, RemotePool] = {}
         # recent hand-offs (request id -> decode instance), so the frontend can find the
-        # requests a dead decode instance held even if our Handoff notice is still in flight
+        # requests a dead decode instance held even if our rpc.Handoff notice is still in flight
         self.handed: OrderedDict[str, str] = OrderedDict()
         self._last_beat = 0.0
         self._last_parent_check = 0.0
@@ -240,41 +213,44 @@ class InstanceServer:
             pool_factory=SharedMemPool if spec.shared_pool else None,
         )
         self.pool = self.engine.pool
-        self.node = RpcNode(
+        self.cache_events: list = []  # for the frontend's prompt tree of this instance
+        if spec.role == parse_config_name(spec.config).milestone.roles[0]:
+            self.pool.on_change = lambda added, toks: self.cache_events.append((added, toks))
+        self.node = rpc.RpcNode(
             spec.name,
             self._handle,
             host=spec.host,
             port=spec.port,
             timeout_s=spec.timeout_s,
             on_wait=self._heartbeat,
-            codec=Codec(spec.secret),
+            codec=rpc.Codec(spec.secret),
         )
         self.node.connect(FRONTEND, spec.frontend)
         self.peer_names: set[str] = set()  # the other instances, as the frontend announced
         # message type -> (who may send it, handler)
         self.handlers = {
-            AllocRequest: (PEER, self._on_alloc),
-            Commit: (PEER, self._on_commit),
-            Abort: (PEER, self._on_abort),
-            FreeMem: (PEER, lambda s, m: self.pool.free_mem(self._ungrant(s, m.blocks))),
-            Accept: (PEER, self._on_accept),
-            Probe: (
+            rpc.AllocRequest: (PEER, self._on_alloc),
+            rpc.Commit: (PEER, self._on_commit),
+            rpc.Abort: (PEER, self._on_abort),
+            rpc.FreeMem: (PEER, lambda s, m: self.pool.free_mem(self._ungrant(s, m.blocks))),
+            rpc.Accept: (PEER, self._on_accept),
+            rpc.Probe: (
                 PEER,
-                lambda s, m: ProbeReply(self.pool.cached_prefix_len(m.tokens), self._load()),
+                lambda s, m: rpc.ProbeReply(self.pool.cached_prefix_len(m.tokens), self._load()),
             ),
-            Submit: (FRONTEND, self._on_submit),
-            Query: (FRONTEND, self._on_query),
-            Peers: (FRONTEND, self._on_peers),
-            PushPrefix: (
+            rpc.Submit: (FRONTEND, self._on_submit),
+            rpc.Query: (FRONTEND, self._on_query),
+            rpc.Peers: (FRONTEND, self._on_peers),
+            rpc.PushPrefix: (
                 FRONTEND,
-                lambda s, m: Info({"tokens": self._push_prefix(m.tokens, m.to)}),
+                lambda s, m: rpc.Info({"tokens": self._push_prefix(m.tokens, m.to)}),
             ),
-            PeerDown: (FRONTEND, self._on_peer_down),
-            AbortRequest: (FRONTEND, self._on_abort_request),
-            Shutdown: (FRONTEND, self._on_shutdown),
+            rpc.PeerDown: (FRONTEND, self._on_peer_down),
+            rpc.AbortRequest: (FRONTEND, self._on_abort_request),
+            rpc.Shutdown: (FRONTEND, self._on_shutdown),
         }
 
-    # ---- what recipes need (``Peers``) -------------------------------------------------------
+    # ---- what recipes need (``rpc.Peers``) -------------------------------------------------------
     def pick_decode(self, req: Request, exclude: Sequence[str]) -> RemotePool | None:
         """The live decode peer with room for ``req`` holding most of it (probed), least
         loaded on a tie; None when every live one is full."""
@@ -305,7 +281,7 @@ class InstanceServer:
             self._peer_down(name, f"stopped answering: {error}")
 
     # ---- control messages -----------------------------------------------------------------
-    def _handle(self, sender: str, msg: Msg) -> Msg | None:
+    def _handle(self, sender: str, msg: rpc.Msg) -> rpc.Msg | None:
         who, handler = self.handlers.get(type(msg), (None, None))
         if who is None or (
             sender != FRONTEND if who == FRONTEND else sender not in self.peer_names
@@ -317,11 +293,11 @@ class InstanceServer:
         sched = self.engine.scheduler
         return len(sched.waiting) + len(sched.running) + len(self.inbox)
 
-    def _on_probe(self, sender: str, m: Probe) -> ProbeReply:
+    def _on_probe(self, sender: str, m: rpc.Probe) -> rpc.ProbeReply:
         room = self.engine.has_room(m.blocks, self.inbox)
-        return ProbeReply(self.pool.cached_prefix_len(m.tokens), self._load(), room)
+        return rpc.ProbeReply(self.pool.cached_prefix_len(m.tokens), self._load(), room)
 
-    def _on_alloc(self, sender: str, m: AllocRequest) -> AllocReply:
+    def _on_alloc(self, sender: str, m: rpc.AllocRequest) -> rpc.AllocReply:
         n, layout = m.num_blocks, self.pool.layout
         if n > self.pool.capacity() or (
             m.tokens is not None
@@ -331,19 +307,19 @@ class InstanceServer:
         matched, new = self.pool.recv_alloc(m.tokens, n)
         self._grant(sender, matched + new)
         self.xfers[(sender, m.xfer)] = matched + new
-        return AllocReply(matched, new)
+        return rpc.AllocReply(matched, new)
 
-    def _on_commit(self, sender: str, m: Commit) -> None:
+    def _on_commit(self, sender: str, m: rpc.Commit) -> None:
         if self.xfers.get((sender, m.xfer)) != m.blocks:
             raise ValueError(f"{sender} commits blocks not allocated for transfer {m.xfer!r}")
         del self.xfers[(sender, m.xfer)]
         self.pool.recv_commit(m.tokens, m.blocks)
 
-    def _on_abort(self, sender: str, m: Abort) -> None:
+    def _on_abort(self, sender: str, m: rpc.Abort) -> None:
         blocks = self.xfers.pop((sender, m.xfer), None)
         self.pool.recv_abort(self._ungrant(sender, m.blocks if blocks is None else blocks))
 
-    def _on_accept(self, sender: str, m: Accept) -> None:
+    def _on_accept(self, sender: str, m: rpc.Accept) -> None:
         self._check_state(m.state)
         req = request_of(m.state)
         held = self._ungrant(sender, req.blocks)
@@ -352,7 +328,7 @@ class InstanceServer:
             raise ValueError(f"request {req.request_id} arrived with blocks not sent here")
         self.inbox.append(req)
 
-    def _check_state(self, s: RequestState) -> None:
+    def _check_state(self, s: rpc.RequestState) -> None:
         """A handed-over request must be one this engine can continue."""
         n, vocab = len(s.tokens), self.engine.model_config.vocab_size
         problems = {
@@ -369,7 +345,7 @@ class InstanceServer:
         if bad:
             raise ValueError(f"request {s.request_id!r} refused: {'; '.join(bad)}")
 
-    def _on_submit(self, sender: str, m: Submit) -> None:
+    def _on_submit(self, sender: str, m: rpc.Submit) -> None:
         ids = self.engine.validate(m.prompt, m.params)
         rid = m.request_id
         if rid in self.engine.requests or any(r.request_id == rid for r in self.inbox):
@@ -379,19 +355,19 @@ class InstanceServer:
         req.prefill_instance = self.name
         self.inbox.append(req)
 
-    def _on_query(self, sender: str, m: Query) -> Info:
+    def _on_query(self, sender: str, m: rpc.Query) -> rpc.Info:
         if m.what == "validate":
             if m.params is None:
                 raise InvalidRequest("validate needs sampling params")
-            return Info({"ids": self.engine.validate(m.prompt, m.params)})
+            return rpc.Info({"ids": self.engine.validate(m.prompt, m.params)})
         if m.what == "check":
             try:
                 self.pool.check()
                 ok, error = True, None
             except AssertionError as e:
                 ok, error = False, str(e)
-            return Info({"ok": ok, "error": error, "pool": self.pool.stats()})
-        return Info(
+            return rpc.Info({"ok": ok, "error": error, "pool": self.pool.stats()})
+        return rpc.Info(
             {
                 "pool": self.pool.stats(),
                 "requests": len(self.engine.requests) + len(self.inbox),
@@ -401,7 +377,7 @@ class InstanceServer:
             }
         )
 
-    def _on_peers(self, sender: str, m: Peers) -> None:
+    def _on_peers(self, sender: str, m: rpc.Peers) -> None:
         if self.peer_names:
             raise PermissionError("the peers of an instance are announced once")
         self.peer_names = {p.name for p in m.peers} - {self.name, FRONTEND}
@@ -412,20 +388,20 @@ class InstanceServer:
             if p.handle is not None:
                 self.remotes[p.name] = RemotePool(self.node, p, attach(p.handle), self.pool)
 
-    def _on_peer_down(self, sender: str, m: PeerDown) -> Info:
+    def _on_peer_down(self, sender: str, m: rpc.PeerDown) -> rpc.Info:
         self._peer_down(m.name, m.reason)
-        return Info({"handed": [r for r, d in self.handed.items() if d == m.name]})
+        return rpc.Info({"handed": [r for r, d in self.handed.items() if d == m.name]})
 
-    def _on_abort_request(self, sender: str, m: AbortRequest) -> Output | None:
+    def _on_abort_request(self, sender: str, m: rpc.AbortRequest) -> rpc.Output | None:
         for i, req in enumerate(self.inbox):
             if req.request_id == m.request_id:  # not admitted yet: let the engine finish it
                 del self.inbox[i]
                 self.engine.add_prefilled(req)
                 break
         out = self.engine.abort(m.request_id)
-        return None if out is None else Output(out)
+        return None if out is None else rpc.Output(out)
 
-    def _on_shutdown(self, sender: str, m: Shutdown) -> None:
+    def _on_shutdown(self, sender: str, m: rpc.Shutdown) -> None:
         self.stopping = True
 
     def _push_prefix(self, tokens: list[int], to: str) -> int:
@@ -472,29 +448,33 @@ class InstanceServer:
         """Tell the frontend where this instance listens and how to map its pool."""
         shared = getattr(self.pool, "shared", None)
         handle = shared.handle.to_dict() if shared is not None else None
-        info = PeerInfo(self.name, self.spec.role, self.node.address, handle)
-        self.node.push(FRONTEND, Ready(info, os.getpid()))
+        info = rpc.PeerInfo(self.name, self.spec.role, self.node.address, handle)
+        self.node.push(FRONTEND, rpc.Ready(info, os.getpid()))
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
         if now - self._last_beat >= self.spec.heartbeat_s:
             self._last_beat = now
-            self.node.try_push(FRONTEND, Heartbeat())
+            self.node.try_push(FRONTEND, rpc.Heartbeat())
 
     def _admit(self) -> None:
         inbox, self.inbox = self.inbox, []
         for req in inbox:
             self.engine.add_prefilled(req)
 
-    def _flush(self, outputs) -> None:
+    def _flush(self, outputs=()) -> None:
         for out in outputs:
-            self.node.try_push(FRONTEND, Output(out))
+            self.node.try_push(FRONTEND, rpc.Output(out))
         for req in self.engine.handoffs:
             self.handed[req.request_id] = req.decode_instance
             if len(self.handed) > HANDOFF_MEMORY:
                 self.handed.popitem(last=False)
-            self.node.try_push(FRONTEND, Handoff(req.request_id, req.decode_instance))
+            self.node.try_push(FRONTEND, rpc.Handoff(req.request_id, req.decode_instance))
         self.engine.handoffs.clear()
+        if self.cache_events:
+            events = [(added, toks.tolist()) for added, toks in self.cache_events]
+            self.node.try_push(FRONTEND, rpc.CacheEvents(events))
+            self.cache_events.clear()
 
     def run(self) -> None:
         """Serve until told to stop, or until the launching process is gone."""
@@ -507,8 +487,7 @@ class InstanceServer:
             if self.stopping:
                 break
             self._admit()
-            if self.engine.has_unfinished():
-                self._flush(self.engine.step())
+            self._flush(self.engine.step() if self.engine.has_unfinished() else ())
 
     def _parent_alive(self) -> bool:
         now = time.monotonic()

@@ -1,11 +1,8 @@
 """Recipes: which MemPool calls run at each hook of a request, per role and caching milestone.
 
-A request has five hooks on an instance: on arrival (admitted with no KV yet), once
-prefilled (its first token was sampled), on finish (done or aborted), on preemption
-(released to be recomputed) and on failure (released without caching). A recipe lists the
-pool calls of each hook; a milestone gives one recipe per role. This table is the whole
-difference between the deployments: the engine, schedulers, model and kernels are shared,
-and every other place that needs to know what a deployment caches or transfers reads it here.
+Hooks: arrival (admitted, no KV yet), prefilled (first token sampled), finish (done or
+aborted), preempt (released to be recomputed), failure (released without caching). This
+table is the whole difference between deployments; all other code is shared and reads it.
 
 | milestone    | role      | arrival | prefilled                         | finish                  |
 |--------------|-----------|---------|-----------------------------------|-------------------------|
@@ -20,11 +17,9 @@ and every other place that needs to know what a deployment caches or transfers r
 | PD-Caching-3 | prefill   | match   | insert, transfer_with_insert      | insert, free            |
 |              | decode    | match   | —                                 | send_back, insert, free |
 
-``transfer`` / ``transfer_with_insert`` move the computed KV to a decode instance (which, with
-insert, matches its own index and receives only the blocks it lacks), ``free_mem`` it here
-and hand the request over. Preemption runs ``insert, free`` where the role caches and ``free``
-otherwise; failure always runs ``free``. ``send_back`` is ``transfer_with_insert`` of the
-decode-phase KV to the prefill instance, so the next turn's hit there covers the answer too.
+``transfer[_with_insert]`` sends the computed KV to a decode instance (with insert, only blocks it
+lacks), frees it here and hands the request over; ``send_back`` sends decode-phase KV back to P for
+its next hit. Preempt runs ``insert, free`` where the role caches, else ``free``, as failure does.
 """
 
 from __future__ import annotations
@@ -33,6 +28,7 @@ import enum
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 from ..errors import PoolExhausted, RemoteError, TransferError
@@ -52,8 +48,7 @@ class Hook(str, enum.Enum):
 
 
 class Outcome(enum.Enum):
-    """What a hook did with the request: it stays, moved to another instance, must wait
-    (every decode instance is full: it keeps its KV here and tries again), or failed."""
+    """What a hook did: keep, handed off, later (all decodes full: retry, KV kept here), failed."""
 
     KEEP = "keep"
     HANDED_OFF = "handed_off"
@@ -68,30 +63,21 @@ class Peer(Protocol):
     pool: Any  # a MemPool, or a proxy of a remote one
 
     def accept(self, req: Request) -> None:
-        """Take over ``req`` (its ``blocks`` already ids in this peer's pool); may raise
-        ``TransferError``, after which the peer holds nothing of it."""
-        ...
+        """Take over ``req`` (its ``blocks`` are ids here); on ``TransferError`` it holds none."""
 
 
 class Peers(Protocol):
     """What the transfer calls of a recipe need from the instance's surroundings."""
 
     def pick_decode(self, req: Request, exclude: Sequence[str]) -> Peer | None:
-        """The decode instance to continue ``req`` on, not one in ``exclude``, with room for
-        the whole request; None when every live one is full (backpressure); raises
-        ``InstanceDied`` (a ``TransferError``) naming why when none is alive."""
-        ...
+        """The decode instance, not in ``exclude``, with room to continue all of ``req``; None
+        when every live one is full (backpressure); raises ``InstanceDied`` if none is alive."""
 
     def prefill_pool(self, req: Request) -> Any:
         """The pool of the instance that prefilled ``req`` (for sending decode-phase KV back)."""
-        ...
 
     def peer_failed(self, name: str, error: TransferError) -> None:
         """A transfer to ``name`` failed with ``error`` (the peer may be dead)."""
-        ...
-
-
-# ---- the pool calls -----------------------------------------------------------------------
 
 
 def _match(pool, req: Request, peers: Peers | None) -> None:
@@ -110,8 +96,7 @@ def _insert(pool, req: Request, peers: Peers | None) -> None:
 def _free(pool, req: Request, peers: Peers | None) -> None:
     if req.blocks:
         pool.free_mem(req.blocks)
-    req.blocks = []
-    req.num_computed = 0
+    req.blocks, req.num_computed = [], 0
 
 
 def _sent_bytes(pool) -> int:
@@ -119,10 +104,7 @@ def _sent_bytes(pool) -> int:
 
 
 def _hand_off(pool, req: Request, peers: Peers, with_insert: bool) -> Outcome:
-    """Send the computed KV to a decode instance, free it here, hand the request over.
-
-    A failed transfer leaves the blocks here and the next decode instance is tried; with
-    none left the request fails (its error says why)."""
+    """Send the computed KV to a decode instance (the next one if that fails), hand ``req`` over."""
     tokens = req.tokens[: req.num_computed]
     src = req.blocks[: pool.layout.num_blocks_for(req.num_computed)]
     tried: list[str] = []
@@ -142,13 +124,9 @@ def _hand_off(pool, req: Request, peers: Peers, with_insert: bool) -> Outcome:
                 got = pool.transfer(peer.pool, src)
         except PoolExhausted:  # filled up since it said it had room: wait, as when full
             return Outcome.LATER
-        except RemoteError as e:
-            if e.kind == "PoolExhausted":
-                return Outcome.LATER
-            tried.append(peer.name)
-            peers.peer_failed(peer.name, e)
-            continue
         except TransferError as e:
+            if isinstance(e, RemoteError) and e.kind == "PoolExhausted":
+                return Outcome.LATER
             tried.append(peer.name)
             peers.peer_failed(peer.name, e)
             continue
@@ -171,28 +149,18 @@ def _send_back(pool, req: Request, peers: Peers) -> None:
         return
     before = _sent_bytes(pool)
     try:
-        p_pool = peers.prefill_pool(req)
-        got = pool.transfer_with_insert(
-            p_pool, req.tokens[: whole * pool.block_size], req.blocks[:whole]
-        )
-        p_pool.free_mem(got)  # the prefill pool's index keeps its own references
+        dst, n = peers.prefill_pool(req), whole * pool.block_size
+        got = pool.transfer_with_insert(dst, req.tokens[:n], req.blocks[:whole])
+        dst.free_mem(got)  # the prefill pool's index keeps its own references
     except (TransferError, PoolExhausted) as e:  # the answer stands; the next hit is smaller
         logger.warning("request %s: decode-phase KV not sent back: %s", req.request_id, e)
     req.metrics.transferred_bytes += _sent_bytes(pool) - before
 
 
-OPS = {
-    "match": _match,
-    "insert": _insert,
-    "free": _free,
-    "transfer": lambda pool, req, peers: _hand_off(pool, req, peers, with_insert=False),
-    "transfer_with_insert": lambda pool, req, peers: _hand_off(pool, req, peers, True),
-    "send_back": _send_back,
-}
+OPS = {"match": _match, "insert": _insert, "free": _free, "send_back": _send_back,
+       "transfer": partial(_hand_off, with_insert=False),
+       "transfer_with_insert": partial(_hand_off, with_insert=True)}  # fmt: skip
 TRANSFER_OPS = frozenset({"transfer", "transfer_with_insert", "send_back"})
-
-
-# ---- the table ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -206,8 +174,7 @@ class Recipe:
     failure: tuple[str, ...] = ("free",)
 
     def __post_init__(self) -> None:
-        unknown = {op for ops in self.hooks().values() for op in ops} - OPS.keys()
-        if unknown:
+        if unknown := {op for ops in self.hooks().values() for op in ops} - OPS.keys():
             raise ValueError(f"unknown pool calls in a recipe: {sorted(unknown)}")
 
     def hooks(self) -> dict[str, tuple[str, ...]]:
@@ -222,23 +189,17 @@ class Recipe:
     def run(self, hook: Hook, pool, req: Request, peers: Peers | None = None) -> Outcome:
         """Run the pool calls of ``hook`` on ``req``; a hand-off or failure ends the hook."""
         for op in getattr(self, hook.value):
-            outcome = OPS[op](pool, req, peers)
-            if outcome is not None:
+            if (outcome := OPS[op](pool, req, peers)) is not None:
                 return outcome
         return Outcome.KEEP
 
 
-NOTHING, PROMPT, PROMPT_AND_OUTPUT = "nothing", "prompt", "prompt and output"
-
-
 @dataclass(frozen=True)
 class Milestone:
-    """A caching milestone: one recipe per role (the first role takes new requests), and
-    what a finished request leaves cached on the instance it entered (``caches``)."""
+    """A caching milestone: one recipe per role, the entry role first."""
 
     name: str
     recipes: dict[str, Recipe] = field(hash=False)
-    caches: str = NOTHING
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -252,34 +213,26 @@ class Milestone:
             set(ops) & TRANSFER_OPS for r in self.recipes.values() for ops in r.hooks().values()
         )
 
-    def left_cached(self, prompt: Sequence[int], output: Sequence[int]) -> list[int] | None:
-        """The tokens a finished request left cached on its entry instance (None: nothing)."""
-        kept = {NOTHING: None, PROMPT: list(prompt), PROMPT_AND_OUTPUT: [*prompt, *output[:-1]]}
-        return kept[self.caches]
+    @property
+    def entry_caches(self) -> bool:
+        """Whether the instances that take new requests keep a prefix cache."""
+        return self.recipes[self.roles[0]].caches
 
 
 _CACHED = ("insert", "free")
-_PREFILL_CC1 = Recipe(("match",), ("insert", "transfer"), _CACHED, _CACHED)
-_PREFILL_CC2 = Recipe(("match",), ("insert", "transfer_with_insert"), _CACHED, _CACHED)
-_DECODE_CC2 = Recipe(("match",), (), _CACHED, _CACHED)
+_CACHING = Recipe(("match",), (), _CACHED, _CACHED)  # PD-CC colocated, and a caching decode
+_P_CC1 = Recipe(("match",), ("insert", "transfer"), _CACHED, _CACHED)
+_P_CC2 = Recipe(("match",), ("insert", "transfer_with_insert"), _CACHED, _CACHED)
+_D_CC3 = Recipe(("match",), (), ("send_back", *_CACHED), _CACHED)
 
 MILESTONES = {
     m.name: m
     for m in (
         Milestone("PD", {"colocated": Recipe()}),
-        Milestone(
-            "PD-CC", {"colocated": Recipe(("match",), (), _CACHED, _CACHED)}, PROMPT_AND_OUTPUT
-        ),
+        Milestone("PD-CC", {"colocated": _CACHING}),
         Milestone("PD-Basic", {"prefill": Recipe((), ("transfer",)), "decode": Recipe()}),
-        Milestone("PD-Caching-1", {"prefill": _PREFILL_CC1, "decode": Recipe()}, PROMPT),
-        Milestone("PD-Caching-2", {"prefill": _PREFILL_CC2, "decode": _DECODE_CC2}, PROMPT),
-        Milestone(
-            "PD-Caching-3",
-            {
-                "prefill": _PREFILL_CC2,
-                "decode": Recipe(("match",), (), ("send_back", *_CACHED), _CACHED),
-            },
-            PROMPT_AND_OUTPUT,
-        ),
+        Milestone("PD-Caching-1", {"prefill": _P_CC1, "decode": Recipe()}),
+        Milestone("PD-Caching-2", {"prefill": _P_CC2, "decode": _CACHING}),
+        Milestone("PD-Caching-3", {"prefill": _P_CC2, "decode": _D_CC3}),
     )
 }

@@ -1,23 +1,17 @@
-"""The control plane: typed messages and the RPC node every process of the runtime uses.
+"""The control plane: typed messages and the :class:`RpcNode` every process of the runtime uses.
 
-An :class:`RpcNode` is one process's end: a ROUTER socket that peers send to, and a DEALER
-socket per peer it sends to. Messages are ``msgspec`` structs, tagged by class name and
-validated field by field (types, ranges) when decoded, inside an :class:`Envelope`; nothing
-is pickled. Every frame carries an HMAC of the cluster's secret (made by the frontend and
-handed to the instances it spawns, never on a command line or in a file): a frame without
-it is dropped unanswered, whoever sent it, loopback included. A request carries a sequence
-number, so a late reply to a request that timed out is recognised and dropped. While a node
-waits for the answer to its own request it keeps answering requests that reach it: P and D
-call each other (D sends decode-phase KV back while P is sending to it), and a node that
-only waited would deadlock.
-
-Transfer protocol (receiving side of ``MemPool.transfer``): :class:`AllocRequest` →
-:class:`AllocReply` (``recv_alloc``), the sender writes into the shared pool tensor,
-:class:`Commit` (``recv_commit``) or :class:`Abort` (``recv_abort``).
+Messages are ``msgspec`` structs tagged by class name and validated field by field (types,
+ranges) when decoded; nothing is pickled. Every frame carries an HMAC of the cluster's secret
+(made by the frontend and handed to the instances it spawns, never on a command line or in a
+file); a frame without it is dropped unanswered, loopback included. A node waiting for its
+reply keeps answering requests: P and D call each other (D sends decode-phase KV back while P
+sends to it), and a node that only waited would deadlock. Transfer protocol (receiving side of
+``MemPool.transfer``): AllocRequest → AllocReply, the sender writes the blocks, Commit or Abort.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import itertools
 import time
@@ -32,15 +26,10 @@ from ..request import RequestMetrics, RequestOutput
 from ..sampling import SamplingParams
 
 LOOPBACK = "127.0.0.1"
-# A loopback round trip takes well under a millisecond; a peer that leaves a request
-# unanswered this long is dead or stuck.
-DEFAULT_TIMEOUT_S = 30.0
-# Longest single poll while waiting for a reply, so heartbeats and dead-peer news are seen.
-WAIT_SLICE_S = 0.05
-# Messages queued towards one peer before sends fail fast instead of growing memory.
-SEND_HWM = 10_000
-# Largest control message accepted: a 1M-token prompt is ~9 MB of msgpack.
-MAX_MESSAGE_BYTES = 32 << 20
+DEFAULT_TIMEOUT_S = 30.0  # a loopback round trip takes < 1 ms: a peer this late is dead or stuck
+WAIT_SLICE_S = 0.05  # longest poll while awaiting a reply, so heartbeats and dead peers are seen
+SEND_HWM = 10_000  # messages queued towards one peer before sends fail fast
+MAX_MESSAGE_BYTES = 32 << 20  # largest control message accepted: a 1M-token prompt is ~9 MB
 TAG_BYTES = 32  # HMAC-SHA256 of the payload, sent in front of it
 
 Count = Annotated[int, msgspec.Meta(ge=0)]
@@ -49,9 +38,6 @@ Ids = list[Count]
 
 class Msg(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     """Base of every control message (tagged by class name on the wire)."""
-
-
-# ---- the transfer protocol ----------------------------------------------------------------
 
 
 class AllocRequest(Msg):
@@ -91,8 +77,7 @@ class FreeMem(Msg):
 
 
 class Probe(Msg):
-    """How much of ``tokens`` is cached on the receiver, how loaded it is, and whether it
-    has room for a request that may grow to ``blocks`` blocks."""
+    """How much of ``tokens`` is cached, the load, and room for a request of ``blocks`` blocks."""
 
     tokens: Ids
     blocks: Count = 0
@@ -104,9 +89,6 @@ class ProbeReply(Msg):
     cached: Count
     load: Count
     room: bool = True
-
-
-# ---- the runtime's messages ---------------------------------------------------------------
 
 
 class PeerInfo(msgspec.Struct, forbid_unknown_fields=True):
@@ -174,6 +156,13 @@ class Handoff(Msg):
     to: str
 
 
+class CacheEvents(Msg):
+    """What the sender's index gained (``True``, tokens) and evicted (``False``, the token
+    path through the first evicted block), in order: its prompt tree mirrors it."""
+
+    events: list[tuple[bool, Ids]]
+
+
 class AbortRequest(Msg):
     """Stop ``request_id`` if the receiver holds it; the reply is its ``Output`` or ``Ack``."""
 
@@ -202,8 +191,7 @@ class PeerDown(Msg):
 
 
 class PushPrefix(Msg):
-    """Send the cached prefix of ``tokens`` to instance ``to`` (indexed there); the reply is
-    ``Info({"tokens": n})``, the tokens now cached on ``to`` thanks to it."""
+    """Copy the cached prefix of ``tokens`` to ``to``; replies ``Info({"tokens": its length})``."""
 
     tokens: Ids
     to: str
@@ -230,11 +218,7 @@ class Error(Msg):
     message: str
 
 
-MESSAGES = (
-    AllocRequest, AllocReply, Commit, Abort, FreeMem, Probe, ProbeReply, Ready, Peers, Submit,
-    Accept, Output, Handoff, AbortRequest, Query, Info, PeerDown, PushPrefix, Shutdown,
-    Heartbeat, Ack, Error,
-)  # fmt: skip
+MESSAGES = tuple(Msg.__subclasses__())  # the runtime's messages, all defined above
 
 
 class Envelope(msgspec.Struct, forbid_unknown_fields=True):
@@ -251,9 +235,7 @@ class Unauthenticated(TransferError):
 
 
 class Codec:
-    """Packs envelopes behind an HMAC-SHA256 tag of the cluster's secret; checks the tag,
-    then decodes and validates against a fixed set of message types (the runtime's
-    ``MESSAGES`` plus any ``extra`` a tool adds, such as a benchmark's)."""
+    """Envelopes behind an HMAC-SHA256 tag; decoded as ``MESSAGES`` plus ``extra`` (a tool's)."""
 
     def __init__(self, secret: bytes, extra: tuple[type[Msg], ...] = ()) -> None:
         """Sign with ``secret`` (at least 16 bytes, shared by every process of a cluster)."""
@@ -264,17 +246,15 @@ class Codec:
         env = msgspec.defstruct("Envelope", [("kind", Literal["req", "rep", "push"]),
                                              ("seq", int), ("sender", str), ("msg", msg_type)],
                                 forbid_unknown_fields=True)  # fmt: skip
-        self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(env).decode
 
     def encode(self, env: Envelope) -> bytes:
         """Tag and pack a frame (msgpack maps; message structs tagged by class name)."""
-        payload = self._encode(env)
+        payload = msgspec.msgpack.encode(env)
         return hmac.digest(self._secret, payload, "sha256") + payload
 
     def decode(self, frame: bytes) -> Envelope:
-        """Check the tag, unpack and validate; raises ``Unauthenticated``, or
-        ``TransferError`` naming what is wrong with an authentic frame."""
+        """Check the tag, unpack and validate; raises ``Unauthenticated`` or ``TransferError``."""
         tag, payload = frame[:TAG_BYTES], frame[TAG_BYTES:]
         if not hmac.compare_digest(tag, hmac.digest(self._secret, payload, "sha256")):
             raise Unauthenticated("control frame without a valid authentication tag")
@@ -304,76 +284,47 @@ Handler = Callable[[str, Msg], "Msg | None"]
 
 
 class RpcNode:
-    """One process's end of the control plane.
+    """One process's end: a ROUTER socket peers send to, a DEALER socket per peer it sends to.
+    ``handler(sender, msg)`` answers every request and push (a ``None`` reply is sent as
+    :class:`Ack`, an exception as :class:`Error`); it must not :meth:`call`. Not thread-safe."""
 
-    ``handler(sender, msg) -> reply | None`` answers every request and push that arrives
-    (``None`` replies :class:`Ack`; an exception replies :class:`Error`, which the caller
-    raises as ``RemoteError``). Handlers must not call :meth:`call` themselves. While
-    :meth:`call` waits for its reply it keeps serving incoming messages and runs
-    ``on_wait`` (heartbeats); a peer in :attr:`dead` fails at once with ``InstanceDied``.
-    Not thread-safe: one owner.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        handler: Handler,
-        *,
-        host: str = LOOPBACK,
-        port: int = 0,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        on_wait: Callable[[], None] | None = None,
-        codec: Codec,
-    ) -> None:
-        """Bind ``host:port`` (port 0 picks a free one; see :attr:`address`); ``codec`` holds
-        the cluster's secret."""
+    def __init__(self, name: str, handler: Handler, *, host: str = LOOPBACK, port: int = 0,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, on_wait: Callable[[], None] | None = None,
+                 codec: Codec) -> None:  # fmt: skip
+        """Bind ``host:port`` (port 0: a free one, see :attr:`address`); ``codec`` signs."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        self.name = name
-        self.handler = handler
-        self.timeout_s = timeout_s
-        self.on_wait = on_wait
-        self.codec = codec
+        self.name, self.handler, self.codec = name, handler, codec
+        self.timeout_s, self.on_wait = timeout_s, on_wait
         self.rejected = 0  # frames dropped: unauthenticated, or failed validation
         self.dead: dict[str, str] = {}  # peer name -> why it is considered dead
-        self._ctx = zmq.Context()
-        self._server = self._socket(zmq.ROUTER)
+        self._peers: dict[str, zmq.Socket] = {}
+        self._seq = itertools.count(1)
+        self._ctx = zmq.Context()  # its options are the defaults of every socket it opens
+        self._ctx.setsockopt(zmq.LINGER, 0)
+        self._ctx.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self._ctx.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._server = self._ctx.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._server.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
             self._server.bind(endpoint(host, port))
         except zmq.ZMQError as e:
             self.close()
             raise TransferError(f"{name} cannot bind {host}:{port}: {e}") from e
         self.address: str = self._server.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._peers: dict[str, zmq.Socket] = {}
-        self._seq = itertools.count(1)
-
-    def _socket(self, kind: int) -> zmq.Socket:
-        sock = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-        return sock
 
     def connect(self, peer: str, address: str) -> None:
         """Open (or reopen) the sending socket towards ``peer`` at ``address``."""
-        old = self._peers.pop(peer, None)
-        if old is not None:
+        if (old := self._peers.pop(peer, None)) is not None:
             old.close(linger=0)
-        sock = self._socket(zmq.DEALER)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock = self._ctx.socket(zmq.DEALER)
         sock.connect(address)
         self._peers[peer] = sock
-
-    # -- serving ----------------------------------------------------------------------------
 
     def serve(self, timeout_s: float = 0.0) -> int:
         """Wait up to ``timeout_s`` for a message, then handle every queued one; the count."""
         if not self._server.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
             return 0
-        return self._drain()
-
-    def _drain(self) -> int:
         n = 0
         while True:
             try:
@@ -387,12 +338,10 @@ class RpcNode:
     def _handle(self, ident: bytes, payload: bytes) -> None:
         try:
             env = self.codec.decode(payload)
-        except Unauthenticated:
+        except TransferError as e:
             self.rejected += 1
-            return
-        except TransferError as e:  # a member sent something invalid: tell it at once
-            self.rejected += 1
-            self._reply(ident, self.codec.seq_of(payload), Error("TransferError", str(e)))
+            if not isinstance(e, Unauthenticated):  # a member sent something invalid: tell it
+                self._reply(ident, self.codec.seq_of(payload), Error("TransferError", str(e)))
             return
         try:
             reply = self.handler(env.sender, env.msg)
@@ -402,20 +351,15 @@ class RpcNode:
             self._reply(ident, env.seq, Ack() if reply is None else reply)
 
     def _reply(self, ident: bytes, seq: int, msg: Msg) -> None:
-        try:
-            frame = self.codec.encode(Envelope("rep", seq, self.name, msg))
+        frame = self.codec.encode(Envelope("rep", seq, self.name, msg))
+        with contextlib.suppress(zmq.ZMQError):  # the asker is gone; its own timeout tells it
             self._server.send_multipart([ident, frame])
-        except zmq.ZMQError:
-            pass  # the asker is gone; its own timeout tells it
-
-    # -- sending ----------------------------------------------------------------------------
 
     def _send(self, peer: str, kind: str, seq: int, msg: Msg) -> zmq.Socket:
         op = type(msg).__name__
         if peer in self.dead:
             raise InstanceDied(f"instance {peer} is dead ({self.dead[peer]}); cannot {op}")
-        sock = self._peers.get(peer)
-        if sock is None:
+        if (sock := self._peers.get(peer)) is None:
             raise TransferError(f"{self.name} has no connection to {peer!r} ({op})")
         try:
             sock.send(self.codec.encode(Envelope(kind, seq, self.name, msg)), zmq.NOBLOCK)
@@ -436,15 +380,12 @@ class RpcNode:
         return True
 
     def call(self, peer: str, msg: Msg, timeout_s: float | None = None) -> Msg:
-        """Send a request to ``peer`` and return its reply, serving incoming messages meanwhile.
-
-        Raises ``InstanceDied`` when the peer is or becomes known dead, ``TransferError`` when
-        it does not answer within ``timeout_s`` and ``RemoteError`` when its handler failed.
-        """
+        """Send a request to ``peer`` and return its reply, serving incoming messages and running
+        ``on_wait`` meanwhile. Raises ``InstanceDied`` when the peer is or becomes known dead,
+        ``TransferError`` when it does not answer in ``timeout_s``, ``RemoteError`` if it failed."""
         op = type(msg).__name__
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        seq = next(self._seq)
-        sock = self._send(peer, "req", seq, msg)
+        sock = self._send(peer, "req", seq := next(self._seq), msg)
         poller = zmq.Poller()
         poller.register(self._server, zmq.POLLIN)
         poller.register(sock, zmq.POLLIN)
@@ -457,7 +398,7 @@ class RpcNode:
                 raise TransferError(f"instance {peer} did not answer {op} within {timeout_s:g} s")
             events = dict(poller.poll(int(min(left, WAIT_SLICE_S) * 1000) + 1))
             if self._server in events:
-                self._drain()
+                self.serve()
             if sock in events and (reply := self._reply_to(sock, seq)) is not None:
                 if isinstance(reply, Error):
                     raise RemoteError(peer, op, reply.kind, reply.message)
@@ -475,16 +416,12 @@ class RpcNode:
             except Unauthenticated:
                 self.rejected += 1
                 continue
-            if env.kind == "rep" and env.seq == seq:
+            if env.kind == "rep" and env.seq == seq:  # others answer calls that timed out
                 return env.msg
-            # else: the late answer to a request that timed out
 
     def close(self) -> None:
         """Close every socket and the context. Idempotent."""
-        for sock in self._peers.values():
+        for sock in [*self._peers.values(), self._server]:
             sock.close(linger=0)
         self._peers.clear()
-        if not self._server.closed:
-            self._server.close(linger=0)
-        if not self._ctx.closed:
-            self._ctx.term()
+        self._ctx.term()

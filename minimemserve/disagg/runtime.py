@@ -41,6 +41,7 @@ from ..errors import (
     InvalidRequest,
     MiniMemServeError,
     PoolExhausted,
+    RemoteError,
     TransferError,
 )
 from ..mempool import TIERS, PoolAccountingError
@@ -48,29 +49,8 @@ from ..model.tokenizer import Tokenizer
 from ..request import RequestMetrics, RequestOutput
 from ..sampling import SamplingParams
 from ..scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler, Route
+from . import rpc
 from .instance import DEFAULT_HEARTBEAT_S, InstanceSpec, instance_main
-from .recipes import NOTHING
-from .rpc import (
-    DEFAULT_TIMEOUT_S,
-    LOOPBACK,
-    AbortRequest,
-    Codec,
-    Handoff,
-    Heartbeat,
-    Info,
-    Msg,
-    Output,
-    PeerDown,
-    PeerInfo,
-    Peers,
-    PushPrefix,
-    Query,
-    Ready,
-    RemoteError,
-    RpcNode,
-    Shutdown,
-    Submit,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +60,7 @@ DEFAULT_STARTUP_TIMEOUT_S = 120.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 20.0
 # How long step() waits for a finished request before returning an empty list.
 STEP_WAIT_S = 0.005
-# Time a process gets to exit after Shutdown before it is terminated, then killed.
+# Time a process gets to exit after rpc.Shutdown before it is terminated, then killed.
 SHUTDOWN_GRACE_S = 5.0
 # Modules the forkserver imports once, so instances forked from it start fast.
 FORKSERVER_PRELOAD = ("minimemserve.disagg.instance",)
@@ -122,9 +102,9 @@ class InstanceInfo:
     handle: dict | None = None
     pid: int = 0
 
-    def peer_info(self) -> PeerInfo:
+    def peer_info(self) -> rpc.PeerInfo:
         """How its peers reach it."""
-        return PeerInfo(self.name, self.role, self.address, self.handle)
+        return rpc.PeerInfo(self.name, self.role, self.address, self.handle)
 
 
 def _unlink_segment(handle: dict | None) -> None:
@@ -170,11 +150,11 @@ class ProcessCluster:
         engine_config: EngineConfig | None = None,
         device: str = "cpu",
         dtype: str = "float32",
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float = rpc.DEFAULT_TIMEOUT_S,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-        host: str = LOOPBACK,
+        host: str = rpc.LOOPBACK,
         base_port: int = 0,
         rerun_on_failure: bool = True,
         start_method: str = "spawn",
@@ -205,10 +185,11 @@ class ProcessCluster:
         self._closed = False
         self._old_sigterm = None
         self._handlers = {
-            Output: self._on_output,
-            Handoff: self._on_handoff,
-            Ready: self._on_ready,
-            Heartbeat: lambda sender, msg: None,
+            rpc.Output: self._on_output,
+            rpc.Handoff: self._on_handoff,
+            rpc.Ready: self._on_ready,
+            rpc.Heartbeat: lambda sender, msg: None,
+            rpc.CacheEvents: self._on_cache_events,
         }
 
         d = self.deployment
@@ -220,18 +201,18 @@ class ProcessCluster:
             block_size=self.engine_config.block_size,
             cost_model=cost_model,
             ttl_s=ttl_s,
-            caching=milestone.caches != NOTHING,
+            caching=milestone.entry_caches,
         )
         # transfers (the recipes', or the scheduler's prefix pushes) need pools peers can map
         linked = milestone.moves_kv or policy == "prompt_tree_transfer"
         secret = secrets.token_bytes(32)  # reaches the instances through the spawn pipe
-        self.node = RpcNode(
+        self.node = rpc.RpcNode(
             "frontend",
             self._handle,
             host=host,
             port=base_port,
             timeout_s=timeout_s,
-            codec=Codec(secret),
+            codec=rpc.Codec(secret),
         )
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
@@ -266,7 +247,7 @@ class ProcessCluster:
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _reap, list(self.instances.values()))
             self._wait_ready(startup_timeout_s)
-            peers = Peers([i.peer_info() for i in self.instances.values()])
+            peers = rpc.Peers([i.peer_info() for i in self.instances.values()])
             for inst in self.instances.values():
                 self.node.connect(inst.name, inst.address)
             if linked:
@@ -314,7 +295,7 @@ class ProcessCluster:
         self._closed = True
         for inst in self.instances.values():
             if inst.name not in self.dead and inst.address:
-                self.node.try_push(inst.name, Shutdown("frontend closing"))
+                self.node.try_push(inst.name, rpc.Shutdown("frontend closing"))
         self._finalizer()
         self.node.close()
         if self._old_sigterm is not None:
@@ -329,21 +310,20 @@ class ProcessCluster:
         self.close()
 
     # ---- messages from instances -----------------------------------------------------------
-    def _handle(self, sender: str, msg: Msg) -> None:
+    def _handle(self, sender: str, msg: rpc.Msg) -> None:
         handler = self._handlers.get(type(msg))
         if handler is None or sender not in self.instances or sender in self.dead:
             raise PermissionError(f"the frontend takes no {type(msg).__name__} from {sender!r}")
         self._last_heard[sender] = time.monotonic()
         handler(sender, msg)
 
-    def _on_output(self, sender: str, msg: Output) -> None:
+    def _on_output(self, sender: str, msg: rpc.Output) -> None:
         out = msg.output
         if self._inflight.pop(out.request_id, None) is not None:
             self._done.append(out)
-            left = self.deployment.milestone.left_cached(out.prompt_token_ids, out.token_ids)
-            self.scheduler.finished(out.request_id, None if out.finish_reason == "error" else left)
+            self.scheduler.finished(out.request_id)
 
-    def _on_handoff(self, sender: str, msg: Handoff) -> None:
+    def _on_handoff(self, sender: str, msg: rpc.Handoff) -> None:
         f = self._inflight.get(msg.request_id)
         if f is None or f.where != sender or msg.to not in self.instances:
             return
@@ -354,7 +334,11 @@ class ProcessCluster:
             f.where = msg.to
             self.scheduler.prefilled(msg.request_id)
 
-    def _on_ready(self, sender: str, msg: Ready) -> None:
+    def _on_cache_events(self, sender: str, msg: rpc.CacheEvents) -> None:
+        for added, tokens in msg.events:  # the instance's own index, in order
+            (self.scheduler.record if added else self.scheduler.trees.forget)(sender, tokens)
+
+    def _on_ready(self, sender: str, msg: rpc.Ready) -> None:
         inst, info = self.instances[sender], msg.info
         if inst.address or (info.name, info.role) != (sender, inst.role):
             raise PermissionError(f"{sender} cannot report ready as {info.name} ({info.role})")
@@ -392,12 +376,12 @@ class ProcessCluster:
             if other.name in self.dead or not other.address:
                 continue
             try:
-                rep = self.node.call(other.name, PeerDown(inst.name, reason))
+                rep = self.node.call(other.name, rpc.PeerDown(inst.name, reason))
             except TransferError as e:
                 logger.warning("could not tell %s that %s died: %s", other.name, inst.name, e)
                 continue
             # hand-offs to the dead instance whose notice has not reached us yet
-            for rid in rep.data.get("handed", ()) if isinstance(rep, Info) else ():
+            for rid in rep.data.get("handed", ()) if isinstance(rep, rpc.Info) else ():
                 f = self._inflight.get(rid)
                 if f is not None and f.where == other.name:
                     f.where = inst.name
@@ -438,7 +422,7 @@ class ProcessCluster:
         first; on any failure the request simply goes without it."""
         src, dst = route.transfer_from, route.instance
         try:
-            moved = int(self.node.call(src, PushPrefix(list(prompt), dst)).data["tokens"])
+            moved = int(self.node.call(src, rpc.PushPrefix(list(prompt), dst)).data["tokens"])
         except (TransferError, MiniMemServeError) as e:
             logger.warning("prefix transfer %s -> %s failed: %s", src, dst, e)
             moved = 0
@@ -453,7 +437,9 @@ class ProcessCluster:
         # before the call: its output may be handled while the call waits for the reply
         self.scheduler.dispatched(rid, route, len(f.prompt), f.params.max_tokens)
         try:
-            self.node.call(route.instance, Submit(rid, list(f.prompt), f.params, f.arrival_time))
+            self.node.call(
+                route.instance, rpc.Submit(rid, list(f.prompt), f.params, f.arrival_time)
+            )
         except BaseException:
             self._inflight.pop(rid, None)
             self.scheduler.finished(rid)
@@ -485,7 +471,7 @@ class ProcessCluster:
         if not live:
             raise InstanceDied(f"every instance died: {self.dead}")
         try:
-            info = self.node.call(live[0], Query("validate", ids, params))
+            info = self.node.call(live[0], rpc.Query("validate", ids, params))
         except RemoteError as e:
             self._raise_remote(e)
         return list(info.data["ids"])
@@ -539,8 +525,8 @@ class ProcessCluster:
         order = [f.where] + [n for n in self.instances if n != f.where]
         for name in (n for n in order if n not in self.dead):
             with contextlib.suppress(TransferError):
-                rep = self.node.call(name, AbortRequest(request_id))
-                if isinstance(rep, Output):
+                rep = self.node.call(name, rpc.AbortRequest(request_id))
+                if isinstance(rep, rpc.Output):
                     return rep.output
         return f.end(request_id, "abort")
 
@@ -568,7 +554,7 @@ class ProcessCluster:
     # ---- pools -----------------------------------------------------------------------------
     def _ask_all(self, what: str) -> dict[str, dict]:
         return {
-            name: self.node.call(name, Query(what)).data
+            name: self.node.call(name, rpc.Query(what)).data
             for name in self.instances
             if name not in self.dead
         }

@@ -16,6 +16,7 @@ this class. Bookkeeping is plain Python, torch only moves data; one owner calls 
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,6 +82,9 @@ class MemPool(TierMixin):
         self._tree = RadixTree(self.block_size, node_type=PoolNode)
         self._clock = 0  # logical time: one tick per call, so LRU order is deterministic
         self._counters = dict.fromkeys(COUNTERS, 0)
+        # told (True, tokens) when tokens are newly cached, (False, path) when the subtree
+        # whose token path ends with path's last block is evicted; in the order they happen
+        self.on_change: Callable[[bool, array], None] | None = None
 
     @property
     def tiers(self) -> tuple[str, ...]:
@@ -176,11 +180,7 @@ class MemPool(TierMixin):
         # the index takes the caller's blocks where the prefix is in dram, and the new tail
         taken = [b for n, p, c in spans if n.tier != HBM for b in blocks[p : p + c]]
         taken += blocks[matched:nb]
-        if len(set(taken)) != len(taken):
-            raise ValueError("insert got the same block id twice")
-        for b in taken:
-            if hbm.indexed[b]:
-                raise ValueError(f"block {b} is already cached under another prefix")
+        self._check_new(hbm, taken)
         parent = self._tree.root
         for node, p, c in spans:
             if c < len(node.values):  # the match ends inside this node: cut it there
@@ -196,7 +196,18 @@ class MemPool(TierMixin):
             new = parent.children[toks[matched * bs : (matched + 1) * bs].tobytes()]
             self._index(hbm, new, adopt=True)
         self._counters["inserted_blocks"] += len(taken)
+        if matched < nb and self.on_change is not None:
+            self.on_change(True, toks)
         return len(taken)
+
+    @staticmethod
+    def _check_new(hbm: Tier, taken: list[int]) -> None:
+        """Blocks the index is about to take: distinct, and cached nowhere yet."""
+        if len(set(taken)) != len(taken):
+            raise ValueError("insert got the same block id twice")
+        for b in taken:
+            if hbm.indexed[b]:
+                raise ValueError(f"block {b} is already cached under another prefix")
 
     @staticmethod
     def _check_held(hbm: Tier, blocks: list[int]) -> None:

@@ -215,6 +215,11 @@ class TierMixin:
         """Evict ``node``'s last ``k`` blocks: to dram while it has free blocks, else dropped."""
         moved = min(k, dram.alloc.num_free) if dram is not None else 0
         cut = k - moved
+        if cut and self.on_change is not None:  # the token path through the first evicted block
+            path, up = node.tokens[: (len(node.values) - cut + 1) * self.block_size], node.parent
+            while up is not self._tree.root:
+                path, up = up.tokens + path, up.parent
+            self.on_change(False, path)
         if cut:
             self._counters["evicted_blocks"] += self._drop(self._tree.truncate(node, cut))
             if node.parent is not None:

@@ -102,6 +102,16 @@ class PromptTrees:
         if tree is not None and whole:
             tree.insert(toks[:whole], [0] * (whole // self.block_size), ttl=self.ttl_s)
 
+    def forget(self, name: str, path: Sequence[int]) -> None:
+        """``name`` evicted the subtree whose token path ends with ``path``'s last block."""
+        tree, toks = self._trees.get(name), as_tokens(path)
+        m = None if tree is None else tree.match_prefix(toks, touch=False)
+        if m is None or m.num_tokens != len(toks) or not m.nodes or len(toks) % self.block_size:
+            return  # not believed cached there: nothing to forget
+        node = m.nodes[-1]
+        last = len(m.values) - sum(len(n.values) for n in m.nodes[:-1]) - 1  # index in node
+        tree.truncate(node, len(node.values) - last)
+
     def cached(self, name: str, tokens: Sequence[int]) -> int:
         """Tokens of ``tokens``' prefix believed cached on ``name`` (whole blocks)."""
         tree = self._trees.get(name)
