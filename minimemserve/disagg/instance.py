@@ -33,7 +33,7 @@ from ..config import EngineConfig, parse_config_name
 from ..engine import Engine
 from ..errors import InstanceDied, InvalidRequest, RemoteError, TransferError
 from ..mempool import MemPool
-from ..mempool.shared import SharedPoolTensor, attach
+from ..mempool.shared import SharedPoolTensor, attach, segment_path
 from ..request import Request
 from . import rpc
 
@@ -137,7 +137,7 @@ class RemotePool:
             raise
         if not isinstance(rep, rpc.AllocReply) or len(rep.matched) + len(rep.new) != num_blocks:
             self.node.try_push(self.peer, rpc.Abort(self._xfer, []))
-            raise TransferError(f"{self.peer} answered rpc.AllocRequest with {rep!r:.200}")
+            raise TransferError(f"{self.peer} answered AllocRequest with {rep!r:.200}")
         return rep.matched, rep.new
 
     def recv_copy(self, blocks: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
@@ -150,7 +150,7 @@ class RemotePool:
             raise InstanceDied(f"instance {self.peer} died before the write")
         move_blocks(self.kv, list(blocks), src, list(src_ids), self.layout.block_dim)
         if self.kv.is_cuda:
-            torch.cuda.current_stream(self.kv.device).synchronize()  # land before rpc.Commit
+            torch.cuda.current_stream(self.kv.device).synchronize()  # land before Commit
 
     def recv_commit(self, tokens: Sequence[int] | None, blocks: Sequence[int]) -> None:
         """Step 3 on the peer: keep ``blocks`` (indexing ``tokens`` when given)."""
@@ -170,7 +170,7 @@ class RemotePool:
         for a request of ``blocks`` blocks."""
         rep = self.node.call(self.peer, rpc.Probe(list(tokens), blocks))
         if not isinstance(rep, rpc.ProbeReply):
-            raise TransferError(f"{self.peer} answered rpc.Probe with {type(rep).__name__}")
+            raise TransferError(f"{self.peer} answered Probe with {type(rep).__name__}")
         return rep
 
     def accept(self, req: Request) -> None:
@@ -197,7 +197,7 @@ class InstanceServer:
         self.xfers: dict[tuple[str, str], list[int]] = {}
         self.remotes: dict[str, RemotePool] = {}
         # recent hand-offs (request id -> decode instance), so the frontend can find the
-        # requests a dead decode instance held even if our rpc.Handoff notice is still in flight
+        # requests a dead decode instance held even if our Handoff notice is still in flight
         self.handed: OrderedDict[str, str] = OrderedDict()
         self._last_beat = 0.0
         self._last_parent_check = 0.0
@@ -234,10 +234,7 @@ class InstanceServer:
             rpc.Abort: (PEER, self._on_abort),
             rpc.FreeMem: (PEER, lambda s, m: self.pool.free_mem(self._ungrant(s, m.blocks))),
             rpc.Accept: (PEER, self._on_accept),
-            rpc.Probe: (
-                PEER,
-                lambda s, m: rpc.ProbeReply(self.pool.cached_prefix_len(m.tokens), self._load()),
-            ),
+            rpc.Probe: (PEER, self._on_probe),
             rpc.Submit: (FRONTEND, self._on_submit),
             rpc.Query: (FRONTEND, self._on_query),
             rpc.Peers: (FRONTEND, self._on_peers),
@@ -250,7 +247,7 @@ class InstanceServer:
             rpc.Shutdown: (FRONTEND, self._on_shutdown),
         }
 
-    # ---- what recipes need (``rpc.Peers``) -------------------------------------------------------
+    # ---- what recipes need (``Peers``) -------------------------------------------------------
     def pick_decode(self, req: Request, exclude: Sequence[str]) -> RemotePool | None:
         """The live decode peer with room for ``req`` holding most of it (probed), least
         loaded on a tie; None when every live one is full."""
@@ -386,6 +383,7 @@ class InstanceServer:
                 continue
             self.node.connect(p.name, p.address)
             if p.handle is not None:
+                segment_path(p.handle)  # only the project's own segments are mapped
                 self.remotes[p.name] = RemotePool(self.node, p, attach(p.handle), self.pool)
 
     def _on_peer_down(self, sender: str, m: rpc.PeerDown) -> rpc.Info:
@@ -452,6 +450,9 @@ class InstanceServer:
         self.node.push(FRONTEND, rpc.Ready(info, os.getpid()))
 
     def _heartbeat(self) -> None:
+        """Runs between steps and while waiting on a call: beat, and quit if orphaned."""
+        if not self._parent_alive():  # the frontend died without shutting us down
+            raise SystemExit(f"{self.name}: the launching process is gone")
         now = time.monotonic()
         if now - self._last_beat >= self.spec.heartbeat_s:
             self._last_beat = now
@@ -463,6 +464,10 @@ class InstanceServer:
             self.engine.add_prefilled(req)
 
     def _flush(self, outputs=()) -> None:
+        if self.cache_events:  # first: the frontend reads them before the outputs they follow
+            events = [(added, toks.tolist()) for added, toks in self.cache_events]
+            self.node.try_push(FRONTEND, rpc.CacheEvents(events))
+            self.cache_events.clear()
         for out in outputs:
             self.node.try_push(FRONTEND, rpc.Output(out))
         for req in self.engine.handoffs:
@@ -471,16 +476,10 @@ class InstanceServer:
                 self.handed.popitem(last=False)
             self.node.try_push(FRONTEND, rpc.Handoff(req.request_id, req.decode_instance))
         self.engine.handoffs.clear()
-        if self.cache_events:
-            events = [(added, toks.tolist()) for added, toks in self.cache_events]
-            self.node.try_push(FRONTEND, rpc.CacheEvents(events))
-            self.cache_events.clear()
 
     def run(self) -> None:
         """Serve until told to stop, or until the launching process is gone."""
         while not self.stopping:
-            if not self._parent_alive():
-                break  # orphaned: the frontend died without shutting us down
             self._heartbeat()
             busy = bool(self.inbox) or self.engine.has_unfinished()
             self.node.serve(0.0 if busy else IDLE_POLL_S)

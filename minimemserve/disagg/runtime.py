@@ -45,6 +45,7 @@ from ..errors import (
     TransferError,
 )
 from ..mempool import TIERS, PoolAccountingError
+from ..mempool.shared import segment_path
 from ..model.tokenizer import Tokenizer
 from ..request import RequestMetrics, RequestOutput
 from ..sampling import SamplingParams
@@ -60,7 +61,7 @@ DEFAULT_STARTUP_TIMEOUT_S = 120.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 20.0
 # How long step() waits for a finished request before returning an empty list.
 STEP_WAIT_S = 0.005
-# Time a process gets to exit after rpc.Shutdown before it is terminated, then killed.
+# Time a process gets to exit after Shutdown before it is terminated, then killed.
 SHUTDOWN_GRACE_S = 5.0
 # Modules the forkserver imports once, so instances forked from it start fast.
 FORKSERVER_PRELOAD = ("minimemserve.disagg.instance",)
@@ -108,9 +109,9 @@ class InstanceInfo:
 
 
 def _unlink_segment(handle: dict | None) -> None:
-    if handle and handle.get("kind") == "cpu_shm":
-        with contextlib.suppress(FileNotFoundError, OSError):
-            os.unlink(os.path.join(handle["shm_dir"], handle["name"]))
+    with contextlib.suppress(TransferError, OSError):  # OSError: already gone
+        if handle is not None and (path := segment_path(handle)) is not None:
+            os.unlink(path)
 
 
 def _reap(instances: list[InstanceInfo]) -> None:
@@ -342,6 +343,8 @@ class ProcessCluster:
         inst, info = self.instances[sender], msg.info
         if inst.address or (info.name, info.role) != (sender, inst.role):
             raise PermissionError(f"{sender} cannot report ready as {info.name} ({info.role})")
+        if info.handle is not None:
+            segment_path(info.handle)  # the frontend unlinks it at the end: ours only
         inst.address, inst.handle, inst.pid = info.address, info.handle, msg.pid
 
     # ---- liveness --------------------------------------------------------------------------
@@ -540,18 +543,19 @@ class ProcessCluster:
         return bool(self._inflight or self._done)
 
     def run_until_done(self, timeout_s: float | None = None) -> list[RequestOutput]:
-        """Step until every request finished; raises TimeoutError after ``timeout_s``."""
+        """Step until every request finished and return their outputs; after ``timeout_s``
+        the requests still running are aborted (their partial outputs come back with
+        ``finish_reason="abort"``), so nothing keeps holding blocks."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         outs: list[RequestOutput] = []
         while self.has_unfinished():
             outs.extend(self.step())
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"requests {sorted(self._inflight)} unfinished after {timeout_s}"
-                )
+                left = [self.abort(rid) for rid in list(self._inflight)]
+                logger.warning("%d requests aborted after %g s", len(left), timeout_s)
+                return outs + [o for o in left if o is not None] + self.step()
         return outs
 
-    # ---- pools -----------------------------------------------------------------------------
     def _ask_all(self, what: str) -> dict[str, dict]:
         return {
             name: self.node.call(name, rpc.Query(what)).data

@@ -8,6 +8,7 @@ import contextlib
 import math
 import mmap
 import os
+import re
 import secrets
 import weakref
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from minimemserve.errors import ConfigError, TransferError
 
 DEFAULT_SHM_PREFIX = "mms"  # short: segment names show up in listings; macOS caps them at 31
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory (shm_open(3))
+_SEGMENT_NAME = re.compile(rf"{DEFAULT_SHM_PREFIX}-\d+-[0-9a-f]{{8}}")  # see create()
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,17 @@ class SharedHandle:
             return cls(kind, name, shape, strides, offset, dtype, nbytes, shm_dir, cuda)
         except (KeyError, TypeError, ValueError) as e:
             raise TransferError(f"malformed shared-tensor handle: {e!r}") from e
+
+
+def segment_path(handle: dict[str, Any] | SharedHandle) -> str | None:
+    """The path of a CPU segment handle (None for CUDA IPC), accepted only in the project's
+    own namespace (``SHM_DIR``, a default-prefix name as made here); raises TransferError."""
+    h = SharedHandle.from_dict(handle) if isinstance(handle, dict) else handle
+    if h.kind == "cuda_ipc":
+        return None
+    if h.kind != "cpu_shm" or h.shm_dir != SHM_DIR or not _SEGMENT_NAME.fullmatch(h.name):
+        raise TransferError(f"refusing shared segment {h.shm_dir!r}/{h.name!r} ({h.kind})")
+    return os.path.join(SHM_DIR, h.name)
 
 
 def _unlink_quietly(path: str) -> None:

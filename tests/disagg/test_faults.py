@@ -112,3 +112,69 @@ def test_colocated_instance_dies_and_the_scheduler_routes_around_it(tiny_llama_d
         c.run_until_done(timeout_s=WAIT_S)
         reports = c.check_pools(require_idle=True)
         assert list(reports) == [n for n in ("C0", "C1") if n != victim]
+
+
+def test_abort_on_decode_and_on_prefill_frees_every_block(tiny_llama_dir):
+    with cluster(tiny_llama_dir, "1P1D-CC") as c:
+        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        rids = [c.add_request(p, params) for p in prompts(3)]
+        on_decode = [r for r in rids if r == wait_until_on_decode_rid(c, rids)]
+        queued = c.add_request(prompts(1, seed=9)[0], params)  # just submitted: on P
+        outs = {rid: c.abort(rid) for rid in [*on_decode, queued]}
+        assert all(o.finish_reason == "abort" for o in outs.values())
+        assert outs[on_decode[0]].token_ids  # it had decoded some tokens on D
+        assert c.abort(queued) is None and c.location(queued) is None
+        left = c.run_until_done(timeout_s=0.5)  # the rest is aborted at the deadline
+        assert sorted(o.request_id for o in left) == sorted(set(rids) - set(on_decode))
+        assert all(o.finish_reason in ("abort", "length") for o in left)
+        c.check_pools(require_idle=True)  # every block came back, on P and on D
+
+
+def test_an_orphaned_instance_exits_even_while_it_waits_on_a_peer(tiny_llama_dir, tmp_path):
+    """The frontend is SIGKILLed: every instance notices within a second or so and exits."""
+    script = tmp_path / "frontend.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from minimemserve import ProcessCluster, SamplingParams\n"
+        "from minimemserve.config import EngineConfig\n"
+        "if __name__ == '__main__':\n"
+        f"    c = ProcessCluster({str(tiny_llama_dir)!r}, '1P1D-CC',\n"
+        "                       engine_config=EngineConfig(num_blocks=128))\n"
+        "    p = SamplingParams(max_tokens=400, ignore_eos=True)\n"
+        "    for i in range(3):\n"
+        "        c.add_request(list(range(3, 40 + i)), p)\n"
+        "    print(' '.join(str(i.process.pid) for i in c.instances.values()), flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + WAIT_S
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited
+        return f.read().split()[2] != "Z"
+
+
+def wait_until_on_decode_rid(c: ProcessCluster, rids: list[str]) -> str:
+    """Step until a request sits on a decode instance; returns its id."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        assert c.step() == [], "a request finished before the fault was injected"
+        for rid in rids:
+            where = c.location(rid)
+            if where is not None and where.startswith("D"):
+                return rid
+    raise AssertionError("no request reached a decode instance")
