@@ -38,11 +38,9 @@ class Deployment:
 
     def instances(self, colocated: int = 1) -> list[tuple[str, str]]:
         """``(name, role)`` of every instance, entry role first."""
-        out = []
-        for role, n in zip(self.milestone.roles, self.counts):
-            n = colocated if role == "colocated" else n
-            out += [(f"{_NAME_PREFIX[role]}{i}", role) for i in range(n)]
-        return out
+        roles = self.milestone.roles
+        counts = [colocated if r == "colocated" else n for r, n in zip(roles, self.counts)]
+        return [(f"{_NAME_PREFIX[r]}{i}", r) for r, n in zip(roles, counts) for i in range(n)]
 
 
 def parse_config_name(name: str) -> Deployment:

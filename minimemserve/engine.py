@@ -6,7 +6,6 @@ tokens, the runner turns that into tensors, postprocess checks stops and runs th
 from __future__ import annotations
 
 import itertools
-import operator
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -94,12 +93,9 @@ class Engine:
             )
         self.role, self.recipe, self.peers = role, milestone.recipes[role], peers
         self.config = engine_config or EngineConfig()
-        self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype)
-        if share_model_with is not None:  # instances in one process share read-only weights
-            self.model_config = share_model_with.model_config
-            self.tokenizer = share_model_with.tokenizer
-            self.model = share_model_with.model
+        self.device, self.dtype = torch.device(device), resolve_dtype(dtype)
+        if (s := share_model_with) is not None:  # instances in one process share read-only weights
+            self.model_config, self.tokenizer, self.model = s.model_config, s.tokenizer, s.model
         else:
             model_dir = Path(model_dir)
             self.model_config = ModelConfig.from_hf(model_dir)
@@ -135,16 +131,7 @@ class Engine:
         """Token ids of ``prompt``, or a ``ValueError``/``PoolExhausted`` naming the problem."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt) if prompt else []
-        else:
-            try:  # any integer type (numpy, torch scalars) becomes a plain int
-                ids = [operator.index(t) for t in prompt]
-            except TypeError as e:
-                raise InvalidRequest(f"a token id is not an integer: {e}") from None
-        if not ids:
-            raise InvalidRequest("empty prompt")
-        vocab = self.model_config.vocab_size
+        ids, vocab = self.tokenizer.prompt_ids(prompt), self.model_config.vocab_size
         if bad := [t for t in ids if not 0 <= t < vocab]:
             raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:

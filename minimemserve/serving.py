@@ -30,8 +30,7 @@ class Serving(Protocol):
         """Validate and queue a request; returns its id."""
 
     def step(self) -> list[RequestOutput]:
-        """Advance (one engine step, or a short wait for remote results); returns the
-        requests that finished since the last call."""
+        """Step (or briefly await remote results); return requests finished since the last call."""
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and release its blocks; returns its partial output

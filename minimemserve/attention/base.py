@@ -1,8 +1,7 @@
 """The attention-backend interface and the per-step batch metadata every backend reads.
 
 A step is a list of sequence slices, prefill chunks (more than one new token) first, then
-single-token decodes; the new tokens of all slices are flattened into one ``[T, ...]`` batch.
-"""
+single-token decodes; the new tokens of all slices are flattened into one ``[T, ...]`` batch."""
 
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ class SeqSlice:
 
 @dataclass
 class AttentionMetadata:
-    """Per-step tensors shared by every layer, index tensors on the compute device. Slices
-    ``[0, num_prefills)`` own tokens ``[0, num_prefill_tokens)``; the ``num_decodes`` others
-    own one token each."""
+    """Per-step tensors shared by every layer, indices on the compute device. Slices
+    ``[0, num_prefills)`` own tokens ``[0, num_prefill_tokens)``; each later slice one token."""
 
     positions: torch.Tensor  # int64 [T] absolute position of each new token
     slot_mapping: torch.Tensor  # int64 [T] block_id * block_size + offset of each new token
@@ -92,13 +90,10 @@ def build_metadata(slices: list[SeqSlice], block_size: int, device) -> Attention
 
 
 class AttentionBackend(Protocol):
-    """How the model computes attention over the paged KV pool.
-
-    A backend is built over one pool tensor (``KVLayout.pool_shape``; it never allocates KV
-    itself). ``forward`` stores the new tokens' K and V of layer ``layer_id`` into their slots,
-    then returns causal attention of the new queries over the cached prefix and new tokens.
-    It may return a per-step buffer the next layer's call overwrites (Triton): consume it first.
-    """
+    """How the model computes attention over the paged KV pool. A backend is built over one pool
+    tensor (``KVLayout.pool_shape``; it allocates no KV). ``forward`` stores layer ``layer_id``'s K
+    and V of the new tokens, then returns causal attention of the new queries over prefix and new
+    tokens, maybe in a per-step buffer the next layer overwrites (Triton): consume it first."""
 
     name: str
 

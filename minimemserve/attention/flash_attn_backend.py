@@ -4,8 +4,7 @@ Used only where ``flash_attn`` imports (the ``gpu`` extra, CUDA only). A prefill
 cached prefix is plain causal attention, which ``flash_attn_varlen_func`` runs on the
 contiguous ``[T, H, D]`` batch. Prefixes and decodes go through ``prefix_prefill`` and
 ``paged_decode``: flash-attn's paged API wants a cache with a contiguous block stride (and
-block sizes that are multiples of 256), which the aggregated layout's layer views are not.
-"""
+block sizes that are multiples of 256), which the aggregated layout's layer views are not."""
 
 from __future__ import annotations
 

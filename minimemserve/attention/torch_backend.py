@@ -7,8 +7,7 @@ slot is computed once per step and each layer adds its own offset, so storing is
 in which the query heads sharing a KV head act as query positions (no K/V repeat for GQA).
 Each prefill chunk runs 4-D SDPA, the form PyTorch's fused CPU kernel takes: one causal call
 without a cached prefix; with one, an unmasked call over the prefix and a causal call over
-the new tokens, merged by their log-sum-exp.
-"""
+the new tokens, merged by their log-sum-exp."""
 
 from __future__ import annotations
 
@@ -92,7 +91,6 @@ class TorchAttention:
         slots = md.backend_data["slot_rows"]
         self.rows.index_copy_(0, slots + kb, k.reshape(T, KV * D).to(self.rows.dtype))
         self.rows.index_copy_(0, slots + vb, v.reshape(T, KV * D).to(self.rows.dtype))
-
         out = torch.empty_like(q)
         for i in range(md.num_prefills):
             s, e = md.backend_data["starts"][i : i + 2]
@@ -122,7 +120,6 @@ class TorchAttention:
                     qi, ki.to(q.dtype), vi.to(q.dtype), attn_mask=mask, scale=self.scale
                 )
             out[s:e] = oi[0].transpose(0, 1)
-
         p0 = md.num_prefill_tokens
         for start, n, S, gather, valid in md.backend_data["decode"]:
             kd = self.rows.index_select(0, gather + kb).view(n, S, KV, D).transpose(1, 2)

@@ -5,8 +5,7 @@ prefill slices and ``paged_decode`` the decodes, each reading ``pool[:, layer_id
 through strides. ``prepare`` does the step's host work once (one packed index upload, split
 counts and tiles, output buffers), so ``forward`` only launches kernels. On the CPU the
 kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` before triton is first imported;
-no bf16), a correctness path: the ``torch`` backend is the fast one there.
-"""
+no bf16), a correctness path: the ``torch`` backend is the fast one there."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Plain Python. Free blocks come from a first-in, first-out queue or, on request, as one
 ascending run of ids found in a byte map of the free blocks (``bytes.find``, a C-speed
 scan); a block taken in a run stays queued as a stale entry, skipped when it comes up.
-Every call validates its whole argument first: a call that raises changes nothing.
-"""
+Every call validates its whole argument first: a call that raises changes nothing."""
 
 from __future__ import annotations
 
@@ -15,11 +14,8 @@ from minimemserve.errors import PoolExhausted
 
 
 class BlockAllocator:
-    """Block ids ``0 .. num_blocks - 1``, each with a reference count (0 when free).
-
-    ``alloc`` hands out free blocks with count 1 (recently freed ones last); ``incref``
-    adds holders; ``decref`` drops them and frees the blocks that reach 0.
-    """
+    """Block ids ``0 .. num_blocks - 1``, each with a reference count (0: free). ``alloc`` hands out
+    free blocks at count 1 (recently freed last); ``incref`` adds holders, ``decref`` drops them."""
 
     def __init__(self, num_blocks: int) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
@@ -122,19 +118,12 @@ class BlockAllocator:
 
     def free_blocks(self) -> list[int]:
         """The free blocks in the order ``alloc`` would hand them out (for audits)."""
-        free_map, seen, out = self._free_map, set(), []
-        for b in self._free:
-            if free_map[b] and b not in seen:
-                seen.add(b)
-                out.append(b)
-        return out
+        return list(dict.fromkeys(b for b in self._free if self._free_map[b]))  # each once
 
     def check_id(self, b: int) -> None:
         """Raise ValueError unless ``b`` is a block id of this allocator."""
         if type(b) is not int or not 0 <= b < self._num_blocks:
-            raise ValueError(
-                f"block id {b!r} is out of range [0, {self._num_blocks}) or not an int"
-            )
+            raise ValueError(f"block id {b!r} out of range [0, {self._num_blocks}) or not an int")
 
     def __repr__(self) -> str:
         return f"BlockAllocator(num_blocks={self._num_blocks}, free={self._num_free})"

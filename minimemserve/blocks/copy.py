@@ -1,8 +1,7 @@
 """Copying whole KV blocks between pool tensors in as few passes over memory as possible:
 destination ids in one ascending run (``alloc(contiguous=True)``) take one gather straight
 into that slice; scattered ids take one copy per block on the CPU (one pass, not a gather
-and a scatter) and a gather and a scatter on a GPU (two kernels, not one per block).
-"""
+and a scatter) and a gather and a scatter on a GPU (two kernels, not one per block)."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ def is_run(ids: Sequence[int]) -> bool:
 
 
 def check_pool_tensor(layout: KVLayout, dtype: torch.dtype, t: torch.Tensor, what: str) -> None:
-    """Raise ValueError, naming ``what``, unless ``t`` is a pool tensor of ``layout`` and
-    ``dtype`` (any number of blocks)."""
+    """Raise ValueError naming ``what`` unless ``t`` is a ``layout`` pool tensor of ``dtype``."""
     num_blocks = t.shape[layout.block_dim] if t.dim() == len(layout.pool_shape(0)) else -1
     if tuple(t.shape) != layout.pool_shape(num_blocks):
         raise ValueError(f"{what} expects a pool tensor of layout {layout}, got {tuple(t.shape)}")

@@ -2,8 +2,7 @@
 
 KV moves between instances only through the recipes' MemPool calls (a plain tensor copy
 here). A new request goes to the entry-role instance holding the longest cached prefix of its
-prompt (least loaded on a tie), a prefilled one to the decode instance holding the most of it.
-"""
+prompt (least loaded on a tie), a prefilled one to the decode instance holding the most of it."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ class Instance:
 
 
 class InProcessCluster:
-    """The instances of ``deployment`` in this process, entry role first: a ``Serving``, and
-    the ``Peers`` of their recipes."""
+    """The instances of ``deployment`` here, entry role first: a ``Serving`` and their ``Peers``."""
 
     def __init__(self, model_dir: str | Path, deployment: Deployment, *,
                  device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
@@ -54,8 +52,7 @@ class InProcessCluster:
             self.instances.append(Instance(name, role, eng))
         self.by_name = {inst.name: inst for inst in self.instances}
         self.entry = self.role(deployment.milestone.roles[0])
-        self.tokenizer = first.tokenizer
-        self._ids = itertools.count()
+        self.tokenizer, self._ids = first.tokenizer, itertools.count()
 
     def role(self, role: str) -> list[Instance]:
         """The instances of ``role``."""

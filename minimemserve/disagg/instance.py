@@ -4,15 +4,12 @@
 its role's recipe, puts the hbm pool tensor in shared memory so peers on this host can
 write KV into it one-sided, reports ``Ready`` to the frontend, and then loops: answer
 control messages, step the engine while it has work, push finished outputs (and
-hand-offs) to the frontend, send heartbeats.
-
-:class:`RemotePool` is a peer's MemPool as a transfer sees it, so ``MemPool.transfer(remote,
-...)`` works across processes unchanged.
+hand-offs) to the frontend, send heartbeats. :class:`RemotePool` is a peer's MemPool as a
+transfer sees it, so ``MemPool.transfer(remote, ...)`` works across processes unchanged.
 
 What each instance holds for a peer is tracked (``grants``: blocks it allocated for the
 peer's transfers and references the peer has not returned yet), so when the frontend
-reports the peer dead, every such block is released and nothing leaks.
-"""
+reports the peer dead, every such block is released and nothing leaks."""
 
 from __future__ import annotations
 
@@ -72,23 +69,19 @@ class InstanceSpec:
 
 
 class SharedMemPool(MemPool):
-    """A MemPool whose hbm tier tensor lives in shared memory (CPU) or is IPC-exported (CUDA).
-
-    :attr:`shared` is the segment; publish ``shared.handle.to_dict()`` to peers.
-    """
+    """A MemPool whose hbm tier tensor lives in shared memory (CPU) or is IPC-exported (CUDA;
+    dram stays private). :attr:`shared` is the segment; publish ``shared.handle.to_dict()``."""
 
     def __init__(self, layout, num_blocks: int, **kw) -> None:
-        """As ``MemPool``; the hbm tier's tensor is made in shared memory (dram stays private)."""
-        made: list[SharedPoolTensor] = []
+        self.shared: SharedPoolTensor | None = None
 
         def factory(shape, dtype, device) -> torch.Tensor:
-            if made:  # the dram tier: private host memory, pinned when CUDA is present
+            if self.shared is not None:  # the dram tier: private host memory, pinned with CUDA
                 return torch.zeros(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
-            made.append(SharedPoolTensor.create(tuple(shape), dtype, device))
-            return made[0].tensor  # [num_blocks, L, 2, block_size, n_kv_heads, head_dim]
+            self.shared = SharedPoolTensor.create(tuple(shape), dtype, device)
+            return self.shared.tensor  # [num_blocks, L, 2, block_size, n_kv_heads, head_dim]
 
         super().__init__(layout, num_blocks, tensor_factory=factory, **kw)
-        self.shared = made[0]
 
 
 def state_of(req: Request) -> rpc.RequestState:
@@ -107,23 +100,20 @@ def request_of(s: rpc.RequestState) -> Request:
 
 
 class RemotePool:
-    """A peer instance as the sending side of a transfer and a recipe see it: its MemPool
-    (``recv_*`` and ``free_mem`` are requests to the peer, ``recv_copy`` a one-sided write
-    into this process's mapping ``kv`` of its hbm pool tensor) and ``accept`` to hand it a
-    request. Blocks the peer allocated for a transfer that then fails are released there
-    (``recv_abort``, best effort when the peer is gone)."""
+    """A peer instance as a transfer and a recipe see it from here: its MemPool (``recv_*`` and
+    ``free_mem`` are requests to the peer, ``recv_copy`` a one-sided write into ``kv``, this
+    process's mapping of its hbm pool tensor) and ``accept`` to hand it a request. Blocks it took
+    for a failed transfer are released there (``recv_abort``, best effort)."""
 
     def __init__(
         self, node: rpc.RpcNode, info: rpc.PeerInfo, kv: torch.Tensor, pool: MemPool
     ) -> None:
-        """Proxy peer ``info``, whose hbm tensor this process maps as ``kv``; ``pool`` is this
-        instance's own (the peer's has the same layout and dtype)."""
+        """Proxy ``info``, whose hbm tensor is mapped here as ``kv``; its layout is ``pool``'s."""
         self.node, self.name, self.role, self.kv = node, info.name, info.role, kv
         self.peer = self.instance_id = info.name
         self.layout, self.dtype, self.block_size = pool.layout, pool.dtype, pool.block_size
         self.pool = self  # as a ``Peer``: the pool to transfer into is this proxy
-        self._xfers = itertools.count()
-        self._xfer = ""  # id of the transfer in progress towards this peer
+        self._xfers, self._xfer = itertools.count(), ""  # transfer ids; the one in progress
 
     def recv_alloc(self, tokens: Sequence[int] | None, num_blocks: int) -> tuple[list, list]:
         """Step 1 on the peer: match ``tokens`` (if given) and allocate the rest."""
@@ -131,13 +121,12 @@ class RemotePool:
         toks = None if tokens is None else list(tokens)
         try:
             rep = self.node.call(self.peer, rpc.AllocRequest(self._xfer, toks, num_blocks))
+            if not isinstance(rep, rpc.AllocReply) or len(rep.matched) + len(rep.new) != num_blocks:
+                raise TransferError(f"{self.peer} answered AllocRequest with {rep!r:.200}")
         except TransferError:
-            # the peer may have allocated before the answer got lost: ask it to let go
+            # the peer may have allocated before its answer got lost or came wrong: let it go
             self.node.try_push(self.peer, rpc.Abort(self._xfer, []))
             raise
-        if not isinstance(rep, rpc.AllocReply) or len(rep.matched) + len(rep.new) != num_blocks:
-            self.node.try_push(self.peer, rpc.Abort(self._xfer, []))
-            raise TransferError(f"{self.peer} answered AllocRequest with {rep!r:.200}")
         return rep.matched, rep.new
 
     def recv_copy(self, blocks: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
@@ -166,8 +155,7 @@ class RemotePool:
         self.node.call(self.peer, rpc.FreeMem(list(blocks)))
 
     def probe(self, tokens: Sequence[int], blocks: int = 0) -> rpc.ProbeReply:
-        """Cached prefix length of ``tokens`` on the peer, its load, and whether it has room
-        for a request of ``blocks`` blocks."""
+        """The peer's cached prefix of ``tokens``, its load, and its room for ``blocks`` blocks."""
         rep = self.node.call(self.peer, rpc.Probe(list(tokens), blocks))
         if not isinstance(rep, rpc.ProbeReply):
             raise TransferError(f"{self.peer} answered Probe with {type(rep).__name__}")
@@ -189,9 +177,7 @@ class InstanceServer:
 
     def __init__(self, spec: InstanceSpec) -> None:
         """Build the engine and bind the control socket (does not announce itself yet)."""
-        self.spec = spec
-        self.name = spec.name
-        self.stopping = False
+        self.spec, self.name, self.stopping = spec, spec.name, False
         self.inbox: list[Request] = []
         self.grants: dict[str, Counter[int]] = {}
         self.xfers: dict[tuple[str, str], list[int]] = {}
@@ -199,8 +185,7 @@ class InstanceServer:
         # recent hand-offs (request id -> decode instance), so the frontend can find the
         # requests a dead decode instance held even if our Handoff notice is still in flight
         self.handed: OrderedDict[str, str] = OrderedDict()
-        self._last_beat = 0.0
-        self._last_parent_check = 0.0
+        self._last_beat = self._last_parent_check = 0.0
         self.engine = Engine(
             spec.model_dir,
             config=spec.config,
@@ -227,8 +212,7 @@ class InstanceServer:
         )
         self.node.connect(FRONTEND, spec.frontend)
         self.peer_names: set[str] = set()  # the other instances, as the frontend announced
-        # message type -> (who may send it, handler)
-        self.handlers = {
+        self.handlers = {  # message type -> (who may send it, handler)
             rpc.AllocRequest: (PEER, self._on_alloc),
             rpc.Commit: (PEER, self._on_commit),
             rpc.Abort: (PEER, self._on_abort),
@@ -238,10 +222,7 @@ class InstanceServer:
             rpc.Submit: (FRONTEND, self._on_submit),
             rpc.Query: (FRONTEND, self._on_query),
             rpc.Peers: (FRONTEND, self._on_peers),
-            rpc.PushPrefix: (
-                FRONTEND,
-                lambda s, m: rpc.Info({"tokens": self._push_prefix(m.tokens, m.to)}),
-            ),
+            rpc.PushPrefix: (FRONTEND, self._on_push_prefix),
             rpc.PeerDown: (FRONTEND, self._on_peer_down),
             rpc.AbortRequest: (FRONTEND, self._on_abort_request),
             rpc.Shutdown: (FRONTEND, self._on_shutdown),
@@ -249,11 +230,9 @@ class InstanceServer:
 
     # ---- what recipes need (``Peers``) -------------------------------------------------------
     def pick_decode(self, req: Request, exclude: Sequence[str]) -> RemotePool | None:
-        """The live decode peer with room for ``req`` holding most of it (probed), least
-        loaded on a tie; None when every live one is full."""
+        """The live decode peer with room holding most of ``req`` (then least loaded), or None."""
         decodes = [n for n, p in self.remotes.items() if p.role == "decode"]
-        live = [d for d in decodes if d not in self.node.dead and d not in exclude]
-        if not live:
+        if not (live := [d for d in decodes if d not in self.node.dead and d not in exclude]):
             gone = ", ".join(f"{d}: {self.node.dead.get(d, 'refused')}" for d in decodes)
             raise InstanceDied(f"no live decode instance to continue the request ({gone})")
         blocks = self.pool.layout.num_blocks_for(req.max_total_tokens)
@@ -267,8 +246,7 @@ class InstanceServer:
 
     def prefill_pool(self, req: Request) -> RemotePool:
         """The pool of the instance that prefilled ``req``."""
-        peer = self.remotes.get(req.prefill_instance)
-        if peer is None:
+        if (peer := self.remotes.get(req.prefill_instance)) is None:
             raise InstanceDied(f"prefill instance {req.prefill_instance!r} is unknown here")
         return peer
 
@@ -280,19 +258,15 @@ class InstanceServer:
     # ---- control messages -----------------------------------------------------------------
     def _handle(self, sender: str, msg: rpc.Msg) -> rpc.Msg | None:
         who, handler = self.handlers.get(type(msg), (None, None))
-        if who is None or (
-            sender != FRONTEND if who == FRONTEND else sender not in self.peer_names
-        ):
+        allowed = sender == FRONTEND if who == FRONTEND else sender in self.peer_names
+        if who is None or not allowed:
             raise PermissionError(f"{self.name} takes no {type(msg).__name__} from {sender!r}")
         return handler(sender, msg)
 
-    def _load(self) -> int:
-        sched = self.engine.scheduler
-        return len(sched.waiting) + len(sched.running) + len(self.inbox)
-
     def _on_probe(self, sender: str, m: rpc.Probe) -> rpc.ProbeReply:
-        room = self.engine.has_room(m.blocks, self.inbox)
-        return rpc.ProbeReply(self.pool.cached_prefix_len(m.tokens), self._load(), room)
+        sched, room = self.engine.scheduler, self.engine.has_room(m.blocks, self.inbox)
+        load = len(sched.waiting) + len(sched.running) + len(self.inbox)
+        return rpc.ProbeReply(self.pool.cached_prefix_len(m.tokens), load, room)
 
     def _on_alloc(self, sender: str, m: rpc.AllocRequest) -> rpc.AllocReply:
         n, layout = m.num_blocks, self.pool.layout
@@ -302,7 +276,7 @@ class InstanceServer:
         ):
             raise ValueError(f"{n} blocks for {len(m.tokens or ())} tokens cannot be received here")
         matched, new = self.pool.recv_alloc(m.tokens, n)
-        self._grant(sender, matched + new)
+        self.grants.setdefault(sender, Counter()).update(matched + new)
         self.xfers[(sender, m.xfer)] = matched + new
         return rpc.AllocReply(matched, new)
 
@@ -338,8 +312,7 @@ class InstanceServer:
             "the prefill instance is unknown": s.prefill_instance not in self.peer_names,
             "the request id is in use": s.request_id in self.engine.requests,
         }
-        bad = [what for what, failed in problems.items() if failed]
-        if bad:
+        if bad := [what for what, failed in problems.items() if failed]:
             raise ValueError(f"request {s.request_id!r} refused: {'; '.join(bad)}")
 
     def _on_submit(self, sender: str, m: rpc.Submit) -> None:
@@ -353,9 +326,7 @@ class InstanceServer:
         self.inbox.append(req)
 
     def _on_query(self, sender: str, m: rpc.Query) -> rpc.Info:
-        if m.what == "validate":
-            if m.params is None:
-                raise InvalidRequest("validate needs sampling params")
+        if m.what == "validate":  # engine.validate refuses params=None
             return rpc.Info({"ids": self.engine.validate(m.prompt, m.params)})
         if m.what == "check":
             try:
@@ -364,23 +335,20 @@ class InstanceServer:
             except AssertionError as e:
                 ok, error = False, str(e)
             return rpc.Info({"ok": ok, "error": error, "pool": self.pool.stats()})
-        return rpc.Info(
-            {
-                "pool": self.pool.stats(),
-                "requests": len(self.engine.requests) + len(self.inbox),
-                "grants": {p: sum(c.values()) for p, c in self.grants.items()},
-                "dead_peers": dict(self.node.dead),
-                "rejected": self.node.rejected,
-            }
-        )
+        stats = {
+            "pool": self.pool.stats(),
+            "requests": len(self.engine.requests) + len(self.inbox),
+            "grants": {p: sum(c.values()) for p, c in self.grants.items()},
+            "dead_peers": dict(self.node.dead),
+            "rejected": self.node.rejected,
+        }
+        return rpc.Info(stats)
 
     def _on_peers(self, sender: str, m: rpc.Peers) -> None:
         if self.peer_names:
             raise PermissionError("the peers of an instance are announced once")
         self.peer_names = {p.name for p in m.peers} - {self.name, FRONTEND}
-        for p in m.peers:
-            if p.name not in self.peer_names:
-                continue
+        for p in (p for p in m.peers if p.name in self.peer_names):
             self.node.connect(p.name, p.address)
             if p.handle is not None:
                 segment_path(p.handle)  # only the project's own segments are mapped
@@ -402,25 +370,20 @@ class InstanceServer:
     def _on_shutdown(self, sender: str, m: rpc.Shutdown) -> None:
         self.stopping = True
 
-    def _push_prefix(self, tokens: list[int], to: str) -> int:
-        """Send this pool's cached prefix of ``tokens`` to peer ``to`` (indexed there);
-        returns the tokens it covers."""
-        peer = self.remotes.get(to)
-        if peer is None or to in self.node.dead:
-            raise InstanceDied(f"{self.name} has no live peer {to!r} to send a prefix to")
-        blocks = self.pool.match(tokens)  # whole blocks, never the last token
-        if not blocks:
-            return 0
+    def _on_push_prefix(self, sender: str, m: rpc.PushPrefix) -> rpc.Info:
+        """Send the cached prefix of ``m.tokens`` to ``m.to`` (indexed there); reply its length."""
+        peer = self.remotes.get(m.to)
+        if peer is None or m.to in self.node.dead:
+            raise InstanceDied(f"{self.name} has no live peer {m.to!r} to send a prefix to")
+        blocks = self.pool.match(m.tokens)  # whole blocks, never the last token
         n = len(blocks) * self.pool.block_size
-        try:
-            got = self.pool.transfer_with_insert(peer, tokens[:n], blocks)
-            peer.free_mem(got)  # the peer's index keeps its own reference
-        finally:
-            self.pool.free_mem(blocks)
-        return n
-
-    def _grant(self, peer: str, blocks: list[int]) -> None:
-        self.grants.setdefault(peer, Counter()).update(blocks)
+        if blocks:
+            try:
+                got = self.pool.transfer_with_insert(peer, m.tokens[:n], blocks)
+                peer.free_mem(got)  # the peer's index keeps its own reference
+            finally:
+                self.pool.free_mem(blocks)
+        return rpc.Info({"tokens": n})
 
     def _ungrant(self, peer: str, blocks: list[int]) -> list[int]:
         """Remove ``blocks`` from what ``peer`` holds here; returns those it really held."""
@@ -434,11 +397,8 @@ class InstanceServer:
 
     def _peer_down(self, name: str, reason: str) -> None:
         self.node.dead.setdefault(name, reason)
-        held = self.grants.pop(name, Counter())
-        for key in [k for k in self.xfers if k[0] == name]:
-            del self.xfers[key]
-        blocks = list(held.elements())
-        if blocks:
+        self.xfers = {k: v for k, v in self.xfers.items() if k[0] != name}
+        if blocks := list(self.grants.pop(name, Counter()).elements()):
             self.pool.free_mem(blocks)
 
     # ---- the loop -------------------------------------------------------------------------
@@ -457,11 +417,6 @@ class InstanceServer:
         if now - self._last_beat >= self.spec.heartbeat_s:
             self._last_beat = now
             self.node.try_push(FRONTEND, rpc.Heartbeat())
-
-    def _admit(self) -> None:
-        inbox, self.inbox = self.inbox, []
-        for req in inbox:
-            self.engine.add_prefilled(req)
 
     def _flush(self, outputs=()) -> None:
         if self.cache_events:  # first: the frontend reads them before the outputs they follow
@@ -485,7 +440,9 @@ class InstanceServer:
             self.node.serve(0.0 if busy else IDLE_POLL_S)
             if self.stopping:
                 break
-            self._admit()
+            inbox, self.inbox = self.inbox, []
+            for req in inbox:
+                self.engine.add_prefilled(req)
             self._flush(self.engine.step() if self.engine.has_unfinished() else ())
 
     def _parent_alive(self) -> bool:
@@ -504,8 +461,7 @@ class InstanceServer:
     def close(self) -> None:
         """Release sockets and unlink the shared pool segment."""
         self.node.close()
-        shared = getattr(self.pool, "shared", None)
-        if shared is not None:
+        if (shared := getattr(self.pool, "shared", None)) is not None:
             shared.close()
 
 

@@ -18,9 +18,8 @@ table is the whole difference between deployments; all other code is shared and 
 |              | decode    | match   | —                                 | send_back, insert, free |
 
 ``transfer[_with_insert]`` sends the computed KV to a decode instance (with insert, only blocks it
-lacks), frees it here and hands the request over; ``send_back`` sends decode-phase KV back to P for
-its next hit. Preempt runs ``insert, free`` where the role caches, else ``free``, as failure does.
-"""
+lacks), frees it here and hands the request over; ``send_back`` returns decode-phase KV to P for
+its next hit. Preempt runs ``insert, free`` where the role caches, else ``free``."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ ranges) when decoded; nothing is pickled. Every frame carries an HMAC of the clu
 file); a frame without it is dropped unanswered, loopback included. A node waiting for its
 reply keeps answering requests: P and D call each other (D sends decode-phase KV back while P
 sends to it), and a node that only waited would deadlock. Transfer protocol (receiving side of
-``MemPool.transfer``): AllocRequest → AllocReply, the sender writes the blocks, Commit or Abort.
-"""
+``MemPool.transfer``): AllocRequest → AllocReply, the sender writes the blocks, Commit or Abort."""
 
 from __future__ import annotations
 

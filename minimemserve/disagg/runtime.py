@@ -6,15 +6,14 @@ where its peers are, routes requests, and implements ``Serving``. KV moves betwe
 only through MemPool's transfer calls, whose receiving side is an ``instance.RemotePool``.
 
 Routing: a ``GlobalScheduler`` picks the entry instance (colocated, or prefill) by its
-``policy``; finished requests update its prompt trees with what the recipe table says they
-left cached; with ``prompt_tree_transfer`` an instance holding more of a prompt first sends
-the missing KV to the chosen one (``PushPrefix``).
+``policy``; its prompt trees mirror what each entry instance reports its index gained and
+evicted (``CacheEvents``); with ``prompt_tree_transfer`` an instance holding more of a prompt
+first sends the missing KV to the chosen one (``PushPrefix``).
 
 Faults: the frontend watches exit codes and heartbeats. When an instance dies it is named
 (log, :attr:`ProcessCluster.dead`, the error of affected requests), its shared segment
 unlinked, every other instance told (they release what they held for it), and its requests
-re-run elsewhere when possible, else ended with ``finish_reason="error"``.
-"""
+re-run elsewhere when possible, else ended with ``finish_reason="error"``."""
 
 from __future__ import annotations
 
@@ -22,14 +21,13 @@ import contextlib
 import itertools
 import logging
 import multiprocessing as mp
-import operator
 import os
 import secrets
 import signal
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,11 +66,7 @@ FORKSERVER_PRELOAD = ("minimemserve.disagg.instance",)
 # A request is re-run at most this many times after instances died under it.
 MAX_RERUNS = 2
 # Exceptions an instance may raise for a bad request, re-raised here under their own class.
-_REQUEST_ERRORS: dict[str, type[MiniMemServeError]] = {
-    "InvalidRequest": InvalidRequest,
-    "PoolExhausted": PoolExhausted,
-    "ConfigError": ConfigError,
-}
+_REQUEST_ERRORS = {c.__name__: c for c in (InvalidRequest, PoolExhausted, ConfigError)}
 
 
 @dataclass
@@ -114,7 +108,7 @@ def _unlink_segment(handle: dict | None) -> None:
             os.unlink(path)
 
 
-def _reap(instances: list[InstanceInfo]) -> None:
+def _reap(instances: Iterable[InstanceInfo]) -> None:
     """Stop every process still running and unlink every segment (idempotent)."""
     for inst in instances:
         p = inst.process
@@ -127,19 +121,15 @@ def _reap(instances: list[InstanceInfo]) -> None:
 
 
 class ProcessCluster:
-    """Instances of one deployment, each in its own process, behind one frontend.
-
-    ``config_name`` is a deployment name (``PD``, ``PD-CC``, ``1P1D``, ``1P1D-CC1/2/3``,
-    ``xPyD[-CC...]``). Colocated configs run ``num_colocated`` engines. Each process gets
-    ``cores_per_instance`` torch threads. Ports: ``base_port=0`` binds free loopback ports;
-    otherwise the frontend binds ``base_port`` and instance ``i`` ``base_port + 1 + i``.
-    ``timeout_s`` bounds every control request. ``start_method`` is ``"spawn"`` (fresh
-    interpreters) or ``"forkserver"`` (fresh processes forked from one server that imported
-    torch once: much faster to start several clusters in one program). ``policy``,
-    ``cost_model`` and ``ttl_s`` configure the global scheduler (see
-    :mod:`minimemserve.scheduler.global_scheduler`). Use as a context manager, or call
-    :meth:`close`; an abandoned cluster is reaped when garbage collected.
-    """
+    """Instances of one deployment, each in its own process, behind one frontend. ``config_name`` is
+    a deployment name (``PD``, ``PD-CC``, ``1P1D``, ``1P1D-CC1/2/3``, ``xPyD[-CC...]``). Colocated
+    configs run ``num_colocated`` engines; each process gets ``cores_per_instance`` torch threads.
+    Ports: ``base_port=0`` binds free loopback ports, else the frontend binds ``base_port`` and
+    instance ``i`` ``base_port + 1 + i``. ``timeout_s`` bounds every control request.
+    ``start_method`` is ``"spawn"`` (fresh interpreters) or ``"forkserver"`` (forked from one server
+    that imported torch once: much faster to start several clusters). ``policy``, ``cost_model`` and
+    ``ttl_s`` configure the ``GlobalScheduler``. Use as a context manager, or call :meth:`close`; an
+    abandoned cluster is reaped when garbage collected."""
 
     def __init__(
         self,
@@ -170,21 +160,16 @@ class ProcessCluster:
             raise ConfigError(f"num_colocated must be >= 1, got {num_colocated}")
         if not 0 <= base_port < 65536:
             raise ConfigError(f"base_port must be in [0, 65536), got {base_port}")
-        self.model_dir = Path(model_dir)
-        self.engine_config = engine_config or EngineConfig()
-        self.timeout_s = timeout_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.rerun_on_failure = rerun_on_failure
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.model_dir, self.engine_config = Path(model_dir), engine_config or EngineConfig()
+        self.timeout_s, self.heartbeat_timeout_s = timeout_s, heartbeat_timeout_s
+        self.rerun_on_failure, self.tokenizer = rerun_on_failure, Tokenizer.from_dir(self.model_dir)
         self.dead: dict[str, str] = {}  # instance name -> why it died
         self.num_reruns = 0  # requests re-run after the instance holding them died
         self.prefix_tokens_moved = 0  # tokens of KV moved by the scheduler's prefix transfers
         self._inflight: dict[str, _Inflight] = {}
         self._done: list[RequestOutput] = []
-        self._ids = itertools.count()
+        self._ids, self._closed, self._old_sigterm = itertools.count(), False, None
         self._last_heard: dict[str, float] = {}
-        self._closed = False
-        self._old_sigterm = None
         self._handlers = {
             rpc.Output: self._on_output,
             rpc.Handoff: self._on_handoff,
@@ -192,10 +177,8 @@ class ProcessCluster:
             rpc.Heartbeat: lambda sender, msg: None,
             rpc.CacheEvents: self._on_cache_events,
         }
-
-        d = self.deployment
-        milestone = d.milestone
-        roles = d.instances(colocated=num_colocated)
+        milestone = self.deployment.milestone
+        roles = self.deployment.instances(colocated=num_colocated)
         self.scheduler = GlobalScheduler(
             [n for n, r in roles if r == milestone.roles[0]],
             policy=policy,
@@ -207,26 +190,21 @@ class ProcessCluster:
         # transfers (the recipes', or the scheduler's prefix pushes) need pools peers can map
         linked = milestone.moves_kv or policy == "prompt_tree_transfer"
         secret = secrets.token_bytes(32)  # reaches the instances through the spawn pipe
+        codec = rpc.Codec(secret)
         self.node = rpc.RpcNode(
-            "frontend",
-            self._handle,
-            host=host,
-            port=base_port,
-            timeout_s=timeout_s,
-            codec=rpc.Codec(secret),
+            "frontend", self._handle, host=host, port=base_port, timeout_s=timeout_s, codec=codec
         )
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
-            # the server imports torch and the engine once; each instance then starts in ms
             ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         self.instances: dict[str, InstanceInfo] = {}
-        self._finalizer = weakref.finalize(self, _reap, [])
+        self._finalizer = weakref.finalize(self, _reap, self.instances.values())
         try:
             for i, (name, role) in enumerate(roles):
                 spec = InstanceSpec(
                     name=name,
                     role=role,
-                    config=d.name,
+                    config=self.deployment.name,
                     model_dir=str(self.model_dir),
                     frontend=self.node.address,
                     engine_config=self.engine_config,
@@ -245,8 +223,6 @@ class ProcessCluster:
                 proc.daemon = True
                 proc.start()
                 self.instances[name] = InstanceInfo(name, role, proc)
-            self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, _reap, list(self.instances.values()))
             self._wait_ready(startup_timeout_s)
             peers = rpc.Peers([i.peer_info() for i in self.instances.values()])
             for inst in self.instances.values():
@@ -273,16 +249,13 @@ class ProcessCluster:
             if time.monotonic() > deadline:
                 late = [i.name for i in self.instances.values() if not i.address]
                 raise TimeoutError(f"instances {late} not ready within {timeout_s:g} s")
-        now = time.monotonic()
-        for name in self.instances:
-            self._last_heard[name] = now
+        self._last_heard = dict.fromkeys(self.instances, time.monotonic())
 
     def _install_sigterm(self) -> None:
         """SIGTERM ends the program like Ctrl-C does, so ``with`` blocks shut down cleanly."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            return  # the application handles it
+        main = threading.current_thread() is threading.main_thread()
+        if not main or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return  # only the main thread may set it; or the application handles it
 
         def on_term(signum, frame):
             raise KeyboardInterrupt(f"signal {signum}")
@@ -348,19 +321,12 @@ class ProcessCluster:
         inst.address, inst.handle, inst.pid = info.address, info.handle, msg.pid
 
     # ---- liveness --------------------------------------------------------------------------
-    def _live(self, role: str) -> list[str]:
-        return [
-            i.name for i in self.instances.values() if i.role == role and i.name not in self.dead
-        ]
-
     def monitor(self) -> dict[str, str]:
         """Check every instance (exit code, heartbeat); handle deaths. Returns :attr:`dead`."""
         if self._closed:
             return self.dead
         now = time.monotonic()
-        for inst in list(self.instances.values()):
-            if inst.name in self.dead:
-                continue
+        for inst in [i for i in self.instances.values() if i.name not in self.dead]:
             if not inst.process.is_alive():
                 self._on_death(inst, f"process exited with code {inst.process.exitcode}")
             elif now - self._last_heard.get(inst.name, now) > self.heartbeat_timeout_s:
@@ -385,8 +351,7 @@ class ProcessCluster:
                 continue
             # hand-offs to the dead instance whose notice has not reached us yet
             for rid in rep.data.get("handed", ()) if isinstance(rep, rpc.Info) else ():
-                f = self._inflight.get(rid)
-                if f is not None and f.where == other.name:
+                if (f := self._inflight.get(rid)) is not None and f.where == other.name:
                     f.where = inst.name
         for rid, f in list(self._inflight.items()):
             if f.where == inst.name:
@@ -408,21 +373,19 @@ class ProcessCluster:
 
     # ---- routing ---------------------------------------------------------------------------
     def _route(self, prompt: Sequence[int]) -> Route:
-        if not all(self._live(role) for role in self.deployment.milestone.roles):
+        live = {i.role for i in self.instances.values() if i.name not in self.dead}
+        if not live.issuperset(self.deployment.milestone.roles):
             raise InstanceDied(f"a role has no live instance left: {self.dead}")
         try:
             route = self.scheduler.route(prompt)
         except InstanceDied:
-            raise InstanceDied(
-                f"every instance that takes new requests died: {self.dead}"
-            ) from None
+            raise InstanceDied(f"every instance taking new requests died: {self.dead}") from None
         if route.transfer_from is not None:
             route = self._push_prefix(prompt, route)
         return route
 
     def _push_prefix(self, prompt: Sequence[int], route: Route) -> Route:
-        """Have ``route.transfer_from`` send its cached prefix of ``prompt`` to the target
-        first; on any failure the request simply goes without it."""
+        """Have ``route.transfer_from`` send its cached prefix first; on failure, go without it."""
         src, dst = route.transfer_from, route.instance
         try:
             moved = int(self.node.call(src, rpc.PushPrefix(list(prompt), dst)).data["tokens"])
@@ -449,19 +412,8 @@ class ProcessCluster:
             raise
 
     # ---- engine API ------------------------------------------------------------------------
-    def _ids_of(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("empty prompt")
-            return self.tokenizer.encode(prompt)
-        try:  # any integer type (numpy, torch scalars) becomes a plain int
-            return [operator.index(t) for t in prompt]
-        except TypeError as e:
-            raise InvalidRequest(f"a token id is not an integer: {e}") from None
-
     def _raise_remote(self, e: RemoteError) -> None:
-        cls = _REQUEST_ERRORS.get(e.kind)
-        if cls is not None:
+        if (cls := _REQUEST_ERRORS.get(e.kind)) is not None:
             raise cls(e.remote_message) from None
         raise e
 
@@ -469,9 +421,8 @@ class ProcessCluster:
         """Token ids of ``prompt``, or the instance's exception naming the problem."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = self._ids_of(prompt)
-        live = [n for n in self.instances if n not in self.dead]
-        if not live:
+        ids = self.tokenizer.prompt_ids(prompt)
+        if not (live := [n for n in self.instances if n not in self.dead]):
             raise InstanceDied(f"every instance died: {self.dead}")
         try:
             info = self.node.call(live[0], rpc.Query("validate", ids, params))
@@ -491,7 +442,7 @@ class ProcessCluster:
             raise RuntimeError("the cluster is closed")
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = self._ids_of(prompt)
+        ids = self.tokenizer.prompt_ids(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._inflight:
             raise InvalidRequest(f"request id {rid!r} is already in use")
@@ -506,10 +457,7 @@ class ProcessCluster:
     def step(self) -> list[RequestOutput]:
         """Collect the requests that finished since the last call (waits a few ms for one)."""
         deadline = time.monotonic() + STEP_WAIT_S
-        while not self._done and not self._closed:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
+        while not (self._done or self._closed) and (left := deadline - time.monotonic()) > 0:
             self.node.serve(left)
         if not self._closed:
             self.node.serve(0.0)
@@ -521,8 +469,7 @@ class ProcessCluster:
         """Stop a request wherever it is (asking the instance the frontend believes holds it
         first, then the others) and return its partial output; None if unknown or done. An
         output still in flight from an instance is dropped when it arrives."""
-        f = self._inflight.pop(request_id, None)
-        if f is None:
+        if (f := self._inflight.pop(request_id, None)) is None:
             return None
         self.scheduler.finished(request_id)
         order = [f.where] + [n for n in self.instances if n != f.where]
@@ -557,11 +504,8 @@ class ProcessCluster:
         return outs
 
     def _ask_all(self, what: str) -> dict[str, dict]:
-        return {
-            name: self.node.call(name, rpc.Query(what)).data
-            for name in self.instances
-            if name not in self.dead
-        }
+        live = [name for name in self.instances if name not in self.dead]
+        return {name: self.node.call(name, rpc.Query(what)).data for name in live}
 
     def stats(self) -> dict[str, dict]:
         """Per live instance: pool stats, requests held, blocks granted to peers, dead peers,
@@ -573,14 +517,10 @@ class ProcessCluster:
         return {name: data["pool"] for name, data in self._ask_all("stats").items()}
 
     def check_pools(self, require_idle: bool = True) -> dict[str, dict]:
-        """Every live instance audits its pool (``MemPool.check``); raises
-        ``PoolAccountingError`` if one is off.
-
-        With ``require_idle``, a block still referenced (held outside the cache index) is
-        also an error: call it once every request finished. Returns the reports by name.
-        """
-        reports = self._ask_all("check")
-        problems = []
+        """Every live instance audits its pool (``MemPool.check``); raises ``PoolAccountingError``
+        if one is off, or with ``require_idle`` if a block is still referenced (held outside the
+        cache index): call it once every request finished. Returns the reports by name."""
+        reports, problems = self._ask_all("check"), []
         for name, rep in reports.items():
             if not rep["ok"]:
                 problems.append(f"{name}: {rep['error']}")

@@ -11,8 +11,7 @@ lists. Every block of a tier is in one of three states:
 
 ``check`` audits that ``free + cached-only + referenced == num_blocks`` per tier, every
 block in exactly one state. Caching and disaggregation recipes are sequences of calls on
-this class. Bookkeeping is plain Python, torch only moves data; one owner calls a pool.
-"""
+this class. Bookkeeping is plain Python, torch only moves data; one owner calls a pool."""
 
 from __future__ import annotations
 
@@ -38,12 +37,10 @@ COUNTERS = (
 
 
 class MemPool(TierMixin):
-    """Elastic KV memory pool of one instance: tiers, refcounted blocks, a radix index.
-
-    Block ids are per tier. Every call that hands out blocks (``alloc_mem``, ``match``,
-    ``transfer*``) gives the caller one reference per block, released with ``free_mem``.
-    ``tensor_factory(shape, dtype, device)``, when given, makes the zero-filled tensors.
-    """
+    """Elastic KV memory pool of one instance: tiers, refcounted blocks, a radix index. Block ids
+    are per tier. Every call that hands out blocks (``alloc_mem``, ``match``, ``transfer*``) gives
+    the caller one reference per block, released with ``free_mem``. When given,
+    ``tensor_factory(shape, dtype, device)`` makes the zero-filled tensors."""
 
     def __init__(
         self,
@@ -124,8 +121,7 @@ class MemPool(TierMixin):
         return bool(t.indexed[block])
 
     def _tier(self, tier: str) -> Tier:
-        t = self._tiers.get(tier)
-        if t is None:
+        if (t := self._tiers.get(tier)) is None:
             if tier in TIERS:
                 raise ValueError(f"this pool has no {tier!r} tier (dram_blocks=0)")
             raise ValueError(f"unknown tier {tier!r}; tiers are {TIERS}")
@@ -156,10 +152,8 @@ class MemPool(TierMixin):
         """Index the whole blocks of ``tokens`` (``blocks[i]`` holds block ``i``), taking the
         index's own references; return how many blocks were newly indexed. A prefix cached
         in hbm keeps its blocks; one cached in dram takes the caller's."""
-        toks = as_tokens(tokens)
-        bs = self.block_size
-        nb = len(toks) // bs
-        blocks = list(blocks)
+        toks, bs = as_tokens(tokens), self.block_size
+        nb, blocks = len(toks) // bs, list(blocks)
         if len(blocks) < nb:
             raise ValueError(f"{len(toks)} tokens fill {nb} blocks but {len(blocks)} were given")
         hbm = self._tiers[HBM]
@@ -314,8 +308,7 @@ class MemPool(TierMixin):
         self._counters["transfers_aborted"] += 1
 
     def transfer(self, dst: MemPool, src_blocks: Sequence[int]) -> list[int]:
-        """Send hbm blocks to ``dst``: dst allocates, data moves, dst returns its ids (the
-        caller holds one reference on each)."""
+        """Send hbm blocks to ``dst``, which allocates them; return its ids, held by the caller."""
         return self._transfer(dst, None, src_blocks)
 
     def transfer_with_insert(

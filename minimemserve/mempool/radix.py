@@ -3,8 +3,7 @@
 A node holds a token run of whole blocks (``array('q')``; passing one skips a conversion
 of about 10 ns per token) and one int value per block: block ids in MemPool's index,
 placeholders in the global scheduler's prompt trees (whose entries expire after a TTL).
-Children are keyed by their first block's bytes: an edge costs a dict lookup and a memcmp.
-"""
+Children are keyed by their first block's bytes: an edge costs a dict lookup and a memcmp."""
 
 from __future__ import annotations
 
@@ -36,10 +35,8 @@ class RadixNode:
     def __init__(self, key: bytes, tokens: array, values: list, parent: RadixNode | None) -> None:
         self.key, self.tokens, self.values, self.parent = key, tokens, values, parent
         self.children: dict[bytes, RadixNode] = {}
-        self.last_access: float = 0.0
-        self.expires_at: float | None = None
-        self.tier: str | None = None
-        self.holder: str | None = None
+        self.last_access, self.expires_at = 0.0, None  # expires_at: None for never
+        self.tier = self.holder = None  # str | None, as the owner sets them
 
     def __repr__(self) -> str:
         blocks, kids, t = len(self.values), len(self.children), self.last_access
@@ -69,16 +66,14 @@ class RadixTree:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.block_size, self._clock, self._node = block_size, clock, node_type
         self.root = node_type(b"", array(TOKEN_TYPECODE), [], None)
-        self.num_blocks = 0  # values in the whole tree
-        self.num_nodes = 0  # the root excluded
+        self.num_blocks = self.num_nodes = 0  # values in the whole tree; nodes but the root
 
     def match_prefix(
         self, tokens: Sequence[int], *, now: float | None = None, touch: bool = True
     ) -> Match:
         """Longest stored prefix of ``tokens`` in whole blocks, touching the walked nodes
         unless ``touch`` is False. An expired node met on the way is removed."""
-        tokens = as_tokens(tokens)
-        bs = self.block_size
+        tokens, bs = as_tokens(tokens), self.block_size
         end = len(tokens) - len(tokens) % bs
         now = self._clock() if now is None else now
         node, pos = self.root, 0
@@ -136,9 +131,7 @@ class RadixTree:
         if end % bs:
             raise ValueError(f"insert takes whole blocks: {end} tokens is not a multiple of {bs}")
         if len(values) != end // bs:
-            raise ValueError(
-                f"{end} tokens are {end // bs} blocks but {len(values)} values were given"
-            )
+            raise ValueError(f"{end} tokens are {end // bs} blocks but {len(values)} values given")
         if ttl is not None and ttl <= 0:
             raise ValueError(f"ttl must be positive, got {ttl}")
         now = self._clock() if now is None else now
@@ -174,9 +167,7 @@ class RadixTree:
         """Cut ``node`` after ``num_blocks`` blocks; return the new head, a copy of its
         metadata. ``node`` keeps the tail and its children and becomes the head's child."""
         if node is self.root or not 0 < num_blocks < len(node.values):
-            raise ValueError(
-                f"cannot split a node of {len(node.values)} blocks after {num_blocks} blocks"
-            )
+            raise ValueError(f"cannot split a node of {len(node.values)} blocks after {num_blocks}")
         cut, parent = num_blocks * self.block_size, node.parent
         head = self._node(node.key, node.tokens[:cut], node.values[:num_blocks], parent)
         head.last_access, head.expires_at = node.last_access, node.expires_at

@@ -96,11 +96,9 @@ def _map_segment(path: str, nbytes: int, create: bool) -> torch.Tensor:
 
 
 class SharedPoolTensor:
-    """A pool tensor another process on this host can write into, one-sided.
-
-    CPU: the owner unlinks the segment on :meth:`close`, garbage collection or exit; the
-    memory goes once every mapping is dropped. CUDA: keep the owner alive while peers use it.
-    """
+    """A pool tensor another process on this host can write into, one-sided. CPU: the owner unlinks
+    the segment on :meth:`close`, garbage collection or exit; the memory goes once every mapping is
+    dropped. CUDA: keep the owner alive while peers use it."""
 
     def __init__(self, tensor: torch.Tensor, handle: SharedHandle, path: str | None) -> None:
         self.tensor, self.handle = tensor, handle
@@ -156,7 +154,6 @@ class SharedPoolTensor:
 
 
 def _cuda_handle(tensor: torch.Tensor) -> SharedHandle:
-    """Export a CUDA tensor through CUDA IPC."""
     _, args = reduce_tensor(tensor)
     _, size, stride, offset, _, dtype, device, ipc, nbytes, offset_bytes, _, *rest = args
     ref, ref_offset, event, event_sync = rest

@@ -93,8 +93,7 @@ class TierMixin:
 
     def _settle(self, node: PoolNode, fresh: bool = False) -> None:
         """Recount ``node.run`` (all of it when ``fresh``, else past where it ended) and restate."""
-        rc = self._tiers[node.tier].alloc.refcounts()
-        values = node.values
+        rc, values = self._tiers[node.tier].alloc.refcounts(), node.values
         i = len(values) - (0 if fresh else node.run)
         while i and rc[values[i - 1]] == 1:
             i -= 1
@@ -165,8 +164,7 @@ class TierMixin:
     @staticmethod
     def _hbm_prefix(match: Match) -> tuple[list[PoolNode], list[int]]:
         """The nodes and values of a match up to its first non-hbm node."""
-        nodes = match.nodes
-        k = len(nodes)
+        nodes, k = match.nodes, len(match.nodes)
         while k and nodes[k - 1].tier != HBM:
             k -= 1
         if k == len(nodes):
@@ -198,18 +196,13 @@ class TierMixin:
             node = heapq.heappop(heap)[2]
             if node.parent is None or node.tier != name or not node.evictable:
                 continue
-            k = min(node.evictable, need)
-            parent = node.parent
+            k, parent = min(node.evictable, need), node.parent
             gone = k == len(node.values)
             self._evict_tail(t, node, k, dram)
             need -= k
-            if (
-                gone
-                and parent is not root
-                and parent.tier == name
-                and all(c.tier != name and not c.blocked for c in parent.children.values())
-            ):
-                heapq.heappush(heap, (parent.last_access, next(seq), parent))
+            if gone and parent is not root and parent.tier == name:  # a leaf of its tier now?
+                if all(c.tier != name and not c.blocked for c in parent.children.values()):
+                    heapq.heappush(heap, (parent.last_access, next(seq), parent))
 
     def _evict_tail(self, t: Tier, node: PoolNode, k: int, dram: Tier | None) -> None:
         """Evict ``node``'s last ``k`` blocks: to dram while it has free blocks, else dropped."""

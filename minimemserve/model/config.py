@@ -100,11 +100,9 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 @dataclass(frozen=True)
 class ModelConfig:
     """Sizes and constants of a Llama-2-family decoder, named as in HF's ``LlamaConfig``.
-
-    ``head_dim`` defaults to ``hidden_size // num_attention_heads``; ``eos_token_ids`` lists
-    every id that ends a generation (``eos_token_id`` is the first). Types are checked and
-    sizes bounded by the memory they imply, so a corrupt config fails here.
-    """
+    ``head_dim`` defaults to ``hidden_size // num_attention_heads``; ``eos_token_ids`` lists every
+    id that ends a generation (``eos_token_id`` is the first). Types are checked and sizes bounded
+    by the memory they imply, so a corrupt config fails here."""
 
     vocab_size: int
     hidden_size: int
@@ -126,8 +124,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         self._check_fields()
         self._check_special_tokens()
-        rotary = self.rotary_table_bytes()
-        if rotary > MAX_ROTARY_TABLE_BYTES:
+        if (rotary := self.rotary_table_bytes()) > MAX_ROTARY_TABLE_BYTES:
             raise ConfigError(
                 f"max_position_embeddings {self.max_position_embeddings} at head_dim "
                 f"{self.head_dim} needs {rotary / 2**30:.3g} GiB of rotary tables; "
@@ -223,9 +220,7 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if LLAMA_ARCHITECTURE not in archs and model_type != LLAMA_MODEL_TYPE:
             named = ", ".join(archs) if archs else f"model_type {shown(model_type)}"
-            raise CheckpointError(
-                f"unsupported architecture {named}; only {LLAMA_ARCHITECTURE} is supported"
-            )
+            raise CheckpointError(f"unsupported architecture {named}; {LLAMA_ARCHITECTURE} only")
         hidden_act = raw.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise CheckpointError(f"unsupported hidden_act {shown(hidden_act)}; only 'silu'")

@@ -1,8 +1,7 @@
 """Llama-2 (RMSNorm, linear-scaled RoPE, GQA, SwiGLU) under HF names, over the paged pool.
 
 The model owns no KV memory: each attention layer is given its ``layer_id`` and asks the
-attention backend (built over MemPool's tensor) to store and read that layer's K/V.
-"""
+attention backend (built over MemPool's tensor) to store and read that layer's K/V."""
 
 from __future__ import annotations
 

@@ -68,17 +68,14 @@ def checkpoint_files(path: str | Path) -> list[Path]:
         if not all(isinstance(s, str) and s and Path(s).name == s for s in shards):
             raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
         files = [path / name for name in sorted(set(shards))]
-        missing = [file.name for file in files if not file.is_file()]
-        if missing:
+        if missing := [file.name for file in files if not file.is_file()]:
             raise CheckpointError(f"{index} names missing shard file(s): {_listed(missing)}")
         return files
     if (path / SINGLE_FILE).is_file():
         return [path / SINGLE_FILE]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(
-            f"no safetensors weights in {path}: expected {SINGLE_FILE} or {INDEX_FILE}"
-        )
+        raise CheckpointError(f"no safetensors in {path}: expected {SINGLE_FILE} or {INDEX_FILE}")
     return files
 
 
@@ -129,12 +126,10 @@ def load_weights(
     tied ``lm_head.weight`` the files lack is the embedding itself. All headers are checked
     against ``config`` first: a missing or corrupt file or tensor, a wrong shape or dtype, or
     an unexpected tensor raises ``CheckpointError`` naming the file."""
-    expected = expected_shapes(config)
-    files = checkpoint_files(path)
+    expected, files = expected_shapes(config), checkpoint_files(path)
     locations = _scan(files, expected)
     tied = LM_HEAD_NAME not in locations and config.tie_word_embeddings
-    missing = [n for n in expected if n not in locations and not (n == LM_HEAD_NAME and tied)]
-    if missing:
+    if missing := [n for n in expected if n not in locations and not (n == LM_HEAD_NAME and tied)]:
         searched = _listed([file.name for file in files])
         raise CheckpointError(f"missing tensors in {path} ({searched}): {_listed(missing)}")
     weights: dict[str, torch.Tensor] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -61,15 +62,24 @@ class Tokenizer:
         ids = self._sp.encode(text)
         return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
 
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a non-empty prompt: text is encoded, ids of any integer type made ints."""
+        if isinstance(prompt, str):
+            ids = self.encode(prompt) if prompt else []
+        else:
+            try:
+                ids = [operator.index(t) for t in prompt]
+            except TypeError as e:
+                raise InvalidRequest(f"a token id is not an integer: {e}") from None
+        if not ids:
+            raise InvalidRequest("empty prompt")
+        return ids
+
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
-        """Text of ``ids``; control tokens are dropped, or rendered as their piece when
-        ``skip_special`` is False."""
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise InvalidRequest(
-                f"token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
-            )
+        """Text of ``ids``; control tokens dropped (shown as pieces unless ``skip_special``)."""
+        ids, n = [int(i) for i in ids], self.vocab_size
+        if bad := [i for i in ids if not 0 <= i < n]:
+            raise InvalidRequest(f"token id(s) {bad[:5]} outside the vocabulary [0, {n})")
         if skip_special:
             return self._sp.decode([i for i in ids if i not in self._special])
         runs = itertools.groupby(ids, key=self._special.__contains__)

@@ -4,8 +4,7 @@
 cached, as the sum of three fitted parts (linear layers, prefix attention, everything
 else; see :class:`CostModel`); ``transfer(n)`` predicts moving ``n`` tokens' KV between
 instances. The coefficients are least-squares fits to measurements of this engine on this
-device (:mod:`minimemserve.bench.profile` takes them; ``bench/cost_model.py`` fits them).
-"""
+device (:mod:`minimemserve.bench.profile` takes them; ``bench/cost_model.py`` fits them)."""
 
 from __future__ import annotations
 
@@ -103,9 +102,8 @@ def _fit_transfer(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Predicted prefill time ``exec(x, y)`` per operator, and ``transfer(n)`` of KV, in
-    seconds; each part is clamped at zero, so a negative fitted intercept never predicts
-    negative time."""
+    """Predicted prefill time ``exec(x, y)`` per operator and KV ``transfer(n)``, in seconds; parts
+    are clamped at zero, so a negative fitted intercept never predicts negative time."""
 
     linear: tuple[float, float]  # qkv, o, gate_up, down, lm_head: a*n + b, n = new tokens
     attention: tuple[float, float, float, float]  # prefix attention: a*x²*y + b*x² + c*x + d
@@ -124,10 +122,8 @@ class CostModel:
             if len(coefs) != size or not all(math.isfinite(v) for v in coefs):
                 raise ValueError(f"CostModel.{name} must be {size} finite numbers, got {value!r}")
             object.__setattr__(self, name, coefs)
-        kv = self.kv_bytes_per_token
-        if isinstance(kv, bool) or not isinstance(kv, numbers.Integral) or kv < 0:
-            raise ValueError(f"CostModel.kv_bytes_per_token must be an int >= 0, got {kv!r}")
-        object.__setattr__(self, "kv_bytes_per_token", int(kv))
+        kv = _check_count("CostModel.kv_bytes_per_token", self.kv_bytes_per_token)
+        object.__setattr__(self, "kv_bytes_per_token", kv)
         if not isinstance(self.device, str):
             raise ValueError(f"CostModel.device must be a string, got {self.device!r}")
 
@@ -163,10 +159,8 @@ class CostModel:
         device: str = "cpu",
     ) -> CostModel:
         """Least-squares fit of each operator's formula to measured ``samples``.
-
-        ``transfer_samples`` are ``(bytes, seconds)`` pairs; with one message size among them
-        the line goes through the origin (a bandwidth); with none, ``transfer`` predicts 0.
-        """
+        ``transfer_samples`` are ``(bytes, seconds)`` pairs; with one message size among them the
+        line goes through the origin (a bandwidth); with none, ``transfer`` predicts 0."""
         samples = list(samples)
         if not samples:
             raise ValueError("CostModel.fit needs at least one OpSample")
@@ -195,8 +189,7 @@ class CostModel:
             raise ValueError(f"a cost model dict is needed, got {type(d).__name__}")
         if d.get("format", _FORMAT) != _FORMAT:
             raise ValueError(f"unknown cost model format {d['format']!r}; expected {_FORMAT!r}")
-        missing = [k for k in _PART_NAMES if k not in d]
-        if missing:
+        if missing := [k for k in _PART_NAMES if k not in d]:
             raise ValueError(f"cost model dict lacks {', '.join(missing)}")
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
@@ -209,8 +202,7 @@ class CostModel:
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
-        """Read a model written by :meth:`save`, or the ``"model"`` entry of a JSON object
-        that holds one (``bench/results/cost_model.json`` does)."""
+        """Read a model :meth:`save` wrote, or the ``"model"`` entry of a JSON object."""
         d = json.loads(Path(path).read_text())
         if isinstance(d, dict) and isinstance(d.get("model"), dict):
             d = d["model"]

@@ -6,8 +6,7 @@ exec(x, y_p)``: ``y_p`` is the fraction believed cached on ``p``, ``exec`` the p
 prefill, ``queued_p`` the unfinished work routed to ``p`` (its prefills, plus the decode
 steps its requests share). ``prompt_tree_transfer`` also weighs letting an instance ``q``
 holding more send the missing part first: ``transfer(y_q - y_p) + exec(x, y_q)``. The
-scheduler only decides; its owner submits, moves KV and reports back. Not thread-safe.
-"""
+scheduler only decides; its owner submits, moves KV and reports back. Not thread-safe."""
 
 from __future__ import annotations
 
@@ -35,6 +34,7 @@ STEP_TOKENS = 16
 # Moving one token's KV between instances costs this fraction of computing it (tiny
 # preset here: ~16 KiB per token at ~15 GB/s, against ~0.6 ms of prefill compute).
 UNIT_TRANSFER_COST = 0.01
+Clock = Callable[[], float]  # monotonic seconds
 
 
 class Cost(Protocol):
@@ -61,9 +61,8 @@ class TokenCost:
 
 @dataclass(frozen=True)
 class Route:
-    """Where a request goes, the prefix expected to hit there (after the transfer, if any)
-    and the predicted queue plus prefill ``cost``; ``transfer_from`` should first send its
-    cached ``transfer_tokens``-token prefix to ``instance``."""
+    """Where a request goes, its expected prefix hit there (after any transfer) and predicted queue
+    plus prefill ``cost``; ``transfer_from`` first sends it a ``transfer_tokens``-token prefix."""
 
     instance: str
     cached_tokens: int
@@ -77,10 +76,7 @@ class PromptTrees:
     each entry living ``ttl_s`` seconds (exact per instance: a prefix may live on several)."""
 
     def __init__(
-        self,
-        block_size: int,
-        ttl_s: float = DEFAULT_TTL_S,
-        clock: Callable[[], float] = time.monotonic,
+        self, block_size: int, ttl_s: float = DEFAULT_TTL_S, clock: Clock = time.monotonic
     ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
@@ -136,9 +132,8 @@ class _Queued:
 
 
 class GlobalScheduler:
-    """Routes requests over named instances of one kind by ``policy`` (see the module).
-    Without ``caching`` (no prefix cache on the instances) the tree policies reduce to the
-    shortest predicted queue."""
+    """Routes requests over named instances of one kind by ``policy`` (see the module). Without
+    ``caching`` (no prefix cache on instances) tree policies reduce to the shortest queue."""
 
     def __init__(
         self,
@@ -149,7 +144,7 @@ class GlobalScheduler:
         cost_model: Cost | None = None,
         ttl_s: float = DEFAULT_TTL_S,
         caching: bool = True,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = time.monotonic,
     ) -> None:
         if policy not in POLICIES:
             raise ConfigError(f"unknown routing policy {policy!r}; choose from {POLICIES}")

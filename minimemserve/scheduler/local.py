@@ -11,21 +11,15 @@ from ..request import Request, Status
 
 
 class LocalScheduler:
-    """Decides, every step, which requests compute how many tokens.
-
-    Each step first gives every running request its pending tokens (one for a decode, a
-    chunk of a prefill) within ``max_num_batched_tokens``, then admits waiting requests
-    while budget, sequence slots and blocks remain. Chunking keeps a long prompt from
-    stalling decodes for more than one step. When a running request cannot get a block,
-    the newest one is preempted: its recipe releases (with caching, indexes) its KV, and
-    it is recomputed later.
-    """
+    """Decides, every step, which requests compute how many tokens. Running requests first get their
+    pending tokens (one for a decode, a chunk of a prefill) within ``max_num_batched_tokens``; then
+    waiting ones are admitted while budget, sequence slots and blocks remain. Chunking keeps a long
+    prompt from stalling decodes for more than a step. A running request that cannot get a block
+    preempts the newest: its recipe releases (with caching, indexes) its KV, to be recomputed."""
 
     def __init__(self, pool, recipe: Recipe, max_num_seqs: int, max_num_batched_tokens: int):
-        self.pool = pool
-        self.recipe = recipe
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.pool, self.recipe = pool, recipe
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.parked: deque[Request] = deque()  # prefilled, holding KV, waiting for room on D
