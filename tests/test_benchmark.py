@@ -263,7 +263,6 @@ def test_run_bench_audits_reports_and_closes_each_serving(tiny_llama_dir):
 
 
 def test_run_bench_end_to_end(tiny_llama_dir, tmp_path, capsys):
-    pytest.importorskip("minimemserve.engine", exc_type=ImportError)
     result = run_bench(
         configs=("PD", "PD-CC"),
         workload="sharegpt",

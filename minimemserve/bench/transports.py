@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from minimemserve.blocks.copy import is_run
+from minimemserve.disagg.rpc import LOOPBACK
 from minimemserve.errors import TransferError
 from minimemserve.mempool.shared import (
     DEFAULT_SHM_PREFIX,
@@ -45,10 +46,9 @@ from minimemserve.mempool.shared import (
     attach,
 )
 
-LOOPBACK = "127.0.0.1"
 # A transfer of a few hundred MiB over loopback takes well under a second; a minute means
 # the peer is gone or hung.
-DEFAULT_TIMEOUT_S = 60.0
+GLOO_TIMEOUT_S = 60.0
 # Gloo's TCP device uses this many I/O threads per group; more only adds contention on small
 # hosts (measured: 1 thread is both faster and steadier on 2 cores).
 GLOO_THREADS = 1
@@ -403,7 +403,7 @@ def pick_free_port(host: str = LOOPBACK) -> int:
 
 
 def start_store(
-    host: str = LOOPBACK, port: int = 0, world_size: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S
+    host: str = LOOPBACK, port: int = 0, world_size: int = 2, timeout_s: float = GLOO_TIMEOUT_S
 ) -> torch.distributed.TCPStore:
     """Start the rendezvous store (rank 0 does this); ``store.port`` is the port it got."""
     return torch.distributed.TCPStore(
@@ -433,7 +433,7 @@ class Pending:
 
     works: list[Any]
     finish: Callable[[], None] | None = None
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    timeout_s: float = GLOO_TIMEOUT_S
     what: str = "transfer"
     _done: bool = field(default=False, repr=False)
 
@@ -475,7 +475,7 @@ class GlooTransport:
         store: torch.distributed.Store | None = None,
         device: str | torch.device = "cpu",
         bind_host: str | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float = GLOO_TIMEOUT_S,
     ) -> None:
         """Join the two-rank group; blocks until the peer joins (or ``timeout_s`` passes)."""
         if rank not in (0, 1):
