@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from tqdm.auto import tqdm
 from .bench.presets import preset_dir
 from .config import EngineConfig, parse_config_name
 from .disagg.cluster import InProcessCluster
+from .errors import InvalidRequest
 from .request import RequestOutput
 from .sampling import SamplingParams
 from .serving import Serving
@@ -65,8 +67,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run ``prompts`` (strings or token-id lists) to completion; outputs in input order.
         All are validated before any is queued: a bad one raises and changes nothing."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]  # one prompt, as text or as token ids
+        if not isinstance(prompts, Sequence):
+            raise InvalidRequest(
+                f"prompts must be text, token ids or a list of them: {prompts!r:.40}"
+            )
         params = params or SamplingParams()
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
@@ -81,3 +87,12 @@ class LLM:
                     results[out.request_id] = out
                     bar.update(1)
         return [results[i] for i in ids]
+
+
+def _is_token_ids(prompts) -> bool:
+    """Whether ``prompts`` is one prompt given as token ids (any integer type, numpy)."""
+    try:
+        operator.index(prompts[0])
+    except (TypeError, IndexError, KeyError):
+        return False
+    return True

@@ -70,3 +70,19 @@ def test_unknown_config_name(tiny_llama_dir):
         LLM(tiny_llama_dir, block_size=3)
     with pytest.raises(ConfigError, match="unknown attention backend"):
         LLM(tiny_llama_dir, attention="magic", num_blocks=8)
+
+
+def test_prompt_forms_a_user_may_pass(llm):
+    """Numpy arrays and numpy ints are token ids; None, bools and scalars are refused."""
+    import numpy as np
+
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    ref = llm.generate([[5, 6, 7]], params)[0].token_ids
+    for same in (np.array([5, 6, 7]), [np.int64(5), np.int64(6), np.int64(7)], [(5, 6, 7)]):
+        assert llm.generate(same, params)[0].token_ids == ref
+    refused = {"prompts must be": (None, 5), "a bool": ([[True, 5]],)}
+    refused["not an integer"] = ([None], [[5, 6.0]])
+    for needle, bad in ((n, b) for n, bs in refused.items() for b in bs):
+        with pytest.raises(InvalidRequest, match=needle):
+            llm.generate(bad, params)
+    assert not llm.engine.has_unfinished()

@@ -71,6 +71,8 @@ class Tokenizer:
                 ids = [operator.index(t) for t in prompt]
             except TypeError as e:
                 raise InvalidRequest(f"a token id is not an integer: {e}") from None
+            if any(isinstance(t, bool) for t in prompt):
+                raise InvalidRequest("a token id is not an integer: a bool")
         if not ids:
             raise InvalidRequest("empty prompt")
         return ids
