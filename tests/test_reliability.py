@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from minimemserve import LLM, SamplingParams
 from minimemserve import engine as engine_module
+from minimemserve.config import EngineConfig
+from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.errors import SamplingError
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -95,3 +97,18 @@ def test_arbitrary_values_run_or_are_refused_and_the_next_request_works(llm, kwa
 def test_sampling_error_carries_the_good_rows():
     err = SamplingError("x", rows=[1], tokens=[5, None])
     assert err.rows == [1] and err.tokens == [5, None]
+
+
+def test_values_that_used_to_kill_instances_run_across_processes(tiny_llama_dir, llm):
+    healthy = llm.generate(prompts(1), GREEDY)[0]
+    odd = SamplingParams(max_tokens=6, temperature=0.8, seed=time.time_ns(), ignore_eos=True)
+    tiny = SamplingParams(max_tokens=6, temperature=1e-300, ignore_eos=True)
+    with ProcessCluster(
+        tiny_llama_dir, "1P1D", engine_config=EngineConfig(num_blocks=64), timeout_s=10
+    ) as c:
+        rids = [c.add_request(prompts(1)[0], p) for p in (odd, tiny, GREEDY)]
+        outs = {o.request_id: o for o in c.run_until_done(timeout_s=60)}
+        assert [outs[r].finish_reason for r in rids] == ["length"] * 3
+        assert outs[rids[1]].token_ids == outs[rids[2]].token_ids == healthy.token_ids
+        assert not c.dead and c.num_reruns == 0
+        c.check_pools(require_idle=True)
