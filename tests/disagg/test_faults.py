@@ -34,15 +34,16 @@ def cluster(model_dir, config: str) -> ProcessCluster:
     )
 
 
-def wait_until_on_decode(c: ProcessCluster, rids: list[str]) -> str:
-    """Step until a request sits on a decode instance; returns that instance's name."""
+def wait_until_on_decode(c: ProcessCluster, rids: list[str], want_rid: bool = False) -> str:
+    """Step until a request sits on a decode instance; returns that instance's name (or,
+    with ``want_rid``, the request's id)."""
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         assert c.step() == [], "a request finished before the fault was injected"
         for rid in rids:
             where = c.location(rid)
             if where is not None and where.startswith("D"):
-                return where
+                return rid if want_rid else where
     raise AssertionError("no request reached a decode instance")
 
 
@@ -118,7 +119,7 @@ def test_abort_on_decode_and_on_prefill_frees_every_block(tiny_llama_dir):
     with cluster(tiny_llama_dir, "1P1D-CC") as c:
         params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         rids = [c.add_request(p, params) for p in prompts(3)]
-        on_decode = [r for r in rids if r == wait_until_on_decode_rid(c, rids)]
+        on_decode = [wait_until_on_decode(c, rids, want_rid=True)]
         queued = c.add_request(prompts(1, seed=9)[0], params)  # just submitted: on P
         outs = {rid: c.abort(rid) for rid in [*on_decode, queued]}
         assert all(o.finish_reason == "abort" for o in outs.values())
@@ -166,15 +167,3 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie has exited
         return f.read().split()[2] != "Z"
-
-
-def wait_until_on_decode_rid(c: ProcessCluster, rids: list[str]) -> str:
-    """Step until a request sits on a decode instance; returns its id."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        assert c.step() == [], "a request finished before the fault was injected"
-        for rid in rids:
-            where = c.location(rid)
-            if where is not None and where.startswith("D"):
-                return rid
-    raise AssertionError("no request reached a decode instance")
