@@ -180,7 +180,7 @@ class InstanceServer:
         self.spec, self.name, self.stopping = spec, spec.name, False
         self.inbox: list[Request] = []
         self.grants: dict[str, Counter[int]] = {}
-        self.xfers: dict[tuple[str, str], list[int]] = {}
+        self.xfers: dict[tuple[str, str], tuple] = {}  # (peer, transfer) -> (blocks, tokens)
         self.remotes: dict[str, RemotePool] = {}
         # recent hand-offs (request id -> decode instance), so the frontend can find the
         # requests a dead decode instance held even if our Handoff notice is still in flight
@@ -269,26 +269,29 @@ class InstanceServer:
         return rpc.ProbeReply(self.pool.cached_prefix_len(m.tokens), load, room)
 
     def _on_alloc(self, sender: str, m: rpc.AllocRequest) -> rpc.AllocReply:
-        n, layout = m.num_blocks, self.pool.layout
+        n, layout, toks = m.num_blocks, self.pool.layout, m.tokens
         if n > self.pool.capacity() or (
-            m.tokens is not None
-            and not len(m.tokens) // layout.block_size <= n <= layout.num_blocks_for(len(m.tokens))
+            toks is not None
+            and (
+                not len(toks) // layout.block_size <= n <= layout.num_blocks_for(len(toks))
+                or max(toks, default=0) >= self.engine.model_config.vocab_size
+            )
         ):
-            raise ValueError(f"{n} blocks for {len(m.tokens or ())} tokens cannot be received here")
-        matched, new = self.pool.recv_alloc(m.tokens, n)
+            raise ValueError(f"{n} blocks for {len(toks or ())} tokens cannot be received here")
+        matched, new = self.pool.recv_alloc(toks, n)
         self.grants.setdefault(sender, Counter()).update(matched + new)
-        self.xfers[(sender, m.xfer)] = matched + new
+        self.xfers[(sender, m.xfer)] = (matched + new, toks)
         return rpc.AllocReply(matched, new)
 
     def _on_commit(self, sender: str, m: rpc.Commit) -> None:
-        if self.xfers.get((sender, m.xfer)) != m.blocks:
-            raise ValueError(f"{sender} commits blocks not allocated for transfer {m.xfer!r}")
+        if self.xfers.get((sender, m.xfer)) != (m.blocks, m.tokens):
+            raise ValueError(f"{sender} commits what was not allocated for transfer {m.xfer!r}")
         del self.xfers[(sender, m.xfer)]
         self.pool.recv_commit(m.tokens, m.blocks)
 
     def _on_abort(self, sender: str, m: rpc.Abort) -> None:
-        blocks = self.xfers.pop((sender, m.xfer), None)
-        self.pool.recv_abort(self._ungrant(sender, m.blocks if blocks is None else blocks))
+        blocks, _ = self.xfers.pop((sender, m.xfer), (m.blocks, None))
+        self.pool.recv_abort(self._ungrant(sender, blocks))
 
     def _on_accept(self, sender: str, m: rpc.Accept) -> None:
         self._check_state(m.state)

@@ -95,6 +95,7 @@ def test_a_members_invalid_messages_are_refused_at_once(cluster):
     bad = {
         "outside the vocabulary": ("D0", forged_messages("/nonexistent")[3][1]),
         "cannot be received": ("D0", rpc.AllocRequest("x", None, NUM_BLOCKS + 1)),
+        "16 tokens cannot be received": ("D0", rpc.AllocRequest("y", [10**6] * 16, 1)),
         "not allocated for transfer": ("D0", rpc.Commit("never", None, [1, 2])),
         "takes no Shutdown": ("P0", rpc.Shutdown("not from the frontend")),
     }
