@@ -293,3 +293,25 @@ def test_calls_in_both_directions_at_once_do_not_deadlock():
     finally:
         a.close()
         b.close()
+
+
+def test_an_oversized_frame_is_dropped_and_the_node_keeps_serving(monkeypatch) -> None:
+    monkeypatch.setattr(rpc, "MAX_MESSAGE_BYTES", 4096)  # read when the node is made
+    receiver = _Receiver()
+    server = node("d", receiver)
+    big, small = (node(n, lambda s, m: None, timeout_s=0.5) for n in ("big", "small"))
+    for n in (big, small):
+        n.connect("d", server.address)
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: [server.serve(0.01) for _ in iter(stop.is_set, True)])
+    thread.start()
+    try:
+        with pytest.raises(TransferError, match="did not answer"):
+            big.call("d", Probe(list(range(2000))))  # ~4 KB of msgpack plus the tag
+        assert receiver.heard == []
+        assert small.call("d", AllocRequest("x", None, 1)) == AllocReply([], [100])
+    finally:
+        stop.set()
+        thread.join(JOIN_S)
+        for n in (server, big, small):
+            n.close()
