@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from helpers import sharegpt_user_turns
 
@@ -211,6 +212,10 @@ def test_bad_request_raises_in_the_frontend(tiny_llama_dir):
             cluster.add_request([], params)
         assert cluster.validate("hello there", params)
         assert not cluster.has_unfinished()
+        with pytest.raises(InvalidRequest, match="stop_token_ids"):
+            cluster.add_request([5, 6], SamplingParams(stop_token_ids=[2**64]))
+        rid = cluster.add_request(np.array([5, 6, 7]), params)  # numpy ints are token ids
+        assert [o.request_id for o in cluster.run_until_done(timeout_s=60)] == [rid]
 
 
 FRONTEND_SCRIPT = """
