@@ -152,7 +152,7 @@ def _send_back(pool, req: Request, peers: Peers) -> None:
         got = pool.transfer_with_insert(dst, req.tokens[:n], req.blocks[:whole])
         dst.free_mem(got)  # the prefill pool's index keeps its own references
     except (TransferError, PoolExhausted) as e:  # the answer stands; the next hit is smaller
-        logger.warning("request %s: decode-phase KV not sent back: %s", req.request_id, e)
+        logger.info("request %s: decode-phase KV not sent back: %s", req.request_id, e)
     req.metrics.transferred_bytes += _sent_bytes(pool) - before
 
 
