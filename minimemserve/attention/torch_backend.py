@@ -3,8 +3,9 @@ fast path on the CPU.
 
 The pool is addressed as rows of ``n_kv_heads * head_dim`` elements; the row of every token
 slot is computed once per step and each layer adds its own offset, so storing is one
-``index_copy_`` and gathering one ``index_select`` per K or V. Decodes run as batched SDPA
-in which the query heads sharing a KV head act as query positions (no K/V repeat for GQA).
+``index_copy_`` and gathering one ``index_select`` of whole blocks per K or V. Decodes run,
+in length order, as batched SDPA in which the query heads sharing a KV head act as query
+positions (no K/V repeat for GQA).
 Each prefill chunk runs 4-D SDPA, the form PyTorch's fused CPU kernel takes: one causal call
 without a cached prefix; with one, an unmasked call over the prefix and a causal call over
 the new tokens, merged by their log-sum-exp."""
@@ -43,6 +44,10 @@ class TorchAttention:
         s = kv_pool.stride()  # [N, L, 2, bs, ...] or [L, 2, N, bs, ...]
         st = s[:4] if layout.kind == AGGREGATED else (s[2], s[0], s[1], s[3])
         self.row_stride = tuple(x // row for x in st)  # (block, layer, k|v, offset) in rows
+        # row r's window of block_size rows: a whole block of one layer's K or V when r starts
+        # one (the offset stride is one row in both layouts), gathered as one copy
+        bs = layout.block_size
+        self.blocks = self.rows.as_strided((self.rows.shape[0] - bs + 1, bs * row), (row, 1))
 
     def prepare(self, slices: list[SeqSlice]) -> AttentionMetadata:
         """Build the step's metadata plus the row indices every layer reuses."""
@@ -52,26 +57,26 @@ class TorchAttention:
         md.backend_data["slot_rows"] = (md.slot_mapping // bs) * sb + (md.slot_mapping % bs) * so
         if md.num_prefills:
             md.backend_data["starts"] = md.query_start_loc.tolist()
-        # decode row indices and padding masks, in cache-sized groups
-        offsets = torch.arange(bs, device=self.kv_pool.device) * so  # [bs]
+        # decodes in length order (little padding), in cache-sized groups: their block rows,
+        # output rows and padding masks
+        lens = md.seq_lens_host[md.num_prefills :]
+        order = sorted(range(len(lens)), key=lens.__getitem__)
         row_bytes = self.rows.shape[1] * self.rows.element_size()
         groups = md.backend_data["decode"] = []
-        first = i = md.num_prefills
-        end = first + md.num_decodes
-        while i < end:
-            lens = md.seq_lens_host[i:end]
-            n, longest = 0, 0
-            while n < len(lens):
-                longest_n = max(longest, lens[n])
-                if n and 2 * (n + 1) * longest_n * row_bytes > DECODE_GROUP_BYTES:
-                    break
-                n, longest = n + 1, longest_n
-            nb = self.layout.num_blocks_for(longest)
-            t = md.block_tables[i : i + n, :nb].long()  # [n, nb]
-            gather = (t[:, :, None] * sb + offsets).reshape(-1)  # [n * nb * bs]
-            pos = torch.arange(nb * bs, device=t.device)
-            valid = pos[None, :] < md.seq_lens[i : i + n, None].long()  # [n, S]
-            groups.append((i - first, n, nb * bs, gather, valid[:, None, None, :]))
+        i = 0
+        while i < len(order):
+            n = 1  # the group grows while its padded K+V stay under the byte budget
+            while i + n < len(order) and 2 * (n + 1) * lens[order[i + n]] * row_bytes <= (
+                DECODE_GROUP_BYTES
+            ):
+                n += 1
+            rows = torch.tensor(order[i : i + n], device=self.kv_pool.device) + md.num_prefills
+            nb = self.layout.num_blocks_for(lens[order[i + n - 1]])
+            gather = md.block_tables[rows, :nb].reshape(-1).long() * sb  # [n * nb]
+            pos = torch.arange(nb * bs, device=rows.device)
+            valid = pos[None, :] < md.seq_lens[rows, None].long()  # [n, S]
+            out_rows = rows + (md.num_prefill_tokens - md.num_prefills)  # rows in [T]
+            groups.append((out_rows, n, nb * bs, gather, valid[:, None, None, :]))
             i += n
         return md
 
@@ -86,7 +91,7 @@ class TorchAttention:
         """Store the new K/V of ``layer_id``, then attend; returns ``[T, H, D]``."""
         T, H, D = q.shape
         KV, G = self.layout.num_kv_heads, H // self.layout.num_kv_heads
-        sb, sl, st, so = self.row_stride
+        _, sl, st, _ = self.row_stride
         kb, vb = layer_id * sl, layer_id * sl + st  # first K and V rows of the layer
         slots = md.backend_data["slot_rows"]
         self.rows.index_copy_(0, slots + kb, k.reshape(T, KV * D).to(self.rows.dtype))
@@ -101,35 +106,36 @@ class TorchAttention:
                 oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale)
                 out[s:e] = oi[0].transpose(0, 1)
                 continue
-            table = md.block_tables[i, : self.layout.num_blocks_for(total)].long()
-            offsets = torch.arange(self.layout.block_size, device=table.device) * so
-            idx = (table[:, None] * sb + offsets).reshape(-1)
-            if _HAS_CPU_LSE and q.device.type == "cpu":
-                idx = idx[:ctx]  # the new tokens' K/V are at hand: gather the prefix only
-                kp = _per_head(self.rows.index_select(0, idx + kb).view(ctx, KV, D), G)
-                vp = _per_head(self.rows.index_select(0, idx + vb).view(ctx, KV, D), G)
+            fast = _HAS_CPU_LSE and q.device.type == "cpu"
+            n_keys = ctx if fast else total  # fast: the new tokens' K/V are at hand
+            kc, vc = (
+                _per_head(self._gather(md, i, n_keys, b).view(n_keys, KV, D), G) for b in (kb, vb)
+            )
+            if fast:
                 kn, vn = _per_head(k[s:e], G), _per_head(v[s:e], G)  # [1, H, q, D]
-                oi = self._prefix_and_new(qi, kp.to(q.dtype), vp.to(q.dtype), kn, vn)
+                oi = self._prefix_and_new(qi, kc.to(q.dtype), vc.to(q.dtype), kn, vn)
             else:
-                idx = idx[:total]
-                ki = _per_head(self.rows.index_select(0, idx + kb).view(total, KV, D), G)
-                vi = _per_head(self.rows.index_select(0, idx + vb).view(total, KV, D), G)
                 qpos = torch.arange(ctx, total, device=q.device)
                 mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]  # [q, total]
                 oi = F.scaled_dot_product_attention(
-                    qi, ki.to(q.dtype), vi.to(q.dtype), attn_mask=mask, scale=self.scale
+                    qi, kc.to(q.dtype), vc.to(q.dtype), attn_mask=mask, scale=self.scale
                 )
             out[s:e] = oi[0].transpose(0, 1)
-        p0 = md.num_prefill_tokens
-        for start, n, S, gather, valid in md.backend_data["decode"]:
-            kd = self.rows.index_select(0, gather + kb).view(n, S, KV, D).transpose(1, 2)
-            vd = self.rows.index_select(0, gather + vb).view(n, S, KV, D).transpose(1, 2)
-            qd = q[p0 + start : p0 + start + n].view(n, KV, G, D)  # G query heads as positions
+        for rows, n, S, gather, valid in md.backend_data["decode"]:
+            kd = self.blocks.index_select(0, gather + kb).view(n, S, KV, D).transpose(1, 2)
+            vd = self.blocks.index_select(0, gather + vb).view(n, S, KV, D).transpose(1, 2)
+            qd = q.index_select(0, rows).view(n, KV, G, D)  # G query heads as positions
             od = F.scaled_dot_product_attention(
                 qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=valid, scale=self.scale
             )  # [n, KV, G, D]
-            out[p0 + start : p0 + start + n] = od.reshape(n, H, D)
+            out.index_copy_(0, rows, od.reshape(n, H, D))
         return out
+
+    def _gather(self, md: AttentionMetadata, i: int, n: int, first_row: int) -> torch.Tensor:
+        """Rows of slice ``i``'s first ``n`` tokens, one copy per block (``first_row``: the
+        layer's first K or V row)."""
+        idx = md.block_tables[i, : self.layout.num_blocks_for(n)].long() * self.row_stride[0]
+        return self.blocks.index_select(0, idx + first_row).view(-1, self.rows.shape[1])[:n]
 
     def _prefix_and_new(self, q, kp, vp, kn, vn) -> torch.Tensor:
         """Attention over a cached prefix (unmasked) plus the new tokens (causal): both run in
