@@ -23,8 +23,8 @@ from .model.config import ModelConfig
 from .model.llama import LlamaModel
 from .model.loader import load_weights
 from .model.tokenizer import Tokenizer
-from .request import Request, RequestOutput, Status
-from .sampling import SamplingParams, sample
+from .request import Request, RequestOutput, Status, TokenDelta
+from .sampling import SamplingParams, sample, token_logprobs
 from .scheduler.local import LocalScheduler
 
 
@@ -60,6 +60,14 @@ class ModelRunner:
                 tokens = sample(logits, params, done, generator)
             except SamplingError as e:  # those rows fail alone; the others keep their token
                 tokens, bad = e.tokens, {sample_for[i]: f"SamplingError: {e}" for i in e.rows}
+            if want := [
+                i
+                for i, r in enumerate(sample_for)
+                if r.logprobs is not None and tokens[i] is not None
+            ]:
+                ks = [sample_for[i].params.logprobs for i in want]
+                for i, lp in zip(want, token_logprobs(logits[want], [tokens[i] for i in want], ks)):
+                    sample_for[i].logprobs.append(lp)
         by_req = dict(zip(map(id, sample_for), tokens))
         return [by_req.get(id(req)) for req, _ in batch], bad
 
@@ -125,6 +133,7 @@ class Engine:
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self.requests: dict[str, Request] = {}
         self.handoffs: list[Request] = []  # prefilled here, decoding elsewhere; the owner drains
+        self.deltas: dict[str, TokenDelta] = {}  # tokens since the last take_deltas()
         self._ids = itertools.count()
 
     def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
@@ -179,6 +188,23 @@ class Engine:
             return None
         self.scheduler.remove(req)
         return self._finish(req, Hook.FINISH, "abort")
+
+    def take_deltas(self) -> list[TokenDelta]:
+        """Tokens sampled since the last call, per request still running or handed off here."""
+        out, self.deltas = list(self.deltas.values()), {}
+        return out
+
+    def load(self) -> dict[str, dict]:
+        """``{instance id: {"role", "waiting", "running"}}`` (parked requests count as running)."""
+        s = self.scheduler
+        running = len(s.running) + len(s.parked)
+        return {
+            self.pool.instance_id: {
+                "role": self.role,
+                "waiting": len(s.waiting),
+                "running": running,
+            }
+        }
 
     def has_unfinished(self) -> bool:
         """Whether any request still waits or runs here."""
@@ -237,6 +263,7 @@ class Engine:
                 continue
             req.tokens.append(tok)
             req.metrics.output_tokens = req.num_output
+            self._record_delta(req, tok)
             req.metrics.first_token_time = req.metrics.first_token_time or now
             if (reason := self._stop_reason(req, tok)) is not None:
                 self.scheduler.remove(req)
@@ -245,6 +272,17 @@ class Engine:
                 req.prefilled = True
                 done += self._prefilled(req)
         return done
+
+    def _record_delta(self, req: Request, tok: int) -> None:
+        d = self.deltas.get(req.request_id)
+        if d is None:
+            lps = None if req.logprobs is None else []
+            d = self.deltas[req.request_id] = TokenDelta(
+                req.request_id, req.num_output - 1, [], lps
+            )
+        d.token_ids.append(tok)
+        if d.logprobs is not None and req.logprobs:
+            d.logprobs.append(req.logprobs[-1])
 
     def _prefilled(self, req: Request) -> list[RequestOutput]:
         """Run the prefilled hook: keep decoding, hand off, park (decode side full) or fail."""
@@ -289,4 +327,5 @@ class Engine:
         req.status = Status.FINISHED
         req.metrics.finish_time = now or time.perf_counter()
         self.requests.pop(req.request_id, None)
+        self.deltas.pop(req.request_id, None)  # the output carries every token
         return req.to_output(self.tokenizer.decode(req.output_token_ids))

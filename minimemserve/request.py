@@ -32,6 +32,15 @@ class RequestMetrics:
     output_tokens: int = 0
     transferred_bytes: int = 0
     preemptions: int = 0
+    first_scheduled_time: float | None = None  # first admitted to a batch
+    prefill_instance: str = ""  # the instance that computed the prompt
+    decode_instance: str = ""  # the instance it was handed to for decoding, if any
+
+    @property
+    def queue_time(self) -> float | None:
+        """Arrival until first scheduled."""
+        t = self.first_scheduled_time
+        return None if t is None else t - self.arrival_time
 
     @property
     def ttft(self) -> float | None:
@@ -51,6 +60,21 @@ class RequestMetrics:
         return (self.finish_time - self.first_token_time) / (self.output_tokens - 1)
 
 
+# A sampled token's log-probability and the ``k`` most likely tokens with theirs (raw logits).
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass
+class TokenDelta:
+    """Tokens a request generated since its last delta: output positions ``start`` on, with
+    their logprobs when the request asked for them. ``Serving.take_deltas`` returns these."""
+
+    request_id: str
+    start: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
 @dataclass
 class RequestOutput:
     """The result of one finished request."""
@@ -62,6 +86,7 @@ class RequestOutput:
     finish_reason: str  # "length" | "stop" | "abort" | "error"
     metrics: RequestMetrics
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
 
 
 class Request:
@@ -88,6 +113,7 @@ class Request:
         self.prefilled = False  # the first token has been sampled (the prefilled hook ran)
         self.prefill_instance = ""  # the instance that computed the prompt
         self.decode_instance = ""  # the instance it was handed to, if any
+        self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         self.metrics = RequestMetrics(self.arrival_time, prompt_tokens=self.num_prompt)
 
     @property
@@ -117,6 +143,8 @@ class Request:
 
     def to_output(self, text: str | None) -> RequestOutput:
         """Freeze into a ``RequestOutput``."""
+        self.metrics.prefill_instance = self.prefill_instance
+        self.metrics.decode_instance = self.decode_instance
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
@@ -125,4 +153,5 @@ class Request:
             finish_reason=self.finish_reason or "error",
             metrics=self.metrics,
             error=self.error,
+            logprobs=self.logprobs,
         )

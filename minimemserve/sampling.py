@@ -18,6 +18,10 @@ _U64_MASK = 2**64 - 1  # per-token seeds wrap to 64 bits, the range of torch.Gen
 INT64_LIMIT = 2**63  # counts, seeds and token ids fit a signed 64-bit int (numpy, msgpack, JSON)
 # Below this temperature sampling is greedy: softmax(logits / T) is one-hot for all purposes.
 GREEDY_TEMPERATURE = 1e-5
+# Most alternatives a request may ask logprobs for (OpenAI's limit for top_logprobs).
+MAX_LOGPROBS = 20
+# A log-probability of -inf is reported as this (JSON has no infinity).
+LOGPROB_FLOOR = -9999.0
 
 
 def _scalar(kinds: type | tuple[type, ...], to: type) -> Callable[[Any], Any]:
@@ -49,6 +53,11 @@ _FIELDS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], bool], str]] = {
     "seed": (_as_seed, lambda v: v is None or v in _IDS, "None or an integer in [0, 2**63)"),
     "stop_token_ids": (_as_ids, lambda v: all(t in _IDS for t in v), "integers in [0, 2**63)"),
     "ignore_eos": (_scalar((bool, np.bool_), bool), lambda v: True, "a bool"),
+    "logprobs": (
+        lambda v: None if v is None else _as_int(v),
+        lambda v: v is None or 0 <= v <= MAX_LOGPROBS,
+        f"None or an integer in [0, {MAX_LOGPROBS}]",
+    ),
 }
 
 
@@ -64,7 +73,8 @@ class SamplingParams:
     """How to pick the tokens of one request. A temperature below ``GREEDY_TEMPERATURE`` is
     greedy; ``top_k=0`` (or -1) and ``top_p=1`` disable those filters. With a ``seed``, token n
     depends only on ``token_seed(seed, n)``. A bad value raises ``InvalidRequest`` naming the
-    field; numpy scalars become Python values, ``stop_token_ids`` a tuple."""
+    field; numpy scalars become Python values, ``stop_token_ids`` a tuple. With ``logprobs=k``
+    each output token carries its log-probability and the ``k`` most likely alternatives."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -73,6 +83,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name, (convert, valid, rule) in _FIELDS.items():
@@ -108,6 +119,22 @@ def _draw(logits: torch.Tensor, row_max: torch.Tensor, p: SamplingParams, gen) -
     if not 0 < float(probs.sum()) < math.inf:  # NaN if a probability is
         return None
     return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list:
+    """For each row of ``logits`` ``[B, V]``: the log-probability of ``tokens[i]`` under the raw
+    logits and the ``ks[i]`` most likely tokens with theirs (``TokenLogprob``)."""
+    lp = torch.log_softmax(logits.float(), dim=-1).clamp_min(LOGPROB_FLOOR)  # [B, V]
+    top = torch.topk(lp, max(ks), dim=-1) if max(ks) else None
+    out = []
+    for i, (tok, k) in enumerate(zip(tokens, ks)):
+        alts = (
+            []
+            if top is None
+            else list(zip(top.indices[i, :k].tolist(), top.values[i, :k].tolist()))
+        )
+        out.append((float(lp[i, tok]), alts))
+    return out
 
 
 def sample(

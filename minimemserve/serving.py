@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from .request import RequestOutput
+from .request import RequestOutput, TokenDelta
 from .sampling import SamplingParams
 
 
@@ -31,6 +31,13 @@ class Serving(Protocol):
 
     def step(self) -> list[RequestOutput]:
         """Step (or briefly await remote results); return requests finished since the last call."""
+
+    def take_deltas(self) -> list[TokenDelta]:
+        """Tokens sampled since the last call, per unfinished request, in order (for streaming;
+        a finished request's remaining tokens come in its output from :meth:`step`)."""
+
+    def load(self) -> dict[str, dict]:
+        """``{instance name: {"role", "waiting", "running"}}``."""
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and release its blocks; returns its partial output

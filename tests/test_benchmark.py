@@ -97,6 +97,12 @@ class ScriptedServing:
     def abort(self, request_id):
         return None
 
+    def take_deltas(self):
+        return []
+
+    def load(self):
+        return {"X0": {"role": "colocated", "waiting": 0, "running": len(self.running)}}
+
     def check_pools(self, require_idle=True):
         self.audits.append(require_idle)
         if not self.balanced:

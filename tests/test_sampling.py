@@ -113,6 +113,10 @@ def test_any_value_constructs_or_is_rejected_and_constructed_params_sample(
         ("ignore_eos", "no"),
         ("ignore_eos", 1),
         ("ignore_eos", None),
+        ("logprobs", -1),
+        ("logprobs", 21),
+        ("logprobs", True),
+        ("logprobs", 2.0),
     ],
 )
 def test_bad_values_are_invalid_requests_naming_the_field(field, value):
@@ -131,6 +135,7 @@ def test_fields_and_defaults_are_unchanged():
         seed=None,
         stop_token_ids=(),
         ignore_eos=False,
+        logprobs=None,
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         SamplingParams().temperature = 0.0  # type: ignore[misc]
@@ -147,7 +152,7 @@ def test_numpy_scalars_become_python_values():
         ignore_eos=np.bool_(True),
     )
     assert p == SamplingParams(5, 0.5, 3, 0.9, 2**63 - 1, (7,), True)
-    assert all(type(v) in (int, float, bool, tuple) for v in dataclasses.astuple(p))
+    assert all(type(v) in (int, float, bool, tuple, type(None)) for v in dataclasses.astuple(p))
 
 
 def test_stop_ids_outside_the_vocabulary_are_kept():

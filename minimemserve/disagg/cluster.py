@@ -15,7 +15,7 @@ import torch
 from ..config import Deployment, EngineConfig
 from ..engine import Engine
 from ..errors import InstanceDied
-from ..request import Request, RequestOutput
+from ..request import Request, RequestOutput, TokenDelta
 from ..sampling import SamplingParams
 
 
@@ -53,6 +53,7 @@ class InProcessCluster:
         self.by_name = {inst.name: inst for inst in self.instances}
         self.entry = self.role(deployment.milestone.roles[0])
         self.tokenizer, self._ids = first.tokenizer, itertools.count()
+        self._deltas: dict[str, TokenDelta] = {}  # of requests still in flight
 
     def role(self, role: str) -> list[Instance]:
         """The instances of ``role``."""
@@ -110,10 +111,29 @@ class InProcessCluster:
             if inst.engine.has_unfinished():
                 done.extend(inst.engine.step())
             inst.engine.handoffs.clear()  # the recipe already passed them on
+            for d in inst.engine.take_deltas():  # in order: P's first token, then D's
+                if (have := self._deltas.get(d.request_id)) is None:
+                    self._deltas[d.request_id] = d
+                else:
+                    have.token_ids += d.token_ids
+                    if have.logprobs is not None and d.logprobs is not None:
+                        have.logprobs += d.logprobs
+        for out in done:  # its output carries every token
+            self._deltas.pop(out.request_id, None)
         return done
+
+    def take_deltas(self) -> list[TokenDelta]:
+        """Tokens of unfinished requests sampled since the last call."""
+        out, self._deltas = list(self._deltas.values()), {}
+        return out
+
+    def load(self) -> dict[str, dict]:
+        """Every instance's role and requests waiting and running."""
+        return {k: v for i in self.instances for k, v in i.engine.load().items()}
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort ``request_id`` on whichever instance holds it."""
+        self._deltas.pop(request_id, None)
         for inst in self.instances:
             if (out := inst.engine.abort(request_id)) is not None:
                 return out

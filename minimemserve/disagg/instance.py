@@ -93,8 +93,11 @@ def state_of(req: Request) -> rpc.RequestState:
 def request_of(s: rpc.RequestState) -> Request:
     """Rebuild a prefilled request from its state."""
     req = Request(s.request_id, s.tokens, s.params, s.arrival_time)
-    for f in ("num_prompt", "blocks", "num_computed", "max_total_tokens", "prefill_instance"):
+    fields = ("num_prompt", "blocks", "num_computed", "max_total_tokens", "prefill_instance")
+    for f in fields:
         setattr(req, f, getattr(s, f))
+    if req.params.logprobs is not None:
+        req.logprobs = list(s.logprobs or ())
     req.metrics, req.prefilled = s.metrics, True
     return req
 
@@ -314,6 +317,8 @@ class InstanceServer:
             != self.pool.layout.num_blocks_for(s.num_computed),
             "the prefill instance is unknown": s.prefill_instance not in self.peer_names,
             "the request id is in use": s.request_id in self.engine.requests,
+            "logprobs do not match the tokens": s.logprobs is not None
+            and (s.params.logprobs is None or len(s.logprobs) > n - s.num_prompt),
         }
         if bad := [what for what, failed in problems.items() if failed]:
             raise ValueError(f"request {s.request_id!r} refused: {'; '.join(bad)}")
@@ -341,6 +346,7 @@ class InstanceServer:
         stats = {
             "pool": self.pool.stats(),
             "requests": len(self.engine.requests) + len(self.inbox),
+            "load": self.engine.load()[self.name],
             "grants": {p: sum(c.values()) for p, c in self.grants.items()},
             "dead_peers": dict(self.node.dead),
             "rejected": self.node.rejected,
@@ -426,6 +432,8 @@ class InstanceServer:
             events = [(added, toks.tolist()) for added, toks in self.cache_events]
             self.node.try_push(FRONTEND, rpc.CacheEvents(events))
             self.cache_events.clear()
+        if deltas := self.engine.take_deltas():  # before the outputs and hand-offs they precede
+            self.node.try_push(FRONTEND, rpc.Tokens(deltas))
         for out in outputs:
             self.node.try_push(FRONTEND, rpc.Output(out))
         for req in self.engine.handoffs:

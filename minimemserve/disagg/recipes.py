@@ -7,7 +7,7 @@ table is the whole difference between deployments; all other code is shared and 
 | milestone    | role      | arrival | prefilled                         | finish                  |
 |--------------|-----------|---------|-----------------------------------|-------------------------|
 | PD           | colocated | —       | —                                 | free                    |
-| PD-CC        | colocated | match   | —                                 | insert, free            |
+| PD-CC        | colocated | match   | insert                            | insert, free            |
 | PD-Basic     | prefill   | —       | transfer                          | free                    |
 |              | decode    | —       | —                                 | free                    |
 | PD-Caching-1 | prefill   | match   | insert, transfer                  | insert, free            |
@@ -219,7 +219,9 @@ class Milestone:
 
 
 _CACHED = ("insert", "free")
-_CACHING = Recipe(("match",), (), _CACHED, _CACHED)  # PD-CC colocated, and a caching decode
+# PD-CC colocated, and a caching decode (whose requests arrive prefilled): the prompt is
+# shareable once computed, so concurrent requests with the same prefix (n > 1) hit it
+_CACHING = Recipe(("match",), ("insert",), _CACHED, _CACHED)
 _P_CC1 = Recipe(("match",), ("insert", "transfer"), _CACHED, _CACHED)
 _P_CC2 = Recipe(("match",), ("insert", "transfer_with_insert"), _CACHED, _CACHED)
 _D_CC3 = Recipe(("match",), (), ("send_back", *_CACHED), _CACHED)

@@ -21,7 +21,7 @@ import msgspec
 import zmq
 
 from ..errors import InstanceDied, RemoteError, TransferError
-from ..request import RequestMetrics, RequestOutput
+from ..request import RequestMetrics, RequestOutput, TokenDelta, TokenLogprob
 from ..sampling import SamplingParams
 
 LOOPBACK = "127.0.0.1"
@@ -134,6 +134,7 @@ class RequestState(msgspec.Struct, forbid_unknown_fields=True):
     max_total_tokens: Count
     prefill_instance: str
     metrics: RequestMetrics
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Accept(Msg):
@@ -146,6 +147,12 @@ class Output(Msg):
     """A finished request, pushed to the frontend."""
 
     output: RequestOutput
+
+
+class Tokens(Msg):
+    """Tokens sampled in the last step, per request (streamed before any ``Output``)."""
+
+    deltas: list[TokenDelta]
 
 
 class Handoff(Msg):

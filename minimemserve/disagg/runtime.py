@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from ..errors import (
 from ..mempool import TIERS, PoolAccountingError
 from ..mempool.shared import segment_path
 from ..model.tokenizer import Tokenizer
-from ..request import RequestMetrics, RequestOutput
+from ..request import RequestMetrics, RequestOutput, TokenDelta
 from ..sampling import SamplingParams
 from ..scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler, Route
 from . import rpc
@@ -78,6 +78,8 @@ class _Inflight:
     arrival_time: float
     where: str
     reruns: int = 0
+    streamed: int = 0  # output tokens taken by take_deltas() so far
+    pending: dict[int, tuple[int, Any]] = field(default_factory=dict)  # position -> (token, lp)
 
     def end(self, rid: str, reason: str, error: str | None = None) -> RequestOutput:
         """The output of a request ended here, with no token from an instance."""
@@ -172,6 +174,7 @@ class ProcessCluster:
         self._last_heard: dict[str, float] = {}
         self._handlers = {
             rpc.Output: self._on_output,
+            rpc.Tokens: self._on_tokens,
             rpc.Handoff: self._on_handoff,
             rpc.Ready: self._on_ready,
             rpc.Heartbeat: lambda sender, msg: None,
@@ -296,6 +299,34 @@ class ProcessCluster:
         if self._inflight.pop(out.request_id, None) is not None:
             self._done.append(out)
             self.scheduler.finished(out.request_id)
+
+    def _on_tokens(self, sender: str, msg: rpc.Tokens) -> None:
+        """Stream positions from P and D may arrive out of order: keep them by position."""
+        for d in msg.deltas:
+            f = self._inflight.get(d.request_id)
+            if f is None or len(f.pending) + len(d.token_ids) > f.params.max_tokens:
+                continue
+            lps = d.logprobs or [None] * len(d.token_ids)
+            for i, (tok, lp) in enumerate(zip(d.token_ids, lps)):
+                if d.start + i >= f.streamed:
+                    f.pending[d.start + i] = (tok, lp)
+
+    def take_deltas(self) -> list[TokenDelta]:
+        """Tokens of unfinished requests received since the last call, in order per request."""
+        out = []
+        for rid, f in self._inflight.items():
+            run = []
+            while (item := f.pending.pop(f.streamed + len(run), None)) is not None:
+                run.append(item)
+            if run:
+                lps = None if f.params.logprobs is None else [lp for _, lp in run]
+                out.append(TokenDelta(rid, f.streamed, [t for t, _ in run], lps))
+                f.streamed += len(run)
+        return out
+
+    def load(self) -> dict[str, dict]:
+        """Every live instance's role and requests waiting and running."""
+        return {name: data["load"] for name, data in self._ask_all("stats").items()}
 
     def _on_handoff(self, sender: str, msg: rpc.Handoff) -> None:
         f = self._inflight.get(msg.request_id)

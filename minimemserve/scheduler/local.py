@@ -3,6 +3,7 @@ and preemption by recompute when the pool is full. Plain Python: no tensors here
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from ..disagg.recipes import Hook, Recipe
@@ -77,6 +78,9 @@ class LocalScheduler:
                     continue
                 break
             self.waiting.popleft()
+            req.metrics.first_scheduled_time = (
+                req.metrics.first_scheduled_time or time.perf_counter()
+            )
             req.status = Status.RUNNING
             self.running.append(req)
             batch[req] = n

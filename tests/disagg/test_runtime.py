@@ -25,8 +25,9 @@ MAX_TOKENS = 9
 RUN_TIMEOUT_S = 60.0
 
 
-def run_turns(engine, sessions: list[list[list[int]]]) -> list[list]:
-    """Multi-turn over the engine API: turn k+1 = history + own output + new tokens."""
+def run_turns(engine, sessions: list[list[list[int]]], streamed: dict | None = None) -> list[list]:
+    """Multi-turn over the engine API: turn k+1 = history + own output + new tokens. With
+    ``streamed``, the tokens ``take_deltas`` gave are collected there by request id."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outs: list[list] = [[] for _ in sessions]
     history: list[list[int]] = [[] for _ in sessions]
@@ -40,6 +41,10 @@ def run_turns(engine, sessions: list[list[list[int]]]) -> list[list]:
         while engine.has_unfinished():
             for out in engine.step():
                 done[out.request_id] = out
+            for d in engine.take_deltas() if streamed is not None else ():
+                got = streamed.setdefault(d.request_id, [])
+                assert d.start == len(got), "deltas are contiguous"
+                got += d.token_ids
             assert time.monotonic() < deadline, "requests did not finish in time"
         for s, rid in enumerate(rids):
             outs[s].append(done[rid])
@@ -82,10 +87,12 @@ def runs(tiny_llama_dir, sessions):
         with cluster:
             pids = [i.process.pid for i in cluster.instances.values()]
             segments = shm_segments(pids)
-            outs = run_turns(cluster, sessions)
+            streamed: dict[str, list[int]] = {}
+            outs = run_turns(cluster, sessions, streamed)
             reports = cluster.check_pools(require_idle=True)
         res[config] = {
             "outs": outs,
+            "streamed": streamed,
             "reports": reports,
             "pids": pids,
             "segments": segments,
@@ -98,6 +105,15 @@ def runs(tiny_llama_dir, sessions):
 @pytest.mark.parametrize("config", CONFIGS)
 def test_same_greedy_tokens_as_in_process(runs, reference, config):
     assert tokens(runs[config]["outs"]) == reference
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_tokens_stream_in_order_before_the_output(runs, config):
+    streamed, outs = runs[config]["streamed"], runs[config]["outs"]
+    finals = {o.request_id: o.token_ids for session in outs for o in session}
+    for rid, toks in streamed.items():
+        assert toks == finals[rid][: len(toks)]
+    assert sum(map(len, streamed.values())) > 0  # deltas did arrive before outputs
 
 
 @pytest.mark.parametrize("config", CONFIGS)
