@@ -6,10 +6,12 @@ import argparse
 import sys
 from dataclasses import fields
 
+from minimemserve import server
 from minimemserve.bench import driver
 from minimemserve.bench.presets import preset_dir
 from minimemserve.llm import LLM
 from minimemserve.sampling import SamplingParams
+from minimemserve.sim import runner as sim_runner
 
 _LLM_OPTIONS = ("config", "device", "dtype", "block_size", "attention")  # generate's, for LLM
 
@@ -29,6 +31,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from minimemserve.server import app  # lazy: needs the optional serve extra (FastAPI)
+
+    return app.main(args)
+
+
 def _preset(args: argparse.Namespace) -> int:
     print(preset_dir(args.name))
     return 0
@@ -44,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
         description=driver.DESCRIPTION,
     )
     driver.add_arguments(b).set_defaults(fn=driver.main)
+    s = sub.add_parser(
+        "sim",
+        help="the same comparison on a simulated GPU cluster (see `minimemserve sim -h`)",
+        description=sim_runner.DESCRIPTION,
+    )
+    sim_runner.add_arguments(s).set_defaults(fn=sim_runner.main)
+    v = sub.add_parser("serve", help="serve the OpenAI HTTP API (needs the serve extra)")
+    server.add_arguments(v).set_defaults(fn=_serve)
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("--model", default=None, help="HF checkpoint dir (default: the tiny preset)")
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")

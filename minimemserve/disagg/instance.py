@@ -182,6 +182,9 @@ class InstanceServer:
         """Build the engine and bind the control socket (does not announce itself yet)."""
         self.spec, self.name, self.stopping = spec, spec.name, False
         self.inbox: list[Request] = []
+        # A step makes calls to peers and serves messages while it waits: an abort arriving
+        # then would run a request's hooks a second time, so it waits for the step to end.
+        self.stepping, self.deferred_aborts = False, []
         self.grants: dict[str, Counter[int]] = {}
         self.xfers: dict[tuple[str, str], tuple] = {}  # (peer, transfer) -> (blocks, tokens)
         self.remotes: dict[str, RemotePool] = {}
@@ -299,6 +302,7 @@ class InstanceServer:
     def _on_accept(self, sender: str, m: rpc.Accept) -> None:
         self._check_state(m.state)
         req = request_of(m.state)
+        req.decode_instance = self.name
         held = self._ungrant(sender, req.blocks)
         if len(held) != len(req.blocks):
             self.pool.free_mem(held)
@@ -367,14 +371,20 @@ class InstanceServer:
         self._peer_down(m.name, m.reason)
         return rpc.Info({"handed": [r for r, d in self.handed.items() if d == m.name]})
 
-    def _on_abort_request(self, sender: str, m: rpc.AbortRequest) -> rpc.Output | None:
+    def _on_abort_request(self, sender: str, m: rpc.AbortRequest) -> rpc.Msg | None:
+        if self.stepping:  # the request may be inside a hook right now: after the step
+            self.deferred_aborts.append(m.request_id)
+            return rpc.Info({"deferred": True})
+        out = self._abort(m.request_id)
+        return None if out is None else rpc.Output(out)
+
+    def _abort(self, request_id: str):
         for i, req in enumerate(self.inbox):
-            if req.request_id == m.request_id:  # not admitted yet: let the engine finish it
+            if req.request_id == request_id:  # not admitted yet: let the engine finish it
                 del self.inbox[i]
                 self.engine.add_prefilled(req)
                 break
-        out = self.engine.abort(m.request_id)
-        return None if out is None else rpc.Output(out)
+        return self.engine.abort(request_id)
 
     def _on_shutdown(self, sender: str, m: rpc.Shutdown) -> None:
         self.stopping = True
@@ -454,7 +464,14 @@ class InstanceServer:
             inbox, self.inbox = self.inbox, []
             for req in inbox:
                 self.engine.add_prefilled(req)
-            self._flush(self.engine.step() if self.engine.has_unfinished() else ())
+            self.stepping = True
+            try:
+                outputs = self.engine.step() if self.engine.has_unfinished() else []
+            finally:
+                self.stepping = False
+            aborts, self.deferred_aborts = self.deferred_aborts, []
+            outputs += [out for rid in aborts if (out := self._abort(rid)) is not None]
+            self._flush(outputs)
 
     def _parent_alive(self) -> bool:
         now = time.monotonic()

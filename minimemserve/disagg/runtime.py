@@ -27,6 +27,7 @@ import signal
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +47,7 @@ from ..mempool import TIERS, PoolAccountingError
 from ..mempool.shared import segment_path
 from ..model.tokenizer import Tokenizer
 from ..request import RequestMetrics, RequestOutput, TokenDelta
-from ..sampling import SamplingParams
+from ..sampling import INT64_LIMIT, SamplingParams
 from ..scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler, Route
 from . import rpc
 from .instance import DEFAULT_HEARTBEAT_S, InstanceSpec, instance_main
@@ -65,6 +66,8 @@ SHUTDOWN_GRACE_S = 5.0
 FORKSERVER_PRELOAD = ("minimemserve.disagg.instance",)
 # A request is re-run at most this many times after instances died under it.
 MAX_RERUNS = 2
+# Aborts remembered until the instance that deferred them hands the request on.
+ABORT_MEMORY = 4096
 # Exceptions an instance may raise for a bad request, re-raised here under their own class.
 _REQUEST_ERRORS = {c.__name__: c for c in (InvalidRequest, PoolExhausted, ConfigError)}
 
@@ -169,6 +172,10 @@ class ProcessCluster:
         self.num_reruns = 0  # requests re-run after the instance holding them died
         self.prefix_tokens_moved = 0  # tokens of KV moved by the scheduler's prefix transfers
         self._inflight: dict[str, _Inflight] = {}
+        # aborted while an instance was stepping: it aborts after its step, or hands the
+        # request on, and then the abort follows it (request id -> instance to ask)
+        self._abort_later: OrderedDict[str, None] = OrderedDict()
+        self._late_aborts: list[tuple[str, str]] = []
         self._done: list[RequestOutput] = []
         self._ids, self._closed, self._old_sigterm = itertools.count(), False, None
         self._last_heard: dict[str, float] = {}
@@ -329,6 +336,8 @@ class ProcessCluster:
         return {name: data["load"] for name, data in self._ask_all("stats").items()}
 
     def _on_handoff(self, sender: str, msg: rpc.Handoff) -> None:
+        if msg.request_id in self._abort_later and msg.to in self.instances:
+            self._late_aborts.append((msg.request_id, msg.to))
         f = self._inflight.get(msg.request_id)
         if f is None or f.where != sender or msg.to not in self.instances:
             return
@@ -448,11 +457,19 @@ class ProcessCluster:
             raise cls(e.remote_message) from None
         raise e
 
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of ``prompt``; ids no message may carry are refused here (the instance
+        checks the model's vocabulary)."""
+        ids = self.tokenizer.prompt_ids(prompt)
+        if bad := [t for t in ids if not 0 <= t < INT64_LIMIT]:
+            raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary")
+        return ids
+
     def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         """Token ids of ``prompt``, or the instance's exception naming the problem."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = self.tokenizer.prompt_ids(prompt)
+        ids = self._prompt_ids(prompt)
         if not (live := [n for n in self.instances if n not in self.dead]):
             raise InstanceDied(f"every instance died: {self.dead}")
         try:
@@ -473,7 +490,7 @@ class ProcessCluster:
             raise RuntimeError("the cluster is closed")
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = self.tokenizer.prompt_ids(prompt)
+        ids = self._prompt_ids(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._inflight:
             raise InvalidRequest(f"request id {rid!r} is already in use")
@@ -493,8 +510,19 @@ class ProcessCluster:
         if not self._closed:
             self.node.serve(0.0)
             self.monitor()
+            self._abort_handed_on()
         out, self._done = self._done, []
         return out
+
+    def _abort_handed_on(self) -> None:
+        """Abort requests that were handed on while their first abort waited for a step."""
+        late, self._late_aborts = self._late_aborts, []
+        for rid, name in late:
+            if name not in self.dead:
+                with contextlib.suppress(TransferError):
+                    rep = self.node.call(name, rpc.AbortRequest(rid))
+                    if not (isinstance(rep, rpc.Info) and rep.data.get("deferred")):
+                        self._abort_later.pop(rid, None)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is (asking the instance the frontend believes holds it
@@ -509,6 +537,11 @@ class ProcessCluster:
                 rep = self.node.call(name, rpc.AbortRequest(request_id))
                 if isinstance(rep, rpc.Output):
                     return rep.output
+                if isinstance(rep, rpc.Info) and rep.data.get("deferred"):
+                    self._abort_later[request_id] = None  # follows a hand-off, if one comes
+                    while len(self._abort_later) > ABORT_MEMORY:
+                        self._abort_later.popitem(last=False)
+                    break
         return f.end(request_id, "abort")
 
     def location(self, request_id: str) -> str | None:

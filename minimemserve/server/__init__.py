@@ -1,0 +1,44 @@
+"""The OpenAI-compatible HTTP server (``minimemserve serve``; needs the ``serve`` extra:
+FastAPI, uvicorn, prometheus_client). The application is in ``minimemserve.server.app``."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..disagg.rpc import LOOPBACK
+
+# Choices in flight at once; more is "overloaded" (503), not an unbounded queue.
+DEFAULT_MAX_PENDING = 1024
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of ``minimemserve serve``."""
+    p.add_argument("--model", default=None, help="HF checkpoint dir (default: the tiny preset)")
+    p.add_argument("--served-model-name", default=None, help="model id (default: the dir name)")
+    p.add_argument("--config", default="PD-CC", help="PD, PD-CC, 1P1D, 1P1D-CC, xPyD[-CC...]")
+    p.add_argument("--host", default=LOOPBACK, help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--policy", default="prompt_tree", help="global scheduler policy (process runtime)"
+    )
+    p.add_argument(
+        "--runtime",
+        default="process",
+        choices=["process", "inprocess"],
+        help="one process per instance (default), or every instance in this one",
+    )
+    p.add_argument("--num-colocated", type=int, default=2, help="instances of a PD/PD-CC config")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per instance")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--max-pending",
+        type=int,
+        default=DEFAULT_MAX_PENDING,
+        help="choices in flight before new requests get 503",
+    )
+    p.add_argument("--log-level", default="warning")
+    return p

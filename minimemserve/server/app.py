@@ -1,0 +1,543 @@
+"""The OpenAI-compatible HTTP server: ``minimemserve serve``.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health`` (503 when a role has no live instance) and ``GET /metrics`` (Prometheus).
+Any deployment serves: in this process (``--runtime inprocess``) or one process per instance
+behind the global scheduler (``--runtime process``, the default). Tokens stream as the
+decoding instance samples them (SSE, ending with ``data: [DONE]``). A client that goes away
+aborts its requests, which frees their blocks wherever they are. Errors come in OpenAI's shape,
+400 for every value the library refuses."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..bench.presets import preset_dir
+from ..config import EngineConfig, parse_config_name
+from ..disagg.rpc import LOOPBACK
+from ..disagg.runtime import ProcessCluster
+from ..errors import InstanceDied, InvalidRequest, PoolExhausted, TransferError
+from ..llm import LLM
+from ..model.config import ModelConfig
+from ..model.tokenizer import Tokenizer
+from ..request import RequestOutput, TokenDelta
+from ..sampling import INT64_LIMIT
+from ..serving import Serving
+from . import DEFAULT_MAX_PENDING, protocol
+from .engine_loop import EngineLoop
+from .metrics import ServerMetrics, Snapshot
+
+logger = logging.getLogger(__name__)
+
+# How often a non-streaming request checks whether its client is still connected.
+DISCONNECT_POLL_S = 0.25
+# How long /health and /metrics wait for the engine thread before answering 503.
+PROBE_TIMEOUT_S = 10.0
+# Start-up of the instances (processes load the checkpoint) before the port opens.
+STARTUP_TIMEOUT_S = 300.0
+_PARAM = re.compile(r"SamplingParams\.(\w+)")
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def body(self) -> dict:
+        """``{"error": {"message", "type", "param", "code"}}``."""
+        err = {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}
+        return {"error": err}
+
+    def response(self) -> JSONResponse:
+        """The JSON response of this error."""
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def api_error(e: Exception) -> ApiError:
+    """The HTTP error of an exception the library raised for a request."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, protocol.BadField):
+        return ApiError(400, str(e), "invalid_request_error", e.param)
+    if isinstance(e, PoolExhausted):
+        return ApiError(400, str(e), "invalid_request_error", "max_tokens", "pool_exhausted")
+    if isinstance(e, (InstanceDied, TransferError)):
+        return ApiError(503, str(e), "service_unavailable", code="no_instance")
+    if isinstance(e, ValueError):  # InvalidRequest and every other refused value
+        param = m.group(1) if (m := _PARAM.search(str(e))) else None
+        return ApiError(400, str(e), "invalid_request_error", param)
+    if isinstance(e, RuntimeError) and not isinstance(e, NotImplementedError):
+        return ApiError(503, str(e), "service_unavailable", code="engine_unavailable")
+    return ApiError(500, f"{type(e).__name__}: {e}", "internal_error")
+
+
+@dataclass
+class Choice:
+    """One generated sequence of a request: its engine request and what was sent of it."""
+
+    index: int
+    prompt: int  # which prompt of the request
+    sibling: int  # j of n for that prompt; sibling 0 goes first, the others share its prefix
+    rid: str
+    detok: protocol.Detokenizer
+    logprobs: list = field(default_factory=list)
+    started: bool = False
+    finish_reason: str | None = None
+    out: RequestOutput | None = None
+    first_at: float | None = None
+    last_at: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The generated token ids received so far."""
+        return self.detok.tokens
+
+
+class Server:
+    """The request handling behind the routes, over one :class:`EngineLoop`."""
+
+    def __init__(
+        self,
+        loop: EngineLoop,
+        tokenizer: Tokenizer,
+        chat: protocol.ChatFormat,
+        model_name: str,
+        max_model_len: int,
+        roles: tuple[str, ...],
+        metrics: ServerMetrics,
+        max_pending: int = DEFAULT_MAX_PENDING,
+    ) -> None:
+        self.loop, self.tok, self.chat, self.model_name = loop, tokenizer, chat, model_name
+        self.max_model_len, self.roles, self.metrics = max_model_len, roles, metrics
+        self.max_pending, self._ids = max_pending, itertools.count()
+
+    # ---- a request's choices ------------------------------------------------------------------
+    async def _start(self, c: Choice, parsed: protocol.Parsed, events: asyncio.Queue, t0: float):
+        p = parsed.params
+        if c.sibling and p.seed is not None:  # seeded siblings differ from each other
+            p = dataclasses.replace(p, seed=(p.seed + c.sibling) % INT64_LIMIT)
+        aio, prompt = asyncio.get_running_loop(), parsed.prompts[c.prompt]
+
+        def add(s: Serving) -> None:
+            s.add_request(prompt, p, request_id=c.rid, arrival_time=t0)
+            self.loop.register(c.rid, aio, events)
+
+        c.started = True
+        await self.loop.call(add)
+
+    async def _next_event(self, events: asyncio.Queue, request: Request | None):
+        while True:
+            try:
+                return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if request is not None and await request.is_disconnected():
+                    raise asyncio.CancelledError("client disconnected") from None
+
+    async def run(
+        self, parsed: protocol.Parsed, request: Request | None
+    ) -> AsyncIterator[tuple[Choice, str, list]]:
+        """Yield ``(choice, text delta, new logprobs)`` until every choice finished; the
+        choices' requests are aborted if the caller stops early (client gone)."""
+        t0, events, base = time.perf_counter(), asyncio.Queue(), f"srv-{next(self._ids)}"
+        choices = [
+            Choice(
+                i * parsed.n + j,
+                i,
+                j,
+                f"{base}-{i}-{j}",
+                protocol.Detokenizer(self.tok, parsed.stop),
+            )
+            for i in range(len(parsed.prompts))
+            for j in range(parsed.n)
+        ]
+        by_rid = {c.rid: c for c in choices}
+        try:
+            for c in choices:
+                if c.sibling == 0:
+                    await self._start(c, parsed, events, t0)
+            left = len(choices)
+            while left:
+                ev = await self._next_event(events, request)
+                c = by_rid[ev.request_id]
+                if c.finish_reason is not None:
+                    continue  # ended by a stop string; what was still queued for it
+                text, lps = self._take(c, ev)
+                if c.sibling == 0 and (c.tokens or c.finish_reason):  # its prompt is computed
+                    for s in choices[c.index + 1 : c.index + parsed.n]:
+                        if not s.started:
+                            await self._start(s, parsed, events, t0)
+                if c.detok.stopped and c.finish_reason is None:
+                    await self._end_early(c)
+                if c.finish_reason is not None:
+                    left -= 1
+                    self._observe(c, t0)
+                yield c, text, lps
+        finally:
+            for c in choices:
+                if c.started and c.finish_reason is None:
+                    self.loop.unregister(c.rid)
+                    self.loop.post(lambda s, rid=c.rid: s.abort(rid))
+
+    def _take(self, c: Choice, ev: TokenDelta | RequestOutput) -> tuple[str, list]:
+        """Feed a delta or the final output into the choice; its text delta and new logprobs."""
+        now, have = time.perf_counter(), len(c.tokens)
+        final = isinstance(ev, RequestOutput)
+        skip = have if final else have - ev.start
+        new, lps = ev.token_ids[skip:], (ev.logprobs or [])[skip:]
+        if new:
+            if c.first_at is None:
+                c.first_at = now
+            elif c.last_at:
+                c.gaps += [(now - c.last_at) / len(new)] * len(new)
+            c.last_at = now
+        c.logprobs += lps
+        text = c.detok.feed(new, final=final)
+        if final:
+            c.out, c.finish_reason = ev, "stop" if c.detok.stopped else ev.finish_reason
+            if ev.finish_reason == "error":
+                raise api_error(RuntimeError(f"request failed: {ev.error}"))
+        return text, lps
+
+    async def _end_early(self, c: Choice) -> None:
+        """A stop string ended the choice: abort its request (its blocks go back now)."""
+        self.loop.unregister(c.rid)
+        out = await self.loop.call(lambda s: s.abort(c.rid))
+        if out is not None:
+            self.metrics.observe_output(out)
+            c.out = out
+        c.finish_reason = "stop"
+
+    def _observe(self, c: Choice, t0: float) -> None:
+        if c.out is not None:
+            ttft = None if c.first_at is None else c.first_at - t0
+            self.metrics.observe_timing(c.out, ttft, time.perf_counter() - t0, c.gaps)
+
+    # ---- HTTP ---------------------------------------------------------------------------------
+    async def parse(self, request: Request, chat: bool) -> protocol.Parsed:
+        """Read and check a request body, and validate its prompts with the engine."""
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise protocol.BadField("body", f"malformed JSON: {e}") from None
+        parsed = protocol.parse(body, self.tok, self.chat if chat else None, self.max_model_len)
+        if parsed.model != self.model_name:
+            raise ApiError(
+                404,
+                f"model {parsed.model!r} does not exist; this server has {self.model_name!r}",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+        if self.loop.num_streams + len(parsed.prompts) * parsed.n > self.max_pending:
+            raise ApiError(
+                503,
+                f"server overloaded: {self.loop.num_streams} requests in flight",
+                "service_unavailable",
+                code="overloaded",
+            )
+        try:
+            await self.loop.call(lambda s: [s.validate(p, parsed.params) for p in parsed.prompts])
+        except PoolExhausted:
+            raise
+        except InvalidRequest as e:  # too long, outside the vocabulary: the prompt's fault
+            raise protocol.BadField("messages" if chat else "prompt", str(e)) from None
+        return parsed
+
+    def usage(self, parsed: protocol.Parsed, choices: list[Choice]) -> dict:
+        """OpenAI's usage object; ``cached_tokens`` is the prefix-cache hit of each prompt."""
+        prompt = sum(map(len, parsed.prompts))
+        done = sum(len(c.tokens) for c in choices)
+        cached = sum(c.out.metrics.cached_tokens for c in choices if c.sibling == 0 and c.out)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": done,
+            "total_tokens": prompt + done,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def logprobs(self, chat: bool, c: Choice, lps: list, offset: int = 0) -> dict | None:
+        """The logprobs object of some tokens of a choice, as OpenAI shapes it."""
+        if c.out is None and not lps and not c.logprobs:
+            return None
+        toks = c.tokens[offset : offset + len(lps)]
+        piece = c.detok.piece
+        if chat:
+
+            def entry(t: int, lp: float) -> dict:
+                s = piece(t)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+            return {
+                "content": [
+                    entry(t, lp) | {"top_logprobs": [entry(a, b) for a, b in alts]}
+                    for t, (lp, alts) in zip(toks, lps)
+                ]
+            }
+        return {
+            "tokens": [piece(t) for t in toks],
+            "token_logprobs": [lp for lp, _ in lps],
+            "top_logprobs": [{piece(a): b for a, b in alts} for _, alts in lps],
+            "text_offset": list(itertools.accumulate((len(piece(t)) for t in toks), initial=0))[
+                :-1
+            ],
+        }
+
+    async def complete(self, request: Request, chat: bool) -> Response:
+        """``/v1/completions`` and ``/v1/chat/completions``."""
+        parsed = await self.parse(request, chat)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        head = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
+        if parsed.stream:
+            return StreamingResponse(self._sse(parsed, chat, head), media_type="text/event-stream")
+        texts: dict[int, list[str]] = {}
+        choices: dict[int, Choice] = {}
+        async for c, text, _ in self.run(parsed, request):
+            texts.setdefault(c.index, []).append(text)
+            choices[c.index] = c
+        out = []
+        for i in sorted(choices):
+            c, text = choices[i], "".join(texts[i])
+            body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            lp = self.logprobs(chat, c, c.logprobs) if parsed.params.logprobs is not None else None
+            extra = {"token_ids": c.tokens} if parsed.return_token_ids else {}
+            out.append(
+                {"index": i, **body, "logprobs": lp, "finish_reason": c.finish_reason, **extra}
+            )
+        return JSONResponse(
+            head | {"choices": out, "usage": self.usage(parsed, list(choices.values()))}
+        )
+
+    async def _sse(self, parsed: protocol.Parsed, chat: bool, head: dict) -> AsyncIterator[str]:
+        head = head | {"object": "chat.completion.chunk" if chat else "text_completion"}
+        send = lambda chunk: f"data: {json.dumps(head | chunk)}\n\n"
+        seen: dict[int, Choice] = {}
+        try:
+            if chat:
+                n = len(parsed.prompts) * parsed.n
+                yield send(
+                    {
+                        "choices": [
+                            {
+                                "index": i,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                            for i in range(n)
+                        ]
+                    }
+                )
+            async for c, text, lps in self.run(parsed, None):
+                seen[c.index] = c
+                if not (text or lps or c.finish_reason):
+                    continue
+                offset = len(c.logprobs) - len(lps)
+                lp = self.logprobs(chat, c, lps, offset) if lps else None
+                body = {"delta": {"content": text} if text else {}} if chat else {"text": text}
+                extra = (
+                    {"token_ids": c.tokens} if parsed.return_token_ids and c.finish_reason else {}
+                )
+                yield send(
+                    {
+                        "choices": [
+                            {
+                                "index": c.index,
+                                **body,
+                                "logprobs": lp,
+                                "finish_reason": c.finish_reason,
+                                **extra,
+                            }
+                        ]
+                    }
+                )
+            if parsed.include_usage:
+                yield send({"choices": [], "usage": self.usage(parsed, list(seen.values()))})
+        except Exception as e:  # after the 200 went out: the error is the last event
+            yield f"data: {json.dumps(api_error(e).body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def health(self) -> Response:
+        """200 when every role has a live instance, else 503."""
+
+        def probe(s: Serving) -> set[str]:
+            getattr(s, "monitor", lambda: None)()  # a process runtime notices deaths here
+            return {v["role"] for v in s.load().values()}
+
+        try:
+            live = await asyncio.wait_for(self.loop.call(probe), PROBE_TIMEOUT_S)
+        except Exception as e:
+            return ApiError(
+                503, f"unhealthy: {type(e).__name__}: {e}", "service_unavailable"
+            ).response()
+        if missing := set(self.roles) - live:
+            return ApiError(
+                503, f"no live instance for role(s) {sorted(missing)}", "service_unavailable"
+            ).response()
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(self) -> Response:
+        """The Prometheus exposition of every metric, the pool gauges read now."""
+        try:
+            snap = await asyncio.wait_for(
+                self.loop.call(lambda s: Snapshot(s.load(), s.pool_stats())), PROBE_TIMEOUT_S
+            )
+            self.metrics.snapshot = snap
+        except Exception as e:  # the request metrics still show; the gauges are stale
+            logger.warning("metrics: could not read the pools: %s", e)
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def build_app(server: Server) -> FastAPI:
+    """The FastAPI application of ``server`` (starts and stops its engine loop)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await asyncio.to_thread(server.loop.stop)
+
+    app = FastAPI(title="minimemserve", lifespan=lifespan)
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, e: Exception) -> JSONResponse:
+        return api_error(e).response()
+
+    @app.middleware("http")
+    async def errors(request: Request, call_next: Callable) -> Response:
+        try:
+            return await call_next(request)
+        except Exception as e:  # every error in OpenAI's shape: 400, 404, 503 (500 for a bug)
+            err = api_error(e)
+            if err.status == 500:
+                logger.exception("internal error")
+            return err.response()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await server.complete(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {
+            "id": server.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "minimemserve",
+            "max_model_len": server.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await server.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return await server.metrics_text()
+
+    return app
+
+
+# ---- the command ------------------------------------------------------------------------------
+def make_server(args: argparse.Namespace) -> Server:
+    """Start the engine (loading the model) and wrap it as a :class:`Server`."""
+    model_dir = Path(preset_dir("tiny") if args.model is None else args.model)
+    deployment = parse_config_name(args.config)
+    ecfg = EngineConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+    )
+
+    def make() -> Serving:
+        if args.runtime == "inprocess":
+            return LLM(
+                model_dir,
+                config=args.config,
+                device=args.device,
+                dtype=args.dtype,
+                **{
+                    k: getattr(ecfg, k)
+                    for k in ("block_size", "num_blocks", "max_num_seqs", "max_model_len")
+                },
+            ).engine
+        return ProcessCluster(
+            model_dir,
+            args.config,
+            engine_config=ecfg,
+            device=args.device,
+            dtype=args.dtype,
+            policy=args.policy,
+            num_colocated=args.num_colocated,
+        )
+
+    metrics = ServerMetrics()
+    loop = EngineLoop(make, on_output=metrics.observe_output)
+    loop.start(STARTUP_TIMEOUT_S)
+    metrics.roles = {name: v["role"] for name, v in loop.serving.load().items()}
+    context = ModelConfig.from_hf(model_dir).max_position_embeddings
+    tok = Tokenizer.from_dir(model_dir)
+    return Server(
+        loop,
+        tok,
+        protocol.ChatFormat(model_dir, tok),
+        args.served_model_name or ("tiny" if args.model is None else model_dir.name),
+        min(args.max_model_len or context, context),
+        deployment.milestone.roles,
+        metrics,
+        args.max_pending,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """``minimemserve serve``: start the engine, then serve HTTP until interrupted."""
+    import uvicorn  # lazy: the optional serve extra
+
+    logging.basicConfig(level=args.log_level.upper())
+    if args.host not in (LOOPBACK, "localhost", "::1"):
+        logger.warning(
+            "serving on %s: the API has no authentication; put a proxy in front", args.host
+        )
+    server = make_server(args)
+    print(
+        f"minimemserve: serving {server.model_name!r} ({args.config}, {args.runtime}) on "
+        f"http://{args.host}:{args.port}",
+        flush=True,
+    )
+    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,170 @@
+"""The engine's own thread: it owns the ``Serving`` (no other thread touches it) and turns its
+outputs into per-request events for asyncio callers.
+
+A caller runs a function on the serving in that thread (:meth:`EngineLoop.call`), registering an
+``asyncio.Queue`` for the request ids it adds; every step, the loop puts each ``TokenDelta``
+and finished ``RequestOutput`` on the queue of its request (thread-safely, through the caller's
+event loop). Between steps it runs the queued calls; idle, it blocks on them."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..request import RequestMetrics, RequestOutput, TokenDelta
+from ..serving import Serving
+
+logger = logging.getLogger(__name__)
+
+# How long an idle engine thread blocks waiting for a call before checking it should stop.
+IDLE_WAIT_S = 0.05
+
+Event = TokenDelta | RequestOutput
+
+
+class EngineLoop:
+    """Runs ``make_serving()`` and its steps in one daemon thread. ``on_output(out)`` is called
+    (in that thread) for every finished request, e.g. to record metrics."""
+
+    def __init__(
+        self,
+        make_serving: Callable[[], Serving],
+        on_output: Callable[[RequestOutput], None] = lambda out: None,
+    ) -> None:
+        self._make, self._on_output = make_serving, on_output
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ready, self._stopping = threading.Event(), False
+        self.serving: Serving | None = None
+        self.error: BaseException | None = None  # why the thread ended, if it failed
+        self._thread = threading.Thread(target=self._main, name="mms-engine", daemon=True)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self, timeout_s: float | None = None) -> None:
+        """Build the serving in the engine thread and wait until it is ready (or failed)."""
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"the engine was not ready within {timeout_s} s")
+        if self.error is not None:
+            raise RuntimeError(f"the engine failed to start: {self.error}") from self.error
+
+    def stop(self) -> None:
+        """Stop stepping and close the serving (its processes and memory)."""
+        self._stopping = True
+        self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread is running."""
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def num_streams(self) -> int:
+        """Requests with a registered queue (added and not finished)."""
+        return len(self._streams)
+
+    # ---- calls from asyncio -------------------------------------------------------------------
+    async def call(self, fn: Callable[[Serving], Any]) -> Any:
+        """Run ``fn(serving)`` in the engine thread between steps; return or raise its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.post(fn, fut)
+        return await asyncio.wrap_future(fut)
+
+    def post(self, fn: Callable[[Serving], Any], fut: concurrent.futures.Future | None = None):
+        """Queue ``fn(serving)`` without waiting (safe from any thread, also while cancelled)."""
+        if not self.alive:
+            err = RuntimeError(f"the engine is not running: {self.error or 'stopped'}")
+            if fut is None:
+                return
+            fut.set_exception(err)
+            return
+        self._calls.put((fn, fut))
+
+    def register(
+        self, request_id: str, loop: asyncio.AbstractEventLoop, events: asyncio.Queue
+    ) -> None:
+        """Deliver ``request_id``'s deltas and output to ``events``, through ``loop`` (call in
+        the engine thread, inside the call that adds the request, so nothing comes before it)."""
+        self._streams[request_id] = (loop, events)
+
+    def unregister(self, request_id: str) -> None:
+        """Stop delivering to ``request_id``'s queue (aborted by its caller)."""
+        self._streams.pop(request_id, None)
+
+    # ---- the thread ---------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.serving = self._make()
+        except BaseException as e:  # reported by start()
+            self.error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while not self._stopping:
+                self._run_calls(block=not self.serving.has_unfinished())
+                if self.serving.has_unfinished():
+                    self._step()
+        except BaseException as e:
+            logger.exception("the engine loop failed")
+            self.error = e
+        finally:
+            self._fail_pending()
+            self.serving.close()
+
+    def _run_calls(self, block: bool) -> None:
+        try:
+            item = self._calls.get(timeout=IDLE_WAIT_S) if block else self._calls.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, fut = item
+            try:
+                result = fn(self.serving)
+            except Exception as e:
+                if fut is None:
+                    logger.warning("a queued engine call failed: %s", e)
+                else:
+                    fut.set_exception(e)
+            else:
+                if fut is not None:
+                    fut.set_result(result)
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        outputs = self.serving.step()
+        for d in self.serving.take_deltas():
+            self._deliver(d.request_id, d)
+        for out in outputs:
+            self._on_output(out)
+            self._deliver(out.request_id, out)
+            self._streams.pop(out.request_id, None)
+
+    def _deliver(self, request_id: str, event: Event) -> None:
+        if (dest := self._streams.get(request_id)) is not None:
+            loop, events = dest
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+    def _fail_pending(self) -> None:
+        """The loop ended: every open stream gets an error output, every call an exception."""
+        for rid in list(self._streams):
+            loop, events = self._streams.pop(rid)
+            m = RequestMetrics(time.perf_counter())
+            out = RequestOutput(rid, [], [], None, "error", m, f"engine stopped: {self.error}")
+            loop.call_soon_threadsafe(events.put_nowait, out)
+        while True:
+            try:
+                _, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if fut is not None:
+                fut.set_exception(RuntimeError("the engine stopped"))

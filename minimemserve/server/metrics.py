@@ -1,0 +1,129 @@
+"""Prometheus metrics of the server, named as vLLM names its own (prefix ``minimemserve:``).
+
+Request histograms and token counters are observed when a request ends, labelled by the
+instance that did the work and its role (prefill-side times by the instance that computed
+the prompt, decode-side ones by the instance that finished it). Pool and queue gauges are
+read from a snapshot of ``Serving.pool_stats()`` / ``Serving.load()`` taken at each scrape."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..request import RequestOutput
+
+P = "minimemserve:"
+LABELS = ("instance", "role")
+# Seconds; from a fast decode step on a GPU to a long prefill on a CPU.
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Pool counters exported as Prometheus counters: (metric name, pool counter, help).
+POOL_COUNTERS = (
+    ("prefix_cache_queries", "query_tokens", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "hit_tokens", "Prompt tokens found in the prefix cache."),
+    ("kv_transfer_bytes", "sent_bytes", "KV bytes this instance sent to other instances."),
+)
+
+
+@dataclass
+class Snapshot:
+    """What the gauges show: per instance its load and pool stats."""
+
+    load: dict[str, dict] = field(default_factory=dict)
+    pools: dict[str, dict] = field(default_factory=dict)
+
+
+class _PoolCollector:
+    """Gauges and counters read from the latest :class:`Snapshot`."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator:
+        snap = self.metrics.snapshot
+        role = {name: v.get("role", "") for name, v in snap.load.items()}
+        reqs = {
+            state: GaugeMetricFamily(
+                f"{P}num_requests_{state}", f"Requests {state}.", labels=LABELS
+            )
+            for state in ("running", "waiting")
+        }
+        for name, v in snap.load.items():
+            for state, g in reqs.items():
+                g.add_metric([name, role[name]], v[state])
+        usage = GaugeMetricFamily(
+            f"{P}kv_cache_usage_perc",
+            "Fraction of KV blocks referenced by requests.",
+            labels=(*LABELS, "tier"),
+        )
+        blocks = GaugeMetricFamily(
+            f"{P}kv_cache_blocks", "KV blocks by state.", labels=(*LABELS, "tier", "state")
+        )
+        counters = {
+            m: CounterMetricFamily(f"{P}{m}", h, labels=LABELS) for m, _, h in POOL_COUNTERS
+        }
+        for name, stats in snap.pools.items():
+            r = role.get(name, "")
+            for tier in ("hbm", "dram"):
+                if (t := stats.get(tier)) and t.get("total"):
+                    usage.add_metric([name, r, tier], t["referenced"] / t["total"])
+                    for state in ("free", "referenced", "cached_only"):
+                        blocks.add_metric([name, r, tier, state], t[state])
+            for m, key, _ in POOL_COUNTERS:
+                counters[m].add_metric([name, r], stats.get("counters", {}).get(key, 0))
+        yield from reqs.values()
+        yield usage
+        yield blocks
+        yield from counters.values()
+
+
+class ServerMetrics:
+    """Every metric of one server, in its own registry. ``roles`` maps instance to role."""
+
+    def __init__(self, roles: dict[str, str] | None = None) -> None:
+        self.registry, self.roles = CollectorRegistry(), dict(roles or {})
+        self.snapshot = Snapshot()
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(P + name, doc, LABELS, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+        def count(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(P + name, doc, (*LABELS, *extra), registry=self.registry)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival at the server to first token.")
+        self.itl = hist("inter_token_latency_seconds", "Time between streamed tokens.")
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival at the server to the last token.")
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.prompt_tokens = count("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = count("generation_tokens", "Tokens generated.")
+        self.finished = count("request_success", "Requests ended.", ("finished_reason",))
+        self.registry.register(_PoolCollector(self))
+
+    def _labels(self, instance: str) -> tuple[str, str]:
+        return instance, self.roles.get(instance, "")
+
+    def observe_output(self, out: RequestOutput) -> None:
+        """Count one ended request (called in the engine thread)."""
+        m = out.metrics
+        prefill = self._labels(m.prefill_instance)
+        last = self._labels(m.decode_instance or m.prefill_instance)
+        if m.queue_time is not None:
+            self.queue.labels(*prefill).observe(m.queue_time)
+        self.prompt_tokens.labels(*prefill).inc(len(out.prompt_token_ids))
+        self.generation_tokens.labels(*last).inc(len(out.token_ids))
+        self.finished.labels(*last, out.finish_reason).inc()
+
+    def observe_timing(
+        self, out: RequestOutput, ttft: float | None, e2e: float, gaps: list[float]
+    ) -> None:
+        """The server-side timings of one choice: TTFT, end to end, and inter-token gaps."""
+        m = out.metrics
+        prefill = self._labels(m.prefill_instance)
+        last = self._labels(m.decode_instance or m.prefill_instance)
+        if ttft is not None:
+            self.ttft.labels(*prefill).observe(ttft)
+        self.e2e.labels(*last).observe(e2e)
+        for g in gaps:
+            self.itl.labels(*last).observe(g)

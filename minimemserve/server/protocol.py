@@ -1,0 +1,260 @@
+"""The OpenAI request bodies, checked field by field, and what the server makes of them.
+
+A body is hostile JSON: every field the server reads is type-checked here and a bad one
+raises ``BadField`` naming it (the server answers 400 in OpenAI's error shape); fields the
+server does not know are ignored, as OpenAI-compatible servers do. Sampling values are then
+validated by ``SamplingParams`` itself, so HTTP and the library refuse the same values."""
+
+from __future__ import annotations
+
+import json
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidRequest
+from ..model.tokenizer import Tokenizer
+from ..sampling import MAX_LOGPROBS, SamplingParams
+
+# Choices one request may ask for (n), and stop strings it may give.
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+# Completions default to 16 new tokens, as OpenAI's API does; chat to the rest of the context.
+DEFAULT_COMPLETION_TOKENS = 16
+CHAT_ROLES = ("system", "user", "assistant")
+# Fields of OpenAI's API this server does not implement: accepted only at their neutral value.
+_UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": "", "frequency_penalty": 0,
+                "presence_penalty": 0, "logit_bias": {}}  # fmt: skip
+# Llama-2's chat format, used when the checkpoint ships no chat template.
+INST, END_INST, SYS, END_SYS = "[INST]", "[/INST]", "<<SYS>>\n", "\n<</SYS>>\n\n"
+
+
+class BadField(InvalidRequest):
+    """A request field with a value the server cannot use; ``param`` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Parsed:
+    """What one completion or chat request asks for."""
+
+    model: str
+    prompts: list[list[int]]  # token ids, one per prompt (chat: one)
+    params: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    stop: list[str] = field(default_factory=list)
+    return_token_ids: bool = False  # an extension: the generated ids beside the text
+
+
+def _get(body: dict, name: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
+    """``body[name]`` if it is of ``kinds`` (a bool is no number), else ``BadField``."""
+    value = body.get(name)
+    if value is None:
+        return default
+    number = kinds in (int, float) or kinds == (int, float)
+    if not isinstance(value, kinds) or (number and isinstance(value, bool)):
+        want = kinds.__name__ if isinstance(kinds, type) else " or ".join(k.__name__ for k in kinds)
+        raise BadField(name, f"'{name}' must be {want}, got {type(value).__name__}")
+    return value
+
+
+def _ids(value: Any, name: str) -> list[int] | None:
+    """``value`` as a list of token ids, None when it is not a list of integers."""
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value)
+    ):
+        return [int(t) for t in value]
+    return None
+
+
+def _prompts(body: dict, tok: Tokenizer) -> list[list[int]]:
+    """``prompt``: a string, a list of strings, token ids, or a list of token-id lists."""
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return [tok.prompt_ids(p)]
+    if (ids := _ids(p, "prompt")) is not None:
+        return [ids]
+    if isinstance(p, list) and p:
+        out = []
+        for item in p:
+            if isinstance(item, str):
+                out.append(tok.prompt_ids(item))
+            elif (ids := _ids(item, "prompt")) is not None:
+                out.append(ids)
+            else:
+                raise BadField("prompt", "'prompt' items must be strings or lists of token ids")
+        return out
+    if p is None:
+        raise BadField("prompt", "'prompt' is required")
+    raise BadField("prompt", "'prompt' must be a non-empty string, list of strings or token ids")
+
+
+def _content(m: dict, i: int) -> str:
+    c = m.get("content")
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in c):
+        return "".join(_get(p, "text", str, "") for p in c)
+    raise BadField(f"messages[{i}].content", "message content must be a string or text parts")
+
+
+def _messages(body: dict) -> list[tuple[str, str]]:
+    ms = body.get("messages")
+    if not isinstance(ms, list) or not ms:
+        raise BadField("messages", "'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(ms):
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+            raise BadField(f"messages[{i}].role", f"each message needs a role in {CHAT_ROLES}")
+        out.append((m["role"], _content(m, i)))
+    return out
+
+
+class ChatFormat:
+    """Renders messages to prompt ids: the checkpoint's Jinja chat template (sandboxed) when its
+    ``tokenizer_config.json`` has one, else Llama-2's ``[INST]`` / ``<<SYS>>`` format."""
+
+    def __init__(self, model_dir: str | Path, tokenizer: Tokenizer) -> None:
+        self.tok, self.template = tokenizer, None
+        cfg = Path(model_dir) / "tokenizer_config.json"
+        if cfg.is_file():
+            try:
+                source = json.loads(cfg.read_text()).get("chat_template")
+            except (OSError, ValueError, AttributeError):
+                source = None
+            if isinstance(source, str):
+                from jinja2.sandbox import ImmutableSandboxedEnvironment  # lazy: optional extra
+
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                self.template = env.from_string(source)
+
+    def render(self, messages: list[tuple[str, str]]) -> list[int]:
+        """Prompt token ids of a conversation, ready for the assistant's next message."""
+        if self.template is not None:
+            text = self.template.render(
+                messages=[{"role": r, "content": c} for r, c in messages],
+                add_generation_prompt=True,
+                bos_token=self.tok.id_to_piece(self.tok.bos_id or 0),
+                eos_token=self.tok.id_to_piece(self.tok.eos_id or 0),
+            )
+            return self.tok.prompt_ids(text)
+        return self._llama2(messages)
+
+    def _llama2(self, messages: list[tuple[str, str]]) -> list[int]:
+        system = "".join(c for r, c in messages[:1] if r == "system")
+        turns = messages[1:] if system else messages
+        ids: list[int] = []
+        bos = [self.tok.bos_id] if self.tok.bos_id is not None else []
+        eos = [self.tok.eos_id] if self.tok.eos_id is not None else []
+        for i, (role, content) in enumerate(turns):
+            if role == "user":
+                if i == 0 and system:
+                    content = SYS + system + END_SYS + content
+                ids += bos + self.tok.encode(f"{INST} {content.strip()} {END_INST}", add_bos=False)
+            elif role == "assistant":
+                ids += self.tok.encode(f" {content.strip()} ", add_bos=False) + eos
+            else:
+                raise BadField("messages", "a system message may only come first")
+        return ids
+
+
+def parse(body: Any, tok: Tokenizer, chat: ChatFormat | None, max_model_len: int) -> Parsed:
+    """Check a completion (``chat`` None) or chat request body; ``BadField`` on a bad field."""
+    if not isinstance(body, dict):
+        raise BadField("body", "the request body must be a JSON object")
+    model = _get(body, "model", str)
+    if model is None:
+        raise BadField("model", "'model' is required")
+    where = "messages" if chat else "prompt"
+    try:
+        prompts = [chat.render(_messages(body))] if chat else _prompts(body, tok)
+    except BadField:
+        raise
+    except InvalidRequest as e:  # empty, not integers: the prompt is the problem
+        raise BadField(where, str(e)) from None
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise BadField("n", f"'n' must be in [1, {MAX_N}], got {n}")
+    stop = _get(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
+        raise BadField("stop", f"'stop' must be up to {MAX_STOP_STRINGS} non-empty strings")
+    stream_options = _get(body, "stream_options", dict, {})
+    for name, neutral in _UNSUPPORTED.items():
+        if body.get(name) is not None and body[name] != neutral:
+            raise BadField(name, f"'{name}' is not supported (only {neutral!r})")
+    return Parsed(
+        model=model,
+        prompts=prompts,
+        params=_sampling(body, chat is not None, max_model_len - max(map(len, prompts))),
+        n=n,
+        stream=_get(body, "stream", bool, False),
+        include_usage=_get(stream_options, "include_usage", bool, False),
+        stop=stop,
+        return_token_ids=_get(body, "return_token_ids", bool, False),
+    )
+
+
+def _sampling(body: dict, chat: bool, room: int) -> SamplingParams:
+    """``SamplingParams`` of the body's values (it validates them, naming the field)."""
+    param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    max_tokens = body.get(param)
+    if max_tokens is None:
+        max_tokens = max(room, 1) if chat else DEFAULT_COMPLETION_TOKENS
+    elif isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > room:
+        raise BadField(param, f"'{param}' is {max_tokens} but the context leaves room for "
+                       f"{max(room, 0)} tokens after the prompt")  # fmt: skip
+    if chat:
+        logprobs = _get(body, "top_logprobs", int, 0) if _get(body, "logprobs", bool) else None
+    else:
+        logprobs = _get(body, "logprobs", int)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        param = "top_logprobs" if chat else "logprobs"
+        raise BadField(param, f"'{param}' must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+    names = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
+    kw = {k: body[k] for k in names if body.get(k) is not None}
+    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kw)
+
+
+class Detokenizer:
+    """Text deltas of one choice from its growing token ids: never half a multi-byte character
+    (held back while the text ends in U+FFFD), never part of a stop string."""
+
+    def __init__(self, tok: Tokenizer, stop: Sequence[str]) -> None:
+        self.tok, self.stop, self.tokens = tok, list(stop), []
+        self.sent = ""  # text handed out so far
+        self.hold = max(map(len, self.stop), default=1) - 1  # chars that may start a stop string
+        self.stopped = False  # a stop string was seen: nothing more to send
+
+    def feed(self, tokens: Sequence[int], final: bool = False) -> str:
+        """Add ``tokens``; return the text that can be sent now (all of it when ``final``)."""
+        if self.stopped:
+            return ""
+        self.tokens += tokens
+        text = self.tok.decode(self.tokens)
+        start = max(len(self.sent) - self.hold, 0)
+        hits = [i for s in self.stop if (i := text.find(s, start)) >= 0]
+        if hits:
+            text, self.stopped, final = text[: min(hits)], True, True
+        if not final:
+            end = len(text) - (self.hold if self.stop else 0)
+            while end > 0 and text[end - 1] == "\ufffd":
+                end -= 1
+            text = text[: max(end, len(self.sent))]
+        delta, self.sent = text[len(self.sent) :], text
+        return delta
+
+    def piece(self, token_id: int) -> str:
+        """The text of one token as logprobs show it."""
+        return self.tok.id_to_piece(token_id).replace("\u2581", " ")

@@ -1,0 +1,288 @@
+"""The OpenAI HTTP server, started as a real subprocess and driven with the ``openai`` client."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from minimemserve import LLM, SamplingParams  # noqa: E402
+from minimemserve.model.tokenizer import Tokenizer  # noqa: E402
+from minimemserve.server.protocol import ChatFormat  # noqa: E402
+
+MODEL = "tiny"
+NUM_BLOCKS = 64
+START_TIMEOUT_S = 180.0
+# (config, runtime): a colocated deployment in one process, a disaggregated one across processes
+DEPLOYMENTS = [("PD-CC", "inprocess"), ("1P1D-CC", "process")]
+SYSTEM = "You are a helpful assistant. You answer in short, clear sentences and stay on topic."
+QUESTION = "What should I pack for a week of hiking in the mountains in early spring?"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+class Server:
+    """A ``minimemserve serve`` subprocess on a free loopback port."""
+
+    def __init__(self, model_dir, config: str, runtime: str) -> None:
+        self.port, self.config = _free_port(), config
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "minimemserve.cli", "serve", "--model", str(model_dir),
+               "--served-model-name", MODEL, "--config", config, "--runtime", runtime,
+               "--port", str(self.port), "--num-blocks", str(NUM_BLOCKS),
+               "--num-colocated", "1"]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert self.proc.poll() is None, self.proc.stdout.read().decode()[-3000:]
+            try:
+                if _get(self.url + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.3)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def metrics(self) -> dict[tuple[str, str], float]:
+        """``{(name, labels): value}`` of /metrics."""
+        status, text = _get(self.url + "/metrics")
+        assert status == 200
+        out = {}
+        for line in text.splitlines():
+            if m := re.match(r"^([\w:]+)(\{[^}]*\})? ([-\d.e+]+|NaN)$", line):
+                out[(m.group(1), m.group(2) or "")] = float(m.group(3))
+        return out
+
+    def total(self, name: str, where: str = "") -> float:
+        return sum(v for (n, labels), v in self.metrics().items() if n == name and where in labels)
+
+    def wait_released(self, timeout_s: float = 20.0) -> None:
+        """Until no block is referenced on any instance (requests ended or aborted)."""
+        deadline = time.monotonic() + timeout_s
+        while self.total("minimemserve:kv_cache_blocks", 'state="referenced"') > 0:
+            held = {k: v for k, v in self.metrics().items() if "referenced" in k[1] and v}
+            assert time.monotonic() < deadline, f"blocks still referenced: {held}"
+            time.sleep(0.2)
+
+    def post(self, path: str, body: bytes, ctype: str = "application/json") -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + path, body, {"content-type": ctype})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module", params=DEPLOYMENTS, ids=[c for c, _ in DEPLOYMENTS])
+def server(request, tiny_llama_dir):
+    srv = Server(tiny_llama_dir, *request.param)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    return LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS)
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+    assert _get(server.url + "/health")[0] == 200
+
+
+def test_completion_is_the_library_greedy_text(server, reference):
+    prompt = "The history of the printing press begins"
+    r = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    ref = reference.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.token_ids)
+
+
+def test_streaming_chat_with_usage_equals_the_whole_answer(server):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    whole = server.client.chat.completions.create(**kw)
+    chunks = list(
+        server.client.chat.completions.create(
+            **kw, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 2  # streamed
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    server.wait_released()
+
+
+def test_n_choices_share_the_prompt(server):
+    prompt = "A long shared prompt about gardens, rivers and old stone bridges, " * 3
+    hits = server.total("minimemserve:prefix_cache_hits_total")
+    r = server.client.completions.create(
+        model=MODEL, prompt=prompt, n=2, max_tokens=6, temperature=1.0, seed=7
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.completion_tokens == 12
+    # the second choice found the first one's prompt blocks in the pool
+    assert server.total("minimemserve:prefix_cache_hits_total") - hits >= 16
+    server.wait_released()
+
+
+def test_stop_string_ends_the_text_before_it(server):
+    prompt = "Rain fell over the quiet harbour town"
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    full = server.client.completions.create(**kw).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop.strip()
+    r = server.client.completions.create(**kw, stop=[stop]).choices[0]
+    assert r.text == full[: full.index(stop)] and r.finish_reason == "stop"
+    server.wait_released()
+
+
+def test_second_chat_turn_reports_the_cached_prefix(server, tiny_llama_dir):
+    question = "Plan a three day visit to an old city with museums, parks and a river walk."
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    a = server.client.chat.completions.create(
+        model=MODEL, messages=first, max_tokens=8, temperature=0
+    )
+    shared = a.usage.prompt_tokens_details.cached_tokens  # the system prompt, seen before
+    second = [*first, {"role": "assistant", "content": a.choices[0].message.content},
+              {"role": "user", "content": "And what should I leave at home?"}]  # fmt: skip
+    server.wait_released()
+    before = server.total("minimemserve:prefix_cache_hits_total", 'role="colocated"')
+    b = server.client.chat.completions.create(
+        model=MODEL, messages=second, max_tokens=8, temperature=0
+    )
+    cached = b.usage.prompt_tokens_details.cached_tokens
+    tok = Tokenizer.from_dir(tiny_llama_dir)
+    prompt1 = ChatFormat(tiny_llama_dir, tok).render([(m["role"], m["content"]) for m in first])
+    assert cached > shared and cached % 16 == 0 and cached >= len(prompt1) // 16 * 16
+    if server.config == "PD-CC":  # no transfer touches the counters: the match is all of it
+        after = server.total("minimemserve:prefix_cache_hits_total", 'role="colocated"')
+        assert after - before == cached
+    server.wait_released()
+
+
+BAD_BODIES = [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -5}, "top_k"),
+    ({"seed": -1}, "seed"),
+    ({"n": 0}, "n"),
+    ({"n": True}, "n"),
+    ({"stop": [1, 2]}, "stop"),
+    ({"stop_token_ids": "x"}, "stop_token_ids"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"logprobs": 99}, "logprobs"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [5, 6, 512]}, "prompt"),
+    ({"prompt": [5, -1]}, "prompt"),
+    ({"prompt": [5, 6.5]}, "prompt"),
+    ({"prompt": [7] * 600}, "prompt"),
+    ({"prompt": None}, "prompt"),
+    ({"prompt": {"a": 1}}, "prompt"),
+    ({"max_tokens": 100_000}, "max_tokens"),
+    ({"echo": True}, "echo"),
+]
+
+
+def test_bad_input_is_a_400_in_the_openai_shape_and_the_server_keeps_serving(server):
+    good = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+    for change, needle in BAD_BODIES:
+        status, body = server.post("/v1/completions", json.dumps(good | change).encode())
+        assert status == 400, (change, body)
+        err = body["error"]
+        assert set(err) == {"message", "type", "param", "code"}, err
+        assert err["type"] == "invalid_request_error"
+        msg = err["message"].lower()
+        assert needle.replace("_", " ") in msg.replace("_", " ") or err["param"] == needle, err
+    for raw in (b"{bad json", b"[1, 2]", b"\xff\xfe", b""):
+        status, body = server.post("/v1/completions", raw)
+        assert status == 400 and body["error"]["param"] == "body", (raw, body)
+    status, body = server.post("/v1/chat/completions", json.dumps({"model": MODEL}).encode())
+    assert status == 400 and body["error"]["param"] == "messages"
+    bad_role = {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}
+    status, body = server.post("/v1/chat/completions", json.dumps(bad_role).encode())
+    assert status == 400 and "role" in body["error"]["param"]
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    for value in (b"NaN", b"Infinity", b"1e999"):
+        raw = b'{"model": "tiny", "prompt": "hi", "temperature": ' + value + b"}"
+        status, body = server.post("/v1/completions", raw)
+        assert status == 400 and body["error"]["param"] == "temperature", body
+    with pytest.raises(openai.BadRequestError):
+        server.client.completions.create(model=MODEL, prompt="hi", top_p=2.0)
+    r = server.client.completions.create(model=MODEL, prompt="still serving", max_tokens=3)
+    assert r.usage.completion_tokens == 3 or r.choices[0].finish_reason == "stop"
+    server.wait_released()
+
+
+def test_closing_a_stream_midway_frees_its_blocks(server):
+    stream = server.client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=400, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    got = [next(iter(stream)) for _ in range(3)]
+    assert all(c.choices[0].finish_reason is None for c in got)
+    assert server.total("minimemserve:kv_cache_blocks", 'state="referenced"') > 0
+    stream.close()
+    server.wait_released()
+    assert server.total("minimemserve:num_requests_running") == 0
+    aborted = server.total("minimemserve:request_success_total", 'finished_reason="length"')
+    assert aborted >= 0  # the server stays up and keeps its counters
+    r = server.client.completions.create(model=MODEL, prompt="after the abort", max_tokens=2)
+    assert len(r.choices) == 1
+
+
+def test_logprobs_come_back_for_each_token(server):
+    r = server.client.completions.create(
+        model=MODEL, prompt="Numbers and words", max_tokens=4, temperature=0, logprobs=3
+    )
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 4 and all(len(t) == 3 for t in lp.top_logprobs)
+    assert all(v <= 0 for v in lp.token_logprobs)
+    c = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = c.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
