@@ -1,0 +1,482 @@
+"""The simulated cluster: the engine's own scheduling, pools and recipes in virtual time.
+
+Every instance is a :class:`SimEngine`: the real ``Engine`` (its ``LocalScheduler``, recipe
+hooks, ``_postprocess``) over a :class:`SimPool`, a real ``MemPool`` on PyTorch's ``meta``
+device (block accounting, radix index and tiers, no storage). Only the forward pass and the
+data movement are replaced: a step is split into its schedule (at the step's start) and its
+postprocess (at its end), the clock advancing by the step model's time; a transfer takes its
+link's time, one at a time per link, and a handed-off request reaches its decode instance
+when its KV has landed. New requests are routed by the real ``GlobalScheduler`` whose prompt
+trees follow what entry instances report they cache, as in the process runtime. Output
+tokens are deterministic stand-ins (a hash of request id and position), so a request's
+prompt and output lengths, cache hits and transfers are those of a real run."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import itertools
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from minimemserve.bench.driver import _record, greedy_params
+from minimemserve.bench.workloads import Session, build_prompt, poisson_arrivals, total_turns
+from minimemserve.blocks.layout import KVLayout
+from minimemserve.config import Deployment, EngineConfig, parse_config_name
+from minimemserve.engine import Engine
+from minimemserve.errors import ConfigError, InstanceDied
+from minimemserve.mempool import MemPool
+from minimemserve.model.config import ModelConfig
+from minimemserve.request import Request, RequestOutput
+from minimemserve.scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler
+
+from .profiles import Link, StepShape
+
+# Blocking control calls of a transfer that hands nothing over (send-back, prefix push):
+# alloc and commit.
+RETURN_CALLS = 2
+# Lowest stand-in output token id: 0-2 are <unk>, <s> and </s> in Llama vocabularies.
+FIRST_OUTPUT_TOKEN = 3
+
+
+class SimPool(MemPool):
+    """A ``MemPool`` on the ``meta`` device that reports each transfer it sends:
+    ``on_send(src, dst, blocks_sent)`` returns when the data lands (virtual seconds)."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, *, on_send, **kw) -> None:
+        super().__init__(layout, num_blocks, **kw | {"device": "meta"})
+        self.on_send: Callable[[SimPool, MemPool, int], float] = on_send
+        self.landed = 0.0  # when the last transfer sent from here lands
+
+    def _sent(self, dst: MemPool, before: int) -> None:
+        self.landed = self.on_send(self, dst, self._counters["sent_blocks"] - before)
+
+    def transfer(self, dst: MemPool, src_blocks: Sequence[int]) -> list[int]:
+        """``MemPool.transfer``, its link time booked."""
+        before = self._counters["sent_blocks"]
+        got = super().transfer(dst, src_blocks)
+        self._sent(dst, before)
+        return got
+
+    def transfer_with_insert(
+        self, dst: MemPool, tokens: Sequence[int], src_blocks: Sequence[int]
+    ) -> list[int]:
+        """``MemPool.transfer_with_insert``, its link time booked."""
+        before = self._counters["sent_blocks"]
+        got = super().transfer_with_insert(dst, tokens, src_blocks)
+        self._sent(dst, before)
+        return got
+
+
+@dataclass(frozen=True)
+class _Weightless:
+    """What ``Engine`` takes from an engine it shares weights with: here, no weights."""
+
+    model_config: ModelConfig
+    tokenizer: Any
+    model: Any
+
+
+class _TokenIds:
+    """The tokenizer of a simulated engine: prompts are token ids already, outputs have no text."""
+
+    @staticmethod
+    def prompt_ids(prompt: Sequence[int]) -> list[int]:
+        """The ids, as ints."""
+        if isinstance(prompt, str):
+            raise ConfigError("the simulator takes prompts as token ids, not text")
+        return [int(t) for t in prompt]
+
+    @staticmethod
+    def decode(ids: Sequence[int]) -> None:
+        """No text in a simulation."""
+        return None
+
+
+class SimEngine(Engine):
+    """``Engine`` without weights: its scheduler, recipe and postprocess over a :class:`SimPool`.
+    :meth:`begin_step` schedules (the step's start), :meth:`end_step` postprocesses with
+    stand-in tokens at the virtual time the step model says it ends."""
+
+    def __init__(
+        self,
+        config: str,
+        role: str,
+        peers,
+        model_config: ModelConfig,
+        engine_config: EngineConfig,
+        num_blocks: int,
+        dtype: torch.dtype,
+        instance_id: str,
+        on_send,
+    ) -> None:
+        weightless = _Weightless(model_config, _TokenIds(), None)  # nothing to load
+        super().__init__(
+            "",
+            config=config,
+            role=role,
+            peers=peers,
+            device="meta",
+            dtype=dtype,
+            engine_config=dataclasses.replace(engine_config, num_blocks=num_blocks),
+            instance_id=instance_id,
+            pool_factory=functools.partial(SimPool, on_send=on_send),
+            share_model_with=weightless,
+        )
+        self._pending: tuple | None = None
+        self._eos = set(model_config.eos_token_ids)
+
+    def begin_step(self) -> StepShape | None:
+        """Schedule one step; its shape, or None when there is nothing to do."""
+        done = self._retry_parked()
+        batch, failed = self.scheduler.schedule()
+        if not (batch or failed or done):
+            return None
+        self._pending = (batch, failed, done)
+        return StepShape.of_batch(batch)
+
+    def end_step(self, now: float) -> list[RequestOutput]:
+        """Postprocess the step begun last with stand-in tokens; times stamped ``now``."""
+        batch, failed, done = self._pending
+        self._pending = None
+        tokens = [self._token(r) if r.num_computed + n == r.num_tokens else None for r, n in batch]
+        first = [r for (r, _), t in zip(batch, tokens) if t is not None]
+        first = [r for r in first if r.metrics.first_token_time is None]
+        outs = done + self._postprocess(batch, tokens, failed, {})
+        for req in first:
+            req.metrics.first_token_time = now
+        for out in outs:
+            out.metrics.finish_time = now
+        return outs
+
+    def step(self) -> list[RequestOutput]:
+        """``begin_step`` and ``end_step`` with no time between (outputs stamped 0)."""
+        return self.end_step(0.0) if self.begin_step() is not None else []
+
+    def _token(self, req: Request) -> int:
+        span = self.model_config.vocab_size - FIRST_OUTPUT_TOKEN
+        key = f"{req.request_id}:{req.num_output}".encode()
+        tok = FIRST_OUTPUT_TOKEN + zlib.crc32(key) % span
+        while tok in self._eos:
+            tok = FIRST_OUTPUT_TOKEN + (tok + 1 - FIRST_OUTPUT_TOKEN) % span
+        return tok
+
+
+@dataclass(eq=False)
+class SimInstance:
+    """One simulated instance as peers see it (``name``, ``pool``, ``accept``)."""
+
+    name: str
+    role: str
+    engine: SimEngine
+    cluster: SimCluster
+    index: int
+    busy: bool = False  # a step is under way
+    free_at: float = 0.0  # the engine waits for a copy it writes until then
+    step_began: float = 0.0
+    step_ends: float = 0.0
+    last_step_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.pool = self.engine.pool
+        self.incoming: list[Request] = []  # handed over, KV still on the wire
+
+    def load(self) -> int:
+        """Requests waiting, running or arriving here."""
+        s = self.engine.scheduler
+        return len(s.waiting) + len(s.running) + len(self.incoming)
+
+    def accept(self, req: Request) -> None:
+        """Take over ``req`` once the transfer that was just booked lands."""
+        req.decode_instance = self.name
+        self.incoming.append(req)
+        src = self.cluster.by_name[req.prefill_instance].pool
+        self.cluster.at(src.landed, self.cluster._deliver, (self, req))
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where instances sit: ``gpus_per_instance`` (TP) GPUs each, ``gpus_per_node`` per node;
+    ``link(a, b)`` is the link between instance indices ``a`` and ``b``. ``blocking_calls``
+    control calls of a transfer each wait for the receiver's step to end (a receiver that
+    answers its socket between steps, as a process-runtime instance does)."""
+
+    intra: Link
+    inter: Link
+    gpus_per_instance: int = 1
+    gpus_per_node: int = 1 << 30  # one node unless told
+    blocking_calls: int = 0
+
+    def link(self, a: int, b: int) -> Link:
+        """The link between instances ``a`` and ``b``."""
+        g, n = self.gpus_per_instance, self.gpus_per_node
+        return self.intra if a * g // n == b * g // n else self.inter
+
+
+def scaled_deployment(config: str, instances: int) -> tuple[Deployment, int]:
+    """``config``'s deployment on ``instances`` instances and its colocated count: colocated
+    configs take all, ``xPyD`` ones are repeated to fill them (e.g. 1P1D on 4 = 2P2D)."""
+    d = parse_config_name(config)
+    if d.milestone.roles == ("colocated",):
+        return d, instances
+    per = sum(d.counts)
+    if instances % per:
+        raise ConfigError(f"{config} needs a multiple of {per} instances, {instances} given")
+    k = instances // per
+    return Deployment(d.name, d.milestone, tuple(c * k for c in d.counts)), instances
+
+
+class SimCluster:
+    """Every instance of one deployment in virtual time (see the module docstring).
+    ``step_time(shape)`` prices a step; ``topology`` prices transfers in ``transfer_mode``;
+    ``policy``, ``cost`` and ``ttl_s`` configure the global scheduler as in the process
+    runtime. ``num_blocks`` KV blocks per instance, of ``dtype`` (bytes sent count in it)."""
+
+    def __init__(
+        self,
+        config: str,
+        *,
+        model_config: ModelConfig,
+        step_time: Callable,
+        topology: Topology,
+        engine_config: EngineConfig,
+        num_blocks: int,
+        dtype: torch.dtype,
+        instances: int = 2,
+        policy: str = "prompt_tree",
+        cost: Cost | None = None,
+        ttl_s: float = DEFAULT_TTL_S,
+        transfer_mode: str = "by_request_aggregated",
+    ) -> None:
+        self.deployment, colocated = scaled_deployment(config, instances)
+        self.step_time, self.topology, self.transfer_mode = step_time, topology, transfer_mode
+        self.now, self._seq, self._events = 0.0, itertools.count(), []
+        self.links: dict[tuple[int, int], float] = {}  # (src, dst) -> busy until
+        self.steps = self.transfers = 0
+        self.route_calls, self.route_wall_s = 0, 0.0
+        self.instances: list[SimInstance] = []
+        for i, (name, role) in enumerate(self.deployment.instances(colocated=colocated)):
+            eng = SimEngine(
+                config,
+                role,
+                self,
+                model_config,
+                engine_config,
+                num_blocks,
+                dtype,
+                name,
+                self._on_send,
+            )
+            self.instances.append(SimInstance(name, role, eng, self, i))
+        self.by_name = {i.name: i for i in self.instances}
+        self._by_pool = {id(i.pool): i for i in self.instances}
+        milestone = self.deployment.milestone
+        self.entry = [i for i in self.instances if i.role == milestone.roles[0]]
+        self.scheduler = GlobalScheduler(
+            [i.name for i in self.entry],
+            policy=policy,
+            block_size=engine_config.block_size,
+            cost_model=cost,
+            ttl_s=ttl_s,
+            caching=milestone.entry_caches,
+            clock=lambda: self.now,
+        )
+        for inst in self.entry:  # the prompt trees follow what entry instances cache
+            inst.pool.on_change = self._cache_event(inst.name)
+        self._dirty: set[SimInstance] = set()
+        self._blocked: set[SimInstance] = set()
+
+    def _cache_event(self, name: str):
+        def on_change(added: bool, tokens) -> None:
+            (self.scheduler.record if added else self.scheduler.trees.forget)(name, tokens)
+
+        return on_change
+
+    # ---- what recipes need (Peers) -----------------------------------------------------------
+    def pick_decode(self, req: Request, exclude: Sequence[str]) -> SimInstance | None:
+        """The decode instance with room holding most of ``req`` (then least loaded), or None."""
+        live = [i for i in self.instances if i.role == "decode" and i.name not in exclude]
+        if not live:
+            raise InstanceDied(f"no decode instance left to continue the request ({exclude})")
+        blocks = self.instances[0].pool.layout.num_blocks_for(req.max_total_tokens)
+        roomy = [i for i in live if i.engine.has_room(blocks, i.incoming)]
+        toks = req.tokens[: req.num_computed]
+        key = lambda i: (i.pool.cached_prefix_len(toks), -i.load())
+        return max(roomy, key=key) if roomy else None
+
+    def prefill_pool(self, req: Request) -> MemPool:
+        """The pool of the instance that prefilled ``req``."""
+        return self.by_name[req.prefill_instance].pool
+
+    def peer_failed(self, name: str, error: Exception) -> None:
+        """Simulated peers do not fail."""
+
+    # ---- time ---------------------------------------------------------------------------------
+    def at(self, t: float, fn: Callable, args: tuple = ()) -> None:
+        """Run ``fn(*args)`` at virtual time ``t`` (not before now)."""
+        heapq.heappush(self._events, (max(t, self.now), next(self._seq), fn, args))
+
+    def _on_send(self, src: SimPool, dst: MemPool, blocks: int) -> float:
+        """Book a transfer of ``blocks`` blocks on its link; returns when it lands."""
+        a, b = self._by_pool[id(src)], self._by_pool[id(dst)]
+        link = self.topology.link(a.index, b.index)
+        layout = src.layout
+        nbytes = blocks * layout.block_bytes(src.dtype.itemsize) / self.topology.gpus_per_instance
+        calls = link.calls(self.transfer_mode, blocks, layout.num_layers) if blocks else 1
+        calls = self.topology.blocking_calls if b.role == "decode" else RETURN_CALLS
+        busy = max(self.links.get((a.index, b.index), 0.0), self._answered(b, calls))
+        if self.transfer_mode == "by_layer" and a.busy:  # layers stream out as computed
+            start = max(a.step_began, busy)
+            end = max(
+                start + link.seconds(nbytes, calls),
+                self.now + link.seconds(nbytes / layout.num_layers, 1),
+            )
+        else:
+            end = max(self.now, busy) + link.seconds(nbytes, calls)
+        self.links[(a.index, b.index)] = end
+        self.transfers += 1
+        if link.sender_blocks:
+            a.free_at = max(a.free_at, end)
+        return end
+
+    def _answered(self, inst: SimInstance, calls: int) -> float:
+        """When ``inst`` has answered ``calls`` blocking control calls of a transfer: the first
+        after its current step, each further one after one more step."""
+        if not (self.topology.blocking_calls and calls and inst.busy):
+            return self.now
+        return inst.step_ends + (calls - 1) * inst.last_step_s
+
+    def _deliver(self, inst: SimInstance, req: Request) -> None:
+        inst.incoming.remove(req)
+        inst.engine.add_prefilled(req)
+        self._dirty.add(inst)
+
+    def _kick(self) -> None:
+        """Start a step on every idle instance that has work."""
+        while self._dirty:
+            inst = self._dirty.pop()
+            if inst.busy or not inst.engine.has_unfinished():
+                continue
+            if inst.free_at > self.now:
+                self.at(inst.free_at, self._dirty.add, (inst,))
+                continue
+            inst.busy, inst.step_began = True, self.now
+            shape = inst.engine.begin_step()
+            if shape is None:  # parked behind full decode instances: wait for one to free
+                inst.busy = False
+                self._blocked.add(inst)
+                continue
+            self.steps += 1
+            inst.last_step_s = self.step_time(shape)
+            inst.step_ends = self.now + inst.last_step_s
+            self.at(inst.step_ends, self._end_step, (inst,))
+
+    # ---- the workload ---------------------------------------------------------------------
+    def replay(
+        self,
+        sessions: Sequence[Session],
+        rate: float,
+        seed: int,
+        config: str = "",
+        progress: bool = True,
+        params_for=greedy_params,
+    ) -> list[dict]:
+        """Replay ``sessions`` as ``minimemserve bench`` does (Poisson session arrivals at
+        ``rate``, a turn sent when the previous one finished, its prompt the history plus the
+        output), in virtual time; returns the same records."""
+        self._records: list[dict] = []
+        self._inflight: dict[str, tuple[int, int, float]] = {}
+        self._sessions, self._config, self._params_for = sessions, config, params_for
+        self._bar = tqdm(
+            total=total_turns(sessions),
+            disable=not progress,
+            unit="req",
+            desc=f"{config or 'sim'} turns",
+        )
+        for si, t in enumerate(poisson_arrivals(rate, len(sessions), seed)):
+            self.at(t, self._submit, (si, 0, ()))
+        with self._bar:
+            while self._events:
+                self.now, _, fn, args = heapq.heappop(self._events)
+                fn(*args)
+                self._kick()
+        if self._inflight:
+            raise RuntimeError(f"{len(self._inflight)} requests never finished in the simulation")
+        return self._records
+
+    def _submit(self, si: int, k: int, history: Sequence[int]) -> None:
+        session = self._sessions[si]
+        prompt = build_prompt(session, k, history)
+        rid, params = f"{session.id}/{k}", self._params_for(session.turns[k])
+        t0 = time.perf_counter()
+        route = self.scheduler.route(prompt)
+        self.route_wall_s += time.perf_counter() - t0
+        self.route_calls += 1
+        ready = self.now
+        if route.transfer_from is not None:
+            ready = self._push_prefix(prompt, route.transfer_from, route.instance)
+        inst = self.by_name[route.instance]
+        try:
+            inst.engine.validate(prompt, params)
+        except ValueError as exc:
+            rec = _record(self._config, session, k, self.now, None, len(prompt), f"rejected: {exc}")
+            self._records.append(rec)
+            self._bar.update(len(session.turns) - k)
+            return
+        self._inflight[rid] = (si, k, self.now)
+        self.scheduler.dispatched(rid, route, len(prompt), params.max_tokens)
+        self.at(ready, self._enqueue, (inst, prompt, params, rid, self.now))
+
+    def _enqueue(self, inst: SimInstance, prompt, params, rid: str, arrival: float) -> None:
+        inst.engine.add_request(prompt, params, rid, arrival)
+        self._dirty.add(inst)
+
+    def _push_prefix(self, prompt: Sequence[int], src_name: str, dst_name: str) -> float:
+        """``src`` sends its cached prefix of ``prompt`` to ``dst``; returns when it lands."""
+        src, dst = self.by_name[src_name].pool, self.by_name[dst_name].pool
+        blocks = src.match(prompt)
+        if not blocks:
+            return self.now
+        n = len(blocks) * src.block_size
+        got = src.transfer_with_insert(dst, prompt[:n], blocks)
+        dst.free_mem(got)
+        src.free_mem(blocks)
+        self.scheduler.record(dst_name, prompt[:n])
+        return src.landed
+
+    def _end_step(self, inst: SimInstance) -> None:
+        inst.busy = False
+        outs = inst.engine.end_step(self.now)
+        for req in inst.engine.handoffs:
+            self.scheduler.prefilled(req.request_id)
+        inst.engine.handoffs.clear()
+        self._dirty.add(inst)
+        if outs and self._blocked:
+            self._dirty |= self._blocked
+            self._blocked.clear()
+        for out in outs:
+            self._collect(out)
+
+    def _collect(self, out: RequestOutput) -> None:
+        si, k, arrival = self._inflight.pop(out.request_id)
+        self.scheduler.finished(out.request_id)
+        session = self._sessions[si]
+        rec = _record(self._config, session, k, arrival, out)
+        self._records.append(rec)
+        self._bar.update(1)
+        if rec["error"] is not None:
+            self._bar.update(len(session.turns) - k - 1)
+        elif k + 1 < len(session.turns):
+            self._submit(si, k + 1, [*out.prompt_token_ids, *out.token_ids])
+
+    def check_pools(self) -> None:
+        """Audit every instance's pool; every block must be free or cached once all finished."""
+        for inst in self.instances:
+            inst.engine.check_pools(require_idle=True)

@@ -1,0 +1,673 @@
+"""``minimemserve sim``: the four-configuration benchmark on a simulated cluster.
+
+:func:`cpu_setup` reproduces the default ``minimemserve bench`` layout on this CPU (tiny
+preset, two instances, a fitted step model); :func:`gpu_setup` builds ``gpus / tp``
+instances of a model on a hardware profile with the roofline step model. :func:`run_sim`
+replays a workload under each configuration and prints, writes and plots what
+``minimemserve bench`` does; :func:`sweep` repeats it over request rates;
+:func:`calibrate` compares the roofline with ``bench/gpu_steps.py`` measurements and
+:func:`anchors` with published ones."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minimemserve.bench.driver import caching_ratios, format_table, summarize, write_plots
+from minimemserve.bench.presets import preset_dir
+from minimemserve.bench.workloads import WORKLOADS, make_workload, total_turns
+from minimemserve.config import EngineConfig, parse_config_name
+from minimemserve.disagg.runtime import ProcessCluster
+from minimemserve.errors import ConfigError
+from minimemserve.model.config import ModelConfig
+from minimemserve.model.tokenizer import Tokenizer
+from minimemserve.sampling import SamplingParams
+from minimemserve.scheduler.global_scheduler import POLICIES, Cost
+
+from .cluster import SimCluster, Topology
+from .profiles import (
+    DATA_DIR,
+    TRANSFER_MODES,
+    FittedStepModel,
+    HardwareProfile,
+    Link,
+    RooflineStepModel,
+    StepCost,
+    StepShape,
+    fit_cpu_steps,
+    load_model_shape,
+    with_overhead,
+)
+
+DEFAULT_CONFIGS = ("PD", "PD-CC", "1P1D", "1P1D-CC")
+DEFAULT_OUT_DIR = "bench/results"
+# The paper's setup: Llama-2-13B, 8 x H800, tensor parallelism 2.
+DEFAULT_MODEL, DEFAULT_HARDWARE, DEFAULT_GPUS, DEFAULT_TP = "llama2-13b", "h800", 8, 2
+# The bench's equal-resources layout on the CPU: two instances of one core each.
+CPU_INSTANCES = 2
+# CPU KV link: the receiver's pool in shared memory, written by the sender (blocking). 16 GB/s
+# and the control round trips (probe, alloc, commit, hand-over: ~0.3 ms each on loopback)
+# from bench/transfer.py's shared-memory by-request-aggregated row and the RPC tests here.
+CPU_LINK = Link(gb_per_s=16.0, latency_us=0.0, sender_blocks=True, setup_us=600.0)
+# Control calls of a hand-off that wait for the receiver's loop (probe, alloc, commit, accept).
+CPU_BLOCKING_CALLS = 4
+# The request that measures the process runtime's per-step cost beyond the forward pass.
+OVERHEAD_PROMPT_TOKENS, OVERHEAD_OUTPUT_TOKENS = 256, 64
+# A GPU instance's batch limits: vLLM's default sequence cap, and a token budget that holds
+# a whole Llama-2 prompt in one step (no chunking, as MemServe's vLLM base).
+GPU_MAX_NUM_SEQS, GPU_MAX_BATCHED_TOKENS = 256, 4096
+GPU_DTYPE = torch.bfloat16
+FIRST_PROMPT_TOKEN = 3  # ids 0-2 are <unk>, <s>, </s> in the presets
+_PREFILL_NAME = re.compile(r"prefill (\d+)x(\d+)(?: after (\d+) cached)?")
+_MIXED_NAME = re.compile(r"mixed (\d+)x(\d+)")
+
+
+@dataclass
+class SimSetup:
+    """Everything but the config name that a :class:`SimCluster` is built from."""
+
+    model_config: ModelConfig
+    step_model: Any  # FittedStepModel or RooflineStepModel
+    topology: Topology
+    engine_config: EngineConfig
+    num_blocks: int
+    dtype: torch.dtype
+    instances: int
+    policy: str = "prompt_tree"
+    cost: Cost | None = None
+    transfer_mode: str = "by_request_aggregated"
+    tokenizer_dir: Path = field(default_factory=lambda: Path(preset_dir("tiny")))
+    describe: dict = field(default_factory=dict)
+
+    def cluster(self, config: str) -> SimCluster:
+        """A fresh simulated cluster of ``config``."""
+        return SimCluster(
+            config,
+            model_config=self.model_config,
+            step_time=self.step_model.step_time,
+            topology=self.topology,
+            engine_config=self.engine_config,
+            num_blocks=self.num_blocks,
+            dtype=self.dtype,
+            instances=self.instances,
+            policy=self.policy,
+            cost=self.cost,
+            transfer_mode=self.transfer_mode,
+        )
+
+
+def measure_runtime_overhead(
+    step_model: FittedStepModel,
+    model_dir: str | Path | None = None,
+) -> float:
+    """Seconds the process runtime adds to each step beyond ``step_model``'s forward pass (its
+    loop, control plane and frontend sharing the cores): one decode-heavy request on each of
+    the bench's two one-core colocated instances, measured TPOT less the modelled step."""
+    mdir = Path(model_dir or preset_dir("tiny"))
+    prompt = [FIRST_PROMPT_TOKEN + i % 1000 for i in range(OVERHEAD_PROMPT_TOKENS)]
+    params = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+    with ProcessCluster(mdir, "PD", cores_per_instance=1, num_colocated=CPU_INSTANCES) as c:
+        for i in range(CPU_INSTANCES):
+            c.add_request([*prompt[i:], 5], params, request_id=f"overhead-{i}")
+        tpots = [o.metrics.tpot for o in c.run_until_done()]
+    ctx = OVERHEAD_PROMPT_TOKENS + OVERHEAD_OUTPUT_TOKENS // 2
+    modelled = step_model.step_time(StepShape((), (ctx,), 1))
+    return max(0.0, sum(tpots) / len(tpots) - modelled)
+
+
+def cpu_setup(
+    step_model: FittedStepModel,
+    model_dir: str | Path | None = None,
+    policy: str = "prompt_tree",
+    runtime_overhead_s: float = 0.0,
+) -> SimSetup:
+    """The default ``minimemserve bench`` layout: tiny preset (or ``model_dir``), fp32, the
+    bench's engine options, two one-core instances, the token-count routing cost; each step
+    costs ``runtime_overhead_s`` more than ``step_model`` says (the process runtime's)."""
+    mdir = Path(model_dir or preset_dir("tiny"))
+    step_model = with_overhead(step_model, runtime_overhead_s)
+    mc = ModelConfig.from_hf(mdir)
+    cfg = EngineConfig()
+    block_bytes = 2 * mc.num_hidden_layers * cfg.block_size * mc.num_key_value_heads * mc.head_dim
+    blocks = cfg.hbm_blocks(block_bytes * torch.float32.itemsize, torch.device("cpu"))
+    topo = Topology(CPU_LINK, CPU_LINK, blocking_calls=CPU_BLOCKING_CALLS)
+    describe = {
+        "kind": "cpu",
+        "model_dir": str(mdir),
+        "step_model": asdict(step_model),
+        "runtime_overhead_s": runtime_overhead_s,
+        "instances": CPU_INSTANCES,
+    }
+    return SimSetup(
+        mc,
+        step_model,
+        topo,
+        cfg,
+        blocks,
+        torch.float32,
+        CPU_INSTANCES,
+        policy,
+        None,
+        tokenizer_dir=mdir,
+        describe=describe,
+    )
+
+
+def gpu_setup(
+    model: str,
+    hardware: str,
+    gpus: int,
+    tp: int,
+    policy: str = "prompt_tree",
+    transfer_mode: str = "by_request_aggregated",
+    max_num_seqs: int = GPU_MAX_NUM_SEQS,
+    max_batched_tokens: int = GPU_MAX_BATCHED_TOKENS,
+) -> SimSetup:
+    """``gpus // tp`` instances of ``model`` on ``hardware`` with the roofline step model."""
+    if not isinstance(gpus, int) or gpus < 1 or gpus % tp:
+        raise ConfigError(f"--gpus must be a positive multiple of --tp {tp}, got {gpus}")
+    hw, mc = HardwareProfile.load(hardware), load_model_shape(model)
+    roof = RooflineStepModel(hw, mc, tp, GPU_DTYPE.itemsize)
+    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens)
+    blocks = roof.kv_blocks(cfg.block_size)
+    nvlink = hw.links["nvlink"]
+    topo = Topology(nvlink, hw.link(False), tp, int(hw.gpus_per_node))
+    cost = StepCost(roof, nvlink, roof.kv_bytes_per_token // tp, cfg.block_size)
+    describe = {
+        "kind": "gpu",
+        "model": model,
+        "hardware": hw.name,
+        "gpus": gpus,
+        "tp": tp,
+        "kv_blocks_per_instance": blocks,
+        "weights_gb": roof.weight_bytes / 1e9,
+    }
+    return SimSetup(
+        mc,
+        roof,
+        topo,
+        cfg,
+        blocks,
+        GPU_DTYPE,
+        gpus // tp,
+        policy,
+        cost,
+        transfer_mode,
+        describe=describe,
+    )
+
+
+def _sessions(setup: SimSetup, workload: str, n: int, seed: int, max_turns, max_out, max_context):
+    context = min(max_context or math.inf, setup.model_config.max_position_embeddings)
+    tok = Tokenizer.from_dir(setup.tokenizer_dir)
+    return make_workload(
+        workload, tok, n, int(context), seed, max_turns=max_turns, max_output_tokens=max_out
+    )
+
+
+def simulate(
+    setup: SimSetup, configs: Sequence[str], sessions, rate: float, seed: int, progress: bool = True
+) -> tuple[dict, dict]:
+    """Replay ``sessions`` under each config; ``(records by config, run stats by config)``.
+    Every instance's pool is audited after each run."""
+    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+        raise ConfigError(f"rate must be a finite number > 0, got {rate!r}")
+    records, stats = {}, {}
+    for config in configs:
+        cluster = setup.cluster(config)
+        t0 = time.perf_counter()
+        records[config] = cluster.replay(sessions, rate, seed, config, progress)
+        wall = time.perf_counter() - t0
+        cluster.check_pools()
+        ends = [r["arrival"] + (r["jct"] or 0.0) for r in records[config]]
+        stats[config] = {
+            "wall_s": wall,
+            "simulated_s": max(ends, default=0.0),
+            "steps": cluster.steps,
+            "steps_per_s": cluster.steps / wall if wall else None,
+            "transfers": cluster.transfers,
+            "instances": [f"{i.name}:{i.role}" for i in cluster.instances],
+            "route_us_mean": 1e6 * cluster.route_wall_s / max(cluster.route_calls, 1),
+        }
+    return records, stats
+
+
+def run_sim(
+    setup: SimSetup,
+    configs: Sequence[str] = DEFAULT_CONFIGS,
+    workload: str = "sharegpt",
+    num_sessions: int = 16,
+    rate: float = 1.0,
+    seed: int = 0,
+    max_turns=None,
+    max_output_tokens=None,
+    max_context=None,
+    out_dir: str | Path | None = DEFAULT_OUT_DIR,
+    progress: bool = True,
+    verbose: bool = True,
+    tag: str = "sim",
+) -> dict:
+    """Simulate ``workload`` under ``configs`` and compare them as ``minimemserve bench`` does:
+    prints the table, writes ``<tag>_<workload>.json`` and its bar and CDF plots."""
+    for c in configs:
+        parse_config_name(c)
+    sessions = _sessions(
+        setup, workload, num_sessions, seed, max_turns, max_output_tokens, max_context
+    )
+    records, stats = simulate(setup, configs, sessions, rate, seed, progress)
+    summaries = {c: summarize(records[c]) for c in configs}
+    result = {
+        "setup": {
+            "workload": workload,
+            "sessions": len(sessions),
+            "turns": total_turns(sessions),
+            "rate": rate,
+            "seed": seed,
+            "configs": list(configs),
+            **setup.describe,
+        },
+        "summaries": summaries,
+        "ttft_later_ratio": caching_ratios(summaries),
+        "sim_stats": stats,
+        "records": records,
+        "files": [],
+    }
+    if verbose:
+        for c, s in stats.items():
+            print(
+                f"{c}: {s['simulated_s']:.1f} simulated s in {s['wall_s']:.2f} s "
+                f"({s['steps']} steps, {s['steps_per_s']:.0f} steps/s), pools balanced"
+            )
+        print(format_table(summaries))
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        title = f"simulated {workload}: {len(sessions)} sessions, {rate} sessions/s"
+        pngs = write_plots(records, summaries, out / f"{tag}_{workload}", title=title)
+        path = out / f"{tag}_{workload}.json"
+        result["files"] = [str(path), *map(str, pngs)]
+        path.write_text(json.dumps(result, indent=1))
+        if verbose:
+            print("wrote " + ", ".join(result["files"]))
+    return result
+
+
+def sweep(
+    setup: SimSetup,
+    configs: Sequence[str],
+    workload: str,
+    num_sessions: int,
+    rates: Sequence[float],
+    seed: int = 0,
+    out_dir: str | Path = DEFAULT_OUT_DIR,
+    progress: bool = True,
+    **workload_kw,
+) -> dict:
+    """Mean and P99 JCT and TTFT of each config against the request rate (one plot)."""
+    sessions = _sessions(
+        setup,
+        workload,
+        num_sessions,
+        seed,
+        workload_kw.get("max_turns"),
+        workload_kw.get("max_output_tokens"),
+        workload_kw.get("max_context"),
+    )
+    rows = []
+    for rate in rates:
+        records, _ = simulate(setup, configs, sessions, rate, seed, progress=False)
+        for c in configs:
+            s = summarize(records[c])
+            rows.append(
+                {
+                    "rate": rate,
+                    "config": c,
+                    **{
+                        k: s[k]
+                        for k in (
+                            "ttft_mean",
+                            "ttft_p99",
+                            "jct_mean",
+                            "jct_p99",
+                            "cached_ratio",
+                            "errors",
+                        )
+                    },
+                }
+            )
+            if progress:
+                print(
+                    f"rate {rate:g}/s {c}: JCT mean {s['jct_mean']:.3f} s, "
+                    f"TTFT mean {s['ttft_mean']:.3f} s"
+                )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    png = out / f"sim_{workload}_sweep.png"
+    _plot_sweep(rows, configs, png, f"simulated {workload}, {setup.describe}")
+    path = out / f"sim_{workload}_sweep.json"
+    path.write_text(json.dumps({"setup": setup.describe, "rows": rows}, indent=1))
+    return {"rows": rows, "files": [str(path), str(png)]}
+
+
+def _plot_sweep(rows: list[dict], configs: Sequence[str], png: Path, title: str) -> None:
+    from matplotlib.figure import Figure  # slow to import: only plots need it
+
+    fig = Figure(figsize=(12, 8), layout="tight")
+    axes = fig.subplots(2, 2)
+    for ax, key in zip(axes.flat, ("jct_mean", "jct_p99", "ttft_mean", "ttft_p99")):
+        for c in configs:
+            pts = [(r["rate"], r[key]) for r in rows if r["config"] == c and r[key] is not None]
+            ax.plot(*zip(*pts), marker="o", label=c) if pts else None
+        ax.set_xlabel("session arrival rate (1/s)")
+        ax.set_ylabel(f"{key.replace('_', ' ')} (s)")
+        ax.legend()
+    fig.suptitle(title[:150], fontsize=9)
+    fig.savefig(png, dpi=100)
+
+
+# The paper's relative gains (MemServe, arXiv 2406.17565), for side-by-side tables:
+# (workload, comparison, metric) -> change.
+PAPER_GAINS = {
+    ("sharegpt", "1P1D vs PD", "jct_mean"): -0.30,
+    ("sharegpt", "1P1D-CC vs 1P1D", "jct_mean"): -0.17,
+    ("sharegpt", "1P1D-CC vs 1P1D", "jct_p99"): -0.29,
+    ("sharegpt", "1P1D-CC vs 1P1D", "ttft_mean"): -0.58,
+    ("loogle", "1P1D-CC vs 1P1D", "jct_mean"): -0.269,
+    ("loogle", "1P1D-CC vs 1P1D", "ttft_mean"): -0.562,
+    ("react", "prompt_tree vs session", "ttft_p99"): -0.59,
+}
+_COMPARISONS = (
+    ("1P1D vs PD", "1P1D", "PD", ("jct_mean",)),
+    ("1P1D-CC vs 1P1D", "1P1D-CC", "1P1D", ("jct_mean", "jct_p99", "ttft_mean")),
+    ("prompt_tree vs session", "PD-CC", "PD-CC session", ("ttft_p99",)),
+)
+
+
+def paper_table(
+    setup: SimSetup,
+    rates: dict[str, float],
+    num_sessions: int,
+    seed: int = 0,
+    out_dir: str | Path = DEFAULT_OUT_DIR,
+    progress: bool = True,
+) -> list[dict]:
+    """The paper's relative gains on each workload at ``rates[workload]``: disaggregation
+    against colocation, PD-Caching-3 against disaggregation, prompt-tree against session
+    routing (PD-CC); prints them beside the paper's, writes JSON and a bar plot."""
+    rows = []
+    for workload, rate in rates.items():
+        sessions = _sessions(setup, workload, num_sessions, seed, None, None, None)
+        records, _ = simulate(setup, DEFAULT_CONFIGS, sessions, rate, seed, progress)
+        session_setup = dataclasses.replace(setup, policy="session")
+        extra, _ = simulate(session_setup, ["PD-CC"], sessions, rate, seed, progress)
+        records["PD-CC session"] = extra["PD-CC"]
+        summ = {c: summarize(r) for c, r in records.items()}
+        for name, new, base, metrics in _COMPARISONS:
+            for m in metrics:
+                gain = summ[new][m] / summ[base][m] - 1
+                paper = PAPER_GAINS.get((workload, name, m))
+                rows.append(
+                    {
+                        "workload": workload,
+                        "rate": rate,
+                        "comparison": name,
+                        "metric": m,
+                        "simulated": gain,
+                        "paper": paper,
+                        "new_s": summ[new][m],
+                        "base_s": summ[base][m],
+                    }
+                )
+    print(f"{'workload':9}{'rate':>6}  {'comparison':24}{'metric':10}{'simulated':>10}{'paper':>8}")
+    for r in rows:
+        paper = "-" if r["paper"] is None else f"{r['paper']:+.0%}"
+        print(
+            f"{r['workload']:9}{r['rate']:>6g}  {r['comparison']:24}{r['metric']:10}"
+            f"{r['simulated']:>+10.0%}{paper:>8}"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sim_paper.json").write_text(
+        json.dumps({"setup": setup.describe, "rows": rows}, indent=1)
+    )
+    _plot_paper(rows, out / "sim_paper.png")
+    return rows
+
+
+def _plot_paper(rows: list[dict], png: Path) -> None:
+    from matplotlib.figure import Figure  # slow to import: only plots need it
+
+    fig = Figure(figsize=(12, 4), layout="tight")
+    ax = fig.subplots()
+    labels = [f"{r['workload']}\n{r['comparison']}\n{r['metric']}" for r in rows]
+    x = list(range(len(rows)))
+    ax.bar([i - 0.2 for i in x], [100 * r["simulated"] for r in rows], 0.4, label="simulated")
+    ax.bar([i + 0.2 for i in x], [100 * (r["paper"] or 0.0) for r in rows], 0.4, label="paper")
+    ax.set_xticks(x, labels, fontsize=6)
+    ax.set_ylabel("change (%)")
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.legend()
+    fig.savefig(png, dpi=100)
+
+
+# --------------------------------------------------------------------------- roofline checks
+
+
+def _steps_shape(step: dict) -> StepShape:
+    """The :class:`StepShape` of one ``bench/gpu_steps.py`` result row."""
+    name, prefills = step["shape"], ()
+    if m := _PREFILL_NAME.fullmatch(name):
+        prefills = ((int(m.group(3) or 0), int(m.group(2))),) * int(m.group(1))
+    elif m := _MIXED_NAME.match(name):
+        prefills = ((0, int(m.group(2))),) * int(m.group(1))
+    decodes = (int(step["context"]),) * int(step.get("decodes", 0))
+    if not prefills and not decodes:
+        raise ConfigError(f"cannot read the step shape {name!r}")
+    return StepShape(prefills, decodes, len(prefills) + len(decodes))
+
+
+def calibrate(path: str | Path, hardware: str = "h200") -> list[dict]:
+    """Measured (``bench/gpu_steps.py`` JSON, e.g. from ``scripts/gpu-check.sh``) against the
+    roofline's predicted step times on ``hardware``; prints and returns the rows."""
+    try:
+        report = json.loads(Path(path).read_text())
+        sizes, steps = report["model"], report["steps"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: not a bench/gpu_steps.py result ({e})") from None
+    dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}.get(report.get("dtype"), 2)
+    roof = RooflineStepModel(HardwareProfile.load(hardware), ModelConfig(**sizes), 1, dtype_bytes)
+    rows = []
+    print(
+        f"{report.get('device', '?')} ({'dry run' if report.get('dry_run') else 'GPU'}) "
+        f"against the {roof.hw.name} roofline"
+    )
+    print(f"{'shape':36}{'measured ms':>13}{'predicted ms':>14}{'error':>8}")
+    for step in steps:
+        pred = roof.step_time(_steps_shape(step)) * 1e3
+        meas = float(step["step_ms_median"])
+        rows.append(
+            {
+                "shape": step["shape"],
+                "measured_ms": meas,
+                "predicted_ms": pred,
+                "error": pred / meas - 1,
+            }
+        )
+        print(f"{step['shape']:36}{meas:>13.2f}{pred:>14.2f}{pred / meas - 1:>8.0%}")
+    return rows
+
+
+def anchor_time(roof: RooflineStepModel, a: dict) -> float:
+    """Predicted seconds of one published measurement ``a`` (see ``data/anchors.json``)."""
+    b, x = int(a["batch"]), int(a["input"])
+    t = roof.step_time(StepShape(((0, x),) * b, (), b))
+    if a["kind"] == "latency":
+        t += sum(roof.step_time(StepShape((), (x + i,) * b, b)) for i in range(1, int(a["output"])))
+    return t
+
+
+def anchors(path: str | Path = DATA_DIR / "anchors.json") -> list[dict]:
+    """Every published measurement against the roofline's prediction; prints the table."""
+    data = json.loads(Path(path).read_text())
+    rows = []
+    print(
+        f"{'hardware':9}{'model':12}{'TP':>3}{'kind':>9}{'batch':>6}{'in':>6}{'out':>5}"
+        f"{'published ms':>14}{'predicted ms':>14}{'error':>8}  source"
+    )
+    for a in data["anchors"]:
+        roof = RooflineStepModel(
+            HardwareProfile.load(a["hardware"]), load_model_shape(a["model"]), int(a["tp"])
+        )
+        pred = anchor_time(roof, a) * 1e3
+        rows.append({**a, "predicted_ms": pred, "error": pred / a["ms"] - 1})
+        print(
+            f"{a['hardware']:9}{a['model']:12}{a['tp']:>3}{a['kind']:>9}{a['batch']:>6}"
+            f"{a['input']:>6}{a['output']:>5}{a['ms']:>14.1f}{pred:>14.1f}"
+            f"{pred / a['ms'] - 1:>8.0%}  {a['source']}"
+        )
+    return rows
+
+
+# --------------------------------------------------------------------------- CLI
+
+DESCRIPTION = (
+    "Run the engine's scheduling, MemPool and recipes on a simulated cluster in virtual time "
+    "and compare configurations as `minimemserve bench` does."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the options of ``minimemserve sim`` to ``p``; returns ``p``."""
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="llama2-7b|llama2-13b|llama2-70b, a shape JSON or an HF checkpoint dir",
+    )
+    p.add_argument(
+        "--hardware",
+        default=DEFAULT_HARDWARE,
+        help="a100-80g|h100|h800|h200, a profile JSON, or 'cpu' (this machine, the "
+        "fitted step model, the bench's tiny-preset layout)",
+    )
+    p.add_argument("--gpus", type=int, default=DEFAULT_GPUS)
+    p.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor parallelism per instance")
+    p.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
+    p.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help="comma-separated; xPyD configs repeat to fill the instances",
+    )
+    p.add_argument("--rate", type=float, default=1.0, help="session arrivals per second")
+    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--max-turns", type=int, default=None)
+    p.add_argument("--max-output-tokens", type=int, default=None)
+    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--policy", choices=POLICIES, default="prompt_tree")
+    p.add_argument("--transfer-mode", choices=TRANSFER_MODES, default="by_request_aggregated")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=DEFAULT_OUT_DIR, help="where JSON and plots go")
+    p.add_argument(
+        "--cpu-model",
+        default=None,
+        help="fitted CPU step model JSON (--hardware cpu; default: fit now, ~1 min)",
+    )
+    p.add_argument("--sweep", default=None, help="comma-separated rates: a rate sweep plot")
+    p.add_argument(
+        "--calibrate",
+        default=None,
+        help="gpu_steps.json from scripts/gpu-check.sh: measured vs predicted steps",
+    )
+    p.add_argument(
+        "--paper",
+        default=None,
+        help="workload=rate,... (e.g. sharegpt=2,loogle=0.5,react=1): the paper's "
+        "relative gains, simulated",
+    )
+    p.add_argument(
+        "--anchors",
+        action="store_true",
+        help="print the roofline against published GPU measurements",
+    )
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def setup_from_args(args: argparse.Namespace) -> SimSetup:
+    """The :class:`SimSetup` the options describe (fits the CPU model when none is given)."""
+    if args.hardware != "cpu":
+        return gpu_setup(
+            args.model, args.hardware, args.gpus, args.tp, args.policy, args.transfer_mode
+        )
+    if args.cpu_model:
+        fitted = FittedStepModel.load(args.cpu_model)
+    else:
+        fitted = fit_cpu_steps(preset_dir("tiny"), progress=not args.no_progress)
+        print(f"wrote {fitted.save(Path(args.out) / 'sim_cpu_steps.json')}")
+    model_dir = args.model if Path(args.model).is_dir() else None
+    return cpu_setup(fitted, model_dir, args.policy)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``minimemserve sim`` with parsed ``args``; returns the exit status."""
+    if args.anchors:
+        anchors()
+        return 0
+    if args.calibrate:
+        calibrate(args.calibrate, "h200" if args.hardware == "cpu" else args.hardware)
+        return 0
+    setup = setup_from_args(args)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    kw = dict(
+        max_turns=args.max_turns,
+        max_output_tokens=args.max_output_tokens,
+        max_context=args.max_context,
+    )
+    if args.paper:
+        try:
+            rates = {w: float(r) for w, r in (kv.split("=") for kv in args.paper.split(","))}
+        except ValueError:
+            raise ConfigError(f"--paper takes workload=rate pairs, got {args.paper!r}") from None
+        if bad := set(rates) - set(WORKLOADS):
+            raise ConfigError(f"--paper: unknown workloads {sorted(bad)}; choose from {WORKLOADS}")
+        paper_table(setup, rates, args.sessions, args.seed, args.out, not args.no_progress)
+        return 0
+    if args.sweep:
+        try:
+            rates = [float(r) for r in args.sweep.split(",")]
+        except ValueError:
+            raise ConfigError(f"--sweep takes comma-separated rates, got {args.sweep!r}") from None
+        res = sweep(
+            setup,
+            configs,
+            args.workload,
+            args.sessions,
+            rates,
+            args.seed,
+            args.out,
+            not args.no_progress,
+            **kw,
+        )
+        print("wrote " + ", ".join(res["files"]))
+        return 0
+    run_sim(
+        setup,
+        configs,
+        args.workload,
+        args.sessions,
+        args.rate,
+        args.seed,
+        out_dir=args.out,
+        progress=not args.no_progress,
+        **kw,
+    )
+    return 0

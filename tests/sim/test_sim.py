@@ -1,0 +1,249 @@
+"""The simulator: deterministic, balanced pools, the same hits and bytes as a real run, a
+roofline that respects its bounds, clear errors, and the CLI end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from minimemserve.bench.driver import run_workload
+from minimemserve.bench.presets import preset_dir
+from minimemserve.bench.workloads import make_workload, total_turns
+from minimemserve.cli import build_parser
+from minimemserve.errors import ConfigError
+from minimemserve.llm import LLM
+from minimemserve.model.tokenizer import Tokenizer
+from minimemserve.sim import (
+    FittedStepModel,
+    HardwareProfile,
+    Link,
+    RooflineStepModel,
+    StepShape,
+    calibrate,
+    cpu_setup,
+    gpu_setup,
+    load_model_shape,
+    simulate,
+)
+from minimemserve.sim.cluster import scaled_deployment
+from minimemserve.sim.profiles import DATA_DIR, FEATURES
+from minimemserve.sim.runner import anchor_time
+
+# A step model in the range the tiny preset measures on this CPU (seconds per feature).
+CPU_COEFS = (8e-3, 5e-4, 2e-7, 2e-6, 2.5e-4)
+CONFIGS = ("PD", "PD-CC", "1P1D", "1P1D-CC")
+
+
+@pytest.fixture(scope="module")
+def tiny_sessions():
+    tok = Tokenizer.from_dir(preset_dir("tiny"))
+    return make_workload("sharegpt", tok, 4, 384, seed=1, max_turns=3, max_output_tokens=8)
+
+
+def _setup():
+    return cpu_setup(FittedStepModel(CPU_COEFS))
+
+
+def test_deterministic_and_pools_balance(tiny_sessions):
+    setup = _setup()
+    a, _ = simulate(setup, CONFIGS, tiny_sessions, rate=2.0, seed=0, progress=False)
+    b, stats = simulate(setup, CONFIGS, tiny_sessions, rate=2.0, seed=0, progress=False)
+    assert a == b
+    for config in CONFIGS:
+        assert len(a[config]) == total_turns(tiny_sessions)
+        assert all(r["error"] is None for r in a[config])
+        assert stats[config]["steps"] > 0
+    cluster = setup.cluster("1P1D-CC")
+    cluster.replay(tiny_sessions, 2.0, 0, progress=False)
+    for inst in cluster.instances:
+        inst.pool.check()
+        assert inst.pool.stats()["hbm"]["referenced"] == 0
+    assert sum(r["transferred_bytes"] for r in a["1P1D"]) > 0
+    assert sum(r["cached_tokens"] for r in a["PD-CC"]) > 0
+
+
+@pytest.mark.parametrize("config", ["PD-CC", "1P1D-CC"])
+def test_same_hits_and_bytes_as_a_real_run(tiny_sessions, config):
+    """One instance per role: no routing choice, so the same code gives the same numbers."""
+    real = run_workload(LLM(None, config=config).engine, tiny_sessions, 50.0, 0, progress=False)
+    setup = _setup()
+    setup.instances = 1 if config == "PD-CC" else 2
+    sim, _ = simulate(setup, [config], tiny_sessions, rate=50.0, seed=0, progress=False)
+    keys = ("prompt_tokens", "output_tokens", "cached_tokens", "transferred_bytes")
+    by_turn = lambda rs: {(r["session"], r["turn"]): [r[k] for k in keys] for r in rs}
+    assert by_turn(sim[config]) == by_turn(real)
+    assert any(r["cached_tokens"] for r in real)
+
+
+def test_roofline_bounds_and_shapes():
+    hw, shape = HardwareProfile.load("h800"), load_model_shape("llama2-13b")
+    roof = RooflineStepModel(hw, shape, tp=2)
+    decode = roof.step_time(StepShape((), (1024,), 1))
+    weights_read = roof.weight_bytes / 2 / (hw.hbm_gb_per_s * 1e9)
+    assert decode > weights_read  # a decode step reads every weight of its rank
+    assert roof.prefill_time(2048) > 2 * roof.prefill_time(512)  # compute-bound, then attention
+    assert roof.prefill_time(512, cached=1536) < roof.prefill_time(2048)
+    big = roof.step_time(StepShape((), (1024,) * 64, 64))
+    assert decode < big < 64 * decode  # batching shares the weight reads
+    assert roof.parts(StepShape((), (1024,), 1))["allreduce"] > 0
+    assert RooflineStepModel(hw, shape, tp=1).parts(StepShape((), (8,), 1))["allreduce"] == 0
+    assert 1000 < roof.kv_blocks(16) < 20000
+    with pytest.raises(ConfigError, match="no KV room"):
+        RooflineStepModel(
+            HardwareProfile.load("a100-80g"), load_model_shape("llama2-70b")
+        ).kv_blocks(16)
+
+
+def test_published_anchor_7b_h100_within_25_percent():
+    roof = RooflineStepModel(HardwareProfile.load("h100"), load_model_shape("llama2-7b"), 1)
+    anchor = {"kind": "latency", "batch": 8, "input": 128, "output": 20, "ms": 199.2}
+    assert abs(anchor_time(roof, anchor) * 1e3 / anchor["ms"] - 1) < 0.25
+
+
+def test_links_queue_and_modes():
+    link = Link(gb_per_s=10.0, latency_us=5.0)
+    assert link.calls("by_request", 8, 40) == 640
+    assert link.calls("by_request_aggregated", 8, 40) == 8
+    assert link.calls("by_layer", 8, 40) == 40
+    with pytest.raises(ConfigError, match="transfer mode"):
+        link.calls("packed-ish", 8, 40)
+    setup = gpu_setup("llama2-7b", "h100", 2, 1)
+    cluster = setup.cluster("1P1D")
+    p, d = cluster.instances[0].pool, cluster.instances[1].pool
+    blocks = p.alloc_mem(8)
+    first = p.transfer(d, blocks)
+    t1 = p.landed
+    second = p.transfer(d, blocks)
+    assert t1 > 0 and p.landed == pytest.approx(2 * t1)  # one link, one transfer at a time
+    d.free_mem(first + second)
+    p.free_mem(blocks)
+    p.check()
+    d.check()
+
+
+def test_clear_errors(tmp_path, tiny_sessions):
+    with pytest.raises(ConfigError, match="unknown hardware 'tpu9'"):
+        HardwareProfile.load("tpu9")
+    with pytest.raises(ConfigError, match="unknown model 'llama9'"):
+        load_model_shape("llama9")
+    bad = tmp_path / "hw.json"
+    profile = json.loads((DATA_DIR / "hardware" / "h800.json").read_text())
+    bad.write_text(json.dumps(profile | {"peak_tflops": -1}))
+    with pytest.raises(ConfigError, match="peak_tflops must be finite and > 0"):
+        HardwareProfile.load(bad)
+    bad.write_text(json.dumps({"name": "x", "peak_tflops": 1}))
+    with pytest.raises(ConfigError, match="missing 5 required"):
+        HardwareProfile.load(bad)
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot read hardware profile"):
+        HardwareProfile.load(bad)
+    with pytest.raises(ConfigError, match="rate"):
+        simulate(_setup(), ["PD"], tiny_sessions, rate=0.0, seed=0, progress=False)
+    with pytest.raises(ConfigError, match="multiple of 2"):
+        scaled_deployment("1P1D", 3)
+    assert scaled_deployment("1P1D", 4)[0].counts == (2, 2)
+    with pytest.raises(ConfigError, match="multiple of --tp"):
+        gpu_setup("llama2-13b", "h800", 7, 2)
+    with pytest.raises(ConfigError):
+        FittedStepModel((1.0,) * (len(FEATURES) - 1))
+
+
+def test_fitted_model_recovers_coefficients():
+    shapes = [StepShape(((c, n),), (), 1) for n in (16, 64, 256) for c in (0, 512)]
+    shapes += [StepShape((), (ctx,) * b, b) for b in (1, 8, 32) for ctx in (128, 1024)]
+    truth = FittedStepModel(CPU_COEFS)
+    fitted = FittedStepModel.fit([(s, truth.step_time(s)) for s in shapes])
+    assert fitted.coefs == pytest.approx(CPU_COEFS, rel=1e-6)
+    assert fitted.relative_error < 1e-9
+
+
+def test_calibrate_reads_gpu_steps_json(tmp_path, capsys):
+    steps = [
+        {"shape": "prefill 4x1024", "decodes": 0, "context": 0, "step_ms_median": 80.0},
+        {
+            "shape": "prefill 1x512 after 4096 cached",
+            "decodes": 0,
+            "context": 0,
+            "step_ms_median": 20.0,
+        },
+        {"shape": "decode 32x1024", "decodes": 32, "context": 1024, "step_ms_median": 9.0},
+        {
+            "shape": "mixed 1x512 + 63 decodes x2048",
+            "decodes": 63,
+            "context": 2048,
+            "step_ms_median": 30.0,
+        },
+    ]
+    model = dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5504,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+    )
+    path = tmp_path / "gpu_steps.json"
+    path.write_text(
+        json.dumps({"device": "NVIDIA H200", "dtype": "bfloat16", "model": model, "steps": steps})
+    )
+    rows = calibrate(path, "h200")
+    assert [r["shape"] for r in rows] == [s["shape"] for s in steps]
+    assert rows[0]["predicted_ms"] > rows[1]["predicted_ms"] > 0
+    assert "H200" in capsys.readouterr().out
+    path.write_text("[]")
+    with pytest.raises(ConfigError, match="not a bench/gpu_steps.py result"):
+        calibrate(path)
+
+
+def test_cli_sim_and_sweep(tmp_path, capsys):
+    common = [
+        "sim",
+        "--model",
+        "llama2-13b",
+        "--hardware",
+        "h800",
+        "--gpus",
+        "8",
+        "--tp",
+        "2",
+        "--sessions",
+        "4",
+        "--max-turns",
+        "2",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    ]
+    args = build_parser().parse_args(common + ["--workload", "react", "--rate", "2"])
+    assert args.fn(args) == 0
+    out = capsys.readouterr().out
+    assert "TTFT mean" in out and "pools balanced" in out
+    data = json.loads((tmp_path / "sim_react.json").read_text())
+    assert set(data["summaries"]) == set(CONFIGS)
+    assert data["sim_stats"]["1P1D"]["instances"] == [
+        "P0:prefill",
+        "P1:prefill",
+        "D0:decode",
+        "D1:decode",
+    ]
+    assert (tmp_path / "sim_react_bars.png").stat().st_size > 0
+    args = build_parser().parse_args(common + ["--configs", "PD,1P1D-CC", "--sweep", "1,4"])
+    assert args.fn(args) == 0
+    rows = json.loads((tmp_path / "sim_sharegpt_sweep.json").read_text())["rows"]
+    assert [(r["rate"], r["config"]) for r in rows] == [
+        (1.0, "PD"),
+        (1.0, "1P1D-CC"),
+        (4.0, "PD"),
+        (4.0, "1P1D-CC"),
+    ]
+    assert (tmp_path / "sim_sharegpt_sweep.png").stat().st_size > 0
+
+
+def test_meta_pools_hold_no_storage():
+    setup = gpu_setup("llama2-70b", "h800", 8, 4)
+    cluster = setup.cluster("1P1D-CC")
+    pool = cluster.instances[0].pool
+    assert pool.kv("hbm").device == torch.device("meta")
+    assert pool.capacity() == setup.num_blocks > 1000
