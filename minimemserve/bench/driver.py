@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from minimemserve.bench.http_target import endpoint_factory
 from minimemserve.bench.presets import preset_dir
 from minimemserve.bench.workloads import (
     WORKLOADS,
@@ -647,8 +648,26 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="JSON of a fitted cost model (bench/cost_model.py writes one) for the global "
         "scheduler; default: cost counted in new tokens",
     )
+    p.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        metavar="[NAME=]URL",
+        help="replay over the OpenAI API of a running `minimemserve serve` at URL (streaming; "
+        "TTFT is the first chunk), shown as NAME (default: its URL); repeat to compare "
+        "servers of different configs; replaces --configs",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
+
+
+def endpoint_targets(specs: Sequence[str]) -> dict[str, TargetFactory]:
+    """``{name: factory}`` of ``--endpoint [NAME=]URL`` options."""
+    out = {}
+    for spec in specs:
+        name, _, url = spec.partition("=") if "=" in spec.split("://")[0] else ("", "", spec)
+        out[name or url] = endpoint_factory(url)
+    return out
 
 
 def main(args: argparse.Namespace) -> int:
@@ -657,7 +676,10 @@ def main(args: argparse.Namespace) -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     factories = None
     runtime: dict[str, Any] = {"kind": args.runtime}
-    if args.runtime == "process":
+    if args.endpoint:
+        factories = endpoint_targets(args.endpoint)
+        configs, runtime = list(factories), {"kind": "http", "endpoints": args.endpoint}
+    elif args.runtime == "process":
         factories = process_factories(
             configs,
             cores_per_instance=CORES_PER_INSTANCE,

@@ -19,7 +19,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,12 +32,18 @@ from ..bench.presets import preset_dir
 from ..config import EngineConfig, parse_config_name
 from ..disagg.rpc import LOOPBACK
 from ..disagg.runtime import ProcessCluster
-from ..errors import InstanceDied, InvalidRequest, PoolExhausted, TransferError
+from ..errors import (
+    InstanceDied,
+    InvalidRequest,
+    MiniMemServeError,
+    PoolExhausted,
+    TransferError,
+)
 from ..llm import LLM
 from ..model.config import ModelConfig
 from ..model.tokenizer import Tokenizer
 from ..request import RequestOutput, TokenDelta
-from ..sampling import INT64_LIMIT
+from ..sampling import INT64_LIMIT, SamplingParams
 from ..serving import Serving
 from . import DEFAULT_MAX_PENDING, protocol
 from .engine_loop import EngineLoop
@@ -119,6 +125,16 @@ class Choice:
         return self.detok.tokens
 
 
+@dataclass
+class Generation:
+    """One HTTP request in flight: its choices and the queue their events arrive on."""
+
+    parsed: protocol.Parsed
+    choices: list[Choice]
+    events: asyncio.Queue
+    t0: float  # when the request arrived
+
+
 class Server:
     """The request handling behind the routes, over one :class:`EngineLoop`."""
 
@@ -138,20 +154,49 @@ class Server:
         self.max_pending, self._ids = max_pending, itertools.count()
 
     # ---- a request's choices ------------------------------------------------------------------
-    async def _start(self, c: Choice, parsed: protocol.Parsed, events: asyncio.Queue, t0: float):
-        p = parsed.params
+    def _params(self, gen: Generation, c: Choice) -> SamplingParams:
+        p = gen.parsed.params
         if c.sibling and p.seed is not None:  # seeded siblings differ from each other
             p = dataclasses.replace(p, seed=(p.seed + c.sibling) % INT64_LIMIT)
-        aio, prompt = asyncio.get_running_loop(), parsed.prompts[c.prompt]
+        return p
+
+    async def _add(self, gen: Generation, choices: list[Choice], validate: bool = False) -> None:
+        """Add ``choices`` to the engine in one call (after validating every prompt first, so
+        a bad one adds nothing); their events go to ``gen.events``."""
+        aio, prompts = asyncio.get_running_loop(), gen.parsed.prompts
 
         def add(s: Serving) -> None:
-            s.add_request(prompt, p, request_id=c.rid, arrival_time=t0)
-            self.loop.register(c.rid, aio, events)
+            if validate:
+                for p in prompts:
+                    s.validate(p, gen.parsed.params)
+            for c in choices:
+                s.add_request(prompts[c.prompt], self._params(gen, c), c.rid, gen.t0)
+                self.loop.register(c.rid, aio, gen.events)
+                c.started = True
 
-        c.started = True
         await self.loop.call(add)
 
+    async def submit(self, parsed: protocol.Parsed, t0: float, chat: bool) -> Generation:
+        """Validate and start a request's choices (the first of each prompt; the others follow
+        once it computed the prompt, to share it). Bad prompts raise ``BadField`` here."""
+        base, n, stop = f"srv-{next(self._ids)}", parsed.n, parsed.stop
+        choices = [
+            Choice(i * n + j, i, j, f"{base}-{i}-{j}", protocol.Detokenizer(self.tok, stop))
+            for i in range(len(parsed.prompts))
+            for j in range(n)
+        ]
+        gen = Generation(parsed, choices, asyncio.Queue(), t0)
+        try:
+            await self._add(gen, [c for c in choices if c.sibling == 0], validate=True)
+        except PoolExhausted:
+            raise
+        except InvalidRequest as e:  # too long, outside the vocabulary: the prompt's fault
+            raise protocol.BadField("messages" if chat else "prompt", str(e)) from None
+        return gen
+
     async def _next_event(self, events: asyncio.Queue, request: Request | None):
+        if request is None:  # streaming: the response is cancelled when the client goes
+            return await events.get()
         while True:
             try:
                 return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
@@ -160,43 +205,28 @@ class Server:
                     raise asyncio.CancelledError("client disconnected") from None
 
     async def run(
-        self, parsed: protocol.Parsed, request: Request | None
+        self, gen: Generation, request: Request | None
     ) -> AsyncIterator[tuple[Choice, str, list]]:
         """Yield ``(choice, text delta, new logprobs)`` until every choice finished; the
         choices' requests are aborted if the caller stops early (client gone)."""
-        t0, events, base = time.perf_counter(), asyncio.Queue(), f"srv-{next(self._ids)}"
-        choices = [
-            Choice(
-                i * parsed.n + j,
-                i,
-                j,
-                f"{base}-{i}-{j}",
-                protocol.Detokenizer(self.tok, parsed.stop),
-            )
-            for i in range(len(parsed.prompts))
-            for j in range(parsed.n)
-        ]
+        choices, n = gen.choices, gen.parsed.n
         by_rid = {c.rid: c for c in choices}
         try:
-            for c in choices:
-                if c.sibling == 0:
-                    await self._start(c, parsed, events, t0)
             left = len(choices)
             while left:
-                ev = await self._next_event(events, request)
+                ev = await self._next_event(gen.events, request)
                 c = by_rid[ev.request_id]
                 if c.finish_reason is not None:
                     continue  # ended by a stop string; what was still queued for it
                 text, lps = self._take(c, ev)
                 if c.sibling == 0 and (c.tokens or c.finish_reason):  # its prompt is computed
-                    for s in choices[c.index + 1 : c.index + parsed.n]:
-                        if not s.started:
-                            await self._start(s, parsed, events, t0)
+                    if rest := [s for s in choices[c.index + 1 : c.index + n] if not s.started]:
+                        await self._add(gen, rest)
                 if c.detok.stopped and c.finish_reason is None:
                     await self._end_early(c)
                 if c.finish_reason is not None:
                     left -= 1
-                    self._observe(c, t0)
+                    self._observe(c, gen.t0)
                 yield c, text, lps
         finally:
             for c in choices:
@@ -240,7 +270,7 @@ class Server:
 
     # ---- HTTP ---------------------------------------------------------------------------------
     async def parse(self, request: Request, chat: bool) -> protocol.Parsed:
-        """Read and check a request body, and validate its prompts with the engine."""
+        """Read and check a request body (the engine validates the prompts in :meth:`submit`)."""
         try:
             body = json.loads(await request.body())
         except (ValueError, UnicodeDecodeError) as e:
@@ -261,12 +291,6 @@ class Server:
                 "service_unavailable",
                 code="overloaded",
             )
-        try:
-            await self.loop.call(lambda s: [s.validate(p, parsed.params) for p in parsed.prompts])
-        except PoolExhausted:
-            raise
-        except InvalidRequest as e:  # too long, outside the vocabulary: the prompt's fault
-            raise protocol.BadField("messages" if chat else "prompt", str(e)) from None
         return parsed
 
     def usage(self, parsed: protocol.Parsed, choices: list[Choice]) -> dict:
@@ -310,79 +334,51 @@ class Server:
 
     async def complete(self, request: Request, chat: bool) -> Response:
         """``/v1/completions`` and ``/v1/chat/completions``."""
+        t0 = time.perf_counter()
         parsed = await self.parse(request, chat)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        gen = await self.submit(parsed, t0, chat)
         head = {
-            "id": rid,
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
         }
         if parsed.stream:
-            return StreamingResponse(self._sse(parsed, chat, head), media_type="text/event-stream")
-        texts: dict[int, list[str]] = {}
-        choices: dict[int, Choice] = {}
-        async for c, text, _ in self.run(parsed, request):
-            texts.setdefault(c.index, []).append(text)
-            choices[c.index] = c
+            return StreamingResponse(self._sse(gen, chat, head), media_type="text/event-stream")
+        texts: dict[int, list[str]] = {c.index: [] for c in gen.choices}
+        async for c, text, _ in self.run(gen, request):
+            texts[c.index].append(text)
         out = []
-        for i in sorted(choices):
-            c, text = choices[i], "".join(texts[i])
+        for c in gen.choices:
+            text = "".join(texts[c.index])
             body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
             lp = self.logprobs(chat, c, c.logprobs) if parsed.params.logprobs is not None else None
-            extra = {"token_ids": c.tokens} if parsed.return_token_ids else {}
-            out.append(
-                {"index": i, **body, "logprobs": lp, "finish_reason": c.finish_reason, **extra}
-            )
-        return JSONResponse(
-            head | {"choices": out, "usage": self.usage(parsed, list(choices.values()))}
-        )
+            out.append(self._choice(c, body, lp, parsed.return_token_ids))
+        return JSONResponse(head | {"choices": out, "usage": self.usage(parsed, gen.choices)})
 
-    async def _sse(self, parsed: protocol.Parsed, chat: bool, head: dict) -> AsyncIterator[str]:
+    @staticmethod
+    def _choice(c: Choice, body: dict, logprobs: dict | None, token_ids: bool) -> dict:
+        extra = {"token_ids": c.tokens} if token_ids and c.finish_reason else {}
+        return {"index": c.index, **body, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                **extra}  # fmt: skip
+
+    async def _sse(self, gen: Generation, chat: bool, head: dict) -> AsyncIterator[str]:
+        parsed = gen.parsed
         head = head | {"object": "chat.completion.chunk" if chat else "text_completion"}
         send = lambda chunk: f"data: {json.dumps(head | chunk)}\n\n"
-        seen: dict[int, Choice] = {}
         try:
             if chat:
-                n = len(parsed.prompts) * parsed.n
-                yield send(
-                    {
-                        "choices": [
-                            {
-                                "index": i,
-                                "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                            for i in range(n)
-                        ]
-                    }
-                )
-            async for c, text, lps in self.run(parsed, None):
-                seen[c.index] = c
+                role = {"role": "assistant", "content": ""}
+                yield send({"choices": [self._choice(c, {"delta": role}, None, False)
+                                        for c in gen.choices]})  # fmt: skip
+            async for c, text, lps in self.run(gen, None):
                 if not (text or lps or c.finish_reason):
                     continue
-                offset = len(c.logprobs) - len(lps)
-                lp = self.logprobs(chat, c, lps, offset) if lps else None
+                lp = self.logprobs(chat, c, lps, len(c.logprobs) - len(lps)) if lps else None
                 body = {"delta": {"content": text} if text else {}} if chat else {"text": text}
-                extra = (
-                    {"token_ids": c.tokens} if parsed.return_token_ids and c.finish_reason else {}
-                )
-                yield send(
-                    {
-                        "choices": [
-                            {
-                                "index": c.index,
-                                **body,
-                                "logprobs": lp,
-                                "finish_reason": c.finish_reason,
-                                **extra,
-                            }
-                        ]
-                    }
-                )
+                yield send({"choices": [self._choice(c, body, lp, parsed.return_token_ids)]})
             if parsed.include_usage:
-                yield send({"choices": [], "usage": self.usage(parsed, list(seen.values()))})
+                yield send({"choices": [], "usage": self.usage(parsed, gen.choices)})
         except Exception as e:  # after the 200 went out: the error is the last event
             yield f"data: {json.dumps(api_error(e).body())}\n\n"
         yield "data: [DONE]\n\n"
@@ -428,19 +424,15 @@ def build_app(server: Server) -> FastAPI:
 
     app = FastAPI(title="minimemserve", lifespan=lifespan)
 
-    @app.exception_handler(Exception)
     async def on_error(request: Request, e: Exception) -> JSONResponse:
-        return api_error(e).response()
+        err = api_error(e)
+        if err.status == 500:
+            logger.error("internal error: %r", e)
+        return err.response()
 
-    @app.middleware("http")
-    async def errors(request: Request, call_next: Callable) -> Response:
-        try:
-            return await call_next(request)
-        except Exception as e:  # every error in OpenAI's shape: 400, 404, 503 (500 for a bug)
-            err = api_error(e)
-            if err.status == 500:
-                logger.exception("internal error")
-            return err.response()
+    # every error in OpenAI's shape: 400, 404, 503 (500 only for a bug)
+    for kind in (ApiError, ValueError, RuntimeError, MiniMemServeError, Exception):
+        app.add_exception_handler(kind, on_error)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

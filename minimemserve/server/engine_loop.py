@@ -28,6 +28,11 @@ IDLE_WAIT_S = 0.05
 Event = TokenDelta | RequestOutput
 
 
+def _put_all(items: list[tuple[asyncio.Queue, Event]]) -> None:
+    for events, ev in items:
+        events.put_nowait(ev)
+
+
 class EngineLoop:
     """Runs ``make_serving()`` and its steps in one daemon thread. ``on_output(out)`` is called
     (in that thread) for every finished request, e.g. to record metrics."""
@@ -142,17 +147,15 @@ class EngineLoop:
 
     def _step(self) -> None:
         outputs = self.serving.step()
-        for d in self.serving.take_deltas():
-            self._deliver(d.request_id, d)
+        batch: dict[asyncio.AbstractEventLoop, list] = {}  # one wake-up per loop and step
+        for ev in [*self.serving.take_deltas(), *outputs]:
+            if (dest := self._streams.get(ev.request_id)) is not None:
+                batch.setdefault(dest[0], []).append((dest[1], ev))
         for out in outputs:
             self._on_output(out)
-            self._deliver(out.request_id, out)
             self._streams.pop(out.request_id, None)
-
-    def _deliver(self, request_id: str, event: Event) -> None:
-        if (dest := self._streams.get(request_id)) is not None:
-            loop, events = dest
-            loop.call_soon_threadsafe(events.put_nowait, event)
+        for loop, items in batch.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_pending(self) -> None:
         """The loop ended: every open stream gets an error output, every call an exception."""

@@ -286,3 +286,16 @@ def test_logprobs_come_back_for_each_token(server):
     )  # fmt: skip
     content = c.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_the_benchmark_replays_a_workload_over_http(server, tiny_llama_dir):
+    from minimemserve.bench.driver import endpoint_targets, run_bench
+
+    factories = endpoint_targets([f"{server.config}={server.url}"])
+    res = run_bench(configs=[server.config], workload="sharegpt", num_sessions=3, rate=50.0,
+                    max_turns=2, max_output_tokens=6, max_context=400, model_dir=tiny_llama_dir,
+                    out_dir=None, factories=factories, progress=False, verbose=False)  # fmt: skip
+    records = res["records"][server.config]
+    assert len(records) == 6 and all(r["error"] is None for r in records), records
+    assert all(r["ttft"] > 0 and r["jct"] >= r["ttft"] and r["output_tokens"] == 6 for r in records)
+    assert sum(r["cached_tokens"] for r in records if r["turn"] == 1) > 0  # later turns hit

@@ -1,0 +1,178 @@
+"""Load on the OpenAI server: many concurrent streaming clients, against in-process generate.
+
+For each config, starts ``minimemserve serve`` (tiny preset, loopback, in-process runtime so
+only the server's own cost differs), keeps ``--clients`` streaming completions in flight for
+``--duration`` seconds with real ShareGPT prompts, checks that every request completed or
+failed clearly and that no KV block stays referenced, then runs the prompts that completed
+through ``LLM.generate`` in this process and compares output tokens/s.
+
+    python bench/serve_load.py [--clients 64] [--duration 60] [--configs PD-CC,1P1D-CC]
+
+Prints one table; writes ``serve_load.json`` and ``serve_load.png`` under ``--out``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from minimemserve import LLM, SamplingParams
+from minimemserve.bench.data import iter_sharegpt
+from minimemserve.bench.http_target import HttpServing
+from minimemserve.bench.presets import preset_dir
+from minimemserve.model.tokenizer import Tokenizer
+
+# Prompts are cut to this many tokens so requests stay comparable (tiny model, CPU).
+MAX_PROMPT_TOKENS = 256
+START_TIMEOUT_S = 180.0
+# After the duration, requests still in flight get this long to finish.
+DRAIN_TIMEOUT_S = 120.0
+NUM_BLOCKS = 1024  # KV blocks per instance: 64 requests of up to 288 tokens fit
+
+
+def prompts(tok: Tokenizer, n: int) -> list[list[int]]:
+    """The first human message of ``n`` real ShareGPT conversations, as token ids."""
+    out = []
+    for conv in iter_sharegpt():
+        turns = [m["value"] for m in conv["conversations"] if m.get("from") == "human"]
+        if turns and turns[0].strip():
+            out.append(tok.encode(turns[0])[:MAX_PROMPT_TOKENS])
+            if len(out) == n:
+                return out
+    raise RuntimeError("not enough ShareGPT conversations")
+
+
+def start_server(config: str, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "minimemserve.cli", "serve", "--config", config, "--port",
+           str(port), "--runtime", "inprocess", "--num-blocks", str(NUM_BLOCKS)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise TimeoutError(f"the {config} server did not start")
+
+
+def drive(url: str, tok: Tokenizer, pool: list[list[int]], clients: int, duration: float,
+          params: SamplingParams) -> dict:  # fmt: skip
+    """Keep ``clients`` streams in flight for ``duration`` s; every request's outcome."""
+    target = HttpServing(url, tok)
+    submitted, outs, i = {}, [], 0
+    start = time.perf_counter()
+    with tqdm(desc=f"{clients} clients", unit="req", total=None) as bar:
+        while time.perf_counter() - start < duration or target.has_unfinished():
+            while time.perf_counter() - start < duration and len(submitted) - len(outs) < clients:
+                rid = target.add_request(pool[i % len(pool)], params, request_id=f"r{i}")
+                submitted[rid] = pool[i % len(pool)]
+                i += 1
+            for out in target.step():
+                outs.append(out)
+                bar.update(1)
+            if time.perf_counter() - start > duration + DRAIN_TIMEOUT_S:
+                break
+    wall = time.perf_counter() - start
+    target.check_pools(require_idle=True)  # raises if a block stayed referenced
+    ok = [o for o in outs if o.error is None]
+    ttft = [o.metrics.ttft for o in ok]
+    itl = [o.metrics.tpot for o in ok if o.metrics.tpot is not None]
+    return {
+        "submitted": len(submitted),
+        "completed": len(ok),
+        "failed": len(outs) - len(ok),
+        "lost": len(submitted) - len(outs),
+        "errors": sorted({o.error for o in outs if o.error})[:5],
+        "wall_s": wall,
+        "requests_per_s": len(ok) / wall,
+        "output_tokens_per_s": sum(len(o.token_ids) for o in ok) / wall,
+        "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)),
+        "ttft_p99_ms": 1e3 * float(np.percentile(ttft, 99)),
+        "itl_p50_ms": 1e3 * float(np.percentile(itl, 50)),
+        "itl_p99_ms": 1e3 * float(np.percentile(itl, 99)),
+        "prompts": [submitted[o.request_id] for o in ok],
+        "pool_balanced": True,
+    }
+
+
+def in_process(config: str, prompts_: list[list[int]], params: SamplingParams) -> float:
+    """Output tokens/s of ``LLM.generate`` on ``prompts_`` (one warm-up run first)."""
+    llm = LLM(None, config=config, num_blocks=NUM_BLOCKS)
+    llm.generate(prompts_[:4], params)
+    start = time.perf_counter()
+    outs = llm.generate(prompts_, params, use_tqdm=True)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def plot(rows: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names, x = list(rows), np.arange(len(rows))
+    ax.bar(x - 0.2, [rows[c]["output_tokens_per_s"] for c in names], 0.4, label="server (HTTP)")
+    ax.bar(x + 0.2, [rows[c]["in_process_tokens_per_s"] for c in names], 0.4, label="LLM.generate")
+    ax.set_xticks(x, names)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("64 streaming clients vs in-process generate")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--duration", type=float, default=60.0)
+    ap.add_argument("--configs", default="PD-CC,1P1D-CC")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    tok = Tokenizer.from_dir(preset_dir("tiny"))
+    pool = prompts(tok, 512)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    rows = {}
+    for config in args.configs.split(","):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = start_server(config, port)
+        try:
+            row = drive(f"http://127.0.0.1:{port}", tok, pool, args.clients, args.duration, params)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        row["in_process_tokens_per_s"] = in_process(config, row.pop("prompts"), params)
+        row["overhead"] = 1 - row["output_tokens_per_s"] / row["in_process_tokens_per_s"]
+        rows[config] = row
+    head = ("config", "done", "failed", "lost", "req/s", "tok/s", "in-proc tok/s", "overhead",
+            "TTFT p50/p99 ms", "ITL p50/p99 ms")  # fmt: skip
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for c, r in rows.items():
+        print(f"| {c} | {r['completed']} | {r['failed']} | {r['lost']} | {r['requests_per_s']:.2f} "
+              f"| {r['output_tokens_per_s']:.0f} | {r['in_process_tokens_per_s']:.0f} "
+              f"| {100 * r['overhead']:.1f}% | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
+              f"| {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} |")  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    setup = {"clients": args.clients, "duration_s": args.duration, "max_tokens": args.max_tokens}
+    (out / "serve_load.json").write_text(json.dumps({"setup": setup, "results": rows}, indent=1))
+    plot(rows, out / "serve_load.png")
+    print(f"wrote {out / 'serve_load.json'}, {out / 'serve_load.png'}")
+
+
+if __name__ == "__main__":
+    main()
