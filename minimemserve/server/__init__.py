@@ -40,5 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=DEFAULT_MAX_PENDING,
         help="choices in flight before new requests get 503",
     )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1 (or set MINIMEMSERVE_API_KEY)",
+    )
     p.add_argument("--log-level", default="warning")
     return p

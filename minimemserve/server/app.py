@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import hmac
 import itertools
 import json
 import logging
+import os
 import re
 import time
 import uuid
@@ -57,6 +59,10 @@ DISCONNECT_POLL_S = 0.25
 PROBE_TIMEOUT_S = 10.0
 # Start-up of the instances (processes load the checkpoint) before the port opens.
 STARTUP_TIMEOUT_S = 300.0
+# The environment variable an API key may come from (keeps it off the command line).
+API_KEY_ENV = "MINIMEMSERVE_API_KEY"
+# Largest request body read (a long prompt as token ids is a few MB).
+MAX_BODY_BYTES = 16 * 2**20
 _PARAM = re.compile(r"SamplingParams\.(\w+)")
 
 
@@ -148,10 +154,11 @@ class Server:
         roles: tuple[str, ...],
         metrics: ServerMetrics,
         max_pending: int = DEFAULT_MAX_PENDING,
+        api_key: str | None = None,
     ) -> None:
         self.loop, self.tok, self.chat, self.model_name = loop, tokenizer, chat, model_name
         self.max_model_len, self.roles, self.metrics = max_model_len, roles, metrics
-        self.max_pending, self._ids = max_pending, itertools.count()
+        self.max_pending, self.api_key, self._ids = max_pending, api_key, itertools.count()
 
     # ---- a request's choices ------------------------------------------------------------------
     def _params(self, gen: Generation, c: Choice) -> SamplingParams:
@@ -269,11 +276,27 @@ class Server:
             self.metrics.observe_timing(c.out, ttft, time.perf_counter() - t0, c.gaps)
 
     # ---- HTTP ---------------------------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        """With an API key, every ``/v1`` call must carry ``Authorization: Bearer <key>``."""
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
+        if not hmac.compare_digest(given, self.api_key.encode()):
+            raise ApiError(
+                401, "missing or wrong API key", "authentication_error", code="invalid_api_key"
+            )
+
     async def parse(self, request: Request, chat: bool) -> protocol.Parsed:
         """Read and check a request body (the engine validates the prompts in :meth:`submit`)."""
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > MAX_BODY_BYTES:
+                raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes",
+                               "invalid_request_error", "body", "body_too_large")  # fmt: skip
         try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
             raise protocol.BadField("body", f"malformed JSON: {e}") from None
         parsed = protocol.parse(body, self.tok, self.chat if chat else None, self.max_model_len)
         if parsed.model != self.model_name:
@@ -414,6 +437,13 @@ class Server:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+async def _on_error(request: Request, e: Exception) -> JSONResponse:
+    err = api_error(e)
+    if err.status == 500:
+        logger.error("internal error: %r", e)
+    return err.response()
+
+
 def build_app(server: Server) -> FastAPI:
     """The FastAPI application of ``server`` (starts and stops its engine loop)."""
 
@@ -424,26 +454,23 @@ def build_app(server: Server) -> FastAPI:
 
     app = FastAPI(title="minimemserve", lifespan=lifespan)
 
-    async def on_error(request: Request, e: Exception) -> JSONResponse:
-        err = api_error(e)
-        if err.status == 500:
-            logger.error("internal error: %r", e)
-        return err.response()
-
     # every error in OpenAI's shape: 400, 404, 503 (500 only for a bug)
     for kind in (ApiError, ValueError, RuntimeError, MiniMemServeError, Exception):
-        app.add_exception_handler(kind, on_error)
+        app.add_exception_handler(kind, _on_error)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        server.authorize(request)
         return await server.complete(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
+        server.authorize(request)
         return await server.complete(request, chat=True)
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
+        server.authorize(request)
         card = {
             "id": server.model_name,
             "object": "model",
@@ -513,6 +540,7 @@ def make_server(args: argparse.Namespace) -> Server:
         deployment.milestone.roles,
         metrics,
         args.max_pending,
+        args.api_key or os.environ.get(API_KEY_ENV) or None,
     )
 
 
@@ -521,11 +549,11 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn  # lazy: the optional serve extra
 
     logging.basicConfig(level=args.log_level.upper())
-    if args.host not in (LOOPBACK, "localhost", "::1"):
-        logger.warning(
-            "serving on %s: the API has no authentication; put a proxy in front", args.host
-        )
     server = make_server(args)
+    if args.host not in (LOOPBACK, "localhost", "::1") and not server.api_key:
+        logger.warning(
+            "serving on %s without --api-key: anyone who reaches it can use it", args.host
+        )
     print(
         f"minimemserve: serving {server.model_name!r} ({args.config}, {args.runtime}) on "
         f"http://{args.host}:{args.port}",

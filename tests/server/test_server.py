@@ -256,6 +256,15 @@ def test_bad_input_is_a_400_in_the_openai_shape_and_the_server_keeps_serving(ser
     server.wait_released()
 
 
+def test_hostile_bodies_fail_alone(server):
+    status, body = server.post("/v1/completions", b"[" * 100_000 + b"]" * 100_000)
+    assert status == 400 and body["error"]["param"] == "body"
+    status, body = server.post("/v1/completions", b'{"prompt": "' + b"a" * (17 * 2**20) + b'"}')
+    assert status == 413 and body["error"]["code"] == "body_too_large"
+    r = server.client.completions.create(model=MODEL, prompt="still here", max_tokens=2)
+    assert len(r.choices) == 1
+
+
 def test_closing_a_stream_midway_frees_its_blocks(server):
     stream = server.client.completions.create(
         model=MODEL, prompt="Once upon a time", max_tokens=400, temperature=0, stream=True,
@@ -299,3 +308,16 @@ def test_the_benchmark_replays_a_workload_over_http(server, tiny_llama_dir):
     assert len(records) == 6 and all(r["error"] is None for r in records), records
     assert all(r["ttft"] > 0 and r["jct"] >= r["ttft"] and r["output_tokens"] == 6 for r in records)
     assert sum(r["cached_tokens"] for r in records if r["turn"] == 1) > 0  # later turns hit
+
+
+def test_an_api_key_is_required_when_set():
+    from minimemserve.server.app import ApiError, Server
+
+    srv = Server.__new__(Server)
+    srv.api_key = "s3cret"
+    ask = lambda header: type("R", (), {"headers": {"authorization": header} if header else {}})
+    srv.authorize(ask("Bearer s3cret"))
+    for header in (None, "Bearer wrong", "s3cret!", "Bearer "):
+        with pytest.raises(ApiError) as e:
+            srv.authorize(ask(header))
+        assert e.value.status == 401 and e.value.body()["error"]["code"] == "invalid_api_key"
