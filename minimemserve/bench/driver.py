@@ -588,8 +588,9 @@ DESCRIPTION = (
 )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the options of ``minimemserve bench`` to ``p``; returns ``p``."""
+def add_workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options ``minimemserve bench`` and ``minimemserve sim`` share: configs, workload,
+    sessions, rate, turns and lengths, seed, output folder, routing policy, progress."""
     p.add_argument(
         "--configs",
         default=",".join(DEFAULT_CONFIGS),
@@ -622,9 +623,22 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="cap on prompt + output per request (default: the model's context)",
     )
-    p.add_argument("--model", default=None, help="HF Llama checkpoint dir (default: tiny preset)")
     p.add_argument("--out", default=DEFAULT_OUT_DIR, help="where JSON and plots go")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="prompt_tree",
+        help="global scheduler policy (default: %(default)s)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the options of ``minimemserve bench`` to ``p``; returns ``p``."""
+    add_workload_arguments(p)
+    p.add_argument("--model", default=None, help="HF Llama checkpoint dir (default: tiny preset)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per instance")
@@ -635,12 +649,6 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="process: every instance its own process on one core (colocated configs run "
         "two instances, xPyD ones x+y), the equal-resources comparison; inline: one process, "
         "instances stepped in turn (default: %(default)s)",
-    )
-    p.add_argument(
-        "--policy",
-        choices=POLICIES,
-        default="prompt_tree",
-        help="global scheduler policy of the process runtime (default: %(default)s)",
     )
     p.add_argument(
         "--cost-model",
@@ -657,7 +665,6 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "TTFT is the first chunk), shown as NAME (default: its URL); repeat to compare "
         "servers of different configs; replaces --configs",
     )
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
 

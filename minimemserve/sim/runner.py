@@ -23,7 +23,15 @@ from typing import Any
 
 import torch
 
-from minimemserve.bench.driver import caching_ratios, format_table, summarize, write_plots
+from minimemserve.bench.driver import (
+    DEFAULT_CONFIGS,
+    DEFAULT_OUT_DIR,
+    add_workload_arguments,
+    caching_ratios,
+    format_table,
+    summarize,
+    write_plots,
+)
 from minimemserve.bench.presets import preset_dir
 from minimemserve.bench.workloads import WORKLOADS, make_workload, total_turns
 from minimemserve.config import EngineConfig, parse_config_name
@@ -32,7 +40,7 @@ from minimemserve.errors import ConfigError
 from minimemserve.model.config import ModelConfig
 from minimemserve.model.tokenizer import Tokenizer
 from minimemserve.sampling import SamplingParams
-from minimemserve.scheduler.global_scheduler import POLICIES, Cost
+from minimemserve.scheduler.global_scheduler import Cost
 
 from .cluster import SimCluster, Topology
 from .profiles import (
@@ -49,8 +57,6 @@ from .profiles import (
     with_overhead,
 )
 
-DEFAULT_CONFIGS = ("PD", "PD-CC", "1P1D", "1P1D-CC")
-DEFAULT_OUT_DIR = "bench/results"
 # The paper's setup: Llama-2-13B, 8 x H800, tensor parallelism 2.
 DEFAULT_MODEL, DEFAULT_HARDWARE, DEFAULT_GPUS, DEFAULT_TP = "llama2-13b", "h800", 8, 2
 # The bench's equal-resources layout on the CPU: two instances of one core each.
@@ -561,21 +567,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--gpus", type=int, default=DEFAULT_GPUS)
     p.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor parallelism per instance")
-    p.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
-    p.add_argument(
-        "--configs",
-        default=",".join(DEFAULT_CONFIGS),
-        help="comma-separated; xPyD configs repeat to fill the instances",
-    )
-    p.add_argument("--rate", type=float, default=1.0, help="session arrivals per second")
-    p.add_argument("--sessions", type=int, default=16)
-    p.add_argument("--max-turns", type=int, default=None)
-    p.add_argument("--max-output-tokens", type=int, default=None)
-    p.add_argument("--max-context", type=int, default=None)
-    p.add_argument("--policy", choices=POLICIES, default="prompt_tree")
+    add_workload_arguments(p)  # as `minimemserve bench`; xPyD configs repeat to fill the GPUs
     p.add_argument("--transfer-mode", choices=TRANSFER_MODES, default="by_request_aggregated")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=DEFAULT_OUT_DIR, help="where JSON and plots go")
     p.add_argument(
         "--cpu-model",
         default=None,
@@ -598,7 +591,6 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="print the roofline against published GPU measurements",
     )
-    p.add_argument("--no-progress", action="store_true")
     return p
 
 
