@@ -13,14 +13,19 @@ from minimemserve.llm import LLM
 from minimemserve.sampling import SamplingParams
 from minimemserve.sim import runner as sim_runner
 
-_LLM_OPTIONS = ("config", "device", "dtype", "block_size", "attention")  # generate's, for LLM
+# generate's options that go to LLM
+_LLM_OPTIONS = (
+    "config device dtype block_size attention tensor_parallel_size decode_tensor_parallel_size"
+).split()
 
 
 def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, **{k: getattr(args, k) for k in _LLM_OPTIONS})
     sampling = {f.name for f in fields(SamplingParams)}  # the options named like its fields
     params = SamplingParams(**{k: v for k, v in vars(args).items() if k in sampling})
-    for out in llm.generate(args.prompt, params):
+    with llm:
+        outs = llm.generate(args.prompt, params)
+    for out in outs:
         m, n = out.metrics, len(out.token_ids)
         print(out.text)
         print(
@@ -68,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--attention", default=None, choices=["torch", "triton", "flash-attn"])
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks per instance")
+    g.add_argument("--decode-tensor-parallel-size", type=int, default=None,
+                   help="ranks per decode instance (default: --tensor-parallel-size)")  # fmt: skip
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)

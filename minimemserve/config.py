@@ -24,6 +24,8 @@ _MINIMUM = {
     **dict.fromkeys(["num_blocks", "kv_memory_bytes", "max_num_seqs", "max_num_batched_tokens"], 1),
     "dram_blocks": 0,
     "max_model_len": 2,
+    "tensor_parallel_size": 1,
+    "decode_tensor_parallel_size": 1,
 }
 
 
@@ -81,16 +83,36 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     attention: str | None = None  # None: triton on CUDA, torch elsewhere
     seed: int = 0
+    tensor_parallel_size: int = 1  # ranks (processes) the model is split over
+    decode_tensor_parallel_size: int | None = None  # decode instances' size; None: the same
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
+        for name in ("tensor_parallel_size", "decode_tensor_parallel_size"):
+            tp = getattr(self, name)
+            if not isinstance(tp, int) or isinstance(tp, bool):
+                if tp is not None or name == "tensor_parallel_size":
+                    raise ConfigError(f"{name} must be an int, got {tp!r}")
         for name, low in _MINIMUM.items():
             value = getattr(self, name)
             if value is None and getattr(EngineConfig, name) is None:
                 continue  # an optional size left unset (its default is None)
             if value < low:
                 raise ConfigError(f"{name} must be >= {low}, got {value}")
+        if max(self.tensor_parallel_size, self.decode_tensor_parallel_size or 1) > 1 and (
+            self.dram_blocks
+        ):
+            raise ConfigError(
+                "a tensor-parallel instance has no dram tier: its workers follow the pool's "
+                "block ids but not block moves between tiers (set dram_blocks=0)"
+            )
+
+    def tp_size(self, role: str) -> int:
+        """The tensor-parallel size of an instance of ``role``."""
+        if role == "decode" and self.decode_tensor_parallel_size is not None:
+            return self.decode_tensor_parallel_size
+        return self.tensor_parallel_size
 
     def hbm_blocks(self, block_bytes: int, device: torch.device) -> int:
         """Number of hbm blocks for a block of ``block_bytes`` bytes."""

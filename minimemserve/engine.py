@@ -8,13 +8,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .attention import make_backend
 from .attention.base import SeqSlice
-from .blocks.layout import KVLayout
 from .config import EngineConfig, parse_config_name, resolve_dtype
 from .disagg.recipes import Hook, Outcome, Peers
 from .errors import ConfigError, InvalidRequest, PoolExhausted, SamplingError
@@ -23,16 +23,28 @@ from .model.config import ModelConfig
 from .model.llama import LlamaModel
 from .model.loader import load_weights
 from .model.tokenizer import Tokenizer
+from .parallel import SingleRank, TPGroup, TPShard
 from .request import Request, RequestOutput, Status, TokenDelta
 from .sampling import SamplingParams, sample, token_logprobs
 from .scheduler.local import LocalScheduler
 
 
+@dataclass
+class StepPlan:
+    """What :meth:`Engine.schedule` decided: the ``(request, tokens)`` batch, requests that
+    can never get blocks, and outputs already finished (hand-offs that failed)."""
+
+    batch: list[tuple[Request, int]]
+    failed: list[Request]
+    done: list[RequestOutput]
+
+
 class ModelRunner:
     """Turns a scheduled batch into one forward pass and the sampled tokens."""
 
-    def __init__(self, model: LlamaModel, backend, device: torch.device):
+    def __init__(self, model: LlamaModel, backend, device: torch.device, group=None):
         self.model, self.backend, self.device = model, backend, device
+        self.group = group or SingleRank()  # tensor-parallel ranks that run each step too
 
     @torch.inference_mode()
     def run(
@@ -49,12 +61,15 @@ class ModelRunner:
                 last_rows.append(len(ids) - 1)
                 sample_for.append(req)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
-        hidden = self.model(input_ids, self.backend, self.backend.prepare(slices))  # [T, hidden]
+        with self.group.step(slices, ids, last_rows):  # other TP ranks run this step too
+            md = self.backend.prepare(slices)
+            hidden = self.model(input_ids, self.backend, md)  # [T, hidden]
+            if sample_for:
+                rows = torch.tensor(last_rows, device=self.device)
+                logits = self.model.compute_logits(hidden[rows])  # [B, vocab] fp32
         tokens: list[int | None] = []
         bad: dict[Request, str] = {}
         if sample_for:
-            rows = torch.tensor(last_rows, device=self.device)
-            logits = self.model.compute_logits(hidden[rows])  # [B, vocab] fp32
             params, done = [r.params for r in sample_for], [r.num_output for r in sample_for]
             try:
                 tokens = sample(logits, params, done, generator)
@@ -102,34 +117,45 @@ class Engine:
         self.role, self.recipe, self.peers = role, milestone.recipes[role], peers
         self.config = engine_config or EngineConfig()
         self.device, self.dtype = torch.device(device), resolve_dtype(dtype)
+        cfg, tp = self.config, self.config.tp_size(role)
+        if tp > 1 and share_model_with is not None:
+            raise ConfigError(f"a tensor-parallel instance (size {tp}) loads its own shard")
         if (s := share_model_with) is not None:  # instances in one process share read-only weights
             self.model_config, self.tokenizer, self.model = s.model_config, s.tokenizer, s.model
         else:
             model_dir = Path(model_dir)
             self.model_config = ModelConfig.from_hf(model_dir)
             self.tokenizer = Tokenizer.from_dir(model_dir)
-            self.model = LlamaModel(self.model_config)
-            self.model.load_hf_weights(load_weights(model_dir, self.model_config))
+        mc = self.model_config
+        shard = TPShard(0, tp, mc)  # rank 0's heads and KV heads: all of them at TP 1
+        layout = shard.kv_layout(cfg.block_size)
+        num_blocks = cfg.hbm_blocks(layout.block_bytes(self.dtype.itemsize), self.device)
+        self.tp = SingleRank()
+        if tp > 1:
+            self.tp = TPGroup(model_dir, shard, num_blocks, cfg.block_size, cfg.attention,
+                              self.device, self.dtype)  # fmt: skip
+            self.model = self.tp.model
+        elif s is None:
+            self.model = LlamaModel(mc)
+            self.model.load_hf_weights(load_weights(model_dir, mc))
             self.model.to(device=self.device, dtype=self.dtype).eval()
-        mc, cfg = self.model_config, self.config
         context = mc.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or context, context)
-        layout = KVLayout(mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads, mc.head_dim)
-        self.pool = (pool_factory or MemPool)(
+        self.pool = self.tp.make_pool(pool_factory or MemPool)(
             layout,
-            cfg.hbm_blocks(layout.block_bytes(self.dtype.itemsize), self.device),
+            num_blocks,
             dram_blocks=cfg.dram_blocks,
             device=self.device,
             dtype=self.dtype,
             instance_id=instance_id,
         )
         self.backend = make_backend(
-            cfg.attention, self.pool.kv("hbm"), layout, mc.num_attention_heads, mc.head_dim**-0.5
+            cfg.attention, self.pool.kv("hbm"), layout, shard.heads, mc.head_dim**-0.5
         )
         self.scheduler = LocalScheduler(
             self.pool, self.recipe, cfg.max_num_seqs, cfg.max_num_batched_tokens
         )
-        self.runner = ModelRunner(self.model, self.backend, self.device)
+        self.runner = ModelRunner(self.model, self.backend, self.device, self.tp)
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self.requests: dict[str, Request] = {}
         self.handoffs: list[Request] = []  # prefilled here, decoding elsewhere; the owner drains
@@ -237,20 +263,33 @@ class Engine:
         return {self.pool.instance_id: self.pool.stats()}
 
     def close(self) -> None:
-        """Nothing to release in process."""
+        """Stop the tensor-parallel workers, if any (nothing else to release in process)."""
+        self.tp.close()
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule → run model → postprocess. Returns finished requests."""
+        plan = self.schedule()
+        try:
+            tokens, bad = self.runner.run(plan.batch, self.generator) if plan.batch else ([], {})
+        except Exception as e:  # the forward pass failed: its requests fail, the engine lives
+            tokens, bad = (
+                [None] * len(plan.batch),
+                {r: f"{type(e).__name__}: {e}" for r, _ in plan.batch},
+            )
+        return self.postprocess(plan, tokens, bad)
+
+    def schedule(self) -> StepPlan:
+        """Hand parked requests on where room appeared, then pick this step's batch."""
         done = self._retry_parked()
         batch, failed = self.scheduler.schedule()
-        try:
-            tokens, bad = self.runner.run(batch, self.generator) if batch else ([], {})
-        except Exception as e:  # the forward pass failed: its requests fail, the engine lives
-            tokens, bad = [None] * len(batch), {req: f"{type(e).__name__}: {e}" for req, _ in batch}
-        return done + self._postprocess(batch, tokens, failed, bad)
+        return StepPlan(batch, failed, done)
 
-    def _postprocess(self, batch, tokens, failed, bad: dict[Request, str]) -> list[RequestOutput]:
-        done = [self._finish(req, Hook.FAILURE, "error") for req in failed]
+    def postprocess(self, plan: StepPlan, tokens: list[int | None], bad: dict[Request, str]
+                    ) -> list[RequestOutput]:  # fmt: skip
+        """Take the step's sampled ``tokens`` (None: no token for that row yet), end the
+        requests in ``bad`` with their error, run stops and hooks; the finished requests."""
+        batch, failed = plan.batch, plan.failed
+        done = plan.done + [self._finish(req, Hook.FAILURE, "error") for req in failed]
         now = time.perf_counter()
         for (req, n), tok in zip(batch, tokens):
             if req in bad:  # its KV of this step may be garbage: release it uncached

@@ -44,6 +44,16 @@ class LLM:
             self.model_dir, self.deployment, device=device, dtype=dtype, engine_config=ecfg
         )
 
+    def close(self) -> None:
+        """Release the deployment's resources (tensor-parallel worker processes)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         """The model's sentencepiece tokenizer."""

@@ -43,16 +43,17 @@ class InProcessCluster:
                  engine_config: EngineConfig | None = None):  # fmt: skip
         self.deployment = deployment
         self.instances: list[Instance] = []
-        first = None
+        first, ecfg = None, engine_config or EngineConfig()
         for name, role in deployment.instances():
+            whole = ecfg.tp_size(role) == 1  # a tensor-parallel instance loads its own shard
             eng = Engine(model_dir, config=deployment.name, role=role, peers=self, device=device,
-                         dtype=dtype, engine_config=engine_config, instance_id=name,
-                         share_model_with=first)  # fmt: skip
-            first = first or eng  # one copy of the weights in the process
+                         dtype=dtype, engine_config=ecfg, instance_id=name,
+                         share_model_with=first if whole else None)  # fmt: skip
+            first = first or (eng if whole else None)  # one copy of the weights in the process
             self.instances.append(Instance(name, role, eng))
         self.by_name = {inst.name: inst for inst in self.instances}
         self.entry = self.role(deployment.milestone.roles[0])
-        self.tokenizer, self._ids = first.tokenizer, itertools.count()
+        self.tokenizer, self._ids = self.instances[0].engine.tokenizer, itertools.count()
         self._deltas: dict[str, TokenDelta] = {}  # of requests still in flight
 
     def role(self, role: str) -> list[Instance]:
@@ -152,4 +153,6 @@ class InProcessCluster:
         return {i.name: i.pool.stats() for i in self.instances}
 
     def close(self) -> None:
-        """Nothing to release in process."""
+        """Close every instance (stops tensor-parallel workers)."""
+        for inst in self.instances:
+            inst.engine.close()

@@ -115,6 +115,7 @@ class RemotePool:
         self.node, self.name, self.role, self.kv = node, info.name, info.role, kv
         self.peer = self.instance_id = info.name
         self.layout, self.dtype, self.block_size = pool.layout, pool.dtype, pool.block_size
+        self.model_layout = pool.model_layout  # the layout transfers agree on
         self.pool = self  # as a ``Peer``: the pool to transfer into is this proxy
         self._xfers, self._xfer = itertools.count(), ""  # transfer ids; the one in progress
 

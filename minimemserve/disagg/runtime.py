@@ -166,6 +166,11 @@ class ProcessCluster:
         if not 0 <= base_port < 65536:
             raise ConfigError(f"base_port must be in [0, 65536), got {base_port}")
         self.model_dir, self.engine_config = Path(model_dir), engine_config or EngineConfig()
+        if max(map(self.engine_config.tp_size, self.deployment.milestone.roles)) > 1:
+            raise ConfigError(
+                "tensor parallelism runs in-process deployments (LLM, InProcessCluster); "
+                "a ProcessCluster instance is one process"
+            )
         self.timeout_s, self.heartbeat_timeout_s = timeout_s, heartbeat_timeout_s
         self.rerun_on_failure, self.tokenizer = rerun_on_failure, Tokenizer.from_dir(self.model_dir)
         self.dead: dict[str, str] = {}  # instance name -> why it died

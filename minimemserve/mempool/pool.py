@@ -329,20 +329,30 @@ class MemPool(TierMixin):
                 raise ValueError(f"{what} free block {b}")
         return blocks
 
+    @property
+    def model_layout(self) -> KVLayout:
+        """The layout of the model's whole KV (every head), which transfers must agree on; a
+        tensor-parallel pool's own tensor holds one rank's heads of it."""
+        return self.layout
+
+    def _send(self, dst: MemPool, blocks: list[int], src: list[int]) -> None:
+        """Move this pool's blocks ``src`` into ``dst``'s ``blocks``."""
+        dst.recv_copy(blocks, self._tiers[HBM].kv, src)
+
     def _transfer(self, dst: MemPool, toks, src_blocks: Sequence[int]) -> list[int]:
         """dst allocates what it lacks, this pool's tensor is read straight into dst's blocks
         (here, or one-sided into a peer's mapping), dst commits; or dst releases it all."""
-        if dst.layout != self.layout or dst.dtype != self.dtype:
+        if dst.model_layout != self.model_layout or dst.dtype != self.dtype:
             raise ValueError(
                 f"cannot transfer between pools of different layout or dtype: "
-                f"{self.layout}/{self.dtype} -> {dst.layout}/{dst.dtype}"
+                f"{self.model_layout}/{self.dtype} -> {dst.model_layout}/{dst.dtype}"
             )
         src = self._not_free(src_blocks, "cannot send")
         matched, new = dst.recv_alloc(toks, len(src))
         src = src[len(matched) :]
         try:
             if src:
-                dst.recv_copy(new, self._tiers[HBM].kv, src)
+                self._send(dst, new, src)
                 self._counters["sent_blocks"] += len(src)
                 self._counters["sent_bytes"] += len(src) * self._block_bytes
             dst.recv_commit(toks, matched + new)

@@ -1,15 +1,16 @@
 """The simulated cluster: the engine's own scheduling, pools and recipes in virtual time.
 
 Every instance is a :class:`SimEngine`: the real ``Engine`` (its ``LocalScheduler``, recipe
-hooks, ``_postprocess``) over a :class:`SimPool`, a real ``MemPool`` on PyTorch's ``meta``
-device (block accounting, radix index and tiers, no storage). Only the forward pass and the
-data movement are replaced: a step is split into its schedule (at the step's start) and its
-postprocess (at its end), the clock advancing by the step model's time; a transfer takes its
-link's time, one at a time per link, and a handed-off request reaches its decode instance
-when its KV has landed. New requests are routed by the real ``GlobalScheduler`` whose prompt
-trees follow what entry instances report they cache, as in the process runtime. Output
-tokens are deterministic stand-ins (a hash of request id and position), so a request's
-prompt and output lengths, cache hits and transfers are those of a real run."""
+hooks, ``Engine.schedule`` and ``Engine.postprocess``) over a :class:`SimPool`, a real
+``MemPool`` on PyTorch's ``meta`` device (block accounting, radix index and tiers, no
+storage). Only the forward pass and the data movement are replaced: a step is split into its
+schedule (at the step's start) and its postprocess (at its end), the clock advancing by the
+step model's time; a transfer takes its link's time, one at a time per link, and a handed-off
+request reaches its decode instance when its KV has landed. New requests are routed by the
+real ``GlobalScheduler`` whose prompt trees follow what entry instances report they cache, as
+in the process runtime. Output tokens are deterministic stand-ins (a hash of request id and
+position), so a request's prompt and output lengths, cache hits and transfers are those of a
+real run."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from minimemserve.bench.driver import _record, greedy_params
 from minimemserve.bench.workloads import Session, build_prompt, poisson_arrivals, total_turns
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.config import Deployment, EngineConfig, parse_config_name
-from minimemserve.engine import Engine
+from minimemserve.engine import Engine, StepPlan
 from minimemserve.errors import ConfigError, InstanceDied
 from minimemserve.mempool import MemPool
 from minimemserve.model.config import ModelConfig
@@ -130,26 +131,26 @@ class SimEngine(Engine):
             pool_factory=functools.partial(SimPool, on_send=on_send),
             share_model_with=weightless,
         )
-        self._pending: tuple | None = None
+        self._pending: StepPlan | None = None
         self._eos = set(model_config.eos_token_ids)
 
     def begin_step(self) -> StepShape | None:
         """Schedule one step; its shape, or None when there is nothing to do."""
-        done = self._retry_parked()
-        batch, failed = self.scheduler.schedule()
-        if not (batch or failed or done):
+        plan = self.schedule()
+        if not (plan.batch or plan.failed or plan.done):
             return None
-        self._pending = (batch, failed, done)
-        return StepShape.of_batch(batch)
+        self._pending = plan
+        return StepShape.of_batch(plan.batch)
 
     def end_step(self, now: float) -> list[RequestOutput]:
         """Postprocess the step begun last with stand-in tokens; times stamped ``now``."""
-        batch, failed, done = self._pending
-        self._pending = None
-        tokens = [self._token(r) if r.num_computed + n == r.num_tokens else None for r, n in batch]
-        first = [r for (r, _), t in zip(batch, tokens) if t is not None]
+        plan, self._pending = self._pending, None
+        tokens = [
+            self._token(r) if r.num_computed + n == r.num_tokens else None for r, n in plan.batch
+        ]
+        first = [r for (r, _), t in zip(plan.batch, tokens) if t is not None]
         first = [r for r in first if r.metrics.first_token_time is None]
-        outs = done + self._postprocess(batch, tokens, failed, {})
+        outs = self.postprocess(plan, tokens, {})
         for req in first:
             req.metrics.first_token_time = now
         for out in outs:
