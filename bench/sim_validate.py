@@ -141,7 +141,10 @@ def main() -> None:
         fitted.save(out / "sim_cpu_steps.json")
     print(f"CPU step model: {fitted.samples} steps, mean fit error {fitted.relative_error:.1%}")
     overhead = measure_runtime_overhead(fitted)
-    print(f"process runtime: {overhead * 1e3:.1f} ms per step beyond the forward pass")
+    print(
+        f"process runtime beyond the forward pass: {overhead[0] * 1e3:.2f} ms per step + "
+        f"{overhead[1] * 1e3:.2f} ms per sequence"
+    )
     real = real_run(configs, args, out)["summaries"]
     sim = run_sim(
         cpu_setup(fitted, runtime_overhead_s=overhead),

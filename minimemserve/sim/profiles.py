@@ -358,10 +358,12 @@ def fit_cpu_steps(
     return FittedStepModel.fit(measured, device="cpu")
 
 
-def with_overhead(model: FittedStepModel, seconds: float) -> FittedStepModel:
-    """``model`` with ``seconds`` more per step (a runtime's cost around the forward pass)."""
+def with_overhead(model: FittedStepModel, per_step: float, per_row: float = 0.0) -> FittedStepModel:
+    """``model`` with ``per_step`` more seconds per step and ``per_row`` per sequence in it (a
+    runtime's cost around the forward pass)."""
+    step, *middle, rows = model.coefs
     return FittedStepModel(
-        (model.coefs[0] + seconds, *model.coefs[1:]),
+        (step + per_step, *middle, rows + per_row),
         model.samples,
         model.relative_error,
         model.device,

@@ -68,7 +68,9 @@ CPU_LINK = Link(gb_per_s=16.0, latency_us=0.0, sender_blocks=True, setup_us=600.
 # Control calls of a hand-off that wait for the receiver's loop (probe, alloc, commit, accept).
 CPU_BLOCKING_CALLS = 4
 # The request that measures the process runtime's per-step cost beyond the forward pass.
-OVERHEAD_PROMPT_TOKENS, OVERHEAD_OUTPUT_TOKENS = 256, 64
+OVERHEAD_PROMPT_TOKENS, OVERHEAD_OUTPUT_TOKENS = 64, 64
+# Requests decoding together on each instance while the runtime's overhead is measured.
+OVERHEAD_BATCHES = (1, 16)
 # A GPU instance's batch limits: vLLM's default sequence cap, and a token budget that holds
 # a whole Llama-2 prompt in one step (no chunking, as MemServe's vLLM base).
 GPU_MAX_NUM_SEQS, GPU_MAX_BATCHED_TOKENS = 256, 4096
@@ -115,33 +117,44 @@ class SimSetup:
 def measure_runtime_overhead(
     step_model: FittedStepModel,
     model_dir: str | Path | None = None,
-) -> float:
-    """Seconds the process runtime adds to each step beyond ``step_model``'s forward pass (its
-    loop, control plane and frontend sharing the cores): one decode-heavy request on each of
-    the bench's two one-core colocated instances, measured TPOT less the modelled step."""
+) -> tuple[float, float]:
+    """Seconds the process runtime adds beyond ``step_model``'s forward pass (its loop,
+    scheduling and postprocess, control plane, the frontend sharing the cores), per step and
+    per sequence in the step: decodes of ``b`` requests on each of the bench's two one-core
+    colocated instances, for each ``b`` in :data:`OVERHEAD_BATCHES`; measured TPOT less the
+    modelled step, fitted as ``per_step + per_row * b``."""
     mdir = Path(model_dir or preset_dir("tiny"))
-    prompt = [FIRST_PROMPT_TOKEN + i % 1000 for i in range(OVERHEAD_PROMPT_TOKENS)]
     params = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
-    with ProcessCluster(mdir, "PD", cores_per_instance=1, num_colocated=CPU_INSTANCES) as c:
-        for i in range(CPU_INSTANCES):
-            c.add_request([*prompt[i:], 5], params, request_id=f"overhead-{i}")
-        tpots = [o.metrics.tpot for o in c.run_until_done()]
     ctx = OVERHEAD_PROMPT_TOKENS + OVERHEAD_OUTPUT_TOKENS // 2
-    modelled = step_model.step_time(StepShape((), (ctx,), 1))
-    return max(0.0, sum(tpots) / len(tpots) - modelled)
+    extra = []
+    with ProcessCluster(mdir, "PD", cores_per_instance=1, num_colocated=CPU_INSTANCES,
+                        policy="round_robin") as c:  # fmt: skip
+        for b in OVERHEAD_BATCHES:
+            for i in range(b * CPU_INSTANCES):
+                prompt = [
+                    FIRST_PROMPT_TOKEN + (i * 7 + j) % 1000 for j in range(OVERHEAD_PROMPT_TOKENS)
+                ]
+                c.add_request(prompt, params, request_id=f"overhead-{b}-{i}")
+            tpots = sorted(o.metrics.tpot for o in c.run_until_done())
+            modelled = step_model.step_time(StepShape((), (ctx,) * b, b))
+            extra.append(tpots[len(tpots) // 2] - modelled)
+    (b1, b2), (o1, o2) = OVERHEAD_BATCHES, extra
+    per_row = max(0.0, (o2 - o1) / (b2 - b1))
+    return max(0.0, o1 - per_row * b1), per_row
 
 
 def cpu_setup(
     step_model: FittedStepModel,
     model_dir: str | Path | None = None,
     policy: str = "prompt_tree",
-    runtime_overhead_s: float = 0.0,
+    runtime_overhead_s: tuple[float, float] = (0.0, 0.0),
 ) -> SimSetup:
     """The default ``minimemserve bench`` layout: tiny preset (or ``model_dir``), fp32, the
     bench's engine options, two one-core instances, the token-count routing cost; each step
-    costs ``runtime_overhead_s`` more than ``step_model`` says (the process runtime's)."""
+    costs ``runtime_overhead_s`` = (per step, per sequence) more than ``step_model`` says (the
+    process runtime's, :func:`measure_runtime_overhead`)."""
     mdir = Path(model_dir or preset_dir("tiny"))
-    step_model = with_overhead(step_model, runtime_overhead_s)
+    step_model = with_overhead(step_model, *runtime_overhead_s)
     mc = ModelConfig.from_hf(mdir)
     cfg = EngineConfig()
     block_bytes = 2 * mc.num_hidden_layers * cfg.block_size * mc.num_key_value_heads * mc.head_dim
