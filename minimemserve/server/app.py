@@ -428,9 +428,7 @@ class Server:
     async def metrics_text(self) -> Response:
         """The Prometheus exposition of every metric, the pool gauges read now."""
         try:
-            snap = await asyncio.wait_for(
-                self.loop.call(lambda s: Snapshot(s.load(), s.pool_stats())), PROBE_TIMEOUT_S
-            )
+            snap = await asyncio.wait_for(self.loop.call(Snapshot.of), PROBE_TIMEOUT_S)
             self.metrics.snapshot = snap
         except Exception as e:  # the request metrics still show; the gauges are stale
             logger.warning("metrics: could not read the pools: %s", e)

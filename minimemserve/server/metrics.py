@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..mempool import PoolAccountingError
 from ..request import RequestOutput
 
 P = "minimemserve:"
@@ -29,10 +30,22 @@ POOL_COUNTERS = (
 
 @dataclass
 class Snapshot:
-    """What the gauges show: per instance its load and pool stats."""
+    """What the gauges show: per instance its load and pool stats, and whether every pool's
+    audit (``MemPool.check``: free + referenced + cached-only = total, index consistent) passed."""
 
     load: dict[str, dict] = field(default_factory=dict)
     pools: dict[str, dict] = field(default_factory=dict)
+    audit_ok: bool = True
+
+    @classmethod
+    def of(cls, serving) -> Snapshot:
+        """Audit every pool of ``serving`` and read its load (in the engine thread)."""
+        try:
+            pools = {k: v["pool"] for k, v in serving.check_pools(require_idle=False).items()}
+            ok = True
+        except PoolAccountingError:
+            pools, ok = serving.pool_stats(), False
+        return cls(serving.load(), pools, ok)
 
 
 class _PoolCollector:
@@ -73,6 +86,11 @@ class _PoolCollector:
                         blocks.add_metric([name, r, tier, state], t[state])
             for m, key, _ in POOL_COUNTERS:
                 counters[m].add_metric([name, r], stats.get("counters", {}).get(key, 0))
+        audit = GaugeMetricFamily(
+            f"{P}kv_pool_audit_ok", "1 when every pool's block accounting balanced at the scrape."
+        )
+        audit.add_metric([], float(snap.audit_ok))
+        yield audit
         yield from reqs.values()
         yield usage
         yield blocks

@@ -80,12 +80,14 @@ class Server:
         return sum(v for (n, labels), v in self.metrics().items() if n == name and where in labels)
 
     def wait_released(self, timeout_s: float = 20.0) -> None:
-        """Until no block is referenced on any instance (requests ended or aborted)."""
+        """Until no block is referenced on any instance (requests ended or aborted); every
+        pool's audit passes."""
         deadline = time.monotonic() + timeout_s
         while self.total("minimemserve:kv_cache_blocks", 'state="referenced"') > 0:
             held = {k: v for k, v in self.metrics().items() if "referenced" in k[1] and v}
             assert time.monotonic() < deadline, f"blocks still referenced: {held}"
             time.sleep(0.2)
+        assert self.total("minimemserve:kv_pool_audit_ok") == 1.0
 
     def post(self, path: str, body: bytes, ctype: str = "application/json") -> tuple[int, dict]:
         req = urllib.request.Request(self.url + path, body, {"content-type": ctype})
@@ -192,6 +194,14 @@ def test_second_chat_turn_reports_the_cached_prefix(server, tiny_llama_dir):
     if server.config == "PD-CC":  # no transfer touches the counters: the match is all of it
         after = server.total("minimemserve:prefix_cache_hits_total", 'role="colocated"')
         assert after - before == cached
+    # the same two turns through the library: its pool matches as many tokens
+    chat = ChatFormat(tiny_llama_dir, tok)
+    llm = LLM(tiny_llama_dir, config=server.config, num_blocks=NUM_BLOCKS)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    for turn, want in ((first, shared * 0), (second, cached)):
+        ids = chat.render([(m["role"], m["content"]) for m in turn])
+        out = llm.generate([ids], greedy)[0]
+        assert out.metrics.cached_tokens == want
     server.wait_released()
 
 
