@@ -73,9 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--attention", default=None, choices=["torch", "triton", "flash-attn"])
-    g.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks per instance")
-    g.add_argument("--decode-tensor-parallel-size", type=int, default=None,
-                   help="ranks per decode instance (default: --tensor-parallel-size)")  # fmt: skip
+    driver.add_parallel_arguments(g)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)

@@ -107,7 +107,7 @@ K=tests/triton_kernels
 if [ "$DRY" = 1 ]; then
     # collect the GPU tests (imports, parametrisation) without running them
     stage gpu-tests 60 "$PY" -m pytest -q -p no:cacheprovider --collect-only -m gpu \
-        $K tests/attention/test_triton_backend.py
+        $K tests/attention/test_triton_backend.py tests/parallel
     stage kernels 60 "$PY" bench/kernels.py --out "$OUT_DIR"
     stage model-steps 60 "$PY" bench/gpu_steps.py --dry-run --out "$OUT_DIR"
 else
@@ -115,7 +115,8 @@ else
     stage gpu-tests 200 bash -c 'run_shards "$@"' run_shards "$K/test_paged_decode.py" \
         "$K/test_prefix_prefill.py" tests/attention/test_triton_backend.py \
         "$K/test_store_kv.py $K/test_compile_variants.py $K/test_int64_addressing.py \
-         $K/test_masked_loads.py $K/test_interpreter_mode.py"
+         $K/test_masked_loads.py $K/test_interpreter_mode.py" \
+        "tests/parallel/test_tensor_parallel.py -m gpu"
     stage kernels 90 "$PY" bench/kernels.py --quick --out "$OUT_DIR"
     stage model-steps 90 "$PY" bench/gpu_steps.py --out "$OUT_DIR"
 fi

@@ -86,6 +86,8 @@ class EngineOptions:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     seed: int = 0
+    tensor_parallel_size: int = 1
+    decode_tensor_parallel_size: int | None = None
 
     def engine_config(self) -> EngineConfig:
         """These options as the ``EngineConfig`` of every instance (device and dtype aside)."""
@@ -95,6 +97,8 @@ class EngineOptions:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             seed=self.seed,
+            tensor_parallel_size=self.tensor_parallel_size,
+            decode_tensor_parallel_size=self.decode_tensor_parallel_size,
         )
 
 
@@ -635,6 +639,19 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParse
     return p
 
 
+def add_parallel_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--tensor-parallel-size`` and ``--decode-tensor-parallel-size`` (instances in one
+    process: ``bench --runtime inline``, ``serve --runtime inprocess``, ``generate``)."""
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks per instance")
+    p.add_argument(
+        "--decode-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="ranks per decode instance (default: --tensor-parallel-size)",
+    )
+    return p
+
+
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the options of ``minimemserve bench`` to ``p``; returns ``p``."""
     add_workload_arguments(p)
@@ -642,6 +659,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per instance")
+    add_parallel_arguments(p)
     p.add_argument(
         "--runtime",
         choices=("process", "inline"),
@@ -713,7 +731,12 @@ def main(args: argparse.Namespace) -> int:
         out_dir=args.out,
         seed=args.seed,
         options=EngineOptions(
-            device=args.device, dtype=args.dtype, num_blocks=args.num_blocks, seed=args.seed
+            device=args.device,
+            dtype=args.dtype,
+            num_blocks=args.num_blocks,
+            seed=args.seed,
+            tensor_parallel_size=args.tensor_parallel_size,
+            decode_tensor_parallel_size=args.decode_tensor_parallel_size,
         ),
         progress=not args.no_progress,
         factories=factories,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..bench.driver import add_parallel_arguments
 from ..disagg.rpc import LOOPBACK
 
 # Choices in flight at once; more is "overloaded" (503), not an unbounded queue.
@@ -34,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per instance")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
+    add_parallel_arguments(p)  # tensor parallelism: with --runtime inprocess
     p.add_argument(
         "--max-pending",
         type=int,

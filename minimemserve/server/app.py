@@ -499,20 +499,15 @@ def make_server(args: argparse.Namespace) -> Server:
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+        decode_tensor_parallel_size=args.decode_tensor_parallel_size,
     )
 
     def make() -> Serving:
         if args.runtime == "inprocess":
-            return LLM(
-                model_dir,
-                config=args.config,
-                device=args.device,
-                dtype=args.dtype,
-                **{
-                    k: getattr(ecfg, k)
-                    for k in ("block_size", "num_blocks", "max_num_seqs", "max_model_len")
-                },
-            ).engine
+            llm = LLM(model_dir, config=args.config, device=args.device, dtype=args.dtype,
+                      **dataclasses.asdict(ecfg))  # fmt: skip
+            return llm.engine
         return ProcessCluster(
             model_dir,
             args.config,

@@ -254,3 +254,14 @@ def test_process_cluster_refuses_tensor_parallel_instances(tiny_llama_dir):
     with pytest.raises(ConfigError, match="in-process"):
         ProcessCluster(tiny_llama_dir, "1P1D", engine_config=EngineConfig(
             decode_tensor_parallel_size=2))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["PD-CC", "1P1D-CC"])
+def test_nccl_ranks_on_one_gpu_equal_tp1(tiny_llama_dir, config):
+    """Two ranks on one CUDA device (NCCL compute group): the same greedy tokens as TP 1."""
+    kw = dict(ENGINE, device="cuda")
+    expected = _multi_turn(LLM(tiny_llama_dir, config=config, **kw))
+    with LLM(tiny_llama_dir, config=config, tensor_parallel_size=2, **kw) as llm:
+        assert _multi_turn(llm) == expected
+        llm.engine.check_pools()

@@ -46,13 +46,13 @@ def _get(url: str) -> tuple[int, str]:
 class Server:
     """A ``minimemserve serve`` subprocess on a free loopback port."""
 
-    def __init__(self, model_dir, config: str, runtime: str) -> None:
+    def __init__(self, model_dir, config: str, runtime: str, *extra: str) -> None:
         self.port, self.config = _free_port(), config
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "minimemserve.cli", "serve", "--model", str(model_dir),
                "--served-model-name", MODEL, "--config", config, "--runtime", runtime,
                "--port", str(self.port), "--num-blocks", str(NUM_BLOCKS),
-               "--num-colocated", "1"]  # fmt: skip
+               "--num-colocated", "1", *extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -331,3 +331,15 @@ def test_an_api_key_is_required_when_set():
         with pytest.raises(ApiError) as e:
             srv.authorize(ask(header))
         assert e.value.status == 401 and e.value.body()["error"]["code"] == "invalid_api_key"
+
+
+def test_a_tensor_parallel_server_answers_as_the_library(tiny_llama_dir, reference):
+    srv = Server(tiny_llama_dir, "1P1D-CC", "inprocess", "--tensor-parallel-size", "2")
+    try:
+        prompt = "Tensor parallel serving splits every layer"
+        r = srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        ref = reference.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))[0]
+        assert r.choices[0].text == ref.text
+        srv.wait_released()
+    finally:
+        srv.close()
