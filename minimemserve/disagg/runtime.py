@@ -68,6 +68,8 @@ FORKSERVER_PRELOAD = ("minimemserve.disagg.instance",)
 MAX_RERUNS = 2
 # Aborts remembered until the instance that deferred them hands the request on.
 ABORT_MEMORY = 4096
+# How long abort() blocks on the socket per wait for an instance to finish its step.
+ABORT_POLL_S = 0.002
 # Exceptions an instance may raise for a bad request, re-raised here under their own class.
 _REQUEST_ERRORS = {c.__name__: c for c in (InvalidRequest, PoolExhausted, ConfigError)}
 
@@ -177,9 +179,9 @@ class ProcessCluster:
         self.num_reruns = 0  # requests re-run after the instance holding them died
         self.prefix_tokens_moved = 0  # tokens of KV moved by the scheduler's prefix transfers
         self._inflight: dict[str, _Inflight] = {}
-        # aborted while an instance was stepping: it aborts after its step, or hands the
-        # request on, and then the abort follows it (request id -> instance to ask)
-        self._abort_later: OrderedDict[str, None] = OrderedDict()
+        # aborted while an instance was stepping: it aborts after its step (its Output lands
+        # here), or hands the request on and the abort follows (request id -> its output)
+        self._abort_later: OrderedDict[str, RequestOutput | None] = OrderedDict()
         self._late_aborts: list[tuple[str, str]] = []
         self._done: list[RequestOutput] = []
         self._ids, self._closed, self._old_sigterm = itertools.count(), False, None
@@ -308,7 +310,9 @@ class ProcessCluster:
 
     def _on_output(self, sender: str, msg: rpc.Output) -> None:
         out = msg.output
-        if self._inflight.pop(out.request_id, None) is not None:
+        if out.request_id in self._abort_later:  # the end of an abort that waited for a step
+            self._abort_later[out.request_id] = out
+        elif self._inflight.pop(out.request_id, None) is not None:
             self._done.append(out)
             self.scheduler.finished(out.request_id)
 
@@ -526,13 +530,14 @@ class ProcessCluster:
             if name not in self.dead:
                 with contextlib.suppress(TransferError):
                     rep = self.node.call(name, rpc.AbortRequest(rid))
-                    if not (isinstance(rep, rpc.Info) and rep.data.get("deferred")):
-                        self._abort_later.pop(rid, None)
+                    if isinstance(rep, rpc.Output) and rid in self._abort_later:
+                        self._abort_later[rid] = rep.output
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is (asking the instance the frontend believes holds it
         first, then the others) and return its partial output; None if unknown or done. An
-        output still in flight from an instance is dropped when it arrives."""
+        instance in the middle of a step aborts after it (or hands the request on, and the
+        abort follows it there); this waits for that output, up to ``timeout_s``."""
         if (f := self._inflight.pop(request_id, None)) is None:
             return None
         self.scheduler.finished(request_id)
@@ -543,11 +548,19 @@ class ProcessCluster:
                 if isinstance(rep, rpc.Output):
                     return rep.output
                 if isinstance(rep, rpc.Info) and rep.data.get("deferred"):
-                    self._abort_later[request_id] = None  # follows a hand-off, if one comes
-                    while len(self._abort_later) > ABORT_MEMORY:
-                        self._abort_later.popitem(last=False)
-                    break
+                    return self._await_abort(request_id) or f.end(request_id, "abort")
         return f.end(request_id, "abort")
+
+    def _await_abort(self, request_id: str) -> RequestOutput | None:
+        self._abort_later[request_id] = None
+        while len(self._abort_later) > ABORT_MEMORY:
+            self._abort_later.popitem(last=False)
+        deadline = time.monotonic() + self.timeout_s
+        while self._abort_later.get(request_id, 0) is None and time.monotonic() < deadline:
+            self.node.serve(ABORT_POLL_S)
+            self.monitor()
+            self._abort_handed_on()
+        return self._abort_later.pop(request_id, None)
 
     def location(self, request_id: str) -> str | None:
         """The instance a request is on now (as far as the frontend knows); None once done."""
