@@ -59,6 +59,9 @@ DISCONNECT_POLL_S = 0.25
 PROBE_TIMEOUT_S = 10.0
 # Start-up of the instances (processes load the checkpoint) before the port opens.
 STARTUP_TIMEOUT_S = 300.0
+# Connections beyond --max-pending that uvicorn still accepts (health checks, scrapes);
+# past them it answers 503 itself, so idle or slow connections cannot pile up without end.
+SPARE_CONNECTIONS = 64
 # The environment variable an API key may come from (keeps it off the command line).
 API_KEY_ENV = "MINIMEMSERVE_API_KEY"
 # Largest request body read (a long prompt as token ids is a few MB).
@@ -552,5 +555,6 @@ def main(args: argparse.Namespace) -> int:
         f"http://{args.host}:{args.port}",
         flush=True,
     )
-    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level=args.log_level,
+                limit_concurrency=args.max_pending + SPARE_CONNECTIONS)  # fmt: skip
     return 0
