@@ -28,6 +28,7 @@ from minimemserve.bench import driver
 from minimemserve.bench.presets import preset_dir
 from minimemserve.sim.profiles import FittedStepModel, fit_cpu_steps
 from minimemserve.sim.runner import (
+    CPU_INSTANCES,
     DEFAULT_CONFIGS,
     cpu_setup,
     measure_runtime_overhead,
@@ -137,7 +138,8 @@ def main() -> None:
     if args.cpu_model:
         fitted = FittedStepModel.load(args.cpu_model)
     else:
-        fitted = fit_cpu_steps(preset_dir("tiny"))
+        # timed in as many processes at once as the bench runs instances: the cores are shared
+        fitted = fit_cpu_steps(preset_dir("tiny"), concurrent=CPU_INSTANCES)
         fitted.save(out / "sim_cpu_steps.json")
     print(f"CPU step model: {fitted.samples} steps, mean fit error {fitted.relative_error:.1%}")
     overhead = measure_runtime_overhead(fitted)

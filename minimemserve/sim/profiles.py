@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing as mp
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -325,12 +326,12 @@ def _fit_shapes() -> list[StepShape]:
     return shapes
 
 
-def fit_cpu_steps(
+def time_cpu_steps(
     model_dir: str | Path, threads: int = 1, progress: bool = True
-) -> FittedStepModel:
+) -> list[tuple[StepShape, float]]:
     """Time real steps (engine forward, attention backend, sampling) of ``model_dir`` on this
-    CPU with ``threads`` torch threads, and fit a :class:`FittedStepModel` (median of repeats).
-    Each shape runs through the engine's model runner on requests whose KV is in the pool."""
+    CPU with ``threads`` torch threads: ``(shape, median seconds)`` per fitting shape. Each
+    shape runs through the engine's model runner on requests whose KV is in the pool."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -355,6 +356,24 @@ def fit_cpu_steps(
         eng.pool.check()
     finally:
         torch.set_num_threads(old)
+    return measured
+
+
+def fit_cpu_steps(
+    model_dir: str | Path, threads: int = 1, progress: bool = True, concurrent: int = 1
+) -> FittedStepModel:
+    """Fit a :class:`FittedStepModel` to :func:`time_cpu_steps`. With ``concurrent`` > 1, that
+    many processes time the same steps at once and their times are averaged: the cores are
+    then shared as they are when that many instances serve side by side."""
+    if concurrent <= 1:
+        measured = time_cpu_steps(model_dir, threads, progress)
+    else:
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(concurrent) as pool:
+            runs = pool.starmap(time_cpu_steps, [(str(model_dir), threads, False)] * concurrent)
+        measured = [
+            (shape, sum(r[k][1] for r in runs) / concurrent) for k, (shape, _) in enumerate(runs[0])
+        ]
     return FittedStepModel.fit(measured, device="cpu")
 
 

@@ -616,7 +616,9 @@ def setup_from_args(args: argparse.Namespace) -> SimSetup:
     if args.cpu_model:
         fitted = FittedStepModel.load(args.cpu_model)
     else:
-        fitted = fit_cpu_steps(preset_dir("tiny"), progress=not args.no_progress)
+        fitted = fit_cpu_steps(
+            preset_dir("tiny"), progress=not args.no_progress, concurrent=CPU_INSTANCES
+        )
         print(f"wrote {fitted.save(Path(args.out) / 'sim_cpu_steps.json')}")
     model_dir = args.model if Path(args.model).is_dir() else None
     return cpu_setup(fitted, model_dir, args.policy)
