@@ -100,13 +100,6 @@ class EngineConfig:
                 continue  # an optional size left unset (its default is None)
             if value < low:
                 raise ConfigError(f"{name} must be >= {low}, got {value}")
-        if max(self.tensor_parallel_size, self.decode_tensor_parallel_size or 1) > 1 and (
-            self.dram_blocks
-        ):
-            raise ConfigError(
-                "a tensor-parallel instance has no dram tier: its workers follow the pool's "
-                "block ids but not block moves between tiers (set dram_blocks=0)"
-            )
 
     def tp_size(self, role: str) -> int:
         """The tensor-parallel size of an instance of ``role``."""

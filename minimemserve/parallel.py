@@ -6,10 +6,11 @@ that hold one model shard and one KV shard tensor indexed by the same block ids;
 pool and decide nothing. Each step rank 0 announces the step over a gloo control group: the
 token ids, each sequence's ``(num_computed, num_new, block table)`` and the rows to sample.
 Every rank then runs its shard of the forward pass on the compute group (gloo on CPU, NCCL on
-CUDA). A tensor-parallel instance has no dram tier, so its pool moves KV only in transfers,
-and ``ShardedPool`` sends those to the workers explicitly (each KV head between the rank
-holding it and the rank needing it); otherwise the step announcement is all a worker needs to
-keep its shard in step with rank 0's pool.
+CUDA). The pool moves KV between blocks only in transfers and between tiers (offload to
+dram, onload back): ``ShardedPool`` tells the workers of both (each KV head goes between the
+rank holding it and the rank needing it; a tier move is mirrored by every rank on its own
+shard); otherwise the step announcement is all a worker needs to keep its shard in step with
+rank 0's pool.
 
 What is split where (``r`` = rank, ``n`` = tensor-parallel size):
 
@@ -47,10 +48,11 @@ from torch import nn
 
 from .attention import make_backend
 from .attention.base import SeqSlice
-from .blocks.copy import check_pool_tensor
+from .blocks.copy import check_pool_tensor, move_blocks
 from .blocks.layout import AGGREGATED, KVLayout
 from .errors import ConfigError, InstanceDied
 from .mempool import MemPool
+from .mempool.tiers import DRAM, HBM
 from .model.config import ModelConfig
 from .model.llama import LlamaModel
 from .model.loader import EMBED_NAME, LM_HEAD_NAME, load_weights
@@ -64,7 +66,8 @@ IDLE_TIMEOUT = timedelta(days=30)
 JOIN_TIMEOUT_S = 10.0  # close() waits this long for each worker to exit before killing it
 POLL_S = 0.05  # rank 0 checks this often whether a starting worker is ready or dead
 # control-message ops: stop; run a step; send KV blocks to rank 0; receive KV blocks from it
-_STOP, _STEP, _SEND_KV, _RECV_KV = range(4)
+_STOP, _STEP, _SEND_KV, _RECV_KV, _MOVE_KV = range(5)
+_TIERS = (HBM, DRAM)  # a tier's code in a KV op is its index here
 _HEADER = 3  # op, payload length, the rank a KV op addresses
 _KV_TAG = 7  # tag of the point-to-point KV messages on the compute group
 
@@ -258,6 +261,7 @@ class WorkerSpec:
     device: str
     dtype: torch.dtype
     threads: int
+    dram_blocks: int = 0
 
 
 def _rank_device(device: str, rank: int) -> torch.device:
@@ -332,7 +336,8 @@ class TPGroup:
     (``.model``), announces every step to the other ranks and moves their KV shards."""
 
     def __init__(self, model_dir, shard: TPShard, num_blocks: int, block_size: int,
-                 attention: str | None, device: torch.device, dtype: torch.dtype):  # fmt: skip
+                 attention: str | None, device: torch.device, dtype: torch.dtype,
+                 dram_blocks: int = 0):  # fmt: skip
         self.size, self.device, self.dtype, self.shard = shard.size, device, dtype, shard
         self.block_size = block_size
         self.shards = [TPShard(r, shard.size, shard.cfg) for r in range(shard.size)]
@@ -342,7 +347,7 @@ class TPGroup:
         )
         spec = WorkerSpec(str(model_dir), self.size, store.port, num_blocks, block_size,
                           attention, str(device), dtype,
-                          max(1, torch.get_num_threads() // self.size))  # fmt: skip
+                          max(1, torch.get_num_threads() // self.size), dram_blocks)  # fmt: skip
         ctx = mp.get_context("spawn")
         self.procs = [
             ctx.Process(target=_worker_main, args=(r, spec), daemon=True, name=f"tp-rank{r}")
@@ -402,12 +407,12 @@ class TPGroup:
             self._send(_STEP, encode_step(slices, ids, rows))
             yield
 
-    def pull_kv(self, rank: int, blocks: list[int]) -> torch.Tensor:
-        """Blocks ``blocks`` of rank ``rank``'s KV shard, sent by that rank in one message."""
+    def pull_kv(self, rank: int, blocks: list[int], tier: str = HBM) -> torch.Tensor:
+        """Blocks ``blocks`` of rank ``rank``'s ``tier`` KV shard, sent by it in one message."""
         shape = self.shards[rank].kv_layout(self.block_size).pool_shape(len(blocks))
         buf = torch.empty(shape, dtype=self.dtype, device=self.device)
         with self._guard("KV send"):
-            self._send(_SEND_KV, blocks, rank)
+            self._send(_SEND_KV, [_TIERS.index(tier), *blocks], rank)
             self.comm.group.recv([buf], rank, _KV_TAG).wait()
         return buf
 
@@ -416,6 +421,11 @@ class TPGroup:
         with self._guard("KV receive"):
             self._send(_RECV_KV, blocks, rank)
             self.comm.group.send([piece.contiguous()], rank, _KV_TAG).wait()
+
+    def move_kv(self, dst: str, dst_ids: list[int], src: str, src_ids: list[int]) -> None:
+        """Every worker copies its shard's ``src`` tier blocks into its ``dst`` tier blocks."""
+        with self._guard("KV move"):
+            self._send(_MOVE_KV, [_TIERS.index(dst), _TIERS.index(src), *dst_ids, *src_ids])
 
     def make_pool(self, factory):
         """The pool class to build: a ``ShardedPool`` over this group."""
@@ -468,8 +478,14 @@ class ShardedPool(MemPool):
         self.moved[(what, rank, "pieces")] += piece.shape[0]
         self.moved[(what, rank, "bytes")] += piece.numel() * piece.element_size()
 
-    def _send(self, dst: MemPool, blocks: list[int], src: list[int]) -> None:
-        """Gather every head of ``src`` from the ranks owning them, write it into ``dst``."""
+    def _copy_tier(self, dst: str, dst_ids: list[int], src: str, src_ids: list[int]) -> None:
+        """Offload or onload: rank 0 copies its shard, and every worker the same blocks of its."""
+        super()._copy_tier(dst, dst_ids, src, src_ids)
+        self.group.move_kv(dst, dst_ids, src, src_ids)
+
+    def _send(self, dst: MemPool, blocks: list[int], src: list[int], tier: str = HBM) -> None:
+        """Gather every head of ``src`` (in ``tier``) from the ranks owning them, write it
+        into ``dst``: from dram straight, each rank reading its own shard."""
         whole = torch.empty(self._model_layout.pool_shape(len(src)), dtype=self.dtype,
                             device=self.device)  # fmt: skip
         ids = torch.tensor(src, device=self.device)
@@ -477,7 +493,11 @@ class ShardedPool(MemPool):
             if not owned:
                 continue
             (lo, hi), start = (owned[0], owned[-1] + 1), self._holds[rank][0]
-            held = self.kv().index_select(0, ids) if rank == 0 else self.group.pull_kv(rank, src)
+            held = (
+                self.kv(tier).index_select(0, ids)
+                if rank == 0
+                else self.group.pull_kv(rank, src, tier)
+            )
             piece = held[..., lo - start : hi - start, :]
             whole[..., lo:hi, :] = piece
             self._count("sent", rank, piece)
@@ -532,10 +552,16 @@ class _Worker:
         layout = shard.kv_layout(spec.block_size)
         self.kv = torch.zeros(layout.pool_shape(spec.num_blocks), dtype=spec.dtype,
                               device=self.device)  # fmt: skip
+        # the dram tier's shard: host memory, pinned on a CUDA machine, as rank 0's pool has it
+        self.tiers = {HBM: self.kv, DRAM: torch.zeros(
+            layout.pool_shape(spec.dram_blocks), dtype=spec.dtype,
+            pin_memory=self.device.type == "cuda")}  # fmt: skip
+        self.block_dim = layout.block_dim
         self.backend = make_backend(
             spec.attention, self.kv, layout, shard.heads, cfg.head_dim**-0.5
         )
-        self.ops = {_STEP: self._step, _SEND_KV: self._send_kv, _RECV_KV: self._recv_kv}
+        self.ops = {_STEP: self._step, _SEND_KV: self._send_kv, _RECV_KV: self._recv_kv,
+                    _MOVE_KV: self._move_kv}  # fmt: skip
 
     @torch.inference_mode()
     def serve(self) -> None:
@@ -549,7 +575,7 @@ class _Worker:
             payload = torch.empty(n, dtype=torch.int64)
             if n:
                 self.control.broadcast(payload, 0).wait()
-            if op == _STEP or rank == self.rank:
+            if op in (_STEP, _MOVE_KV) or rank == self.rank:
                 self.ops[op](payload.tolist())
 
     def _step(self, msg: list[int]) -> None:
@@ -559,9 +585,14 @@ class _Worker:
         if rows:
             self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
 
-    def _send_kv(self, blocks: list[int]) -> None:
-        piece = self.kv.index_select(0, torch.tensor(blocks, device=self.device))
+    def _send_kv(self, msg: list[int]) -> None:
+        kv, blocks = self.tiers[_TIERS[msg[0]]], msg[1:]
+        piece = kv.index_select(0, torch.tensor(blocks, device=kv.device)).to(self.device)
         self.comm.group.send([piece], 0, _KV_TAG).wait()
+
+    def _move_kv(self, msg: list[int]) -> None:
+        dst, src, n = self.tiers[_TIERS[msg[0]]], self.tiers[_TIERS[msg[1]]], (len(msg) - 2) // 2
+        move_blocks(dst, msg[2 : 2 + n], src, msg[2 + n :], self.block_dim)
 
     def _recv_kv(self, blocks: list[int]) -> None:
         shape = (len(blocks), *self.kv.shape[1:])

@@ -395,15 +395,10 @@ class InstanceServer:
         peer = self.remotes.get(m.to)
         if peer is None or m.to in self.node.dead:
             raise InstanceDied(f"{self.name} has no live peer {m.to!r} to send a prefix to")
-        blocks = self.pool.match(m.tokens)  # whole blocks, never the last token
-        n = len(blocks) * self.pool.block_size
-        if blocks:
-            try:
-                got = self.pool.transfer_with_insert(peer, m.tokens[:n], blocks)
-                peer.free_mem(got)  # the peer's index keeps its own reference
-            finally:
-                self.pool.free_mem(blocks)
-        return rpc.Info({"tokens": n})
+        got = self.pool.send_cached(peer, m.tokens)  # from hbm or dram, as cached
+        if got:
+            peer.free_mem(got)  # the peer's index keeps its own reference
+        return rpc.Info({"tokens": len(got) * self.pool.block_size})
 
     def _ungrant(self, peer: str, blocks: list[int]) -> list[int]:
         """Remove ``blocks`` from what ``peer`` holds here; returns those it really held."""

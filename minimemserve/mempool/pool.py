@@ -15,6 +15,7 @@ this class. Bookkeeping is plain Python, torch only moves data; one owner calls 
 
 from __future__ import annotations
 
+import itertools
 from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,7 +33,7 @@ from .tiers import DRAM, HBM, TIERS, PoolAccountingError, PoolNode, Tier, TierMi
 COUNTERS = (
     "match_calls query_tokens hit_tokens inserted_blocks deleted_blocks evicted_blocks "
     "offloaded_blocks onloaded_blocks sent_blocks sent_bytes recv_blocks recv_bytes "
-    "transfers_sent transfers_recv transfers_aborted"
+    "transfers_sent transfers_recv transfers_aborted dram_sent_blocks"
 ).split()
 
 
@@ -335,9 +336,59 @@ class MemPool(TierMixin):
         tensor-parallel pool's own tensor holds one rank's heads of it."""
         return self.layout
 
-    def _send(self, dst: MemPool, blocks: list[int], src: list[int]) -> None:
-        """Move this pool's blocks ``src`` into ``dst``'s ``blocks``."""
-        dst.recv_copy(blocks, self._tiers[HBM].kv, src)
+    def _send(self, dst: MemPool, blocks: list[int], src: list[int], tier: str = HBM) -> None:
+        """Move this pool's ``tier`` blocks ``src`` into ``dst``'s (hbm) ``blocks``."""
+        dst.recv_copy(blocks, self._tiers[tier].kv, src)
+
+    def send_cached(self, dst: MemPool, tokens: Sequence[int]) -> list[int]:
+        """Send the cached whole blocks of ``tokens`` to ``dst`` and index them there, each
+        block read from the tier that holds it: a block cached in dram goes to ``dst`` without
+        being onloaded to hbm first (``dram_sent_blocks`` counts those). Only what ``dst``
+        lacks moves; returns ``dst``'s blocks, held by the caller."""
+        toks, bs = as_tokens(tokens), self.block_size
+        self._clock += 1
+        match = self._tree.match_prefix(toks, now=self._clock)
+        spans: list[tuple[str, list, list[int]]] = []  # runs of nodes in one tier, in order
+        pos = 0
+        for node in match.nodes:
+            c = min(len(node.values), len(match.values) - pos)
+            if not spans or spans[-1][0] != node.tier:
+                spans.append((node.tier, [], []))
+            spans[-1][1].append(node)
+            spans[-1][2].extend(match.values[pos : pos + c])
+            pos += c
+        if not spans:
+            return []
+        for tier, nodes, blocks in spans:  # pinned: a peer's call may evict while we send
+            self._hold(self._tiers[tier], nodes, blocks)
+        try:
+            return self._send_spans(dst, toks[: len(match.values) * bs], spans)
+        finally:
+            for tier, _, blocks in spans:
+                self._unhold(self._tiers[tier], blocks)
+
+    def _send_spans(self, dst: MemPool, toks, spans) -> list[int]:
+        if dst.model_layout != self.model_layout or dst.dtype != self.dtype:
+            raise ValueError("cannot send between pools of different layout or dtype")
+        pairs = [(tier, b) for tier, _, blocks in spans for b in blocks]
+        matched, new = dst.recv_alloc(toks, len(pairs))
+        todo, at = pairs[len(matched) :], 0
+        try:
+            for tier, run in itertools.groupby(todo, key=lambda p: p[0]):
+                src = [b for _, b in run]
+                self._send(dst, new[at : at + len(src)], src, tier)
+                at += len(src)
+                if tier != HBM:
+                    self._counters["dram_sent_blocks"] += len(src)
+            dst.recv_commit(toks, matched + new)
+        except BaseException:
+            dst.recv_abort(matched + new)
+            raise
+        c = self._counters
+        c["sent_blocks"] += len(todo)
+        c["sent_bytes"] += len(todo) * self._block_bytes
+        c["transfers_sent"] += 1
+        return matched + new
 
     def _transfer(self, dst: MemPool, toks, src_blocks: Sequence[int]) -> list[int]:
         """dst allocates what it lacks, this pool's tensor is read straight into dst's blocks

@@ -224,9 +224,15 @@ class TierMixin:
             self._move(node, t, dram, dram.alloc.alloc(moved, contiguous=True))
             self._counters["offloaded_blocks"] += moved
 
+    def _copy_tier(self, dst: str, dst_ids: list[int], src: str, src_ids: list[int]) -> None:
+        """Copy blocks between this pool's tiers (a tensor-parallel pool has its ranks copy
+        their shards too)."""
+        t = self._tiers
+        move_blocks(t[dst].kv, dst_ids, t[src].kv, src_ids, self._block_dim)
+
     def _move(self, node: PoolNode, src: Tier, dst: Tier, new: list[int]) -> None:
         """Move ``node``'s blocks to ``new`` blocks of ``dst``; the index's references go along."""
-        move_blocks(dst.kv, new, src.kv, node.values, self._block_dim)
+        self._copy_tier(dst.name, new, src.name, node.values)
         self._unindex(src, node.values)
         self._uncount(node)
         node.values, node.tier = new, dst.name

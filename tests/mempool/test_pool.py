@@ -344,6 +344,28 @@ def test_offload_to_dram_and_onload_on_match_keep_the_data():
     pool.check()
 
 
+def test_send_cached_sends_dram_blocks_in_one_copy_without_onloading_them():
+    src, dst = MemPool(LAYOUT, 4, dram_blocks=4), MemPool(LAYOUT, 8)
+    cache(src, seq(1, 2, 3), [1.5, 2.5, 3.5])
+    held = src.alloc_mem(3)  # two of the three cached blocks move to dram
+    src.free_mem(held[2:])
+    cache(dst, seq(1), [1.5])  # dst already has the first block
+    before = src.stats()["counters"]
+    got = src.send_cached(dst, seq(1, 2, 3, tail=2))
+    after = src.stats()["counters"]
+    assert len(got) == 3 and read(dst, got) == [1.5, 2.5, 3.5]
+    assert after["onloaded_blocks"] == before["onloaded_blocks"]  # nothing came to hbm first
+    assert after["sent_blocks"] - before["sent_blocks"] == 2  # dst lacked two blocks
+    assert after["dram_sent_blocks"] - before["dram_sent_blocks"] == 2  # both from dram
+    assert dst.cached_prefix_len(seq(1, 2, 3)) == 3 * BS
+    dst.free_mem(got)
+    src.free_mem(held[:2])
+    for pool in (src, dst):
+        pool.check()
+        assert pool.stats()["hbm"]["referenced"] == 0
+    assert src.send_cached(dst, seq(7, 8)) == []  # nothing cached: nothing sent
+
+
 def test_offload_evicts_dram_lru_when_dram_is_full():
     pool = MemPool(LAYOUT, 2, dram_blocks=2)
     cache(pool, seq(1, 2), [1, 2])

@@ -83,8 +83,6 @@ def test_engine_config_validates_tensor_parallel_size():
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ConfigError, match="must be an int"):
         EngineConfig(tensor_parallel_size="2")
-    with pytest.raises(ConfigError, match="dram"):
-        EngineConfig(tensor_parallel_size=2, dram_blocks=4)
     assert EngineConfig(tensor_parallel_size=2).tensor_parallel_size == 2
 
 
@@ -265,3 +263,46 @@ def test_nccl_ranks_on_one_gpu_equal_tp1(tiny_llama_dir, config):
     with LLM(tiny_llama_dir, config=config, tensor_parallel_size=2, **kw) as llm:
         assert _multi_turn(llm) == expected
         llm.engine.check_pools()
+
+
+def _offload_and_return(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt in turn, the first again last: by then its cached KV sits in dram."""
+    return [llm.generate([p], GREEDY)[0].token_ids for p in [*prompts, prompts[0]]]
+
+
+def test_dram_tier_offloads_and_onloads_every_rank(tiny_llama_dir):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (30,), generator=g).tolist() for _ in range(4)]
+    tiers = dict(num_blocks=16, dram_blocks=64, block_size=4, max_num_batched_tokens=24)
+    expected = _offload_and_return(LLM(tiny_llama_dir, config="PD-CC", **tiers), prompts)
+    with LLM(tiny_llama_dir, config="PD-CC", tensor_parallel_size=2, **tiers) as llm:
+        assert _offload_and_return(llm, prompts) == expected
+        c = llm.pool.stats()["counters"]
+        assert c["offloaded_blocks"] > 0 and c["onloaded_blocks"] > 0  # every rank moved its shard
+        llm.engine.check_pools()
+
+
+def test_cached_kv_in_dram_is_sent_from_every_rank_in_one_copy(tiny_llama_dir):
+    """A TP 2 pool sends a prefix cached in its dram tier to a TP 1 pool: each rank reads its
+    heads from its own dram shard, nothing is onloaded first, and the receiver's next request
+    over that prefix gives the tokens it would have computed itself."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 512, (30,), generator=g).tolist() for _ in range(4)]
+    tiers = dict(num_blocks=16, dram_blocks=64, block_size=4, max_num_batched_tokens=24)
+    reference = LLM(tiny_llama_dir, config="PD-CC", **tiers)
+    expected = reference.generate([prompts[0]], GREEDY)[0].token_ids
+    receiver = LLM(tiny_llama_dir, config="PD-CC", **tiers)
+    with LLM(tiny_llama_dir, config="PD-CC", tensor_parallel_size=2, **tiers) as sender:
+        for p in prompts:
+            sender.generate([p], GREEDY)  # the first prompt's KV ends up in dram
+        before = sender.pool.stats()["counters"]
+        got = sender.pool.send_cached(receiver.pool, prompts[0])
+        after = sender.pool.stats()["counters"]
+        assert got and after["dram_sent_blocks"] - before["dram_sent_blocks"] > 0
+        assert after["onloaded_blocks"] == before["onloaded_blocks"]
+        assert sender.pool.moved[("sent", 1, "pieces")] > 0  # rank 1's heads, from rank 1
+        receiver.pool.free_mem(got)
+        sender.engine.check_pools()
+    out = receiver.generate([prompts[0]], GREEDY)[0]
+    assert out.metrics.cached_tokens > 0 and out.token_ids == expected
+    receiver.engine.check_pools()
