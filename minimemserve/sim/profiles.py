@@ -314,7 +314,13 @@ FIT_PREFILLS = (
 )
 FIT_DECODES = ((1, 128), (1, 1024), (4, 256), (8, 512), (16, 256), (16, 1024), (32, 512))
 # (prefill chunk as (cached, new), decode rows, context)
-FIT_MIXED = (((0, 256), 8, 512), ((512, 64), 16, 256))
+FIT_MIXED = (
+    ((0, 256), 8, 512),
+    ((512, 64), 16, 256),
+    ((0, 480), 32, 512),
+    ((1024, 256), 16, 1024),
+    ((256, 448), 12, 384),
+)
 FIT_REPEATS = 5
 FIRST_TOKEN_ID = 3  # ids 0-2 are <unk>, <s>, </s> in the presets
 
