@@ -66,6 +66,7 @@ class InstanceSpec:
     parent_pid: int = 0
     shared_pool: bool = False  # hbm pool in shared memory, for peers to write into
     secret: bytes = field(default=b"", repr=False)  # the cluster's control-plane key
+    curve: tuple[bytes, bytes] | None = field(default=None, repr=False)  # off loopback
 
 
 class SharedMemPool(MemPool):
@@ -216,6 +217,7 @@ class InstanceServer:
             timeout_s=spec.timeout_s,
             on_wait=self._heartbeat,
             codec=rpc.Codec(spec.secret),
+            curve=spec.curve,
         )
         self.node.connect(FRONTEND, spec.frontend)
         self.peer_names: set[str] = set()  # the other instances, as the frontend announced

@@ -25,6 +25,7 @@ from ..request import RequestMetrics, RequestOutput, TokenDelta, TokenLogprob
 from ..sampling import SamplingParams
 
 LOOPBACK = "127.0.0.1"
+LOOPBACK_HOSTS = frozenset({LOOPBACK, "localhost", "::1"})
 DEFAULT_TIMEOUT_S = 30.0  # a loopback round trip takes < 1 ms: a peer this late is dead or stuck
 WAIT_SLICE_S = 0.05  # longest poll while awaiting a reply, so heartbeats and dead peers are seen
 SEND_HWM = 10_000  # messages queued towards one peer before sends fail fast
@@ -296,10 +297,16 @@ class RpcNode:
 
     def __init__(self, name: str, handler: Handler, *, host: str = LOOPBACK, port: int = 0,
                  timeout_s: float = DEFAULT_TIMEOUT_S, on_wait: Callable[[], None] | None = None,
-                 codec: Codec) -> None:  # fmt: skip
-        """Bind ``host:port`` (port 0: a free one, see :attr:`address`); ``codec`` signs."""
+                 codec: Codec, curve: tuple[bytes, bytes] | None = None) -> None:  # fmt: skip
+        """Bind ``host:port`` (port 0: a free one, see :attr:`address`); ``codec`` signs. A
+        ``host`` other than loopback needs ``curve``, the cluster's ZeroMQ CURVE key pair
+        (``zmq.curve_keypair()``): every socket is then encrypted, and a peer that does not
+        know the key cannot even complete the handshake, let alone deliver a frame."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if curve is None and host not in LOOPBACK_HOSTS:
+            raise ValueError(f"{name}: binding {host} (not loopback) needs CURVE keys")
+        self._curve = curve
         self.name, self.handler, self.codec = name, handler, codec
         self.timeout_s, self.on_wait = timeout_s, on_wait
         self.rejected = 0  # frames dropped: unauthenticated, or failed validation
@@ -312,6 +319,9 @@ class RpcNode:
         self._ctx.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._server = self._ctx.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if curve is not None:
+            self._server.curve_publickey, self._server.curve_secretkey = curve
+            self._server.curve_server = True
         try:
             self._server.bind(endpoint(host, port))
         except zmq.ZMQError as e:
@@ -324,6 +334,9 @@ class RpcNode:
         if (old := self._peers.pop(peer, None)) is not None:
             old.close(linger=0)
         sock = self._ctx.socket(zmq.DEALER)
+        if self._curve is not None:  # one key pair per cluster: every server has its public key
+            sock.curve_serverkey = self._curve[0]
+            sock.curve_publickey, sock.curve_secretkey = self._curve
         sock.connect(address)
         self._peers[peer] = sock
 

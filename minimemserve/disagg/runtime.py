@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import zmq
+
 from ..config import EngineConfig, parse_config_name
 from ..errors import (
     ConfigError,
@@ -208,8 +210,17 @@ class ProcessCluster:
         linked = milestone.moves_kv or policy == "prompt_tree_transfer"
         secret = secrets.token_bytes(32)  # reaches the instances through the spawn pipe
         codec = rpc.Codec(secret)
+        # off loopback every socket is CURVE-encrypted with a key pair made here and handed
+        # to the instances like the secret
+        curve = None if host in rpc.LOOPBACK_HOSTS else zmq.curve_keypair()
         self.node = rpc.RpcNode(
-            "frontend", self._handle, host=host, port=base_port, timeout_s=timeout_s, codec=codec
+            "frontend",
+            self._handle,
+            host=host,
+            port=base_port,
+            timeout_s=timeout_s,
+            codec=codec,
+            curve=curve,
         )
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
@@ -235,6 +246,7 @@ class ProcessCluster:
                     parent_pid=os.getpid(),
                     shared_pool=linked,
                     secret=secret,
+                    curve=curve,
                 )
                 proc = ctx.Process(target=instance_main, args=(spec,), name=f"mms-{name}")
                 proc.daemon = True

@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..bench.presets import preset_dir
 from ..config import EngineConfig, parse_config_name
-from ..disagg.rpc import LOOPBACK
+from ..disagg.rpc import LOOPBACK_HOSTS
 from ..disagg.runtime import ProcessCluster
 from ..errors import (
     InstanceDied,
@@ -546,7 +546,7 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper())
     server = make_server(args)
-    if args.host not in (LOOPBACK, "localhost", "::1") and not server.api_key:
+    if args.host not in LOOPBACK_HOSTS and not server.api_key:
         logger.warning(
             "serving on %s without --api-key: anyone who reaches it can use it", args.host
         )

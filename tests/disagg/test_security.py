@@ -108,3 +108,50 @@ def test_a_members_invalid_messages_are_refused_at_once(cluster):
     cluster.add_request(prompt(3), PARAMS)
     assert [o.finish_reason for o in cluster.run_until_done(timeout_s=60)] == ["length"]
     cluster.check_pools(require_idle=True)
+
+
+def test_binding_off_loopback_needs_curve_keys():
+    with pytest.raises(ValueError, match="needs CURVE keys"):
+        rpc.RpcNode("x", lambda s, m: None, host="0.0.0.0", codec=rpc.Codec(os.urandom(32)))
+
+
+def _knock(address: str, curve_server_key: bytes | None) -> bool:
+    """Send junk and a forged call to ``address``; whether any answer came back."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve_server_key is not None:  # a CURVE client that guesses the wrong server key
+        sock.curve_serverkey = curve_server_key
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock.connect(address)
+    sock.send(os.urandom(64))
+    sock.send(rpc.Codec(os.urandom(32)).encode(rpc.Envelope("req", 1, "P0", rpc.Shutdown("x"))))
+    answered = bool(sock.poll(1500))
+    sock.close()
+    ctx.term()
+    return answered
+
+
+def test_off_loopback_a_peer_without_the_curve_key_gets_nothing(tiny_llama_dir):
+    """Bound to every interface, the cluster encrypts its sockets with a CURVE key pair of its
+    own: a plain client and a CURVE client with the wrong key get no answer, no frame even
+    reaches the handler (nothing counted as rejected), and the cluster keeps serving."""
+    import zmq
+
+    with ProcessCluster(tiny_llama_dir, "1P1D-CC", engine_config=EngineConfig(
+            num_blocks=NUM_BLOCKS), host="0.0.0.0", timeout_s=10) as c:  # fmt: skip
+        port = c.node.address.rsplit(":", 1)[1]
+        targets = [f"tcp://127.0.0.1:{port}"]
+        targets += [f"tcp://127.0.0.1:{i.address.rsplit(':', 1)[1]}" for i in c.instances.values()]
+        for address in targets:
+            assert not _knock(address, None)
+            assert not _knock(address, zmq.curve_keypair()[0])
+        rid = c.add_request(prompt(2), PARAMS)
+        outs = {o.request_id: o for o in c.run_until_done(timeout_s=60)}
+        assert outs[rid].finish_reason == "length" and len(outs[rid].token_ids) == 8
+        stats = c.stats()
+        assert stats["frontend"]["rejected"] == 0 and not c.dead
+        assert all(stats[n]["rejected"] == 0 for n in c.instances)
+        c.check_pools()
