@@ -1,4 +1,4 @@
-"""Command line: ``minimemserve generate``, ``minimemserve bench``, ``minimemserve preset``."""
+"""Command line: ``minimemserve bench``, ``sim``, ``serve``, ``generate`` and ``preset``."""
 
 from __future__ import annotations
 
