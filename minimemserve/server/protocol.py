@@ -228,30 +228,39 @@ def _sampling(body: dict, chat: bool, room: int) -> SamplingParams:
 
 
 class Detokenizer:
-    """Text deltas of one choice from its growing token ids: never half a multi-byte character
-    (held back while the text ends in U+FFFD), never part of a stop string."""
+    """Text deltas of one choice from its growing token ids: never half a multi-byte character,
+    never part of a stop string. Each call decodes only a window of recent tokens (the text of
+    ``tokens[prefix:]`` less that of ``tokens[prefix:read]``: a piece's leading space depends
+    on the piece before it), so a long answer costs linear time, not quadratic."""
 
     def __init__(self, tok: Tokenizer, stop: Sequence[str]) -> None:
         self.tok, self.stop, self.tokens = tok, list(stop), []
+        self.text = ""  # the text of tokens[:read]
+        self.prefix = self.read = 0
         self.sent = ""  # text handed out so far
         self.hold = max(map(len, self.stop), default=1) - 1  # chars that may start a stop string
         self.stopped = False  # a stop string was seen: nothing more to send
+
+    def _decode_new(self, final: bool) -> None:
+        head = self.tok.decode(self.tokens[self.prefix : self.read])
+        full = self.tok.decode(self.tokens[self.prefix :])
+        if full.endswith("\ufffd") and not final:
+            return  # half a character: wait for the rest of its bytes
+        self.text += full[len(head) :]
+        self.prefix, self.read = self.read, len(self.tokens)
 
     def feed(self, tokens: Sequence[int], final: bool = False) -> str:
         """Add ``tokens``; return the text that can be sent now (all of it when ``final``)."""
         if self.stopped:
             return ""
         self.tokens += tokens
-        text = self.tok.decode(self.tokens)
-        start = max(len(self.sent) - self.hold, 0)
+        self._decode_new(final)
+        text, start = self.text, max(len(self.sent) - self.hold, 0)
         hits = [i for s in self.stop if (i := text.find(s, start)) >= 0]
         if hits:
             text, self.stopped, final = text[: min(hits)], True, True
-        if not final:
-            end = len(text) - (self.hold if self.stop else 0)
-            while end > 0 and text[end - 1] == "\ufffd":
-                end -= 1
-            text = text[: max(end, len(self.sent))]
+        if not final and self.stop:
+            text = text[: max(len(text) - self.hold, len(self.sent))]
         delta, self.sent = text[len(self.sent) :], text
         return delta
 
