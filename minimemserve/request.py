@@ -64,6 +64,21 @@ class RequestMetrics:
 TokenLogprob = tuple[float, list[tuple[int, float]]]
 
 
+def logprobs_fit(lps: list[TokenLogprob] | None, tokens: int, k: int | None, vocab: int) -> bool:
+    """Whether ``lps`` (from another process) can be the logprobs of ``tokens`` sampled
+    tokens asked with ``logprobs=k`` (None: none asked, none given): one entry per token, at
+    most ``k`` alternatives each,
+    their ids in the vocabulary, every value a log-probability (<= 0)."""
+    if lps is None or k is None:
+        return lps is None and k is None
+    if len(lps) != tokens:
+        return False
+    return all(
+        lp <= 0 and len(alts) <= k and all(0 <= t < vocab and v <= 0 for t, v in alts)
+        for lp, alts in lps
+    )
+
+
 @dataclass
 class TokenDelta:
     """Tokens a request generated since its last delta: output positions ``start`` on, with

@@ -31,7 +31,7 @@ from ..engine import Engine
 from ..errors import InstanceDied, InvalidRequest, RemoteError, TransferError
 from ..mempool import MemPool
 from ..mempool.shared import SharedPoolTensor, attach, segment_path
-from ..request import Request
+from ..request import Request, logprobs_fit
 from . import rpc
 
 FRONTEND = "frontend"
@@ -324,8 +324,9 @@ class InstanceServer:
             != self.pool.layout.num_blocks_for(s.num_computed),
             "the prefill instance is unknown": s.prefill_instance not in self.peer_names,
             "the request id is in use": s.request_id in self.engine.requests,
-            "logprobs do not match the tokens": s.logprobs is not None
-            and (s.params.logprobs is None or len(s.logprobs) > n - s.num_prompt),
+            "logprobs do not match the tokens": not logprobs_fit(
+                s.logprobs, n - s.num_prompt, s.params.logprobs, vocab
+            ),
         }
         if bad := [what for what, failed in problems.items() if failed]:
             raise ValueError(f"request {s.request_id!r} refused: {'; '.join(bad)}")

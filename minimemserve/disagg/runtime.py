@@ -47,8 +47,9 @@ from ..errors import (
 )
 from ..mempool import TIERS, PoolAccountingError
 from ..mempool.shared import segment_path
+from ..model.config import ModelConfig
 from ..model.tokenizer import Tokenizer
-from ..request import RequestMetrics, RequestOutput, TokenDelta
+from ..request import RequestMetrics, RequestOutput, TokenDelta, logprobs_fit
 from ..sampling import INT64_LIMIT, SamplingParams
 from ..scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler, Route
 from . import rpc
@@ -177,6 +178,7 @@ class ProcessCluster:
             )
         self.timeout_s, self.heartbeat_timeout_s = timeout_s, heartbeat_timeout_s
         self.rerun_on_failure, self.tokenizer = rerun_on_failure, Tokenizer.from_dir(self.model_dir)
+        self.vocab_size = ModelConfig.from_hf(self.model_dir).vocab_size  # to check what arrives
         self.dead: dict[str, str] = {}  # instance name -> why it died
         self.num_reruns = 0  # requests re-run after the instance holding them died
         self.prefix_tokens_moved = 0  # tokens of KV moved by the scheduler's prefix transfers
@@ -332,8 +334,16 @@ class ProcessCluster:
         """Stream positions from P and D may arrive out of order: keep them by position."""
         for d in msg.deltas:
             f = self._inflight.get(d.request_id)
-            if f is None or len(f.pending) + len(d.token_ids) > f.params.max_tokens:
-                continue
+            if f is None:
+                continue  # ended meanwhile (aborted, or re-run elsewhere)
+            n = len(d.token_ids)
+            if not (
+                0 <= d.start
+                and d.start + n <= f.params.max_tokens
+                and all(0 <= t < self.vocab_size for t in d.token_ids)
+                and logprobs_fit(d.logprobs, n, f.params.logprobs, self.vocab_size)
+            ):
+                raise ValueError(f"{sender} sent tokens that do not fit {d.request_id!r}")
             lps = d.logprobs or [None] * len(d.token_ids)
             for i, (tok, lp) in enumerate(zip(d.token_ids, lps)):
                 if d.start + i >= f.streamed:

@@ -13,7 +13,7 @@ from minimemserve import LLM, SamplingParams
 from minimemserve.config import EngineConfig
 from minimemserve.disagg import rpc
 from minimemserve.disagg.runtime import ProcessCluster
-from minimemserve.request import RequestMetrics, RequestOutput
+from minimemserve.request import RequestMetrics, RequestOutput, TokenDelta
 
 NUM_BLOCKS = 64
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -107,6 +107,29 @@ def test_a_members_invalid_messages_are_refused_at_once(cluster):
         node.close()
     cluster.add_request(prompt(3), PARAMS)
     assert [o.finish_reason for o in cluster.run_until_done(timeout_s=60)] == ["length"]
+    cluster.check_pools(require_idle=True)
+
+
+def test_a_members_tokens_are_checked_before_they_stream(cluster):
+    """Token deltas pushed to the frontend must fit their request: ids in the vocabulary,
+    positions within max_tokens, logprobs only when asked; others never reach a stream."""
+    node = rpc.RpcNode("P0", lambda s, m: None, timeout_s=5, codec=cluster.node.codec)
+    node.connect("frontend", cluster.node.address)
+    rid = cluster.add_request(prompt(4), PARAMS, request_id="r-stream")
+    for bad in (
+        TokenDelta(rid, 0, [10**6]),  # outside the vocabulary
+        TokenDelta(rid, -3, [5, 6, 7, 8]),  # before the start
+        TokenDelta(rid, 0, [5] * (PARAMS.max_tokens + 1)),  # past max_tokens
+        TokenDelta(rid, 0, [5], [(-0.1, [])]),  # logprobs nobody asked for
+    ):
+        node.push("frontend", rpc.Tokens([bad]))
+    streamed, outs = [], []
+    while cluster.has_unfinished():
+        outs += cluster.step()
+        streamed += [t for d in cluster.take_deltas() for t in d.token_ids]
+    node.close()
+    (out,) = outs
+    assert streamed and streamed == out.token_ids[: len(streamed)]
     cluster.check_pools(require_idle=True)
 
 
