@@ -2,9 +2,12 @@
 
 For each config, starts ``minimemserve serve`` (tiny preset, loopback, in-process runtime so
 only the server's own cost differs), keeps ``--clients`` streaming completions in flight for
-``--duration`` seconds with real ShareGPT prompts, checks that every request completed or
-failed clearly and that no KV block stays referenced, then runs the prompts that completed
-through ``LLM.generate`` in this process and compares output tokens/s.
+``--duration`` seconds with real ShareGPT prompts, and checks that every request completed or
+failed clearly and that no KV block stays referenced. The same deployment runs in this
+process, driven the same way (the same prompts in the same order, as many in flight, as
+long) once before and once after the server: the overhead is the server's output tokens/s
+against their mean. ``LLM.generate`` on the prompts that completed (all at once, so it keeps
+more in flight) is shown beside.
 
     python bench/serve_load.py [--clients 64] [--duration 60] [--configs PD-CC,1P1D-CC]
 
@@ -87,7 +90,8 @@ def drive(url: str, tok: Tokenizer, pool: list[list[int]], clients: int, duratio
     target.check_pools(require_idle=True)  # raises if a block stayed referenced
     ok = [o for o in outs if o.error is None]
     ttft = [o.metrics.ttft for o in ok]
-    itl = [o.metrics.tpot for o in ok if o.metrics.tpot is not None]
+    tpot = [o.metrics.tpot for o in ok if o.metrics.tpot is not None]
+    itl = target.itl
     return {
         "submitted": len(submitted),
         "completed": len(ok),
@@ -101,15 +105,30 @@ def drive(url: str, tok: Tokenizer, pool: list[list[int]], clients: int, duratio
         "ttft_p99_ms": 1e3 * float(np.percentile(ttft, 99)),
         "itl_p50_ms": 1e3 * float(np.percentile(itl, 50)),
         "itl_p99_ms": 1e3 * float(np.percentile(itl, 99)),
+        "tpot_p50_ms": 1e3 * float(np.percentile(tpot, 50)),
+        "tpot_p99_ms": 1e3 * float(np.percentile(tpot, 99)),
         "prompts": [submitted[o.request_id] for o in ok],
         "pool_balanced": True,
     }
 
 
-def in_process(config: str, prompts_: list[list[int]], params: SamplingParams) -> float:
-    """Output tokens/s of ``LLM.generate`` on ``prompts_`` (one warm-up run first)."""
-    llm = LLM(None, config=config, num_blocks=NUM_BLOCKS)
-    llm.generate(prompts_[:4], params)
+def in_process_closed(llm: LLM, pool: list[list[int]], clients: int, duration: float,
+                      params: SamplingParams) -> float:  # fmt: skip
+    """Output tokens/s of the LLM's own engine driven as the clients drive the server: the
+    same prompts in the same order, ``clients`` in flight for ``duration`` s, then drained."""
+    eng, i, inflight, tokens = llm.engine, 0, 0, 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < duration or inflight:
+        while time.perf_counter() - start < duration and inflight < clients:
+            eng.add_request(pool[i % len(pool)], params)
+            i, inflight = i + 1, inflight + 1
+        for out in eng.step():
+            inflight, tokens = inflight - 1, tokens + len(out.token_ids)
+    return tokens / (time.perf_counter() - start)
+
+
+def generate_rate(llm: LLM, prompts_: list[list[int]], params: SamplingParams) -> float:
+    """Output tokens/s of ``LLM.generate`` on ``prompts_``, every prompt at once."""
     start = time.perf_counter()
     outs = llm.generate(prompts_, params, use_tqdm=True)
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
@@ -124,7 +143,8 @@ def plot(rows: dict[str, dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names, x = list(rows), np.arange(len(rows))
     ax.bar(x - 0.2, [rows[c]["output_tokens_per_s"] for c in names], 0.4, label="server (HTTP)")
-    ax.bar(x + 0.2, [rows[c]["in_process_tokens_per_s"] for c in names], 0.4, label="LLM.generate")
+    ax.bar(x + 0.2, [rows[c]["in_process_tokens_per_s"] for c in names], 0.4,
+           label="in process, as many in flight")  # fmt: skip
     ax.set_xticks(x, names)
     ax.set_ylabel("output tokens/s")
     ax.set_title("64 streaming clients vs in-process generate")
@@ -149,23 +169,34 @@ def main() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        # in process before and after the server, so a drift of the machine shows and averages
+        llm = LLM(None, config=config, num_blocks=NUM_BLOCKS)
+        llm.generate(pool[:4], params)  # warm-up
+        before = in_process_closed(llm, pool, args.clients, args.duration, params)
         proc = start_server(config, port)
         try:
             row = drive(f"http://127.0.0.1:{port}", tok, pool, args.clients, args.duration, params)
         finally:
             proc.terminate()
             proc.wait(30)
-        row["in_process_tokens_per_s"] = in_process(config, row.pop("prompts"), params)
+        after = in_process_closed(llm, pool, args.clients, args.duration, params)
+        row["in_process_runs_tokens_per_s"] = [before, after]
+        row["in_process_tokens_per_s"] = (before + after) / 2
+        row["generate_tokens_per_s"] = generate_rate(llm, row.pop("prompts"), params)
         row["overhead"] = 1 - row["output_tokens_per_s"] / row["in_process_tokens_per_s"]
         rows[config] = row
-    head = ("config", "done", "failed", "lost", "req/s", "tok/s", "in-proc tok/s", "overhead",
-            "TTFT p50/p99 ms", "ITL p50/p99 ms")  # fmt: skip
+    head = ("config", "done", "failed", "lost", "req/s", "tok/s", "in-proc tok/s (before, after)",
+            "LLM.generate tok/s", "overhead",
+            "TTFT p50/p99 ms", "ITL p50/p99 ms", "TPOT p50/p99 ms")  # fmt: skip
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for c, r in rows.items():
         print(f"| {c} | {r['completed']} | {r['failed']} | {r['lost']} | {r['requests_per_s']:.2f} "
               f"| {r['output_tokens_per_s']:.0f} | {r['in_process_tokens_per_s']:.0f} "
+              f"({', '.join(f'{v:.0f}' for v in r['in_process_runs_tokens_per_s'])}) "
+              f"| {r['generate_tokens_per_s']:.0f} "
               f"| {100 * r['overhead']:.1f}% | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
-              f"| {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} |")  # fmt: skip
+              f"| {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} "
+              f"| {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} |")  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     setup = {"clients": args.clients, "duration_s": args.duration, "max_tokens": args.max_tokens}

@@ -2,7 +2,8 @@
 
 Each request is one streaming ``/v1/completions`` call (prompt as token ids) in its own
 thread; TTFT is the arrival of the first chunk, the token ids come back in the last chunk
-(``return_token_ids``), ``cached_tokens`` from the usage chunk. Pool state is read from the
+(``return_token_ids``), ``cached_tokens`` from the usage chunk; :attr:`HttpServing.itl`
+collects the gaps between token chunks. Pool state is read from the
 server's ``/metrics``: the audit over HTTP is that no block stays referenced when idle."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ..sampling import SamplingParams
 REQUEST_TIMEOUT_S = 600.0
 # How long step() waits for a finished request before returning an empty list.
 STEP_WAIT_S = 0.005
-_METRIC = re.compile(r"^minimemserve:(\w+)\{([^}]*)\} ([-\d.e+]+)$")
+_METRIC = re.compile(r"^minimemserve:(\w+)(?:\{([^}]*)\})? ([-\d.e+]+)$")
 
 
 def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -34,9 +35,19 @@ def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
     out = []
     for line in text.splitlines():
         if m := _METRIC.match(line):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
             out.append((m.group(1), labels, float(m.group(3))))
     return out
+
+
+def _pool_blocks(samples) -> dict[str, dict]:
+    """``{instance: {tier: {state: blocks}}}`` of parsed metrics."""
+    stats: dict[str, dict] = {}
+    for name, labels, value in samples:
+        if name == "kv_cache_blocks":
+            tier = stats.setdefault(labels["instance"], {}).setdefault(labels["tier"], {})
+            tier[labels["state"]] = int(value)
+    return stats
 
 
 class HttpServing:
@@ -52,6 +63,7 @@ class HttpServing:
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._open: dict[str, http.client.HTTPConnection | None] = {}
         self._lock = threading.Lock()
+        self.itl: list[float] = []  # seconds between successive token chunks, every request
 
     def _conn(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
@@ -114,15 +126,17 @@ class HttpServing:
             self._open.pop(rid, None)
         self._done.put(RequestOutput(rid, ids, tokens, None, reason, m, error))
 
-    @staticmethod
-    def _read_events(resp, m: RequestMetrics) -> tuple[list[int], str, str | None]:
-        tokens, reason, error = [], "error", None
+    def _read_events(self, resp, m: RequestMetrics) -> tuple[list[int], str, str | None]:
+        tokens, reason, error, last = [], "error", None, None
+        gaps = []  # between chunks that carry text: the inter-token latency a client sees
         for raw in resp:
-            line = raw.decode().strip()
+            now, line = time.perf_counter(), raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            if m.first_token_time is not None and '"finish_reason": null' in line:
-                continue  # a token chunk after the first: only the last ones carry results
+            if last is not None and '"finish_reason": null' in line:
+                gaps.append(now - last)  # a token chunk after the first: nothing else in it
+                last = now
+                continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 error = chunk["error"]["message"]
@@ -130,9 +144,13 @@ class HttpServing:
             if usage := chunk.get("usage"):
                 m.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
             for c in chunk.get("choices", ()):
-                m.first_token_time = m.first_token_time or time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                m.first_token_time, last = m.first_token_time or now, now
                 if c.get("finish_reason"):
                     reason, tokens = c["finish_reason"], c.get("token_ids", [])
+        with self._lock:
+            self.itl += gaps
         return tokens, reason, error
 
     def step(self) -> list[RequestOutput]:
@@ -166,12 +184,7 @@ class HttpServing:
 
     def pool_stats(self) -> dict[str, dict]:
         """Blocks per instance, tier and state, from the server's metrics."""
-        stats: dict[str, dict] = {}
-        for name, labels, value in self._samples():
-            if name == "kv_cache_blocks":
-                tier = stats.setdefault(labels["instance"], {}).setdefault(labels["tier"], {})
-                tier[labels["state"]] = int(value)
-        return stats
+        return _pool_blocks(self._samples())
 
     def load(self) -> dict[str, dict]:
         """Requests waiting and running per instance, from the server's metrics."""
@@ -183,8 +196,12 @@ class HttpServing:
         return out
 
     def check_pools(self, require_idle: bool = True) -> dict[str, dict]:
-        """No block referenced on any instance (with ``require_idle``); the stats by instance."""
-        stats = self.pool_stats()
+        """Every pool's audit passed at the server's last scrape, and (with ``require_idle``)
+        no block is referenced on any instance; the stats by instance."""
+        samples = self._samples()
+        if any(name == "kv_pool_audit_ok" and value != 1 for name, _, value in samples):
+            raise PoolAccountingError("a pool's block accounting does not balance on the server")
+        stats = _pool_blocks(samples)
         held = {
             i: t["referenced"] for i, s in stats.items() for t in s.values() if t.get("referenced")
         }

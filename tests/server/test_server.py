@@ -229,6 +229,12 @@ BAD_BODIES = [
     ({"prompt": [7] * 600}, "prompt"),
     ({"prompt": None}, "prompt"),
     ({"prompt": {"a": 1}}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": [[True, 5]]}, "prompt"),
+    ({"prompt": [None]}, "prompt"),
+    ({"prompt": [[5, 6.0]]}, "prompt"),
+    ({"prompt": ["a good prompt", ""]}, "prompt"),  # a good and a bad one: nothing queued
+    ({"prompt": [[5, 6, 7], []]}, "prompt"),
     ({"max_tokens": 100_000}, "max_tokens"),
     ({"echo": True}, "echo"),
 ]
