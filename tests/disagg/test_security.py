@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+import zmq
 
 from minimemserve import LLM, SamplingParams
 from minimemserve.config import EngineConfig
@@ -140,8 +141,6 @@ def test_binding_off_loopback_needs_curve_keys():
 
 def _knock(address: str, curve_server_key: bytes | None) -> bool:
     """Send junk and a forged call to ``address``; whether any answer came back."""
-    import zmq
-
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -161,8 +160,6 @@ def test_off_loopback_a_peer_without_the_curve_key_gets_nothing(tiny_llama_dir):
     """Bound to every interface, the cluster encrypts its sockets with a CURVE key pair of its
     own: a plain client and a CURVE client with the wrong key get no answer, no frame even
     reaches the handler (nothing counted as rejected), and the cluster keeps serving."""
-    import zmq
-
     with ProcessCluster(tiny_llama_dir, "1P1D-CC", engine_config=EngineConfig(
             num_blocks=NUM_BLOCKS), host="0.0.0.0", timeout_s=10) as c:  # fmt: skip
         port = c.node.address.rsplit(":", 1)[1]

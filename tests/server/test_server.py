@@ -17,7 +17,9 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from minimemserve import LLM, SamplingParams  # noqa: E402
+from minimemserve.bench.driver import endpoint_targets, run_bench  # noqa: E402
 from minimemserve.model.tokenizer import Tokenizer  # noqa: E402
+from minimemserve.server import app  # noqa: E402
 from minimemserve.server.protocol import ChatFormat  # noqa: E402
 
 MODEL = "tiny"
@@ -314,8 +316,6 @@ def test_logprobs_come_back_for_each_token(server):
 
 
 def test_the_benchmark_replays_a_workload_over_http(server, tiny_llama_dir):
-    from minimemserve.bench.driver import endpoint_targets, run_bench
-
     factories = endpoint_targets([f"{server.config}={server.url}"])
     res = run_bench(configs=[server.config], workload="sharegpt", num_sessions=3, rate=50.0,
                     max_turns=2, max_output_tokens=6, max_context=400, model_dir=tiny_llama_dir,
@@ -327,14 +327,12 @@ def test_the_benchmark_replays_a_workload_over_http(server, tiny_llama_dir):
 
 
 def test_an_api_key_is_required_when_set():
-    from minimemserve.server.app import ApiError, Server
-
-    srv = Server.__new__(Server)
+    srv = app.Server.__new__(app.Server)
     srv.api_key = "s3cret"
     ask = lambda header: type("R", (), {"headers": {"authorization": header} if header else {}})
     srv.authorize(ask("Bearer s3cret"))
     for header in (None, "Bearer wrong", "s3cret!", "Bearer "):
-        with pytest.raises(ApiError) as e:
+        with pytest.raises(app.ApiError) as e:
             srv.authorize(ask(header))
         assert e.value.status == 401 and e.value.body()["error"]["code"] == "invalid_api_key"
 
