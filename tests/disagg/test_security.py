@@ -116,11 +116,12 @@ def test_a_members_tokens_are_checked_before_they_stream(cluster):
     positions within max_tokens, logprobs only when asked; others never reach a stream."""
     node = rpc.RpcNode("P0", lambda s, m: None, timeout_s=5, codec=cluster.node.codec)
     node.connect("frontend", cluster.node.address)
-    rid = cluster.add_request(prompt(4), PARAMS, request_id="r-stream")
+    long = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)  # streams a while
+    rid = cluster.add_request(prompt(4), long, request_id="r-stream")
     for bad in (
         TokenDelta(rid, 0, [10**6]),  # outside the vocabulary
         TokenDelta(rid, -3, [5, 6, 7, 8]),  # before the start
-        TokenDelta(rid, 0, [5] * (PARAMS.max_tokens + 1)),  # past max_tokens
+        TokenDelta(rid, 0, [5] * (long.max_tokens + 1)),  # past max_tokens
         TokenDelta(rid, 0, [5], [(-0.1, [])]),  # logprobs nobody asked for
     ):
         node.push("frontend", rpc.Tokens([bad]))
