@@ -136,7 +136,9 @@ def test_completion_is_the_library_greedy_text(server, reference):
 
 def test_streaming_chat_with_usage_equals_the_whole_answer(server):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
-    kw = dict(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    # 64 tokens: long enough that some arrive while the request still runs, even on a busy machine
+    kw = dict(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+              extra_body={"ignore_eos": True})  # fmt: skip
     whole = server.client.chat.completions.create(**kw)
     chunks = list(
         server.client.chat.completions.create(
@@ -146,7 +148,7 @@ def test_streaming_chat_with_usage_equals_the_whole_answer(server):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 2  # streamed
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 64
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     server.wait_released()
 
