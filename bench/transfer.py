@@ -52,7 +52,7 @@ import msgspec
 import torch
 from tqdm.auto import tqdm
 
-from minimemserve.bench.transports import (
+from minimemserve.disagg.transports import (
     GlooTransport,
     SharedMemoryTransport,
     Staging,

@@ -1,14 +1,20 @@
-"""Command line: ``minimemserve bench``, ``sim``, ``serve``, ``generate`` and ``preset``."""
+"""Command line: ``minimemserve bench``, ``sim``, ``serve``, ``generate``, ``instance``,
+``keygen`` and ``preset``."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from dataclasses import fields
 
 from minimemserve import server
 from minimemserve.bench import driver
 from minimemserve.bench.presets import preset_dir
+from minimemserve.disagg import rpc
+from minimemserve.disagg.instance import StandaloneOptions, standalone_main
+from minimemserve.disagg.runtime import TRANSPORTS, parse_address
+from minimemserve.errors import ConfigError
 from minimemserve.llm import LLM
 from minimemserve.sampling import SamplingParams
 from minimemserve.sim import runner as sim_runner
@@ -40,6 +46,34 @@ def _serve(args: argparse.Namespace) -> int:
     from minimemserve.server import app  # lazy: needs the optional serve extra (FastAPI)
 
     return app.main(args)
+
+
+def _instance(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    host, port = parse_address(args.listen)
+    if host in ("0.0.0.0", "::", "*"):
+        raise ConfigError("--listen needs the address peers reach this host at, not a wildcard")
+    sizes = {"num_blocks": args.num_blocks, "dram_blocks": args.dram_blocks}
+    opts = StandaloneOptions(
+        role=args.role,
+        model_dir=str(args.model or preset_dir("tiny")),
+        host=host,
+        port=port,
+        key=rpc.ClusterKey.load(args.key),
+        transport=args.transport,
+        device=args.device,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        engine_overrides={k: v for k, v in sizes.items() if v is not None},
+        once=args.once,
+    )
+    return standalone_main(opts)
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    rpc.ClusterKey.generate().save(args.out)
+    print(f"wrote {args.out} (owner-only); copy it to every host of the cluster")
+    return 0
 
 
 def _preset(args: argparse.Namespace) -> int:
@@ -81,6 +115,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(fn=_generate)
+    i = sub.add_parser("instance", help="start one instance that waits for a frontend (any host)")
+    i.add_argument("--role", required=True, choices=["colocated", "prefill", "decode"])
+    i.add_argument("--listen", required=True, help="HOST:PORT peers and the frontend reach")
+    i.add_argument("--key", required=True, help="cluster key file (minimemserve keygen)")
+    i.add_argument("--model", default=None, help="HF checkpoint dir (default: the tiny preset)")
+    i.add_argument("--transport", default="auto", choices=TRANSPORTS,
+                   help="KV transport to peers (auto: shm on this host, else gloo)")  # fmt: skip
+    i.add_argument("--device", default="cpu")
+    i.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    i.add_argument("--threads", type=int, default=1, help="torch threads")
+    i.add_argument("--num-blocks", type=int, default=None, help="hbm blocks on this host")
+    i.add_argument("--dram-blocks", type=int, default=None, help="dram blocks on this host")
+    i.add_argument("--once", action="store_true", help="exit after serving one frontend")
+    i.set_defaults(fn=_instance)
+    k = sub.add_parser("keygen", help="write a new cluster key file")
+    k.add_argument("--out", required=True, help="path of the new key file")
+    k.set_defaults(fn=_keygen)
     p = sub.add_parser("preset", help="write (once) and print the path of a preset checkpoint")
     p.add_argument("--name", default="tiny")
     p.set_defaults(fn=_preset)

@@ -18,7 +18,7 @@ _DISAGG_MILESTONES = {"": "PD-Basic", "CC": "PD-Caching-3"} | {
     f"CC{i}": f"PD-Caching-{i}" for i in "123"
 }
 _COLOCATED = ("PD", "PD-CC")  # config names that are their milestone's name
-_NAME_PREFIX = {"colocated": "C", "prefill": "P", "decode": "D"}  # instance names: P0, D1, ...
+NAME_PREFIX = {"colocated": "C", "prefill": "P", "decode": "D"}  # instance names: P0, D1, ...
 # EngineConfig size field -> its smallest valid value
 _MINIMUM = {
     **dict.fromkeys(["num_blocks", "kv_memory_bytes", "max_num_seqs", "max_num_batched_tokens"], 1),
@@ -42,7 +42,7 @@ class Deployment:
         """``(name, role)`` of every instance, entry role first."""
         roles = self.milestone.roles
         counts = [colocated if r == "colocated" else n for r, n in zip(roles, self.counts)]
-        return [(f"{_NAME_PREFIX[r]}{i}", r) for r, n in zip(roles, counts) for i in range(n)]
+        return [(f"{NAME_PREFIX[r]}{i}", r) for r, n in zip(roles, counts) for i in range(n)]
 
 
 def parse_config_name(name: str) -> Deployment:

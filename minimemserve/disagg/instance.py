@@ -9,20 +9,36 @@ transfer sees it, so ``MemPool.transfer(remote, ...)`` works across processes un
 
 What each instance holds for a peer is tracked (``grants``: blocks it allocated for the
 peer's transfers and references the peer has not returned yet), so when the frontend
-reports the peer dead, every such block is released and nothing leaks."""
+reports the peer dead, every such block is released and nothing leaks.
+
+KV reaches a peer one of two ways, chosen per pair by the frontend: written one-sided into
+the peer's pool tensor mapped here (same host), or over a two-rank torch.distributed group
+(:class:`~minimemserve.disagg.transports.GlooTransport`; gloo on CPU, NCCL on CUDA) that the
+pair forms through the frontend's store: one ``packed`` message per transfer, posted before
+a ``KVData`` call tells the peer which of its blocks to receive it into.
+
+``minimemserve instance`` runs :func:`standalone_main`: an instance started on its own (any
+host) that waits for a frontend's ``Hello`` and ``Join``, serves that frontend's deployment
+and then waits for the next one."""
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
+import logging
 import os
+import re
 import signal
+import socket
 import sys
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import msgspec
 import torch
 
 from ..blocks.copy import check_pool_tensor, move_blocks
@@ -33,6 +49,9 @@ from ..mempool import MemPool
 from ..mempool.shared import SharedPoolTensor, attach, segment_path
 from ..request import Request, logprobs_fit
 from . import rpc
+from .transports import GlooTransport, TransferMode
+
+logger = logging.getLogger(__name__)
 
 FRONTEND = "frontend"
 PEER = "peer"  # any instance the frontend announced
@@ -44,6 +63,8 @@ PARENT_CHECK_S = 0.5
 HANDOFF_MEMORY = 65_536
 # Default heartbeat period; the frontend declares an instance dead after many missed beats.
 DEFAULT_HEARTBEAT_S = 0.5
+# How long a standalone instance waits between polls for a frontend.
+LOBBY_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -67,6 +88,43 @@ class InstanceSpec:
     shared_pool: bool = False  # hbm pool in shared memory, for peers to write into
     secret: bytes = field(default=b"", repr=False)  # the cluster's control-plane key
     curve: tuple[bytes, bytes] | None = field(default=None, repr=False)  # off loopback
+    transport: str = "auto"  # the KV transport this instance asks for (rpc.Transport)
+    frontend_timeout_s: float = 0.0  # standalone: end the session after this much silence
+    session: str = ""  # the frontend's session id: names this deployment's pair groups
+
+
+def host_identity() -> str:
+    """This host as the network sees it: the kernel's boot id and the network namespace, so
+    processes in different namespaces count as different hosts (they share no sockets on
+    loopback and reach each other only through the network)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return f"{boot}/{netns}"
+
+
+@dataclass
+class Link:
+    """A two-rank torch.distributed group with one peer, and what moved over it."""
+
+    transport: GlooTransport
+    tags: itertools.count = field(default_factory=itertools.count)
+    sent_bytes: int = 0
+    recv_bytes: int = 0
+    sent_messages: int = 0
+    recv_messages: int = 0
+
+    def stats(self) -> dict[str, int | str]:
+        """Bytes and messages each way, and the backend."""
+        return {"transport": self.transport.kind.value, "sent_bytes": self.sent_bytes,
+                "recv_bytes": self.recv_bytes, "sent_messages": self.sent_messages,
+                "recv_messages": self.recv_messages}  # fmt: skip
 
 
 class SharedMemPool(MemPool):
@@ -110,10 +168,16 @@ class RemotePool:
     for a failed transfer are released there (``recv_abort``, best effort)."""
 
     def __init__(
-        self, node: rpc.RpcNode, info: rpc.PeerInfo, kv: torch.Tensor, pool: MemPool
+        self,
+        node: rpc.RpcNode,
+        info: rpc.PeerInfo,
+        kv: torch.Tensor | None,
+        pool: MemPool,
+        link: Link | None = None,
     ) -> None:
-        """Proxy ``info``, whose hbm tensor is mapped here as ``kv``; its layout is ``pool``'s."""
-        self.node, self.name, self.role, self.kv = node, info.name, info.role, kv
+        """Proxy ``info``, whose hbm tensor is mapped here as ``kv`` (same host) or reached over
+        ``link`` (any host); its layout is ``pool``'s."""
+        self.node, self.name, self.role, self.kv, self.link = node, info.name, info.role, kv, link
         self.peer = self.instance_id = info.name
         self.layout, self.dtype, self.block_size = pool.layout, pool.dtype, pool.block_size
         self.model_layout = pool.model_layout  # the layout transfers agree on
@@ -142,9 +206,23 @@ class RemotePool:
             return
         if self.peer in self.node.dead:
             raise InstanceDied(f"instance {self.peer} died before the write")
+        if self.link is not None:
+            self._send_over_link(list(blocks), src, list(src_ids))
+            return
         move_blocks(self.kv, list(blocks), src, list(src_ids), self.layout.block_dim)
         if self.kv.is_cuda:
             torch.cuda.current_stream(self.kv.device).synchronize()  # land before Commit
+
+    def _send_over_link(self, blocks: list[int], src: torch.Tensor, src_ids: list[int]) -> None:
+        """Post the blocks as one message, then have the peer receive it into ``blocks``."""
+        link = self.link
+        tag = next(link.tags) % (1 << 31)
+        posted = link.transport.send_blocks(src, src_ids, mode=TransferMode.PACKED, tag=tag,
+                                            wait=False)  # fmt: skip
+        self.node.call(self.peer, rpc.KVData(self._xfer, blocks, tag))
+        posted.wait()  # the peer has it: its reply came after its receive finished
+        link.sent_bytes += len(src_ids) * src[0].nbytes
+        link.sent_messages += 1
 
     def recv_commit(self, tokens: Sequence[int] | None, blocks: Sequence[int]) -> None:
         """Step 3 on the peer: keep ``blocks`` (indexing ``tokens`` when given)."""
@@ -177,11 +255,26 @@ class RemotePool:
             raise
 
 
+class SessionOver(Exception):
+    """A standalone instance's frontend went silent: the session ends, the instance waits for
+    the next frontend."""
+
+
+def _store_client(host: str, port: int, timeout_s: float) -> Any:
+    """A client of the frontend's TCPStore, where pairs meet to form their groups."""
+    try:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        return torch.distributed.TCPStore(host, port, is_master=False, timeout=timeout)
+    except (RuntimeError, TimeoutError, ValueError) as e:
+        raise TransferError(f"cannot reach the frontend's store at {host}:{port}: {e}") from e
+
+
 class InstanceServer:
     """One instance: engine, RPC node, peers, and the loop that drives them."""
 
-    def __init__(self, spec: InstanceSpec) -> None:
-        """Build the engine and bind the control socket (does not announce itself yet)."""
+    def __init__(self, spec: InstanceSpec, node: rpc.RpcNode | None = None) -> None:
+        """Build the engine and bind the control socket, or take over ``node`` (a standalone
+        instance's, already bound); does not announce itself yet."""
         self.spec, self.name, self.stopping = spec, spec.name, False
         self.inbox: list[Request] = []
         # A step makes calls to peers and serves messages while it waits: an abort arriving
@@ -190,6 +283,11 @@ class InstanceServer:
         self.grants: dict[str, Counter[int]] = {}
         self.xfers: dict[tuple[str, str], tuple] = {}  # (peer, transfer) -> (blocks, tokens)
         self.remotes: dict[str, RemotePool] = {}
+        self.links: dict[str, Link] = {}  # peers reached over torch.distributed
+        self.pending_links: list[tuple[str, str, int]] = []  # (pair key, peer, our rank)
+        self.peer_infos: dict[str, rpc.PeerInfo] = {}
+        self.store: Any = None  # the frontend's TCPStore, while pairs form links
+        self.last_frontend = time.monotonic()  # when the frontend was last heard
         # recent hand-offs (request id -> decode instance), so the frontend can find the
         # requests a dead decode instance held even if our Handoff notice is still in flight
         self.handed: OrderedDict[str, str] = OrderedDict()
@@ -209,16 +307,19 @@ class InstanceServer:
         self.cache_events: list = []  # for the frontend's prompt tree of this instance
         if spec.role == parse_config_name(spec.config).milestone.roles[0]:
             self.pool.on_change = lambda added, toks: self.cache_events.append((added, toks))
-        self.node = rpc.RpcNode(
-            spec.name,
-            self._handle,
-            host=spec.host,
-            port=spec.port,
-            timeout_s=spec.timeout_s,
-            on_wait=self._heartbeat,
-            codec=rpc.Codec(spec.secret),
-            curve=spec.curve,
-        )
+        if node is None:
+            node = rpc.RpcNode(
+                spec.name,
+                self._handle,
+                host=spec.host,
+                port=spec.port,
+                timeout_s=spec.timeout_s,
+                codec=rpc.Codec(spec.secret),
+                curve=spec.curve,
+            )
+        node.name, node.handler, node.timeout_s = spec.name, self._handle, spec.timeout_s
+        node.on_wait = self._heartbeat
+        self.node = node
         self.node.connect(FRONTEND, spec.frontend)
         self.peer_names: set[str] = set()  # the other instances, as the frontend announced
         self.handlers = {  # message type -> (who may send it, handler)
@@ -235,6 +336,8 @@ class InstanceServer:
             rpc.PeerDown: (FRONTEND, self._on_peer_down),
             rpc.AbortRequest: (FRONTEND, self._on_abort_request),
             rpc.Shutdown: (FRONTEND, self._on_shutdown),
+            rpc.Heartbeat: (FRONTEND, lambda s, m: None),
+            rpc.KVData: (PEER, self._on_kv_data),
         }
 
     # ---- what recipes need (``Peers``) -------------------------------------------------------
@@ -270,6 +373,8 @@ class InstanceServer:
         allowed = sender == FRONTEND if who == FRONTEND else sender in self.peer_names
         if who is None or not allowed:
             raise PermissionError(f"{self.name} takes no {type(msg).__name__} from {sender!r}")
+        if sender == FRONTEND:
+            self.last_frontend = time.monotonic()
         return handler(sender, msg)
 
     def _on_probe(self, sender: str, m: rpc.Probe) -> rpc.ProbeReply:
@@ -297,6 +402,17 @@ class InstanceServer:
             raise ValueError(f"{sender} commits what was not allocated for transfer {m.xfer!r}")
         del self.xfers[(sender, m.xfer)]
         self.pool.recv_commit(m.tokens, m.blocks)
+
+    def _on_kv_data(self, sender: str, m: rpc.KVData) -> None:
+        """Receive the blocks a peer posted over our link into blocks it was granted."""
+        granted, _ = self.xfers.get((sender, m.xfer), ((), None))
+        if (link := self.links.get(sender)) is None:
+            raise ValueError(f"{self.name} has no torch.distributed link with {sender}")
+        if not m.blocks or len(set(m.blocks)) != len(m.blocks) or not set(m.blocks) <= set(granted):
+            raise ValueError(f"{sender} sends KV into blocks not allocated for {m.xfer!r}")
+        link.transport.recv_blocks(self.pool.kv(), m.blocks, TransferMode.PACKED, tag=m.tag)
+        link.recv_bytes += len(m.blocks) * self.pool.kv()[0].nbytes
+        link.recv_messages += 1
 
     def _on_abort(self, sender: str, m: rpc.Abort) -> None:
         blocks, _ = self.xfers.pop((sender, m.xfer), (m.blocks, None))
@@ -351,7 +467,12 @@ class InstanceServer:
             except AssertionError as e:
                 ok, error = False, str(e)
             return rpc.Info({"ok": ok, "error": error, "pool": self.pool.stats()})
+        if m.what == "links":  # answered once every pair group of this instance formed
+            if self.pending_links:
+                self._form_links()
+            return rpc.Info({p: link.stats() for p, link in self.links.items()})
         stats = {
+            "links": {p: link.stats() for p, link in self.links.items()},
             "pool": self.pool.stats(),
             "requests": len(self.engine.requests) + len(self.inbox),
             "load": self.engine.load()[self.name],
@@ -367,9 +488,35 @@ class InstanceServer:
         self.peer_names = {p.name for p in m.peers} - {self.name, FRONTEND}
         for p in (p for p in m.peers if p.name in self.peer_names):
             self.node.connect(p.name, p.address)
-            if p.handle is not None:
+            self.peer_infos[p.name] = p
+            if p.transport in ("gloo", "nccl"):  # formed by the loop, in the pairs' order
+                pair = tuple(sorted((self.name, p.name)))
+                self.pending_links.append(("|".join(pair), p.name, pair.index(self.name)))
+            elif p.handle is not None:
                 segment_path(p.handle)  # only the project's own segments are mapped
                 self.remotes[p.name] = RemotePool(self.node, p, attach(p.handle), self.pool)
+        if self.pending_links:
+            host, _, port = m.store.rpartition(":")
+            self.store = _store_client(host, int(port), self.spec.timeout_s)
+        self.pending_links.sort()
+
+    def _form_links(self) -> None:
+        """Join every pending pair group, in the order of the pairs' names everywhere (so two
+        instances never wait on each other's second pair): each call blocks until the peer
+        joins too."""
+        pending, self.pending_links = self.pending_links, []
+        for key, peer, rank in pending:
+            prefix = torch.distributed.PrefixStore(f"{self.spec.session}/{key}", self.store)
+            try:
+                link = Link(GlooTransport(rank, self.spec.host, store=prefix,
+                                          device=self.engine.device, bind_host=self.spec.host,
+                                          timeout_s=self.spec.timeout_s))  # fmt: skip
+            except TransferError as e:
+                self._peer_down(peer, f"no torch.distributed link: {e}")
+                continue
+            self.links[peer] = link
+            self.remotes[peer] = RemotePool(self.node, self.peer_infos[peer], None, self.pool, link)
+        self.store = None  # the groups are formed; the store is not needed any more
 
     def _on_peer_down(self, sender: str, m: rpc.PeerDown) -> rpc.Info:
         self._peer_down(m.name, m.reason)
@@ -415,6 +562,8 @@ class InstanceServer:
 
     def _peer_down(self, name: str, reason: str) -> None:
         self.node.dead.setdefault(name, reason)
+        if (link := self.links.get(name)) is not None:
+            link.transport.close()  # keeps its counters; nothing more moves over it
         self.xfers = {k: v for k, v in self.xfers.items() if k[0] != name}
         if blocks := list(self.grants.pop(name, Counter()).elements()):
             self.pool.free_mem(blocks)
@@ -424,7 +573,8 @@ class InstanceServer:
         """Tell the frontend where this instance listens and how to map its pool."""
         shared = getattr(self.pool, "shared", None)
         handle = shared.handle.to_dict() if shared is not None else None
-        info = rpc.PeerInfo(self.name, self.spec.role, self.node.address, handle)
+        info = rpc.PeerInfo(self.name, self.spec.role, self.node.address, handle,
+                            host_identity(), self.spec.transport)  # fmt: skip
         self.node.push(FRONTEND, rpc.Ready(info, os.getpid()))
 
     def _heartbeat(self) -> None:
@@ -432,6 +582,8 @@ class InstanceServer:
         if not self._parent_alive():  # the frontend died without shutting us down
             raise SystemExit(f"{self.name}: the launching process is gone")
         now = time.monotonic()
+        if self.spec.frontend_timeout_s and now - self.last_frontend > self.spec.frontend_timeout_s:
+            raise SessionOver(f"nothing from the frontend for {self.spec.frontend_timeout_s:g} s")
         if now - self._last_beat >= self.spec.heartbeat_s:
             self._last_beat = now
             self.node.try_push(FRONTEND, rpc.Heartbeat())
@@ -456,6 +608,8 @@ class InstanceServer:
         """Serve until told to stop, or until the launching process is gone."""
         while not self.stopping:
             self._heartbeat()
+            if self.pending_links:
+                self._form_links()
             busy = bool(self.inbox) or self.engine.has_unfinished()
             self.node.serve(0.0 if busy else IDLE_POLL_S)
             if self.stopping:
@@ -486,10 +640,130 @@ class InstanceServer:
         return True
 
     def close(self) -> None:
-        """Release sockets and unlink the shared pool segment."""
+        """Release sockets and links, and unlink the shared pool segment."""
+        for link in self.links.values():
+            link.transport.close()
         self.node.close()
         if (shared := getattr(self.pool, "shared", None)) is not None:
             shared.close()
+
+
+@dataclass(frozen=True)
+class StandaloneOptions:
+    """What ``minimemserve instance`` is started with (the frontend supplies the rest)."""
+
+    role: str
+    model_dir: str
+    host: str
+    port: int
+    key: rpc.ClusterKey
+    transport: str = "auto"
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_threads: int = 1
+    engine_overrides: dict = field(default_factory=dict)  # EngineConfig sizes set on this host
+    once: bool = False  # serve one frontend, then exit
+
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
+
+
+def _model_summary(model_dir: str) -> dict[str, int]:
+    """The shape of the checkpoint, for the frontend to check it serves the same model."""
+    from ..model.config import ModelConfig  # here: only standalone instances need it
+
+    mc = ModelConfig.from_hf(model_dir)
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    return {k: int(getattr(mc, k)) for k in keys}
+
+
+def _check_join(m: rpc.Join, opts: StandaloneOptions) -> InstanceSpec:
+    """The spec of the session a Join asks for; raises naming what is wrong with it."""
+    milestone = parse_config_name(m.config).milestone
+    if opts.role not in milestone.roles:
+        raise ValueError(f"{m.config} has no {opts.role} instances (roles {milestone.roles})")
+    if not _NAME.fullmatch(m.name) or m.name == FRONTEND:
+        raise ValueError(f"bad instance name {m.name!r}")
+    if not m.frontend.startswith("tcp://") or not _NAME.fullmatch(m.session):
+        raise ValueError(f"bad frontend address {m.frontend!r} or session {m.session!r}")
+    try:
+        config = msgspec.convert(m.engine_config | opts.engine_overrides, EngineConfig)
+    except (msgspec.ValidationError, ValueError) as e:
+        raise ValueError(f"bad engine config: {e}") from None
+    if config.tp_size(opts.role) != 1:
+        raise ValueError("a standalone instance runs one rank (tensor parallel size 1)")
+    curve = None if opts.host in rpc.LOOPBACK_HOSTS else opts.key.curve
+    return InstanceSpec(
+        name=m.name,
+        role=opts.role,
+        config=m.config,
+        model_dir=opts.model_dir,
+        frontend=m.frontend,
+        engine_config=config,
+        device=opts.device,
+        dtype=opts.dtype,
+        num_threads=opts.num_threads,
+        host=opts.host,
+        port=opts.port,
+        timeout_s=m.timeout_s,
+        heartbeat_s=m.heartbeat_s,
+        shared_pool=m.linked and opts.transport in ("auto", "shm"),
+        secret=opts.key.secret,
+        curve=curve,
+        transport=opts.transport,
+        frontend_timeout_s=m.frontend_timeout_s,
+        session=m.session,
+    )
+
+
+def _await_join(opts: StandaloneOptions) -> tuple[rpc.RpcNode, InstanceSpec]:
+    """Bind the listening address and answer frontends until one joins this instance."""
+    summary, joined = _model_summary(opts.model_dir), []
+    hello = {"role": opts.role, "host": host_identity(), "transport": opts.transport,
+             "device": opts.device, "model": summary}  # fmt: skip
+
+    def handle(sender: str, msg: rpc.Msg) -> rpc.Msg | None:
+        if sender != FRONTEND or not isinstance(msg, rpc.Hello | rpc.Join) or joined:
+            raise PermissionError(f"a waiting instance takes no {type(msg).__name__}")
+        if isinstance(msg, rpc.Hello):
+            return rpc.Info(hello)
+        joined.append(_check_join(msg, opts))
+        return None
+
+    curve = None if opts.host in rpc.LOOPBACK_HOSTS else opts.key.curve
+    node = rpc.RpcNode("waiting", handle, host=opts.host, port=opts.port,
+                       codec=rpc.Codec(opts.key.secret), curve=curve)  # fmt: skip
+    logger.info("instance (%s) waiting for a frontend at %s", opts.role, node.address)
+    try:
+        while not joined:
+            node.serve(LOBBY_POLL_S)
+    except BaseException:
+        node.close()
+        raise
+    return node, joined[0]
+
+
+def standalone_main(opts: StandaloneOptions) -> int:
+    """``minimemserve instance``: wait for a frontend, serve its deployment, repeat (or stop
+    after one with ``once``). Ctrl-C or SIGTERM ends it."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    torch.set_num_threads(opts.num_threads)
+    while True:
+        node, spec = _await_join(opts)
+        server = None
+        try:
+            server = InstanceServer(spec, node)
+            server.announce()
+            server.run()
+            logger.info("%s: the frontend shut the session down", spec.name)
+        except SessionOver as e:
+            logger.warning("%s: session over: %s", spec.name, e)
+        except Exception as e:  # a session that failed to start or crashed: the next one
+            logger.error("%s: session failed: %s: %s", spec.name, type(e).__name__, e)
+        finally:
+            (server or node).close()
+        if opts.once:
+            return 0
 
 
 def _exit_on_sigterm(signum, frame) -> None:

@@ -13,8 +13,14 @@ from __future__ import annotations
 import contextlib
 import hmac
 import itertools
+import json
+import os
+import secrets
+import stat
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import msgspec
@@ -91,13 +97,20 @@ class ProbeReply(Msg):
     room: bool = True
 
 
+Transport = Literal["auto", "shm", "gloo", "nccl"]
+
+
 class PeerInfo(msgspec.Struct, forbid_unknown_fields=True):
-    """An instance as its peers learn it: where it listens and how to map its pool."""
+    """An instance as its peers learn it: where it listens, how to map its pool (``handle``,
+    same host only), its host's identity, and the KV transport: in ``Ready`` the one it asks
+    for, in ``Peers`` the one the frontend chose for the pair."""
 
     name: str
     role: str
     address: str
     handle: dict[str, Any] | None
+    host: str = ""
+    transport: Transport = "auto"
 
 
 class Ready(Msg):
@@ -108,9 +121,42 @@ class Ready(Msg):
 
 
 class Peers(Msg):
-    """The instances of the deployment, for each to connect to the others."""
+    """The instances of the deployment, for each to connect to the others; pairs that move KV
+    over torch.distributed meet in the frontend's store at ``store`` (``host:port``)."""
 
     peers: list[PeerInfo]
+    store: str = ""
+
+
+class Hello(Msg):
+    """A frontend asks a standalone instance what it is (reply: ``Info`` with its role, host
+    identity, transport, device and model)."""
+
+
+class Join(Msg):
+    """A frontend takes a standalone instance into its deployment ``config`` as ``name``: it
+    builds its engine with ``engine_config`` (``EngineConfig`` fields), reports ``Ready`` to
+    ``frontend`` and serves until shut down, or until it hears nothing from the frontend for
+    ``frontend_timeout_s``; ``linked``: peers will move KV into its pool."""
+
+    session: str
+    name: str
+    config: str
+    frontend: str
+    engine_config: dict[str, Any]
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)]
+    heartbeat_s: Annotated[float, msgspec.Meta(gt=0)]
+    frontend_timeout_s: Annotated[float, msgspec.Meta(gt=0)]
+    linked: bool
+
+
+class KVData(Msg):
+    """The blocks ``blocks`` of transfer ``xfer`` were posted to the receiver over its
+    torch.distributed link, tagged ``tag``: receive them into those blocks."""
+
+    xfer: str
+    blocks: Ids
+    tag: Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 
 
 class Submit(Msg):
@@ -179,7 +225,7 @@ class AbortRequest(Msg):
 class Query(Msg):
     """Ask for ``what``; ``validate`` checks ``prompt`` with ``params`` against the instance."""
 
-    what: Literal["stats", "check", "validate"]
+    what: Literal["stats", "check", "validate", "links"]
     prompt: Ids = []
     params: SamplingParams | None = None
 
@@ -235,6 +281,52 @@ class Envelope(msgspec.Struct, forbid_unknown_fields=True):
     seq: int
     sender: str
     msg: Msg
+
+
+class ClusterKey:
+    """What every process of a cluster shares: the HMAC secret of control frames and the ZeroMQ
+    CURVE key pair of sockets off loopback. ``minimemserve keygen`` writes one to a file that
+    only its owner may read; copy it to every host of the cluster."""
+
+    def __init__(self, secret: bytes, curve: tuple[bytes, bytes]) -> None:
+        """Check and keep ``secret`` (32 bytes) and ``curve`` (public, secret; Z85)."""
+        public, private = curve
+        if not isinstance(secret, bytes) or len(secret) != 32:
+            raise ValueError("a cluster key's secret is 32 bytes")
+        try:
+            ok = zmq.curve_public(private) == public
+        except (zmq.ZMQError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError("a cluster key's CURVE public key does not match its secret key")
+        self.secret, self.curve = secret, (public, private)
+
+    @classmethod
+    def generate(cls) -> ClusterKey:
+        """A fresh random key."""
+        return cls(secrets.token_bytes(32), zmq.curve_keypair())
+
+    def save(self, path: str | Path) -> None:
+        """Write the key to a new file ``path``, readable by its owner only."""
+        data = {"secret": self.secret.hex(), "public": self.curve[0].decode(),
+                "private": self.curve[1].decode()}  # fmt: skip
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ClusterKey:
+        """Read a key file; refused when group or others may read it, or when malformed."""
+        try:
+            mode = os.stat(path).st_mode
+            if mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise ValueError(f"{path} is open to group or others (chmod 600 it)")
+            with open(path) as f:
+                data = json.load(f)
+            secret, curve = bytes.fromhex(data["secret"]), (data["public"], data["private"])
+            return cls(secret, tuple(k.encode("ascii") for k in curve))
+        except (OSError, KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"cannot use cluster key file {path}: {e}") from None
 
 
 class Unauthenticated(TransferError):
@@ -331,14 +423,18 @@ class RpcNode:
 
     def connect(self, peer: str, address: str) -> None:
         """Open (or reopen) the sending socket towards ``peer`` at ``address``."""
-        if (old := self._peers.pop(peer, None)) is not None:
-            old.close(linger=0)
+        self.disconnect(peer)
         sock = self._ctx.socket(zmq.DEALER)
         if self._curve is not None:  # one key pair per cluster: every server has its public key
             sock.curve_serverkey = self._curve[0]
             sock.curve_publickey, sock.curve_secretkey = self._curve
         sock.connect(address)
         self._peers[peer] = sock
+
+    def disconnect(self, peer: str) -> None:
+        """Close the sending socket towards ``peer``, if any."""
+        if (old := self._peers.pop(peer, None)) is not None:
+            old.close(linger=0)
 
     def serve(self, timeout_s: float = 0.0) -> int:
         """Wait up to ``timeout_s`` for a message, then handle every queued one; the count."""
@@ -444,3 +540,60 @@ class RpcNode:
             sock.close(linger=0)
         self._peers.clear()
         self._ctx.term()
+
+
+class Beacon:
+    """Pushes a :class:`Heartbeat` signed as ``name`` to every target, each ``period_s``, from a
+    thread with its own sockets (an RpcNode is not thread-safe): the targets hear from this
+    process whether it is busy, blocked in a call or idle."""
+
+    def __init__(self, name: str, codec: Codec, period_s: float,
+                 curve: tuple[bytes, bytes] | None = None) -> None:  # fmt: skip
+        """Start the thread; add targets with :meth:`add`."""
+        self.name, self.codec, self.period_s, self._curve = name, codec, period_s, curve
+        self._targets: dict[str, str] = {}  # peer -> address, as wanted
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"beacon-{name}", daemon=True)
+        self._thread.start()
+
+    def add(self, peer: str, address: str) -> None:
+        """Beat towards ``peer`` at ``address`` from now on."""
+        with self._lock:
+            self._targets[peer] = address
+
+    def remove(self, peer: str) -> None:
+        """Stop beating towards ``peer``."""
+        with self._lock:
+            self._targets.pop(peer, None)
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        ctx.setsockopt(zmq.LINGER, 0)
+        ctx.setsockopt(zmq.SNDHWM, 4)  # a stopped peer queues a few beats, not a backlog
+        socks: dict[str, tuple[str, zmq.Socket]] = {}
+        frame = self.codec.encode(Envelope("push", 0, self.name, Heartbeat()))
+        try:
+            while not self._stop.wait(self.period_s):
+                with self._lock:
+                    wanted = dict(self._targets)
+                for peer in [p for p in socks if socks[p][0] != wanted.get(p)]:
+                    socks.pop(peer)[1].close(linger=0)
+                for peer, address in wanted.items():
+                    if peer not in socks:
+                        sock = ctx.socket(zmq.DEALER)
+                        if self._curve is not None:
+                            sock.curve_serverkey = self._curve[0]
+                            sock.curve_publickey, sock.curve_secretkey = self._curve
+                        sock.connect(address)
+                        socks[peer] = (address, sock)
+                    with contextlib.suppress(zmq.ZMQError):
+                        socks[peer][1].send(frame, zmq.NOBLOCK)
+        finally:
+            for _, sock in socks.values():
+                sock.close(linger=0)
+            ctx.term()
+
+    def close(self) -> None:
+        """Stop the thread and close its sockets. Idempotent."""
+        self._stop.set()
+        self._thread.join(5.0)

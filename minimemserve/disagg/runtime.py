@@ -10,6 +10,12 @@ Routing: a ``GlobalScheduler`` picks the entry instance (colocated, or prefill) 
 evicted (``CacheEvents``); with ``prompt_tree_transfer`` an instance holding more of a prompt
 first sends the missing KV to the chosen one (``PushPrefix``).
 
+Instances started on their own (``minimemserve instance``, any host) join a frontend given
+their addresses (``instances=``) and the cluster key: it asks each its role (``Hello``), names
+it, sends it the deployment (``Join``) and treats it like a spawned one. KV moves between two
+instances through shared memory when they are on one host, else over a torch.distributed pair
+group formed through a ``TCPStore`` the frontend hosts; ``transport`` forces one.
+
 Faults: the frontend watches exit codes and heartbeats. When an instance dies it is named
 (log, :attr:`ProcessCluster.dead`, the error of affected requests), its shared segment
 unlinked, every other instance told (they release what they held for it), and its requests
@@ -18,6 +24,8 @@ re-run elsewhere when possible, else ended with ``finish_reason="error"``."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import datetime
 import itertools
 import logging
 import multiprocessing as mp
@@ -33,9 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import zmq
+import msgspec
+import torch
 
-from ..config import EngineConfig, parse_config_name
+from ..config import NAME_PREFIX, EngineConfig, parse_config_name
 from ..errors import (
     ConfigError,
     InstanceDied,
@@ -73,6 +82,8 @@ MAX_RERUNS = 2
 ABORT_MEMORY = 4096
 # How long abort() blocks on the socket per wait for an instance to finish its step.
 ABORT_POLL_S = 0.002
+# KV transports a cluster or an instance may ask for; "auto": shared memory on one host.
+TRANSPORTS = ("auto", "shm", "gloo", "nccl")
 # Exceptions an instance may raise for a bad request, re-raised here under their own class.
 _REQUEST_ERRORS = {c.__name__: c for c in (InvalidRequest, PoolExhausted, ConfigError)}
 
@@ -102,14 +113,57 @@ class InstanceInfo:
 
     name: str
     role: str
-    process: Any
+    process: Any  # None: started on its own, maybe on another host
     address: str = ""
     handle: dict | None = None
     pid: int = 0
+    ready: bool = False
+    host: str = ""  # its host's identity (instance.host_identity)
+    transport: str = "auto"  # the KV transport it asks for
 
     def peer_info(self) -> rpc.PeerInfo:
         """How its peers reach it."""
-        return rpc.PeerInfo(self.name, self.role, self.address, self.handle)
+        return rpc.PeerInfo(self.name, self.role, self.address, self.handle, self.host,
+                            self.transport)  # fmt: skip
+
+
+def pair_transport(a: InstanceInfo, b: InstanceInfo) -> str:
+    """How KV moves between ``a`` and ``b``: what either asks for, else shared memory when
+    they share a host, else torch.distributed (gloo on CPU, NCCL on CUDA: "gloo" names both)."""
+    asked = {a.transport, b.transport} - {"auto"}
+    if len(asked) > 1:
+        raise ConfigError(
+            f"{a.name} asks for {a.transport} KV transport, {b.name} for {b.transport}"
+        )
+    same_host = a.host == b.host
+    transport = asked.pop() if asked else ("shm" if same_host else "gloo")
+    if transport == "shm" and not same_host:
+        raise ConfigError(f"{a.name} and {b.name} are on different hosts: no shared memory")
+    return "gloo" if transport == "nccl" else transport
+
+
+def _cluster_key(
+    instances: Sequence[str] | None, key: rpc.ClusterKey | str | Path | None, transport: str
+) -> rpc.ClusterKey | None:
+    """The cluster key a frontend was given (a file is read), after checking the options."""
+    if transport not in TRANSPORTS:
+        raise ConfigError(f"unknown KV transport {transport!r}; choose from {TRANSPORTS}")
+    if instances is not None and key is None:
+        raise ConfigError("instances started on their own need the cluster key (keygen)")
+    if key is None or isinstance(key, rpc.ClusterKey):
+        return key
+    try:
+        return rpc.ClusterKey.load(key)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``host:port`` (an instance's ``--listen``) as a pair; raises ConfigError."""
+    host, sep, port = address.removeprefix("tcp://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"instance address must be HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
 
 
 def _unlink_segment(handle: dict | None) -> None:
@@ -121,7 +175,8 @@ def _unlink_segment(handle: dict | None) -> None:
 def _reap(instances: Iterable[InstanceInfo]) -> None:
     """Stop every process still running and unlink every segment (idempotent)."""
     for inst in instances:
-        p = inst.process
+        if (p := inst.process) is None:
+            continue  # started on its own: told to stop, its host cleans up after it
         for stop, wait_s in ((None, SHUTDOWN_GRACE_S), (p.terminate, 2.0), (p.kill, 2.0)):
             if p.is_alive():
                 if stop is not None:
@@ -138,8 +193,13 @@ class ProcessCluster:
     instance ``i`` ``base_port + 1 + i``. ``timeout_s`` bounds every control request.
     ``start_method`` is ``"spawn"`` (fresh interpreters) or ``"forkserver"`` (forked from one server
     that imported torch once: much faster to start several clusters). ``policy``, ``cost_model`` and
-    ``ttl_s`` configure the ``GlobalScheduler``. Use as a context manager, or call :meth:`close`; an
-    abandoned cluster is reaped when garbage collected."""
+    ``ttl_s`` configure the ``GlobalScheduler``. ``instances``: addresses (``host:port``) of
+    instances started with ``minimemserve instance`` instead of spawning any (their roles make
+    the deployment; ``key``, the cluster key file or :class:`~rpc.ClusterKey` they were started
+    with, is then required, and ``host`` must be an address they reach). ``transport`` forces
+    the KV transport of every pair (``shm``, ``gloo``; ``auto``: shared memory within a host).
+    Use as a context manager, or call :meth:`close`; an abandoned cluster is reaped when
+    garbage collected."""
 
     def __init__(
         self,
@@ -162,8 +222,12 @@ class ProcessCluster:
         policy: str = "prompt_tree",
         cost_model: Cost | None = None,
         ttl_s: float = DEFAULT_TTL_S,
+        instances: Sequence[str] | None = None,
+        key: rpc.ClusterKey | str | Path | None = None,
+        transport: str = "auto",
     ) -> None:
         self.deployment = parse_config_name(config_name)
+        key = _cluster_key(instances, key, transport)
         if cores_per_instance < 1:
             raise ConfigError(f"cores_per_instance must be >= 1, got {cores_per_instance}")
         if num_colocated < 1:
@@ -177,8 +241,10 @@ class ProcessCluster:
                 "a ProcessCluster instance is one process"
             )
         self.timeout_s, self.heartbeat_timeout_s = timeout_s, heartbeat_timeout_s
+        self._heartbeat_s = heartbeat_s
         self.rerun_on_failure, self.tokenizer = rerun_on_failure, Tokenizer.from_dir(self.model_dir)
-        self.vocab_size = ModelConfig.from_hf(self.model_dir).vocab_size  # to check what arrives
+        model_config = ModelConfig.from_hf(self.model_dir)
+        self.vocab_size = model_config.vocab_size  # to check what arrives
         self.dead: dict[str, str] = {}  # instance name -> why it died
         self.num_reruns = 0  # requests re-run after the instance holding them died
         self.prefix_tokens_moved = 0  # tokens of KV moved by the scheduler's prefix transfers
@@ -199,22 +265,16 @@ class ProcessCluster:
             rpc.CacheEvents: self._on_cache_events,
         }
         milestone = self.deployment.milestone
-        roles = self.deployment.instances(colocated=num_colocated)
-        self.scheduler = GlobalScheduler(
-            [n for n, r in roles if r == milestone.roles[0]],
-            policy=policy,
-            block_size=self.engine_config.block_size,
-            cost_model=cost_model,
-            ttl_s=ttl_s,
-            caching=milestone.entry_caches,
-        )
-        # transfers (the recipes', or the scheduler's prefix pushes) need pools peers can map
+        # transfers (the recipes', or the scheduler's prefix pushes) need pools peers can reach
         linked = milestone.moves_kv or policy == "prompt_tree_transfer"
-        secret = secrets.token_bytes(32)  # reaches the instances through the spawn pipe
+        # the secret reaches spawned instances through the spawn pipe; off loopback every
+        # socket is CURVE-encrypted with a key pair made here (or the cluster key's)
+        secret = key.secret if key is not None else secrets.token_bytes(32)
+        curve = None if host in rpc.LOOPBACK_HOSTS else (key or rpc.ClusterKey.generate()).curve
         codec = rpc.Codec(secret)
-        # off loopback every socket is CURVE-encrypted with a key pair made here and handed
-        # to the instances like the secret
-        curve = None if host in rpc.LOOPBACK_HOSTS else zmq.curve_keypair()
+        self.session = secrets.token_hex(8)  # names this deployment's pair groups
+        self._store: Any = None  # the TCPStore torch.distributed pairs meet in, if any
+        self._beacon: rpc.Beacon | None = None  # heartbeats to instances started on their own
         self.node = rpc.RpcNode(
             "frontend",
             self._handle,
@@ -224,61 +284,146 @@ class ProcessCluster:
             codec=codec,
             curve=curve,
         )
-        ctx = mp.get_context(start_method)
-        if start_method == "forkserver":
-            ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         self.instances: dict[str, InstanceInfo] = {}
         self._finalizer = weakref.finalize(self, _reap, self.instances.values())
         try:
-            for i, (name, role) in enumerate(roles):
-                spec = InstanceSpec(
-                    name=name,
-                    role=role,
-                    config=self.deployment.name,
-                    model_dir=str(self.model_dir),
-                    frontend=self.node.address,
-                    engine_config=self.engine_config,
-                    device=device,
-                    dtype=dtype,
-                    num_threads=cores_per_instance,
-                    host=host,
-                    port=base_port + 1 + i if base_port else 0,
-                    timeout_s=timeout_s,
-                    heartbeat_s=heartbeat_s,
-                    parent_pid=os.getpid(),
-                    shared_pool=linked,
-                    secret=secret,
-                    curve=curve,
-                )
-                proc = ctx.Process(target=instance_main, args=(spec,), name=f"mms-{name}")
-                proc.daemon = True
-                proc.start()
-                self.instances[name] = InstanceInfo(name, role, proc)
+            if instances is not None:
+                self._join(instances, model_config, linked, startup_timeout_s)
+            else:
+                roles = self.deployment.instances(colocated=num_colocated)
+                spec_args = (device, dtype, cores_per_instance, host, base_port, heartbeat_s)
+                self._spawn(roles, start_method, spec_args, linked, transport, secret, curve)
+            entry = milestone.roles[0]
+            self.scheduler = GlobalScheduler(
+                [n for n, i in self.instances.items() if i.role == entry],
+                policy=policy,
+                block_size=self.engine_config.block_size,
+                cost_model=cost_model,
+                ttl_s=ttl_s,
+                caching=milestone.entry_caches,
+            )
             self._wait_ready(startup_timeout_s)
-            peers = rpc.Peers([i.peer_info() for i in self.instances.values()])
+            if instances is not None:
+                self._beacon = rpc.Beacon("frontend", codec, heartbeat_s, curve)
+                for inst in self.instances.values():
+                    self._beacon.add(inst.name, inst.address)
             for inst in self.instances.values():
                 self.node.connect(inst.name, inst.address)
             if linked:
-                for inst in self.instances.values():
-                    self.node.call(inst.name, peers)
+                self._link(host, startup_timeout_s)
         except BaseException:
             self.close()
             raise
         self._install_sigterm()
 
     # ---- start-up and shutdown -------------------------------------------------------------
+    def _spawn(self, roles, start_method, spec_args, linked, transport, secret, curve) -> None:
+        """Start one process per ``(name, role)`` on this host."""
+        device, dtype, cores_per_instance, host, base_port, heartbeat_s = spec_args
+        ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        for i, (name, role) in enumerate(roles):
+            spec = InstanceSpec(
+                name=name,
+                role=role,
+                config=self.deployment.name,
+                model_dir=str(self.model_dir),
+                frontend=self.node.address,
+                engine_config=self.engine_config,
+                device=device,
+                dtype=dtype,
+                num_threads=cores_per_instance,
+                host=host,
+                port=base_port + 1 + i if base_port else 0,
+                timeout_s=self.timeout_s,
+                heartbeat_s=heartbeat_s,
+                parent_pid=os.getpid(),
+                shared_pool=linked and transport in ("auto", "shm"),
+                secret=secret,
+                curve=curve,
+                transport=transport,
+            )
+            proc = ctx.Process(target=instance_main, args=(spec,), name=f"mms-{name}")
+            proc.daemon = True
+            proc.start()
+            self.instances[name] = InstanceInfo(name, role, proc)
+
+    def _join(self, addresses: Sequence[str], model_config: ModelConfig, linked: bool,
+              timeout_s: float) -> None:  # fmt: skip
+        """Ask each standalone instance what it is, name it by role, and send it the deployment."""
+        found: list[tuple[str, str, dict]] = []  # (address, role, hello)
+        for i, address in enumerate(addresses):
+            host, port = parse_address(address)
+            address = rpc.endpoint(host, port)
+            self.node.connect(f"?{i}", address)
+            try:
+                hello = self.node.call(f"?{i}", rpc.Hello(), timeout_s=timeout_s).data
+            except TransferError as e:
+                raise InstanceDied(f"no instance answers at {address}: {e}") from None
+            finally:
+                self.node.disconnect(f"?{i}")
+            found.append((address, str(hello.get("role")), hello))
+        roles = self.deployment.milestone.roles
+        for address, role, hello in found:
+            model = hello.get("model")
+            if role not in roles:
+                raise ConfigError(f"{self.deployment.name} has no {role!r} role ({address})")
+            if (
+                not isinstance(model, dict)
+                or not model
+                or any(getattr(model_config, str(k), None) != v for k, v in model.items())
+            ):
+                raise ConfigError(f"the instance at {address} serves another model: {model}")
+        if missing := [r for r in roles if r not in {role for _, role, _ in found}]:
+            raise ConfigError(f"{self.deployment.name} needs {missing} instances too")
+        counts: dict[str, int] = {}
+        for address, role, _ in found:
+            name = f"{NAME_PREFIX[role]}{counts.setdefault(role, 0)}"
+            counts[role] += 1
+            self.instances[name] = InstanceInfo(name, role, None, address)
+            self.node.connect(name, address)
+            join = rpc.Join(self.session, name, self.deployment.name, self.node.address,
+                            dataclasses.asdict(self.engine_config), self.timeout_s,
+                            self._heartbeat_s, self.heartbeat_timeout_s, linked)  # fmt: skip
+            try:
+                self.node.call(name, join, timeout_s=timeout_s)
+            except RemoteError as e:
+                raise ConfigError(f"the instance at {address} refused to join: {e}") from None
+
+    def _link(self, host: str, timeout_s: float) -> None:
+        """Tell every instance its peers and the transport of each pair; pairs that use
+        torch.distributed form their groups through a store hosted here."""
+        insts = list(self.instances.values())
+        ways = {(a.name, b.name): pair_transport(a, b) for a in insts for b in insts if a is not b}
+        if "gloo" in ways.values():
+            timeout = datetime.timedelta(seconds=timeout_s)
+            self._store = torch.distributed.TCPStore(
+                host, 0, is_master=True, wait_for_workers=False, timeout=timeout
+            )
+        store = f"{host}:{self._store.port}" if self._store is not None else ""
+        for a in insts:
+            peers = [a.peer_info()]
+            for b in (b for b in insts if b is not a):
+                way = ways[(a.name, b.name)]
+                handle = b.handle if way == "shm" else None
+                peers.append(msgspec.structs.replace(b.peer_info(), transport=way, handle=handle))
+            self.node.push(a.name, rpc.Peers(peers, store))
+        for a in insts:  # answered once its pair groups formed
+            self.node.call(a.name, rpc.Query("links"), timeout_s=timeout_s)
+
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while any(not i.address for i in self.instances.values()):
+        while any(not i.ready for i in self.instances.values()):
             self.node.serve(0.05)
             for inst in self.instances.values():
-                if not inst.address and not inst.process.is_alive():
+                if not inst.ready and inst.process is not None and not inst.process.is_alive():
                     raise RuntimeError(
                         f"instance {inst.name} ({inst.role}) exited during start-up with code "
                         f"{inst.process.exitcode}; see its stderr above"
                     )
             if time.monotonic() > deadline:
-                late = [i.name for i in self.instances.values() if not i.address]
+                late = [i.name for i in self.instances.values() if not i.ready]
                 raise TimeoutError(f"instances {late} not ready within {timeout_s:g} s")
         self._last_heard = dict.fromkeys(self.instances, time.monotonic())
 
@@ -299,9 +444,14 @@ class ProcessCluster:
             return
         self._closed = True
         for inst in self.instances.values():
-            if inst.name not in self.dead and inst.address:
+            if inst.name not in self.dead and inst.ready:
                 self.node.try_push(inst.name, rpc.Shutdown("frontend closing"))
+        if self._beacon is not None:
+            self._beacon.close()
+        if any(i.process is None for i in self.instances.values()):
+            time.sleep(0.05)  # let the Shutdown frames to other hosts leave before the sockets go
         self._finalizer()
+        self._store = None
         self.node.close()
         if self._old_sigterm is not None:
             with contextlib.suppress(ValueError):
@@ -385,11 +535,19 @@ class ProcessCluster:
 
     def _on_ready(self, sender: str, msg: rpc.Ready) -> None:
         inst, info = self.instances[sender], msg.info
-        if inst.address or (info.name, info.role) != (sender, inst.role):
+        if inst.ready or (info.name, info.role) != (sender, inst.role):
             raise PermissionError(f"{sender} cannot report ready as {info.name} ({info.role})")
         if info.handle is not None:
-            segment_path(info.handle)  # the frontend unlinks it at the end: ours only
-        inst.address, inst.handle, inst.pid = info.address, info.handle, msg.pid
+            segment_path(info.handle)  # only the project's own segments are ever mapped
+        if inst.process is not None:  # spawned here: where it listens is what it says
+            inst.address = info.address
+        inst.handle, inst.pid, inst.host, inst.transport = (
+            info.handle,
+            msg.pid,
+            info.host,
+            info.transport,
+        )
+        inst.ready = True
 
     # ---- liveness --------------------------------------------------------------------------
     def monitor(self) -> dict[str, str]:
@@ -398,12 +556,15 @@ class ProcessCluster:
             return self.dead
         now = time.monotonic()
         for inst in [i for i in self.instances.values() if i.name not in self.dead]:
-            if not inst.process.is_alive():
+            if inst.process is not None and not inst.process.is_alive():
                 self._on_death(inst, f"process exited with code {inst.process.exitcode}")
             elif now - self._last_heard.get(inst.name, now) > self.heartbeat_timeout_s:
-                inst.process.kill()
-                inst.process.join(2.0)
-                self._on_death(inst, f"no heartbeat for {self.heartbeat_timeout_s:g} s; killed")
+                if inst.process is not None:
+                    inst.process.kill()
+                    inst.process.join(2.0)
+                else:  # on its own: should it wake up, it drops this session
+                    self.node.try_push(inst.name, rpc.Shutdown("declared dead: no heartbeat"))
+                self._on_death(inst, f"no heartbeat for {self.heartbeat_timeout_s:g} s")
         return self.dead
 
     def _on_death(self, inst: InstanceInfo, reason: str) -> None:
@@ -411,9 +572,12 @@ class ProcessCluster:
         self.node.dead[inst.name] = reason
         self.scheduler.drop(inst.name)
         logger.error("instance %s (%s) died: %s", inst.name, inst.role, reason)
-        _unlink_segment(inst.handle)
+        if self._beacon is not None:
+            self._beacon.remove(inst.name)
+        if inst.process is not None:
+            _unlink_segment(inst.handle)
         for other in self.instances.values():
-            if other.name in self.dead or not other.address:
+            if other.name in self.dead or not other.ready:
                 continue
             try:
                 rep = self.node.call(other.name, rpc.PeerDown(inst.name, reason))

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import torch
 
-from minimemserve.bench.transports import (
+from minimemserve.disagg.transports import (
     CopyTransport,
     GlooTransport,
     SharedMemoryTransport,

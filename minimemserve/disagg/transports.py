@@ -1,4 +1,4 @@
-"""Transports the transfer benchmark compares: copy, shared memory, CUDA IPC, torch.distributed.
+"""Ways to move whole KV blocks between pools: copy, shared memory, CUDA IPC, torch.distributed.
 
 A transfer moves whole aggregated blocks (``[num_blocks, L, 2, block_size, n_kv_heads,
 head_dim]`` pool tensors, block dimension first) from a sender's pool into blocks the
@@ -13,7 +13,9 @@ receiver has already allocated. The fastest path available for a pair is picked 
   CPU tensors, NCCL for CUDA), two-sided: the receiver posts matching receives.
 
 The block ids on both sides come from a control plane; this module moves bytes only. The
-engine itself writes a peer's pool through :mod:`minimemserve.mempool.shared`.
+process runtime writes a same-host peer's pool through :mod:`minimemserve.mempool.shared`
+and reaches other peers through a :class:`GlooTransport` per pair (``packed``: one message
+per transfer); ``bench/transfer.py`` compares all of them.
 
 Transfer modes (:class:`TransferMode`) exist so the benchmark can compare them:
 ``by_layer`` sends each layer's K/V as that layer finishes, ``by_request`` sends the
