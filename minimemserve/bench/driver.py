@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from minimemserve.bench.hosts import HostsCluster
 from minimemserve.bench.http_target import endpoint_factory
 from minimemserve.bench.presets import preset_dir
 from minimemserve.bench.workloads import (
@@ -127,11 +128,14 @@ def in_process_target(spec: TargetSpec) -> Serving:
     return llm.engine
 
 
-def process_target(spec: TargetSpec, **cluster_kw: Any) -> Serving:
-    """A ``ProcessCluster`` (one process per instance) of config ``spec.config``;
-    ``cluster_kw`` go to its constructor (cores, policy, cost model, ...)."""
+def process_target(
+    spec: TargetSpec, cluster: type[ProcessCluster] = ProcessCluster, **cluster_kw: Any
+) -> Serving:
+    """A ``ProcessCluster`` (one process per instance; ``cluster`` may be a subclass, such as
+    ``HostsCluster``) of config ``spec.config``; ``cluster_kw`` go to its constructor (cores,
+    policy, cost model, transport, ...)."""
     o = spec.options
-    return ProcessCluster(
+    return cluster(
         spec.model_dir,
         spec.config,
         engine_config=o.engine_config(),
@@ -662,11 +666,19 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_parallel_arguments(p)
     p.add_argument(
         "--runtime",
-        choices=("process", "inline"),
+        choices=("process", "hosts", "inline"),
         default="process",
         help="process: every instance its own process on one core (colocated configs run "
-        "two instances, xPyD ones x+y), the equal-resources comparison; inline: one process, "
-        "instances stepped in turn (default: %(default)s)",
+        "two instances, xPyD ones x+y), the equal-resources comparison; hosts: the same, as "
+        "`minimemserve instance` processes a frontend joins (the multi-host runtime on this "
+        "machine); inline: one process, instances stepped in turn (default: %(default)s)",
+    )
+    p.add_argument(
+        "--transport",
+        choices=("auto", "shm", "gloo"),
+        default="auto",
+        help="KV transport between instances of the process and hosts runtimes (auto: "
+        "shared memory within a host, gloo between hosts; default: %(default)s)",
     )
     p.add_argument(
         "--cost-model",
@@ -704,19 +716,22 @@ def main(args: argparse.Namespace) -> int:
     if args.endpoint:
         factories = endpoint_targets(args.endpoint)
         configs, runtime = list(factories), {"kind": "http", "endpoints": args.endpoint}
-    elif args.runtime == "process":
+    elif args.runtime in ("process", "hosts"):
         factories = process_factories(
             configs,
+            cluster=HostsCluster if args.runtime == "hosts" else ProcessCluster,
             cores_per_instance=CORES_PER_INSTANCE,
             num_colocated=COLOCATED_INSTANCES,
             policy=args.policy,
             cost_model=CostModel.load(args.cost_model) if args.cost_model else None,
+            transport=args.transport,
         )
         runtime.update(
             cores_per_instance=CORES_PER_INSTANCE,
             colocated_instances=COLOCATED_INSTANCES,
             policy=args.policy,
             cost_model=args.cost_model or "prompt tokens",
+            transport=args.transport,
         )
     start = time.perf_counter()
     run_bench(

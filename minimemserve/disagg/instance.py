@@ -371,7 +371,7 @@ class InstanceServer:
     def _handle(self, sender: str, msg: rpc.Msg) -> rpc.Msg | None:
         who, handler = self.handlers.get(type(msg), (None, None))
         allowed = sender == FRONTEND if who == FRONTEND else sender in self.peer_names
-        if who is None or not allowed:
+        if who is None or not allowed or sender in self.node.dead:
             raise PermissionError(f"{self.name} takes no {type(msg).__name__} from {sender!r}")
         if sender == FRONTEND:
             self.last_frontend = time.monotonic()
@@ -582,8 +582,6 @@ class InstanceServer:
         if not self._parent_alive():  # the frontend died without shutting us down
             raise SystemExit(f"{self.name}: the launching process is gone")
         now = time.monotonic()
-        if self.spec.frontend_timeout_s and now - self.last_frontend > self.spec.frontend_timeout_s:
-            raise SessionOver(f"nothing from the frontend for {self.spec.frontend_timeout_s:g} s")
         if now - self._last_beat >= self.spec.heartbeat_s:
             self._last_beat = now
             self.node.try_push(FRONTEND, rpc.Heartbeat())
@@ -614,6 +612,9 @@ class InstanceServer:
             self.node.serve(0.0 if busy else IDLE_POLL_S)
             if self.stopping:
                 break
+            silent = time.monotonic() - self.last_frontend  # checked once the inbox is read
+            if self.spec.frontend_timeout_s and silent > self.spec.frontend_timeout_s:
+                raise SessionOver(f"nothing from the frontend for {silent:.1f} s")
             inbox, self.inbox = self.inbox, []
             for req in inbox:
                 self.engine.add_prefilled(req)
@@ -752,8 +753,10 @@ def standalone_main(opts: StandaloneOptions) -> int:
         node, spec = _await_join(opts)
         server = None
         try:
+            logger.info("%s: joined %s as %s", spec.name, spec.config, opts.role)
             server = InstanceServer(spec, node)
             server.announce()
+            logger.info("%s: ready", spec.name)
             server.run()
             logger.info("%s: the frontend shut the session down", spec.name)
         except SessionOver as e:

@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal, Union
 
 import msgspec
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from ..errors import InstanceDied, RemoteError, TransferError
 from ..request import RequestMetrics, RequestOutput, TokenDelta, TokenLogprob
@@ -372,6 +373,17 @@ class Codec:
         return seq if type(seq) is int else -1
 
 
+class _ClusterMember:
+    """Admits a CURVE client only if its public key is the cluster's (one key pair per
+    cluster): a client with any other key fails the handshake and delivers nothing."""
+
+    def __init__(self, public: bytes) -> None:
+        self.public = public
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        return hmac.compare_digest(client_key, self.public)
+
+
 def endpoint(host: str = LOOPBACK, port: int = 0) -> str:
     """A ``tcp://`` endpoint; port 0 means any free port (when binding)."""
     if not 0 <= port < 65536:
@@ -409,9 +421,13 @@ class RpcNode:
         self._ctx.setsockopt(zmq.LINGER, 0)
         self._ctx.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._ctx.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._auth: ThreadAuthenticator | None = None
         self._server = self._ctx.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if curve is not None:
+        if curve is not None:  # handshakes only with clients holding the cluster's key pair
+            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", _ClusterMember(curve[0]))
             self._server.curve_publickey, self._server.curve_secretkey = curve
             self._server.curve_server = True
         try:
@@ -539,6 +555,9 @@ class RpcNode:
         for sock in [*self._peers.values(), self._server]:
             sock.close(linger=0)
         self._peers.clear()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         self._ctx.term()
 
 

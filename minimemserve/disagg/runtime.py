@@ -127,10 +127,11 @@ class InstanceInfo:
                             self.transport)  # fmt: skip
 
 
-def pair_transport(a: InstanceInfo, b: InstanceInfo) -> str:
-    """How KV moves between ``a`` and ``b``: what either asks for, else shared memory when
-    they share a host, else torch.distributed (gloo on CPU, NCCL on CUDA: "gloo" names both)."""
-    asked = {a.transport, b.transport} - {"auto"}
+def pair_transport(a: InstanceInfo, b: InstanceInfo, forced: str = "auto") -> str:
+    """How KV moves between ``a`` and ``b``: what the cluster (``forced``) or either asks for,
+    else shared memory when they share a host, else torch.distributed (gloo on CPU, NCCL on
+    CUDA: "gloo" names both)."""
+    asked = {a.transport, b.transport, forced} - {"auto"}
     if len(asked) > 1:
         raise ConfigError(
             f"{a.name} asks for {a.transport} KV transport, {b.name} for {b.transport}"
@@ -227,7 +228,7 @@ class ProcessCluster:
         transport: str = "auto",
     ) -> None:
         self.deployment = parse_config_name(config_name)
-        key = _cluster_key(instances, key, transport)
+        key, self.transport = _cluster_key(instances, key, transport), transport
         if cores_per_instance < 1:
             raise ConfigError(f"cores_per_instance must be >= 1, got {cores_per_instance}")
         if num_colocated < 1:
@@ -395,7 +396,12 @@ class ProcessCluster:
         """Tell every instance its peers and the transport of each pair; pairs that use
         torch.distributed form their groups through a store hosted here."""
         insts = list(self.instances.values())
-        ways = {(a.name, b.name): pair_transport(a, b) for a in insts for b in insts if a is not b}
+        ways = {
+            (a.name, b.name): pair_transport(a, b, self.transport)
+            for a in insts
+            for b in insts
+            if a is not b
+        }
         if "gloo" in ways.values():
             timeout = datetime.timedelta(seconds=timeout_s)
             self._store = torch.distributed.TCPStore(

@@ -1,0 +1,232 @@
+"""Instances started on their own (``minimemserve instance``) and joined by a frontend: the
+multi-host runtime on loopback with KV forced over gloo, in two network namespaces, under
+hostile connections, and when a remote decode instance is killed or stopped."""
+
+from __future__ import annotations
+
+import hmac
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from minimemserve import SamplingParams
+from minimemserve.bench.hosts import LocalInstances
+from minimemserve.config import EngineConfig
+from minimemserve.disagg import rpc
+from minimemserve.disagg.runtime import ProcessCluster
+from minimemserve.errors import ConfigError
+
+CONFIG = EngineConfig(num_blocks=128)
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+ROLES = ["colocated", "colocated", "prefill", "decode"]  # one set serves every config below
+ANSWER_S = 0.5  # how long a knock waits for an answer that must not come
+
+
+def prompt(seed: int, n: int = 37) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 512, (n,), generator=g).tolist()
+
+
+def run_turns(cluster, conversations: int = 3, turns: int = 2) -> list[list[int]]:
+    """Multi-turn chats: each turn's prompt is the last one, its answer and new tokens."""
+    history = [prompt(i) for i in range(conversations)]
+    answers = []
+    for t in range(turns):
+        rids = [cluster.add_request(h, PARAMS) for h in history]
+        outs = {o.request_id: o for o in cluster.run_until_done(120)}
+        for i, rid in enumerate(rids):
+            assert outs[rid].finish_reason == "length", outs[rid].error
+            answers.append(outs[rid].token_ids)
+            history[i] = history[i] + outs[rid].token_ids + prompt(100 * t + i, 19)
+    return answers
+
+
+def moved(cluster) -> tuple[int, int, int, str]:
+    """Bytes the pools sent, bytes sent and received over links, and the links' transports."""
+    stats = {n: s for n, s in cluster.stats().items() if n != "frontend"}
+    pools = sum(s["pool"]["counters"]["sent_bytes"] for s in stats.values())
+    links = [link for s in stats.values() for link in s["links"].values()]
+    kinds = ",".join(sorted({link["transport"] for link in links}))
+    return pools, sum(x["sent_bytes"] for x in links), sum(x["recv_bytes"] for x in links), kinds
+
+
+@pytest.fixture(scope="module")
+def local(tiny_llama_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("hosts")
+    with LocalInstances(ROLES, d / "cluster.key", model_dir=tiny_llama_dir, transport="gloo",
+                        log_dir=d) as inst:  # fmt: skip
+        yield inst
+
+
+@pytest.mark.parametrize("config", ["PD-CC", "1P1D", "1P1D-CC3"])
+def test_same_tokens_and_bytes_as_single_host(tiny_llama_dir, local, config):
+    with ProcessCluster(tiny_llama_dir, config, engine_config=CONFIG) as ref:  # shared memory
+        want, (ref_bytes, *_) = run_turns(ref), moved(ref)
+        ref.check_pools()
+    addresses = local.addresses[:2] if config.startswith("PD") else local.addresses[2:]
+    with ProcessCluster(tiny_llama_dir, config, engine_config=CONFIG, instances=addresses,
+                        key=local.key) as c:  # fmt: skip
+        assert all(i.process is None and i.handle is None for i in c.instances.values())
+        assert run_turns(c) == want
+        pools, sent, received, kinds = moved(c)
+        c.check_pools()
+    assert pools == sent == received == ref_bytes
+    if config != "PD-CC":  # colocated instances move no KV unless the scheduler pushes some
+        assert kinds == "gloo" and sent > 0
+
+
+def test_join_refuses_a_wrong_key_and_a_wrong_deployment(tiny_llama_dir, local, tmp_path):
+    other = tmp_path / "other.key"
+    rpc.ClusterKey.generate().save(other)
+    with pytest.raises(Exception, match="no instance answers"):  # its frames are dropped
+        ProcessCluster(tiny_llama_dir, "1P1D", instances=local.addresses[2:], key=other,
+                       startup_timeout_s=1.0)  # fmt: skip
+    with pytest.raises(ConfigError, match="has no 'colocated' role"):
+        ProcessCluster(tiny_llama_dir, "1P1D", instances=local.addresses[:1], key=local.key)
+    with pytest.raises(ConfigError, match="needs \\['decode'\\]"):
+        ProcessCluster(tiny_llama_dir, "1P1D", instances=local.addresses[2:3], key=local.key)
+    os.chmod(other, 0o644)
+    with pytest.raises(ConfigError, match="open to group or others"):
+        ProcessCluster(tiny_llama_dir, "1P1D", instances=local.addresses[2:], key=other)
+    with ProcessCluster(tiny_llama_dir, "1P1D", engine_config=CONFIG,  # still joinable
+                        instances=local.addresses[2:], key=local.key) as c:  # fmt: skip
+        assert len(run_turns(c, 1, 1)) == 1
+
+
+# ---- two network namespaces ------------------------------------------------------------------
+@pytest.fixture
+def netns():
+    """A network namespace joined to this one by a veth pair: (name, our address, its address)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    tag = f"{os.getpid() % 10000}{random.randrange(100)}"
+    name, here, there, net = f"mms{tag}", f"mmsa{tag}", f"mmsb{tag}", random.randrange(1, 250)
+    a, b = f"10.231.{net}.1", f"10.231.{net}.2"
+    steps = [["ip", "netns", "add", name],
+             ["ip", "link", "add", here, "type", "veth", "peer", "name", there],
+             ["ip", "link", "set", there, "netns", name],
+             ["ip", "addr", "add", f"{a}/24", "dev", here], ["ip", "link", "set", here, "up"],
+             ["ip", "netns", "exec", name, "ip", "addr", "add", f"{b}/24", "dev", there],
+             ["ip", "netns", "exec", name, "ip", "link", "set", there, "up"],
+             ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"]]  # fmt: skip
+    try:
+        for step in steps:
+            subprocess.run(step, check=True, capture_output=True, timeout=10)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        pytest.skip(f"cannot make a network namespace here: {e}")
+    try:
+        yield name, a, b
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+        subprocess.run(["ip", "link", "del", here], capture_output=True, timeout=10)
+
+
+def test_instances_in_two_network_namespaces(tiny_llama_dir, tmp_path, netns):
+    name, here, there = netns
+    with ProcessCluster(tiny_llama_dir, "1P1D-CC", engine_config=CONFIG) as ref:
+        want, (ref_bytes, *_) = run_turns(ref), moved(ref)
+    with (
+        LocalInstances(["prefill", "decode"], tmp_path / "k", model_dir=tiny_llama_dir,
+                       hosts=[here, there], netns=[None, name], log_dir=tmp_path) as inst,
+        ProcessCluster(tiny_llama_dir, "1P1D-CC", engine_config=CONFIG, host=here,
+                       instances=inst.addresses, key=inst.key) as c,
+    ):  # fmt: skip
+        p, d = c.instances["P0"], c.instances["D0"]
+        assert p.host != d.host and p.transport == d.transport == "auto"  # auto picks gloo
+        assert run_turns(c) == want
+        pools, sent, received, kinds = moved(c)
+        c.check_pools()
+    assert kinds == "gloo" and pools == sent == received == ref_bytes > 0
+
+
+# ---- hostile connections ---------------------------------------------------------------------
+def knock(address: str, frame: bytes, curve: tuple[bytes, bytes] | None, server_key: bytes):
+    """Send one frame from a fresh socket; returns the answer, or None if none came."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        sock.curve_serverkey = server_key
+        sock.curve_publickey, sock.curve_secretkey = curve
+    sock.connect(address)
+    try:
+        sock.send(frame)
+        return sock.recv() if sock.poll(int(ANSWER_S * 1000)) else None
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def test_hostile_connections_leave_the_instance_serving(tiny_llama_dir, tmp_path):
+    host = "127.0.0.2"  # not one of the loopback names: sockets are CURVE-encrypted
+    with (
+        LocalInstances(["prefill", "decode"], tmp_path / "k", model_dir=tiny_llama_dir,
+                       hosts=[host, host], log_dir=tmp_path) as inst,
+        ProcessCluster(tiny_llama_dir, "1P1D", engine_config=CONFIG, host=host,
+                       instances=inst.addresses, key=inst.key) as c,
+    ):  # fmt: skip
+        key = rpc.ClusterKey.load(inst.key)
+        target = "tcp://" + inst.addresses[1]
+        good = rpc.Codec(key.secret).encode(rpc.Envelope("req", 1, "frontend", rpc.Query("stats")))
+        assert knock(target, good, key.curve, key.curve[0]) is not None  # the key holder's
+        payload = msgspec.msgpack.encode({"kind": "req", "seq": 7, "sender": "frontend",
+                                          "msg": {"type": "Submit", "request_id": 5,
+                                                  "prompt": "abc", "params": [],
+                                                  "arrival_time": "now"}})  # fmt: skip
+        typed_wrong = hmac.digest(key.secret, payload, "sha256") + payload
+        before = c.stats()["D0"]["rejected"]
+        assert knock(target, good, None, key.curve[0]) is None  # no CURVE: no handshake
+        assert knock(target, good, zmq.curve_keypair(), key.curve[0]) is None  # wrong key
+        d_host, d_port = inst.addresses[1].split(":")
+        with socket.create_connection((d_host, int(d_port))) as s:  # noise
+            s.sendall(os.urandom(1 << 16))
+        assert c.stats()["D0"]["rejected"] == before  # none of those reached a handler
+        answer = knock(target, typed_wrong, key.curve, key.curve[0])  # a member's bad message
+        env = rpc.Codec(key.secret).decode(answer)
+        assert isinstance(env.msg, rpc.Error) and "malformed" in env.msg.message
+        assert knock(target, b"\0" * (100 << 20), key.curve, key.curve[0]) is None  # 100 MB
+        assert c.stats()["D0"]["rejected"] == before + 1
+        assert len(run_turns(c, 2, 2)) == 4  # still serving
+        c.check_pools()
+
+
+# ---- a remote decode instance lost -----------------------------------------------------------
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "sigstop"])
+def test_losing_a_remote_decode_instance(tiny_llama_dir, tmp_path, how):
+    long = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+    with LocalInstances(["prefill", "decode", "decode"], tmp_path / "k", model_dir=tiny_llama_dir,
+                        transport="gloo", log_dir=tmp_path) as inst:  # fmt: skip
+        victim = inst.procs[1]  # D0: the first decode address
+        with ProcessCluster(tiny_llama_dir, "1P2D", engine_config=CONFIG, instances=inst.addresses,
+                            key=inst.key, heartbeat_timeout_s=2.0, timeout_s=4.0) as c:  # fmt: skip
+            rids = [c.add_request(prompt(i), long) for i in range(6)]
+            outs, deadline = [], time.monotonic() + 60
+            while not any(c.location(r) == "D0" for r in rids) and time.monotonic() < deadline:
+                outs += c.step()
+            os.kill(victim.pid, how)
+            outs += c.run_until_done(timeout_s=120)
+            assert sorted(o.request_id for o in outs) == sorted(rids)  # none lost
+            for o in outs:
+                done = o.finish_reason == "length" and len(o.token_ids) == 160
+                assert done or (o.finish_reason == "error" and "InstanceDied" in o.error), o
+            assert "D0" in c.dead and set(c.stats()) == {"P0", "D1", "frontend"}
+            c.check_pools()  # the survivors hold nothing for D0, nothing referenced
+        if how == signal.SIGSTOP:  # woken, it drops the session and waits for a frontend
+            os.kill(victim.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 30
+            while inst.log(1).count("waiting for a frontend") < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            with ProcessCluster(tiny_llama_dir, "1P2D", engine_config=CONFIG,
+                                instances=inst.addresses, key=inst.key) as again:  # fmt: skip
+                assert len(run_turns(again, 2, 1)) == 2 and not again.dead
+                again.check_pools()
