@@ -29,6 +29,24 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="one process per instance (default), or every instance in this one",
     )
     p.add_argument("--num-colocated", type=int, default=2, help="instances of a PD/PD-CC config")
+    p.add_argument(
+        "--instances",
+        default=None,
+        help="HOST:PORT,... of `minimemserve instance` processes to join instead of spawning "
+        "(their roles make the deployment; needs --key)",
+    )
+    p.add_argument("--key", default=None, help="cluster key file (minimemserve keygen)")
+    p.add_argument(
+        "--cluster-host",
+        default=LOOPBACK,
+        help="address the control plane binds; instances on other hosts must reach it",
+    )
+    p.add_argument(
+        "--transport",
+        default="auto",
+        choices=["auto", "shm", "gloo"],
+        help="KV transport between instances (auto: shared memory within a host, else gloo)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--block-size", type=int, default=16)

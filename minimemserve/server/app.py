@@ -519,6 +519,10 @@ def make_server(args: argparse.Namespace) -> Server:
             dtype=args.dtype,
             policy=args.policy,
             num_colocated=args.num_colocated,
+            host=args.cluster_host,
+            instances=args.instances.split(",") if args.instances else None,
+            key=args.key,
+            transport=args.transport,
         )
 
     metrics = ServerMetrics()

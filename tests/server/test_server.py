@@ -349,3 +349,22 @@ def test_a_tensor_parallel_server_answers_as_the_library(tiny_llama_dir, referen
         srv.wait_released()
     finally:
         srv.close()
+
+
+def test_a_server_over_instances_started_on_their_own(tiny_llama_dir, reference, tmp_path):
+    from minimemserve.bench.hosts import LocalInstances
+
+    with LocalInstances(["prefill", "decode"], tmp_path / "k", model_dir=tiny_llama_dir,
+                        transport="gloo", log_dir=tmp_path) as inst:  # fmt: skip
+        srv = Server(tiny_llama_dir, "1P1D-CC", "process", "--instances", ",".join(inst.addresses),
+                     "--key", str(inst.key))  # fmt: skip
+        try:
+            prompt = "Two hosts share the work of one request"
+            r = srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                              temperature=0)  # fmt: skip
+            ref = reference.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))[0]
+            assert r.choices[0].text == ref.text
+            assert srv.total("minimemserve:kv_transfer_bytes_total") > 0
+            srv.wait_released()
+        finally:
+            srv.close()
