@@ -65,6 +65,10 @@ HANDOFF_MEMORY = 65_536
 DEFAULT_HEARTBEAT_S = 0.5
 # How long a standalone instance waits between polls for a frontend.
 LOBBY_POLL_S = 0.1
+# How often a standalone instance cut off from its frontend tells it that it is back.
+REJOIN_EVERY_S = 1.0
+# The Shutdown reason of a frontend that closes: its instances have nobody to rejoin.
+CLOSING = "frontend closing"
 
 
 @dataclass(frozen=True)
@@ -275,7 +279,7 @@ class InstanceServer:
     def __init__(self, spec: InstanceSpec, node: rpc.RpcNode | None = None) -> None:
         """Build the engine and bind the control socket, or take over ``node`` (a standalone
         instance's, already bound); does not announce itself yet."""
-        self.spec, self.name, self.stopping = spec, spec.name, False
+        self.spec, self.name, self.stopping, self.stop_reason = spec, spec.name, False, ""
         self.inbox: list[Request] = []
         # A step makes calls to peers and serves messages while it waits: an abort arriving
         # then would run a request's hooks a second time, so it waits for the step to end.
@@ -284,7 +288,7 @@ class InstanceServer:
         self.xfers: dict[tuple[str, str], tuple] = {}  # (peer, transfer) -> (blocks, tokens)
         self.remotes: dict[str, RemotePool] = {}
         self.links: dict[str, Link] = {}  # peers reached over torch.distributed
-        self.pending_links: list[tuple[str, str, int]] = []  # (pair key, peer, our rank)
+        self.pending_links: list[tuple[str, str, int]] = []  # (store key, peer, our rank)
         self.peer_infos: dict[str, rpc.PeerInfo] = {}
         self.store: Any = None  # the frontend's TCPStore, while pairs form links
         self.last_frontend = time.monotonic()  # when the frontend was last heard
@@ -334,6 +338,7 @@ class InstanceServer:
             rpc.Peers: (FRONTEND, self._on_peers),
             rpc.PushPrefix: (FRONTEND, self._on_push_prefix),
             rpc.PeerDown: (FRONTEND, self._on_peer_down),
+            rpc.PeerUp: (FRONTEND, self._on_peer_up),
             rpc.AbortRequest: (FRONTEND, self._on_abort_request),
             rpc.Shutdown: (FRONTEND, self._on_shutdown),
             rpc.Heartbeat: (FRONTEND, lambda s, m: None),
@@ -487,18 +492,31 @@ class InstanceServer:
             raise PermissionError("the peers of an instance are announced once")
         self.peer_names = {p.name for p in m.peers} - {self.name, FRONTEND}
         for p in (p for p in m.peers if p.name in self.peer_names):
-            self.node.connect(p.name, p.address)
-            self.peer_infos[p.name] = p
-            if p.transport in ("gloo", "nccl"):  # formed by the loop, in the pairs' order
-                pair = tuple(sorted((self.name, p.name)))
-                self.pending_links.append(("|".join(pair), p.name, pair.index(self.name)))
-            elif p.handle is not None:
-                segment_path(p.handle)  # only the project's own segments are mapped
-                self.remotes[p.name] = RemotePool(self.node, p, attach(p.handle), self.pool)
-        if self.pending_links:
-            host, _, port = m.store.rpartition(":")
-            self.store = _store_client(host, int(port), self.spec.timeout_s)
-        self.pending_links.sort()
+            self._reach(p, m.store, m.scope)
+
+    def _reach(self, p: rpc.PeerInfo, store: str, scope: str) -> None:
+        """Connect to peer ``p``: map its pool, or queue the pair group the loop forms."""
+        self.node.connect(p.name, p.address)
+        self.peer_infos[p.name] = p
+        if p.transport in ("gloo", "nccl"):  # formed by the loop, in the pairs' order
+            pair = tuple(sorted((self.name, p.name)))
+            key = f"{self.spec.session}/{scope}/{'|'.join(pair)}"
+            self.pending_links.append((key, p.name, pair.index(self.name)))
+            self.pending_links.sort(key=lambda x: x[0].rpartition("/")[2])
+            if self.store is None:
+                host, _, port = store.rpartition(":")
+                self.store = _store_client(host, int(port), self.spec.timeout_s)
+        elif p.handle is not None:
+            segment_path(p.handle)  # only the project's own segments are mapped
+            self.remotes[p.name] = RemotePool(self.node, p, attach(p.handle), self.pool)
+
+    def _on_peer_up(self, sender: str, m: rpc.PeerUp) -> None:
+        if m.info.name not in self.peer_names or m.info.name not in self.node.dead:
+            raise PermissionError(f"{m.info.name!r} is not a peer that died")
+        del self.node.dead[m.info.name]
+        self.links.pop(m.info.name, None)
+        self.remotes.pop(m.info.name, None)
+        self._reach(m.info, m.store, m.scope)
 
     def _form_links(self) -> None:
         """Join every pending pair group, in the order of the pairs' names everywhere (so two
@@ -506,7 +524,7 @@ class InstanceServer:
         joins too."""
         pending, self.pending_links = self.pending_links, []
         for key, peer, rank in pending:
-            prefix = torch.distributed.PrefixStore(f"{self.spec.session}/{key}", self.store)
+            prefix = torch.distributed.PrefixStore(key, self.store)
             try:
                 link = Link(GlooTransport(rank, self.spec.host, store=prefix,
                                           device=self.engine.device, bind_host=self.spec.host,
@@ -538,7 +556,7 @@ class InstanceServer:
         return self.engine.abort(request_id)
 
     def _on_shutdown(self, sender: str, m: rpc.Shutdown) -> None:
-        self.stopping = True
+        self.stopping, self.stop_reason = True, m.reason
 
     def _on_push_prefix(self, sender: str, m: rpc.PushPrefix) -> rpc.Info:
         """Send the cached prefix of ``m.tokens`` to ``m.to`` (indexed there); reply its length."""
@@ -717,8 +735,11 @@ def _check_join(m: rpc.Join, opts: StandaloneOptions) -> InstanceSpec:
     )
 
 
-def _await_join(opts: StandaloneOptions) -> tuple[rpc.RpcNode, InstanceSpec]:
-    """Bind the listening address and answer frontends until one joins this instance."""
+def _await_join(
+    opts: StandaloneOptions, back: InstanceSpec | None = None
+) -> tuple[rpc.RpcNode, InstanceSpec]:
+    """Bind the listening address and answer frontends until one joins this instance; with
+    ``back`` (the session a frontend gave up on), keep telling that frontend it may rejoin."""
     summary, joined = _model_summary(opts.model_dir), []
     hello = {"role": opts.role, "host": host_identity(), "transport": opts.transport,
              "device": opts.device, "model": summary}  # fmt: skip
@@ -735,9 +756,16 @@ def _await_join(opts: StandaloneOptions) -> tuple[rpc.RpcNode, InstanceSpec]:
     node = rpc.RpcNode("waiting", handle, host=opts.host, port=opts.port,
                        codec=rpc.Codec(opts.key.secret), curve=curve)  # fmt: skip
     logger.info("instance (%s) waiting for a frontend at %s", opts.role, node.address)
+    if back is not None:
+        node.name = back.name  # the name the frontend knows, to rejoin under
+        node.connect(FRONTEND, back.frontend)
     try:
+        last = 0.0
         while not joined:
             node.serve(LOBBY_POLL_S)
+            if back is not None and time.monotonic() - last > REJOIN_EVERY_S:
+                node.try_push(FRONTEND, rpc.Rejoin())
+                last = time.monotonic()
     except BaseException:
         node.close()
         raise
@@ -749,16 +777,19 @@ def standalone_main(opts: StandaloneOptions) -> int:
     after one with ``once``). Ctrl-C or SIGTERM ends it."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     torch.set_num_threads(opts.num_threads)
+    back = None
     while True:
-        node, spec = _await_join(opts)
-        server = None
+        node, spec = _await_join(opts, back)
+        server, back = None, spec
         try:
             logger.info("%s: joined %s as %s", spec.name, spec.config, opts.role)
             server = InstanceServer(spec, node)
             server.announce()
             logger.info("%s: ready", spec.name)
             server.run()
-            logger.info("%s: the frontend shut the session down", spec.name)
+            logger.info("%s: the frontend ended the session (%s)", spec.name, server.stop_reason)
+            if server.stop_reason == CLOSING:
+                back = None
         except SessionOver as e:
             logger.warning("%s: session over: %s", spec.name, e)
         except Exception as e:  # a session that failed to start or crashed: the next one

@@ -127,6 +127,20 @@ class Peers(Msg):
 
     peers: list[PeerInfo]
     store: str = ""
+    scope: str = "s0"  # names this round of pair groups in the store
+
+
+class PeerUp(Msg):
+    """Instance ``info.name``, declared dead before, is back: reach it again (over
+    ``info.transport``; pair groups meet in ``store`` under ``scope``)."""
+
+    info: PeerInfo
+    store: str = ""
+    scope: str = "s0"
+
+
+class Rejoin(Msg):
+    """A standalone instance the frontend gave up on is waiting again (pushed by it)."""
 
 
 class Hello(Msg):

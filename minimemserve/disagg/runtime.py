@@ -62,7 +62,7 @@ from ..request import RequestMetrics, RequestOutput, TokenDelta, logprobs_fit
 from ..sampling import INT64_LIMIT, SamplingParams
 from ..scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler, Route
 from . import rpc
-from .instance import DEFAULT_HEARTBEAT_S, InstanceSpec, instance_main
+from .instance import CLOSING, DEFAULT_HEARTBEAT_S, InstanceSpec, instance_main
 
 logger = logging.getLogger(__name__)
 
@@ -264,10 +264,18 @@ class ProcessCluster:
             rpc.Ready: self._on_ready,
             rpc.Heartbeat: lambda sender, msg: None,
             rpc.CacheEvents: self._on_cache_events,
+            rpc.Rejoin: self._on_rejoin,
         }
+        # standalone instances declared dead, that may come back: gone (nothing heard),
+        # back (it said it is waiting again), joining (asked to join again, at a time)
+        self._gone: set[str] = set()
+        self._back: set[str] = set()
+        self._joining: dict[str, float] = {}
+        self.num_rejoins = 0  # instances taken back after they were declared dead
+        self._host = host
         milestone = self.deployment.milestone
         # transfers (the recipes', or the scheduler's prefix pushes) need pools peers can reach
-        linked = milestone.moves_kv or policy == "prompt_tree_transfer"
+        linked = self._linked = milestone.moves_kv or policy == "prompt_tree_transfer"
         # the secret reaches spawned instances through the spawn pipe; off loopback every
         # socket is CURVE-encrypted with a key pair made here (or the cluster key's)
         secret = key.secret if key is not None else secrets.token_bytes(32)
@@ -311,7 +319,7 @@ class ProcessCluster:
             for inst in self.instances.values():
                 self.node.connect(inst.name, inst.address)
             if linked:
-                self._link(host, startup_timeout_s)
+                self._link(startup_timeout_s)
         except BaseException:
             self.close()
             raise
@@ -392,31 +400,31 @@ class ProcessCluster:
             except RemoteError as e:
                 raise ConfigError(f"the instance at {address} refused to join: {e}") from None
 
-    def _link(self, host: str, timeout_s: float) -> None:
+    def _link(self, timeout_s: float) -> None:
         """Tell every instance its peers and the transport of each pair; pairs that use
         torch.distributed form their groups through a store hosted here."""
         insts = list(self.instances.values())
-        ways = {
-            (a.name, b.name): pair_transport(a, b, self.transport)
-            for a in insts
-            for b in insts
-            if a is not b
-        }
-        if "gloo" in ways.values():
-            timeout = datetime.timedelta(seconds=timeout_s)
-            self._store = torch.distributed.TCPStore(
-                host, 0, is_master=True, wait_for_workers=False, timeout=timeout
-            )
-        store = f"{host}:{self._store.port}" if self._store is not None else ""
         for a in insts:
-            peers = [a.peer_info()]
-            for b in (b for b in insts if b is not a):
-                way = ways[(a.name, b.name)]
-                handle = b.handle if way == "shm" else None
-                peers.append(msgspec.structs.replace(b.peer_info(), transport=way, handle=handle))
-            self.node.push(a.name, rpc.Peers(peers, store))
+            self.node.push(a.name, rpc.Peers(self._seen_by(a, insts), self._store_address()))
         for a in insts:  # answered once its pair groups formed
             self.node.call(a.name, rpc.Query("links"), timeout_s=timeout_s)
+
+    def _seen_by(self, a: InstanceInfo, insts: Sequence[InstanceInfo]) -> list[rpc.PeerInfo]:
+        """``a`` and the instances ``insts`` as ``a`` reaches them (transport, pool handle)."""
+        out = [a.peer_info()]
+        for b in (b for b in insts if b is not a):
+            way = pair_transport(a, b, self.transport)
+            handle = b.handle if way == "shm" else None
+            out.append(msgspec.structs.replace(b.peer_info(), transport=way, handle=handle))
+            if way == "gloo" and self._store is None:
+                timeout = datetime.timedelta(seconds=self.timeout_s)
+                self._store = torch.distributed.TCPStore(
+                    self._host, 0, is_master=True, wait_for_workers=False, timeout=timeout
+                )
+        return out
+
+    def _store_address(self) -> str:
+        return f"{self._host}:{self._store.port}" if self._store is not None else ""
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -451,7 +459,7 @@ class ProcessCluster:
         self._closed = True
         for inst in self.instances.values():
             if inst.name not in self.dead and inst.ready:
-                self.node.try_push(inst.name, rpc.Shutdown("frontend closing"))
+                self.node.try_push(inst.name, rpc.Shutdown(CLOSING))
         if self._beacon is not None:
             self._beacon.close()
         if any(i.process is None for i in self.instances.values()):
@@ -473,7 +481,10 @@ class ProcessCluster:
     # ---- messages from instances -----------------------------------------------------------
     def _handle(self, sender: str, msg: rpc.Msg) -> None:
         handler = self._handlers.get(type(msg))
-        if handler is None or sender not in self.instances or sender in self.dead:
+        back = (type(msg) is rpc.Rejoin and sender in self._gone) or (
+            type(msg) is rpc.Ready and sender in self._joining
+        )
+        if handler is None or sender not in self.instances or (sender in self.dead and not back):
             raise PermissionError(f"the frontend takes no {type(msg).__name__} from {sender!r}")
         self._last_heard[sender] = time.monotonic()
         handler(sender, msg)
@@ -568,10 +579,73 @@ class ProcessCluster:
                 if inst.process is not None:
                     inst.process.kill()
                     inst.process.join(2.0)
-                else:  # on its own: should it wake up, it drops this session
+                else:  # on its own: should it wake up, it drops this session and rejoins
                     self.node.try_push(inst.name, rpc.Shutdown("declared dead: no heartbeat"))
+                    self._gone.add(inst.name)
                 self._on_death(inst, f"no heartbeat for {self.heartbeat_timeout_s:g} s")
+        for name in list(self._back):
+            self._ask_back(self.instances[name])
+        for name, asked in list(self._joining.items()):
+            if self.instances[name].ready:
+                self._revive(self.instances[name])
+            elif now - asked > self.timeout_s:  # it never got ready: wait for its next Rejoin
+                del self._joining[name]
+                self._gone.add(name)
         return self.dead
+
+    def _on_rejoin(self, sender: str, msg: rpc.Rejoin) -> None:
+        if sender in self._gone:
+            self._gone.discard(sender)
+            self._back.add(sender)  # monitor() asks it to join (a handler must not call)
+
+    def _ask_back(self, inst: InstanceInfo) -> None:
+        """Send a Join to a standalone instance that came back."""
+        self._back.discard(inst.name)
+        inst.ready, inst.handle = False, None
+        self.node.connect(inst.name, inst.address)  # frames queued for its old session go
+        join = rpc.Join(self.session, inst.name, self.deployment.name, self.node.address,
+                        dataclasses.asdict(self.engine_config), self.timeout_s,
+                        self._heartbeat_s, self.heartbeat_timeout_s, self._linked)  # fmt: skip
+        reason = self.node.dead.pop(inst.name, "")  # the node would refuse to call it
+        try:
+            self.node.call(inst.name, join, timeout_s=self.timeout_s)
+        except TransferError as e:
+            logger.warning("instance %s did not rejoin: %s", inst.name, e)
+            self.node.dead[inst.name] = reason
+            self._gone.add(inst.name)
+            return
+        self._joining[inst.name] = time.monotonic()
+
+    def _revive(self, inst: InstanceInfo) -> None:
+        """Take a rejoined instance back: peers reach it again, the scheduler routes to it."""
+        del self._joining[inst.name]
+        self.num_rejoins += 1
+        scope = f"r{self.num_rejoins}"  # new pair groups: the old ones died with its session
+        others = [i for i in self.instances.values() if i.name not in self.dead]
+        try:
+            if self._linked:
+                seen = self._seen_by(inst, [inst, *others])
+                for b, way in zip(others, (info.transport for info in seen[1:])):
+                    info = msgspec.structs.replace(
+                        inst.peer_info(),
+                        transport=way,
+                        handle=inst.handle if way == "shm" else None,
+                    )
+                    self.node.push(b.name, rpc.PeerUp(info, self._store_address(), scope))
+                self.node.push(inst.name, rpc.Peers(seen, self._store_address(), scope))
+                self.node.call(inst.name, rpc.Query("links"), timeout_s=self.timeout_s)
+        except (TransferError, ConfigError) as e:
+            logger.warning("instance %s could not rejoin: %s", inst.name, e)
+            self.node.dead[inst.name] = self.dead[inst.name]
+            self._gone.add(inst.name)
+            return
+        del self.dead[inst.name]
+        self._last_heard[inst.name] = time.monotonic()
+        if self._beacon is not None:
+            self._beacon.add(inst.name, inst.address)
+        if inst.role == self.deployment.milestone.roles[0]:
+            self.scheduler.add(inst.name)
+        logger.warning("instance %s (%s) rejoined", inst.name, inst.role)
 
     def _on_death(self, inst: InstanceInfo, reason: str) -> None:
         self.dead[inst.name] = reason

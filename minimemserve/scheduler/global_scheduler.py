@@ -164,6 +164,12 @@ class GlobalScheduler:
         self.num_transfers = 0  # routes that asked for a prefix transfer
         self.dispatches: Counter[str] = Counter()  # requests sent to each instance
 
+    def add(self, name: str) -> None:
+        """Route to ``name`` (again), starting from an empty prompt tree."""
+        if name not in self.live:
+            self.live.append(name)
+        self.trees.add(name)
+
     def drop(self, name: str) -> list[str]:
         """Remove a dead instance; returns the request ids that were routed to it."""
         self.live = [p for p in self.live if p != name]

@@ -221,12 +221,16 @@ def test_losing_a_remote_decode_instance(tiny_llama_dir, tmp_path, how):
                 assert done or (o.finish_reason == "error" and "InstanceDied" in o.error), o
             assert "D0" in c.dead and set(c.stats()) == {"P0", "D1", "frontend"}
             c.check_pools()  # the survivors hold nothing for D0, nothing referenced
-        if how == signal.SIGSTOP:  # woken, it drops the session and waits for a frontend
-            os.kill(victim.pid, signal.SIGCONT)
-            deadline = time.monotonic() + 30
-            while inst.log(1).count("waiting for a frontend") < 2 and time.monotonic() < deadline:
-                time.sleep(0.1)
-            with ProcessCluster(tiny_llama_dir, "1P2D", engine_config=CONFIG,
-                                instances=inst.addresses, key=inst.key) as again:  # fmt: skip
-                assert len(run_turns(again, 2, 1)) == 2 and not again.dead
-                again.check_pools()
+            if how == signal.SIGSTOP:  # woken, it drops the session and rejoins this frontend
+                os.kill(victim.pid, signal.SIGCONT)
+                deadline = time.monotonic() + 30
+                while "D0" in c.dead and time.monotonic() < deadline:
+                    c.step()
+                assert not c.dead and c.num_rejoins == 1, inst.log(1)[-2000:]
+                rids = [c.add_request(prompt(50 + i), PARAMS) for i in range(4)]
+                outs = c.run_until_done(60)
+                assert sorted(o.request_id for o in outs) == sorted(rids)
+                assert all(o.finish_reason == "length" for o in outs)
+                c.check_pools()  # D0 included
+                links = c.stats()["P0"]["links"]
+                assert links["D0"]["transport"] == "gloo"  # a new pair group with D0
