@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -147,7 +148,10 @@ def main() -> None:
         f"process runtime beyond the forward pass: {overhead[0] * 1e3:.2f} ms per step + "
         f"{overhead[1] * 1e3:.2f} ms per sequence"
     )
+    load_before = os.getloadavg()
     real = real_run(configs, args, out)["summaries"]
+    load_after = os.getloadavg()
+    print(f"load average (1, 5, 15 min) before the real run {load_before}, after {load_after}")
     sim = run_sim(
         cpu_setup(fitted, runtime_overhead_s=overhead),
         configs,
@@ -165,6 +169,7 @@ def main() -> None:
         "rankings": ranks,
         "step_model": fitted.__dict__,
         "runtime_overhead_s": overhead,
+        "load_average": {"before": load_before, "after": load_after},
         "wall_s": time.perf_counter() - t0,
     }
     (out / "sim_validate.json").write_text(json.dumps(result, indent=1))

@@ -26,25 +26,38 @@ D's are what its allocator hands out (``--dst-ids alloc``: a free list scrambled
 asked for one run per request, as MemPool.recv_alloc does) or random (``--dst-ids random``:
 a fragmented pool with no free run, the worst case for packed).
 
+Across hosts (``--netns``, root only): gloo alone (shm and copy cannot leave the host), once
+on loopback and once with D in a fresh network namespace joined to this one by a veth pair
+(P at 10.232.X.1, D at 10.232.X.2), side by side. The control plane then runs off loopback,
+so both nodes use a fresh cluster key's CURVE pair. The namespace and the veth pair are
+removed on exit, also after an error, Ctrl-C or SIGTERM.
+
     python bench/transfer.py                       # tiny geometry, 2048 tokens, fp32
     python bench/transfer.py --layers 32 --kv-heads 32 --head-dim 128 --tokens 1024 --dtype fp16
+    sudo python bench/transfer.py --netns          # gloo: loopback vs veth across namespaces
 
-Prints a table and writes bench/results/transfer.json.
+Prints a table and writes bench/results/transfer.json (transfer_netns.json with --netns).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import math
 import multiprocessing as mp
 import os
 import platform
-import secrets
+import shutil
+import signal
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -52,6 +65,10 @@ import msgspec
 import torch
 from tqdm.auto import tqdm
 
+from minimemserve.blocks.allocator import BlockAllocator
+from minimemserve.blocks.copy import is_run
+from minimemserve.blocks.layout import KVLayout
+from minimemserve.disagg import rpc
 from minimemserve.disagg.transports import (
     GlooTransport,
     SharedMemoryTransport,
@@ -61,13 +78,11 @@ from minimemserve.disagg.transports import (
     pieces_per_transfer,
     start_store,
 )
-from minimemserve.blocks.allocator import BlockAllocator
-from minimemserve.blocks.copy import is_run
-from minimemserve.blocks.layout import KVLayout
-from minimemserve.disagg import rpc
+from minimemserve.errors import TransferError
 from minimemserve.mempool.shared import SharedPoolTensor
 
 RESULTS = Path(__file__).resolve().parent / "results" / "transfer.json"
+RESULTS_NETNS = RESULTS.with_name("transfer_netns.json")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TRANSPORTS = ("copy", "shm", "gloo")
 # Seconds of measurement per table cell after warm-up; the repeat count follows from it.
@@ -80,6 +95,9 @@ STARTUP_TIMEOUT_S = 60.0
 # A high-load gloo round of by_request pieces takes about a second on 2 cores.
 CONTROL_TIMEOUT_S = 120.0
 ACK_TAG = 1_000  # above every per-transfer tag
+STOP_TIMEOUT_S = 10.0  # D answers Stop at once unless it is stuck in a gloo round
+NETNS_PREFIX = "10.232"  # --netns takes the first free 10.232.X.0/24 for its veth pair
+CLONE_NEWNET = 0x40000000  # setns(2): join a network namespace
 
 
 # ------------------------------------------------------------------ control messages (bench)
@@ -102,10 +120,12 @@ class Handles(rpc.Msg):
 
 
 class JoinGloo(rpc.Msg):
-    """P -> D: join the gloo group whose store listens on host:port."""
+    """P -> D: join the gloo group whose store listens on host:port; D's gloo device binds
+    ``bind_host``."""
 
     host: str
     port: Annotated[int, msgspec.Meta(ge=1, lt=65536)]
+    bind_host: str
 
 
 class Prepare(rpc.Msg):
@@ -214,7 +234,9 @@ class Decoder:
         kind, msg = self.job
         self.job = None
         if kind == "join":
-            self.gloo = GlooTransport(1, msg.host, msg.port, timeout_s=CONTROL_TIMEOUT_S)
+            self.gloo = GlooTransport(
+                1, msg.host, msg.port, bind_host=msg.bind_host, timeout_s=CONTROL_TIMEOUT_S
+            )
             return
         pool = self.pool_for(msg.mode)
         ack = torch.ones(1)
@@ -236,8 +258,27 @@ class Decoder:
             p.close()
 
 
-def decoder_main(host: str, port: int, secret: bytes, queue: mp.Queue) -> None:
-    """Entry point of the D process: report the node's address, then serve until told to stop."""
+def enter_netns(name: str) -> None:
+    """Move this process into the network namespace ``ip netns add name`` made. Sockets opened
+    afterwards (and by threads started afterwards) live there."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/var/run/netns/{name}") as f:
+        if libc.setns(f.fileno(), CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
+
+
+def decoder_main(
+    host: str,
+    port: int,
+    key: rpc.ClusterKey,
+    queue: mp.Queue,
+    netns: str | None = None,
+) -> None:
+    """Entry point of the D process: enter ``netns`` if given (before any socket exists),
+    report the node's address, then serve until told to stop."""
+    if netns is not None:
+        enter_netns(netns)
     torch.set_num_threads(1)
     decoder = Decoder()
     node = rpc.RpcNode(
@@ -246,7 +287,8 @@ def decoder_main(host: str, port: int, secret: bytes, queue: mp.Queue) -> None:
         host=host,
         port=port,
         timeout_s=CONTROL_TIMEOUT_S,
-        codec=rpc.Codec(secret, extra=BENCH_MESSAGES),
+        codec=rpc.Codec(key.secret, extra=BENCH_MESSAGES),
+        curve=curve_for(host, key),
     )
     try:
         queue.put(node.address)
@@ -257,6 +299,79 @@ def decoder_main(host: str, port: int, secret: bytes, queue: mp.Queue) -> None:
     finally:
         decoder.close()
         node.close()
+
+
+def curve_for(host: str, key: rpc.ClusterKey) -> tuple[bytes, bytes] | None:
+    """The CURVE pair a control node on ``host`` needs: none on loopback (no encryption cost
+    in the default runs), the cluster key's pair elsewhere."""
+    return None if host in rpc.LOOPBACK_HOSTS else key.curve
+
+
+# ------------------------------------------------------------------ the link between P and D
+
+
+@dataclass(frozen=True)
+class Link:
+    """Where P and D meet: their addresses, and the network namespace D runs in."""
+
+    name: str  # "" for the --host address; "lo" and "veth" side by side under --netns
+    p_host: str
+    d_host: str
+    netns: str | None = None
+
+
+def netns_unavailable() -> str | None:
+    """Why ``--netns`` cannot run here, or ``None`` when it can."""
+    if shutil.which("ip") is None:
+        return "the ip command (iproute2) is missing"
+    if os.geteuid() != 0:
+        return "creating a network namespace and a veth pair needs root"
+    return None
+
+
+def _ip(*args: str) -> str:
+    """Run ``ip args``; raise with its error output when it fails."""
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def _free_subnet() -> str:
+    """The first ``10.232.X`` with no address or route on this host."""
+    used = _ip("-4", "route", "show", "table", "all") + _ip("-4", "-o", "addr")
+    for x in range(256):
+        if f"{NETNS_PREFIX}.{x}." not in used:
+            return f"{NETNS_PREFIX}.{x}"
+    raise RuntimeError(f"no free {NETNS_PREFIX}.X.0/24 subnet for the veth pair")
+
+
+@contextlib.contextmanager
+def veth_namespace() -> Iterator[Link]:
+    """A fresh network namespace joined to this one by a veth pair, with P's end here and D's
+    end (and the namespace's loopback) up in it; both are deleted on exit."""
+    tag = str(os.getpid())
+    name, here, there = f"mmsbench{tag}", f"mmsb{tag}p", f"mmsb{tag}d"  # names <= 15 chars
+    subnet = _free_subnet()
+    link = Link("veth", f"{subnet}.1", f"{subnet}.2", name)
+    try:
+        _ip("netns", "add", name)
+        _ip("link", "add", here, "type", "veth", "peer", "name", there, "netns", name)
+        _ip("addr", "add", f"{link.p_host}/24", "dev", here)
+        _ip("link", "set", here, "up")
+        _ip("-n", name, "addr", "add", f"{link.d_host}/24", "dev", there)
+        _ip("-n", name, "link", "set", there, "up")
+        _ip("-n", name, "link", "set", "lo", "up")
+        yield link
+    finally:
+        # deleting one end removes both; each step runs even when an earlier one failed
+        subprocess.run(["ip", "link", "del", here], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    """Turn SIGTERM into SystemExit so the ``finally`` blocks (namespace cleanup) run."""
+    sys.exit(128 + signum)
 
 
 # ------------------------------------------------------------------ P: the sending side
@@ -271,10 +386,16 @@ class Cell:
     concurrency: int
     calls: int  # sends or copy calls per transfer
     bytes_per_round: int
+    link: str = ""  # Link.name: empty unless --netns measures several links
     times_ms: list[float] = field(default_factory=list)
     data_ms: list[float] = field(default_factory=list)  # shm: write only, before the notice
     verified: bool = False
     memcpy_ms: list[float] = field(default_factory=list)  # baseline timed beside this cell
+
+    @property
+    def label(self) -> str:
+        """The transport, with the link when one is named ("gloo veth")."""
+        return f"{self.transport} {self.link}".strip()
 
     @property
     def median_ms(self) -> float:
@@ -359,22 +480,25 @@ class Bench:
 
     # -- D process
 
-    def start_decoder(self) -> None:
-        """Spawn D, connect to it, have it create its pools, and open the shm / gloo transports
-        asked for."""
+    def start_decoder(self, link: Link) -> None:
+        """Spawn D (in ``link``'s namespace), connect to it, have it create its pools, and open
+        the shm / gloo transports asked for."""
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         a = self.args
-        secret = secrets.token_bytes(32)  # reaches D through the spawn pipe, not argv
-        self.child = ctx.Process(target=decoder_main, args=(a.host, a.ctrl_port, secret, queue))
+        key = rpc.ClusterKey.generate()  # reaches D through the spawn pipe, not argv
+        self.child = ctx.Process(
+            target=decoder_main, args=(link.d_host, a.ctrl_port, key, queue, link.netns)
+        )
         self.child.start()
         address = queue.get(timeout=STARTUP_TIMEOUT_S)
         self.node = rpc.RpcNode(
             "P",
             self._unexpected,
-            host=a.host,
+            host=link.p_host,
             timeout_s=CONTROL_TIMEOUT_S,
-            codec=rpc.Codec(secret, extra=BENCH_MESSAGES),
+            codec=rpc.Codec(key.secret, extra=BENCH_MESSAGES),
+            curve=curve_for(link.p_host, key),
         )
         self.node.connect("D", address)
         handles = self.call(
@@ -389,24 +513,33 @@ class Bench:
             self.shm["agg"] = SharedMemoryTransport(handles.agg).dst
             self.shm["per_layer"] = SharedMemoryTransport(handles.per_layer).dst
         if "gloo" in a.transports:
-            store = start_store(a.host, a.gloo_port, timeout_s=CONTROL_TIMEOUT_S)
-            self.call(JoinGloo(a.host, store.port))
-            self.gloo = GlooTransport(0, store=store, timeout_s=CONTROL_TIMEOUT_S)
+            store = start_store(link.p_host, a.gloo_port, timeout_s=CONTROL_TIMEOUT_S)
+            self.call(JoinGloo(link.p_host, store.port, link.d_host))
+            self.gloo = GlooTransport(
+                0, link.p_host, store=store, bind_host=link.p_host, timeout_s=CONTROL_TIMEOUT_S
+            )
 
     def stop_decoder(self) -> None:
-        """Close the transports, tell D to stop and wait for it (killed after 30 s)."""
+        """Close the transports, tell D to stop and wait for it (killed after 30 s, or at once
+        when it does not answer: an error or a signal that cut a gloo round short leaves D
+        waiting inside that round)."""
         if self.gloo is not None:
             self.gloo.close()
+            self.gloo = None
         self.shm.clear()
+        answered = False
         if self.node is not None:
-            try:
-                self.call(Stop("done"), timeout_s=10)
-            finally:
-                self.node.close()
+            with contextlib.suppress(TransferError):
+                self.call(Stop("done"), timeout_s=STOP_TIMEOUT_S)
+                answered = True
+            self.node.close()
+            self.node = None
         if self.child is not None:
-            self.child.join(30)
+            self.child.join(30 if answered else 0)
             if self.child.is_alive():
                 self.child.kill()
+                self.child.join()
+            self.child = None
 
     @staticmethod
     def _unexpected(sender: str, msg: rpc.Msg) -> rpc.Msg | None:
@@ -507,17 +640,22 @@ class Bench:
             got = self.call(Verify(mode, self.dst_ids[:c])).sums
         return got == want
 
-    def run(self) -> None:
-        """Measure every (transport, mode, concurrency) cell, each followed by its memcpy
-        baseline; starts and stops D when a remote transport is asked for."""
+    def run(self, links: list[Link]) -> None:
+        """Measure every (link, transport, mode, concurrency) cell, each followed by its memcpy
+        baseline; starts and stops D, once per link, when a remote transport is asked for."""
+        for link in links:
+            self.run_link(link)
+
+    def run_link(self, link: Link) -> None:
+        """The cells of one link (see :meth:`run`)."""
         a = self.args
         remote = [t for t in a.transports if t != "copy"]
         cells = [(t, m, c) for t in a.transports for m in a.modes for c in a.concurrency]
         if remote:
-            self.start_decoder()
+            self.start_decoder(link)
         local_dst: dict[str, torch.Tensor] = {}
         try:
-            for t, m, c in tqdm(cells, desc="transfer cells"):
+            for t, m, c in tqdm(cells, desc=f"transfer cells {link.name}".strip()):
                 if t == "copy":
                     k = self.key(m)
                     if k not in local_dst:
@@ -529,6 +667,7 @@ class Bench:
                     cell = self.run_gloo(m, c)
                 # the baseline right after the cell, under the same host load
                 cell.memcpy_ms = self.run_memcpy(c, MEMCPY_BUDGET_S)
+                cell.link = link.name
                 self.cells.append(cell)
         finally:
             if remote:
@@ -560,14 +699,17 @@ class Bench:
             }
             if cell.transport == "shm" and cell.data_ms:
                 row["write_ms_median"] = statistics.median(cell.data_ms)
+            if cell.link:
+                row["link"] = cell.link
             out.append(row)
         return out
 
     def summary(self, rows: list[dict]) -> dict:
-        """Ratios from ``rows``: by_request over aggregated time; shm bandwidth over memcpy."""
-        by = {(r["transport"], r["mode"], r["concurrency"]): r for r in rows}
+        """Ratios from ``rows``: by_request over aggregated time; shm bandwidth over memcpy;
+        under --netns, veth over loopback time per mode and load."""
+        by = {(_label(r), r["mode"], r["concurrency"]): r for r in rows}
         out: dict[str, float] = {}
-        for t in self.args.transports:
+        for t in dict.fromkeys(_label(r) for r in rows):
             for c in self.args.concurrency:
                 req = by.get((t, TransferMode.BY_REQUEST.value, c))
                 agg = by.get((t, TransferMode.AGGREGATED.value, c))
@@ -582,7 +724,15 @@ class Bench:
                         out[f"shm c={c}: {m} write-only bandwidth / memcpy"] = (
                             r["memcpy_ms_median"] / r["write_ms_median"]
                         )
+        for (t, m, c), veth in by.items():
+            if t == "gloo veth" and (lo := by.get(("gloo lo", m, c))):
+                out[f"gloo c={c}: {m} veth / loopback time"] = veth["ms_median"] / lo["ms_median"]
         return out
+
+
+def _label(row: dict) -> str:
+    """A row's transport, with its link when it has one (see :attr:`Cell.label`)."""
+    return f"{row['transport']} {row.get('link', '')}".strip()
 
 
 def _fmt(x: float | None) -> str:
@@ -614,7 +764,7 @@ def print_report(bench: Bench, rows: list[dict], summary: dict) -> None:
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
         print(
-            f"{r['transport']:<9} {r['mode']:<22} {r['concurrency']:>4} "
+            f"{_label(r):<9} {r['mode']:<22} {r['concurrency']:>4} "
             f"{r['calls_per_transfer']:>6} {r['ms_median']:>9.2f} {r['ms_p99']:>9.2f} "
             f"{_fmt(r.get('write_ms_median')):>9} "
             f"{r['gb_per_s']:>7.2f} {r['vs_memcpy']:>9.2f} {r['reps']:>5} "
@@ -636,8 +786,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument(
         "--transports",
-        default=",".join(TRANSPORTS),
-        help="comma-separated subset of " + ",".join(TRANSPORTS),
+        default=None,
+        help="comma-separated subset of " + ",".join(TRANSPORTS) + " (default: all; gloo "
+        "with --netns)",
     )
     p.add_argument("--modes", default=",".join(m.value for m in TransferMode))
     p.add_argument("--concurrency", default="1,16", help="concurrent transfers per round")
@@ -653,14 +804,25 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="control and gloo address")
     p.add_argument("--ctrl-port", type=int, default=0, help="D's control port (0 = free)")
     p.add_argument("--gloo-port", type=int, default=0, help="gloo store port (0 = free)")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--netns",
+        action="store_true",
+        help="gloo on loopback and across a veth pair into a fresh network namespace "
+        "(root; the namespace is removed on exit)",
+    )
+    p.add_argument("--out", type=Path, default=None, help=f"default: {RESULTS} or, with "
+                   f"--netns, {RESULTS_NETNS}")  # fmt: skip
     a = p.parse_args()
-    a.transports = [t for t in a.transports.split(",") if t]
+    default_transports = ("gloo",) if a.netns else TRANSPORTS
+    a.transports = [t for t in (a.transports or ",".join(default_transports)).split(",") if t]
+    a.out = a.out or (RESULTS_NETNS if a.netns else RESULTS)
     a.modes = [TransferMode(m).value for m in a.modes.split(",") if m]
     a.concurrency = [int(c) for c in a.concurrency.split(",") if c]
     bad = [t for t in a.transports if t not in TRANSPORTS]
     if bad or not a.transports:
         p.error(f"unknown transports {bad}; choose from {TRANSPORTS}")
+    if a.netns and a.transports != ["gloo"]:
+        p.error("--netns measures gloo only: shm and copy cannot cross hosts")
     if not a.concurrency or min(a.concurrency) < 1:
         p.error("--concurrency needs positive integers")
     if a.tokens < 1:
@@ -672,10 +834,20 @@ def main() -> None:
     """Run the cells, print the report, write JSON and a plot; fail if a transfer was not
     bit-exact."""
     args = parse_args()
+    if args.netns:
+        if why := netns_unavailable():
+            print(f"skipping --netns: {why}", file=sys.stderr)
+            return
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     bench = Bench(args)
-    bench.run()
+    with veth_namespace() if args.netns else contextlib.nullcontext() as veth:
+        if veth is None:
+            links = [Link("", args.host, args.host)]
+        else:  # loopback first, then across the namespaces, under the same conditions
+            links = [Link("lo", rpc.LOOPBACK, rpc.LOOPBACK), veth]
+        bench.run(links)
     rows = bench.rows()
     summary = bench.summary(rows)
     print_report(bench, rows, summary)
@@ -712,6 +884,13 @@ def main() -> None:
         ],
         "wall_s": time.perf_counter() - start,
     }
+    if args.netns:
+        result["links"] = [asdict(link) for link in links]
+        result["notes"].append(
+            "--netns: link lo = P and D on 127.0.0.1 in one namespace; link veth = P on the "
+            "root side of a veth pair, D in a fresh network namespace on its other end (default "
+            "MTU, CURVE-encrypted control plane); the same D pools and source blocks for both"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     plot_rows(rows, args.out.with_suffix(".png"))
@@ -725,9 +904,9 @@ def plot_rows(rows: list[dict], path: Path) -> None:
     """Bars of bandwidth relative to memcpy per transport and mode, one series per load."""
     from plotting import grouped_bars
 
-    cells = sorted({(r["transport"], r["mode"]) for r in rows}, key=lambda c: (c[0], c[1]))
+    cells = sorted({(_label(r), r["mode"]) for r in rows}, key=lambda c: (c[0], c[1]))
     loads = sorted({r["concurrency"] for r in rows})
-    value = {(r["transport"], r["mode"], r["concurrency"]): r["vs_memcpy"] for r in rows}
+    value = {(_label(r), r["mode"], r["concurrency"]): r["vs_memcpy"] for r in rows}
     grouped_bars(
         path,
         "KV transfer of one request: bandwidth / plain memcpy",

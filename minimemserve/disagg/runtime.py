@@ -32,6 +32,7 @@ import multiprocessing as mp
 import os
 import secrets
 import signal
+import socket
 import threading
 import time
 import weakref
@@ -159,6 +160,33 @@ def _cluster_key(
         raise ConfigError(str(e)) from None
 
 
+class _HostStore:
+    """A ``TCPStore`` listening on ``host`` only (by itself it listens on every interface):
+    where torch.distributed pairs meet. It has no authentication (see the README)."""
+
+    def __init__(self, host: str, timeout_s: float) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            sock.listen(128)
+            self.port = sock.getsockname()[1]
+            self.store = torch.distributed.TCPStore(
+                host, self.port, is_master=True, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno(),
+            )  # fmt: skip
+            sock.detach()  # the store owns the socket now, and closes it
+
+    def close(self) -> None:
+        self.store = None
+
+
+def _host_store(host: str, timeout_s: float) -> _HostStore:
+    try:
+        return _HostStore(host, timeout_s)
+    except (OSError, RuntimeError) as e:
+        raise TransferError(f"cannot host the torch.distributed store on {host}: {e}") from e
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """``host:port`` (an instance's ``--listen``) as a pair; raises ConfigError."""
     host, sep, port = address.removeprefix("tcp://").rpartition(":")
@@ -282,7 +310,7 @@ class ProcessCluster:
         curve = None if host in rpc.LOOPBACK_HOSTS else (key or rpc.ClusterKey.generate()).curve
         codec = rpc.Codec(secret)
         self.session = secrets.token_hex(8)  # names this deployment's pair groups
-        self._store: Any = None  # the TCPStore torch.distributed pairs meet in, if any
+        self._store: _HostStore | None = None  # where torch.distributed pairs meet, if any
         self._beacon: rpc.Beacon | None = None  # heartbeats to instances started on their own
         self.node = rpc.RpcNode(
             "frontend",
@@ -417,10 +445,7 @@ class ProcessCluster:
             handle = b.handle if way == "shm" else None
             out.append(msgspec.structs.replace(b.peer_info(), transport=way, handle=handle))
             if way == "gloo" and self._store is None:
-                timeout = datetime.timedelta(seconds=self.timeout_s)
-                self._store = torch.distributed.TCPStore(
-                    self._host, 0, is_master=True, wait_for_workers=False, timeout=timeout
-                )
+                self._store = _host_store(self._host, self.timeout_s)
         return out
 
     def _store_address(self) -> str:
@@ -465,7 +490,9 @@ class ProcessCluster:
         if any(i.process is None for i in self.instances.values()):
             time.sleep(0.05)  # let the Shutdown frames to other hosts leave before the sockets go
         self._finalizer()
-        self._store = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
         self.node.close()
         if self._old_sigterm is not None:
             with contextlib.suppress(ValueError):
