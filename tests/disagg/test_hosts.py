@@ -231,6 +231,7 @@ def test_losing_a_remote_decode_instance(tiny_llama_dir, tmp_path, how):
                 outs = c.run_until_done(60)
                 assert sorted(o.request_id for o in outs) == sorted(rids)
                 assert all(o.finish_reason == "length" for o in outs)
+                assert "D0" in {o.metrics.decode_instance for o in outs}  # it serves again
                 c.check_pools()  # D0 included
                 links = c.stats()["P0"]["links"]
                 assert links["D0"]["transport"] == "gloo"  # a new pair group with D0
