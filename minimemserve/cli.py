@@ -53,6 +53,8 @@ def _instance(args: argparse.Namespace) -> int:
     host, port = parse_address(args.listen)
     if host in ("0.0.0.0", "::", "*"):
         raise ConfigError("--listen needs the address peers reach this host at, not a wildcard")
+    if args.transport == "nccl" and not args.device.startswith("cuda"):
+        raise ConfigError("--transport nccl moves CUDA tensors: give a --device cuda")
     sizes = {"num_blocks": args.num_blocks, "dram_blocks": args.dram_blocks}
     opts = StandaloneOptions(
         role=args.role,

@@ -227,7 +227,8 @@ def test_losing_a_remote_decode_instance(tiny_llama_dir, tmp_path, how):
                 while "D0" in c.dead and time.monotonic() < deadline:
                     c.step()
                 assert not c.dead and c.num_rejoins == 1, inst.log(1)[-2000:]
-                rids = [c.add_request(prompt(50 + i), PARAMS) for i in range(4)]
+                busy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+                rids = [c.add_request(prompt(50 + i), busy) for i in range(4)]  # D1 gets busy
                 outs = c.run_until_done(60)
                 assert sorted(o.request_id for o in outs) == sorted(rids)
                 assert all(o.finish_reason == "length" for o in outs)
