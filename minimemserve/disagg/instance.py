@@ -47,6 +47,7 @@ from ..engine import Engine
 from ..errors import InstanceDied, InvalidRequest, RemoteError, TransferError
 from ..mempool import MemPool
 from ..mempool.shared import SharedPoolTensor, attach, segment_path
+from ..model.config import ModelConfig
 from ..request import Request, logprobs_fit
 from . import rpc
 from .transports import GlooTransport, TransferMode
@@ -689,8 +690,6 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
 
 def _model_summary(model_dir: str) -> dict[str, int]:
     """The shape of the checkpoint, for the frontend to check it serves the same model."""
-    from ..model.config import ModelConfig  # here: only standalone instances need it
-
     mc = ModelConfig.from_hf(model_dir)
     keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
     return {k: int(getattr(mc, k)) for k in keys}
