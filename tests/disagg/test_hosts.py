@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import msgspec
@@ -236,3 +237,34 @@ def test_losing_a_remote_decode_instance(tiny_llama_dir, tmp_path, how):
                 c.check_pools()  # D0 included
                 links = c.stats()["P0"]["links"]
                 assert links["D0"]["transport"] == "gloo"  # a new pair group with D0
+
+
+FRONTEND_SCRIPT = """
+import sys, time
+from minimemserve.disagg.runtime import ProcessCluster
+from minimemserve.config import EngineConfig
+c = ProcessCluster(sys.argv[1], "1P1D", engine_config=EngineConfig(num_blocks=128),
+                   instances=sys.argv[3:], key=sys.argv[2], heartbeat_timeout_s=2.0)
+print("joined", flush=True)
+time.sleep(600)
+"""
+
+
+def test_instances_outlive_a_killed_frontend(tiny_llama_dir, tmp_path):
+    with LocalInstances(["prefill", "decode"], tmp_path / "k", model_dir=tiny_llama_dir,
+                        transport="gloo", log_dir=tmp_path) as inst:  # fmt: skip
+        cmd = [sys.executable, "-c", FRONTEND_SCRIPT, str(tiny_llama_dir), str(inst.key)]
+        front = subprocess.Popen(cmd + inst.addresses, stdout=subprocess.PIPE, text=True)
+        assert front.stdout.readline().strip() == "joined"
+        front.kill()  # no Shutdown: the instances notice the silence and end the session
+        front.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(
+            "nothing from the frontend" in inst.log(i) for i in (0, 1)
+        ):
+            time.sleep(0.2)
+        assert all("nothing from the frontend" in inst.log(i) for i in (0, 1))
+        with ProcessCluster(tiny_llama_dir, "1P1D", engine_config=CONFIG,
+                            instances=inst.addresses, key=inst.key) as c:  # fmt: skip
+            assert len(run_turns(c, 2, 1)) == 2
+            c.check_pools()
