@@ -65,18 +65,20 @@ import msgspec
 import torch
 from tqdm.auto import tqdm
 
+from minimemserve.bench.transports import (
+    SharedMemoryTransport,
+    copy_blocks,
+    pieces_per_transfer,
+    start_store,
+)
 from minimemserve.blocks.allocator import BlockAllocator
 from minimemserve.blocks.copy import is_run
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.disagg import rpc
 from minimemserve.disagg.transports import (
     GlooTransport,
-    SharedMemoryTransport,
     Staging,
     TransferMode,
-    copy_blocks,
-    pieces_per_transfer,
-    start_store,
 )
 from minimemserve.errors import TransferError
 from minimemserve.mempool.shared import SharedPoolTensor

@@ -10,18 +10,20 @@ import msgpack
 import pytest
 import torch
 
-from minimemserve.disagg.transports import (
+from minimemserve.bench.transports import (
     CopyTransport,
-    GlooTransport,
     SharedMemoryTransport,
     SharedTensorFactory,
-    TransferMode,
-    TransportKind,
     choose_transport,
     copy_blocks,
     pieces_per_transfer,
     remove_stale_segments,
     start_store,
+)
+from minimemserve.disagg.transports import (
+    GlooTransport,
+    TransferMode,
+    TransportKind,
 )
 from minimemserve.errors import TransferError
 from minimemserve.mempool.shared import SHM_DIR, SharedHandle, SharedPoolTensor, attach
