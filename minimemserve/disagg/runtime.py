@@ -83,6 +83,8 @@ MAX_RERUNS = 2
 ABORT_MEMORY = 4096
 # How long abort() blocks on the socket per wait for an instance to finish its step.
 ABORT_POLL_S = 0.002
+# How long a frontend waits for a standalone instance's answer before asking again.
+HELLO_RETRY_S = 2.0
 # KV transports a cluster or an instance may ask for; "auto": shared memory on one host.
 TRANSPORTS = ("auto", "shm", "gloo", "nccl")
 # Exceptions an instance may raise for a bad request, re-raised here under their own class.
@@ -393,14 +395,7 @@ class ProcessCluster:
         for i, address in enumerate(addresses):
             host, port = parse_address(address)
             address = rpc.endpoint(host, port)
-            self.node.connect(f"?{i}", address)
-            try:
-                hello = self.node.call(f"?{i}", rpc.Hello(), timeout_s=timeout_s).data
-            except TransferError as e:
-                raise InstanceDied(f"no instance answers at {address}: {e}") from None
-            finally:
-                self.node.disconnect(f"?{i}")
-            found.append((address, str(hello.get("role")), hello))
+            found.append((address, *self._hello(f"?{i}", address, timeout_s)))
         roles = self.deployment.milestone.roles
         for address, role, hello in found:
             model = hello.get("model")
@@ -427,6 +422,26 @@ class ProcessCluster:
                 self.node.call(name, join, timeout_s=timeout_s)
             except RemoteError as e:
                 raise ConfigError(f"the instance at {address} refused to join: {e}") from None
+
+    def _hello(self, name: str, address: str, timeout_s: float) -> tuple[str, dict]:
+        """The role and ``Hello`` answer of the instance at ``address``. Asked again every
+        :data:`HELLO_RETRY_S`: a frame that reached a socket the instance was closing (it
+        rebinds between sessions) is lost, not refused."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                self.node.connect(name, address)
+                left = deadline - time.monotonic()
+                try:
+                    hello = self.node.call(name, rpc.Hello(), timeout_s=min(HELLO_RETRY_S, left))
+                    return str(hello.data.get("role")), hello.data
+                except RemoteError:
+                    raise
+                except TransferError as e:
+                    if time.monotonic() >= deadline:
+                        raise InstanceDied(f"no instance answers at {address}: {e}") from None
+        finally:
+            self.node.disconnect(name)
 
     def _link(self, timeout_s: float) -> None:
         """Tell every instance its peers and the transport of each pair; pairs that use

@@ -260,7 +260,7 @@ def test_instances_outlive_a_killed_frontend(tiny_llama_dir, tmp_path):
         front.wait()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not all(
-            "nothing from the frontend" in inst.log(i) for i in (0, 1)
+            inst.log(i).count("waiting for a frontend") == 2 for i in (0, 1)
         ):
             time.sleep(0.2)
         assert all("nothing from the frontend" in inst.log(i) for i in (0, 1))
