@@ -14,7 +14,7 @@ from minimemserve.bench.presets import preset_dir
 from minimemserve.disagg import rpc
 from minimemserve.disagg.instance import StandaloneOptions, standalone_main
 from minimemserve.disagg.runtime import TRANSPORTS, parse_address
-from minimemserve.errors import ConfigError
+from minimemserve.errors import ConfigError, MiniMemServeError
 from minimemserve.llm import LLM
 from minimemserve.sampling import SamplingParams
 from minimemserve.sim import runner as sim_runner
@@ -50,13 +50,20 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _instance(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        return standalone_main(_standalone_options(args))
+    except (MiniMemServeError, ValueError, OSError) as e:  # a bad flag, key file or port
+        raise SystemExit(f"minimemserve instance: {e}") from None
+
+
+def _standalone_options(args: argparse.Namespace) -> StandaloneOptions:
     host, port = parse_address(args.listen)
     if host in ("0.0.0.0", "::", "*"):
         raise ConfigError("--listen needs the address peers reach this host at, not a wildcard")
     if args.transport == "nccl" and not args.device.startswith("cuda"):
         raise ConfigError("--transport nccl moves CUDA tensors: give a --device cuda")
     sizes = {"num_blocks": args.num_blocks, "dram_blocks": args.dram_blocks}
-    opts = StandaloneOptions(
+    return StandaloneOptions(
         role=args.role,
         model_dir=str(args.model or preset_dir("tiny")),
         host=host,
@@ -69,11 +76,13 @@ def _instance(args: argparse.Namespace) -> int:
         engine_overrides={k: v for k, v in sizes.items() if v is not None},
         once=args.once,
     )
-    return standalone_main(opts)
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    rpc.ClusterKey.generate().save(args.out)
+    try:
+        rpc.ClusterKey.generate().save(args.out)
+    except OSError as e:
+        raise SystemExit(f"minimemserve keygen: cannot write {args.out}: {e}") from None
     print(f"wrote {args.out} (owner-only); copy it to every host of the cluster")
     return 0
 

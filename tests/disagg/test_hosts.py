@@ -268,3 +268,27 @@ def test_instances_outlive_a_killed_frontend(tiny_llama_dir, tmp_path):
                             instances=inst.addresses, key=inst.key) as c:  # fmt: skip
             assert len(run_turns(c, 2, 1)) == 2
             c.check_pools()
+
+
+def test_the_instance_command_names_what_is_wrong(tmp_path, capsys):
+    from minimemserve import cli
+
+    key = tmp_path / "k"
+    assert cli.main(["keygen", "--out", str(key)]) == 0
+    cases = [
+        (["keygen", "--out", str(key)], "File exists"),  # never overwrites a key
+        (["instance", "--role", "decode", "--listen", "127.0.0.1:7001", "--key",
+          str(tmp_path / "none")], "No such file"),
+        (["instance", "--role", "decode", "--listen", "0.0.0.0:7001", "--key", str(key)],
+         "not a wildcard"),
+        (["instance", "--role", "decode", "--listen", "127.0.0.1", "--key", str(key)],
+         "HOST:PORT"),
+        (["instance", "--role", "decode", "--listen", "127.0.0.1:7001", "--key", str(key),
+          "--transport", "nccl"], "CUDA"),
+    ]  # fmt: skip
+    for argv, why in cases:
+        with pytest.raises(SystemExit, match=why):
+            cli.main(argv)
+    os.chmod(key, 0o640)
+    with pytest.raises(SystemExit, match="open to group or others"):
+        cli.main(["instance", "--role", "decode", "--listen", "127.0.0.1:7001", "--key", str(key)])
