@@ -290,7 +290,7 @@ def decoder_main(
         port=port,
         timeout_s=CONTROL_TIMEOUT_S,
         codec=rpc.Codec(key.secret, extra=BENCH_MESSAGES),
-        curve=curve_for(host, key),
+        curve=key.curve_for(host),
     )
     try:
         queue.put(node.address)
@@ -301,12 +301,6 @@ def decoder_main(
     finally:
         decoder.close()
         node.close()
-
-
-def curve_for(host: str, key: rpc.ClusterKey) -> tuple[bytes, bytes] | None:
-    """The CURVE pair a control node on ``host`` needs: none on loopback (no encryption cost
-    in the default runs), the cluster key's pair elsewhere."""
-    return None if host in rpc.LOOPBACK_HOSTS else key.curve
 
 
 # ------------------------------------------------------------------ the link between P and D
@@ -500,7 +494,7 @@ class Bench:
             host=link.p_host,
             timeout_s=CONTROL_TIMEOUT_S,
             codec=rpc.Codec(key.secret, extra=BENCH_MESSAGES),
-            curve=curve_for(link.p_host, key),
+            curve=key.curve_for(link.p_host),
         )
         self.node.connect("D", address)
         handles = self.call(

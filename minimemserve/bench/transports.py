@@ -2,8 +2,7 @@
 
 A transfer moves whole aggregated blocks (``[num_blocks, L, 2, block_size, n_kv_heads,
 head_dim]`` pool tensors, block dimension first) from a sender's pool into blocks the
-receiver has already allocated. The fastest path available for a pair is picked by
-:func:`choose_transport`:
+receiver has already allocated. Paths, fastest first:
 
 * same process -> :class:`CopyTransport`, a plain tensor copy;
 * same host -> :class:`SharedMemoryTransport`: the receiver's pool tensor lives in shared
@@ -12,7 +11,8 @@ receiver has already allocated. The fastest path available for a pair is picked 
 * different hosts -> :class:`~minimemserve.disagg.transports.GlooTransport`:
   ``torch.distributed`` point-to-point, two-sided.
 
-The runtime makes the same choice per pair of instances (``disagg.runtime.pair_transport``)."""
+The runtime picks between shared memory and torch.distributed per pair of instances, by their
+hosts' identity (``disagg.runtime.pair_transport``)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,6 @@ from minimemserve.mempool.shared import (
     SharedPoolTensor,
     attach,
 )
-
-_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", ""})
 
 
 def pieces_per_transfer(mode: TransferMode | str, num_layers: int, num_blocks: int) -> int:
@@ -325,37 +323,3 @@ def start_store(
         datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
-
-
-def _same_host(local_host: str, peer_host: str) -> bool:
-    if local_host == peer_host:
-        return True
-    return local_host in _LOOPBACK_NAMES and peer_host in _LOOPBACK_NAMES
-
-
-def choose_transport(
-    local_host: str,
-    peer_host: str,
-    same_process: bool,
-    device: str | torch.device = "cpu",
-    peer_device: str | torch.device | None = None,
-) -> TransportKind:
-    """The fastest data path between this instance and a peer.
-
-    Same process -> copy; same host -> shared memory (CPU) or CUDA IPC (both on the same
-    GPU); otherwise torch.distributed point-to-point (gloo for CPU, NCCL for CUDA). Hosts
-    are compared by name; loopback names count as this host.
-    """
-    device = torch.device(device)
-    peer = torch.device(peer_device) if peer_device is not None else device
-    if device.type != peer.type:
-        raise ValueError(f"peers keep KV on different device types: {device} and {peer}")
-    if same_process:
-        return TransportKind.COPY
-    if _same_host(local_host, peer_host):
-        if device.type == "cpu":
-            return TransportKind.SHM
-        if (device.index or 0) == (peer.index or 0):
-            return TransportKind.CUDA_IPC
-        return TransportKind.NCCL
-    return TransportKind.NCCL if device.type == "cuda" else TransportKind.GLOO

@@ -710,7 +710,6 @@ def _check_join(m: rpc.Join, opts: StandaloneOptions) -> InstanceSpec:
         raise ValueError(f"bad engine config: {e}") from None
     if config.tp_size(opts.role) != 1:
         raise ValueError("a standalone instance runs one rank (tensor parallel size 1)")
-    curve = None if opts.host in rpc.LOOPBACK_HOSTS else opts.key.curve
     return InstanceSpec(
         name=m.name,
         role=opts.role,
@@ -727,7 +726,7 @@ def _check_join(m: rpc.Join, opts: StandaloneOptions) -> InstanceSpec:
         heartbeat_s=m.heartbeat_s,
         shared_pool=m.linked and opts.transport in ("auto", "shm"),
         secret=opts.key.secret,
-        curve=curve,
+        curve=opts.key.curve_for(opts.host),
         transport=opts.transport,
         frontend_timeout_s=m.frontend_timeout_s,
         session=m.session,
@@ -751,9 +750,14 @@ def _await_join(
         joined.append(_check_join(msg, opts))
         return None
 
-    curve = None if opts.host in rpc.LOOPBACK_HOSTS else opts.key.curve
-    node = rpc.RpcNode("waiting", handle, host=opts.host, port=opts.port,
-                       codec=rpc.Codec(opts.key.secret), curve=curve)  # fmt: skip
+    node = rpc.RpcNode(
+        "waiting",
+        handle,
+        host=opts.host,
+        port=opts.port,
+        codec=rpc.Codec(opts.key.secret),
+        curve=opts.key.curve_for(opts.host),
+    )
     logger.info("instance (%s) waiting for a frontend at %s", opts.role, node.address)
     if back is not None:
         node.name = back.name  # the name the frontend knows, to rejoin under

@@ -316,6 +316,10 @@ class ClusterKey:
             raise ValueError("a cluster key's CURVE public key does not match its secret key")
         self.secret, self.curve = secret, (public, private)
 
+    def curve_for(self, host: str) -> tuple[bytes, bytes] | None:
+        """The CURVE key pair a socket bound on ``host`` uses: none on loopback."""
+        return None if host in LOOPBACK_HOSTS else self.curve
+
     @classmethod
     def generate(cls) -> ClusterKey:
         """A fresh random key."""

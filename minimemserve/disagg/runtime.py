@@ -309,7 +309,7 @@ class ProcessCluster:
         # the secret reaches spawned instances through the spawn pipe; off loopback every
         # socket is CURVE-encrypted with a key pair made here (or the cluster key's)
         secret = key.secret if key is not None else secrets.token_bytes(32)
-        curve = None if host in rpc.LOOPBACK_HOSTS else (key or rpc.ClusterKey.generate()).curve
+        curve = (key or rpc.ClusterKey.generate()).curve_for(host)
         codec = rpc.Codec(secret)
         self.session = secrets.token_hex(8)  # names this deployment's pair groups
         self._store: _HostStore | None = None  # where torch.distributed pairs meet, if any
@@ -327,7 +327,7 @@ class ProcessCluster:
         self._finalizer = weakref.finalize(self, _reap, self.instances.values())
         try:
             if instances is not None:
-                self._join(instances, model_config, linked, startup_timeout_s)
+                self._join(instances, model_config, startup_timeout_s)
             else:
                 roles = self.deployment.instances(colocated=num_colocated)
                 spec_args = (device, dtype, cores_per_instance, host, base_port, heartbeat_s)
@@ -388,8 +388,7 @@ class ProcessCluster:
             proc.start()
             self.instances[name] = InstanceInfo(name, role, proc)
 
-    def _join(self, addresses: Sequence[str], model_config: ModelConfig, linked: bool,
-              timeout_s: float) -> None:  # fmt: skip
+    def _join(self, addresses: Sequence[str], model_config: ModelConfig, timeout_s: float) -> None:
         """Ask each standalone instance what it is, name it by role, and send it the deployment."""
         found: list[tuple[str, str, dict]] = []  # (address, role, hello)
         for i, address in enumerate(addresses):
@@ -415,13 +414,17 @@ class ProcessCluster:
             counts[role] += 1
             self.instances[name] = InstanceInfo(name, role, None, address)
             self.node.connect(name, address)
-            join = rpc.Join(self.session, name, self.deployment.name, self.node.address,
-                            dataclasses.asdict(self.engine_config), self.timeout_s,
-                            self._heartbeat_s, self.heartbeat_timeout_s, linked)  # fmt: skip
+            join = self._join_message(name)
             try:
                 self.node.call(name, join, timeout_s=timeout_s)
             except RemoteError as e:
                 raise ConfigError(f"the instance at {address} refused to join: {e}") from None
+
+    def _join_message(self, name: str) -> rpc.Join:
+        """What a standalone instance named ``name`` is sent to join this deployment."""
+        return rpc.Join(self.session, name, self.deployment.name, self.node.address,
+                        dataclasses.asdict(self.engine_config), self.timeout_s,
+                        self._heartbeat_s, self.heartbeat_timeout_s, self._linked)  # fmt: skip
 
     def _hello(self, name: str, address: str, timeout_s: float) -> tuple[str, dict]:
         """The role and ``Hello`` answer of the instance at ``address``. Asked again every
@@ -645,9 +648,7 @@ class ProcessCluster:
         self._back.discard(inst.name)
         inst.ready, inst.handle = False, None
         self.node.connect(inst.name, inst.address)  # frames queued for its old session go
-        join = rpc.Join(self.session, inst.name, self.deployment.name, self.node.address,
-                        dataclasses.asdict(self.engine_config), self.timeout_s,
-                        self._heartbeat_s, self.heartbeat_timeout_s, self._linked)  # fmt: skip
+        join = self._join_message(inst.name)
         reason = self.node.dead.pop(inst.name, "")  # the node would refuse to call it
         try:
             self.node.call(inst.name, join, timeout_s=self.timeout_s)

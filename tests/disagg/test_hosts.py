@@ -19,7 +19,7 @@ import pytest
 import torch
 import zmq
 
-from minimemserve import SamplingParams
+from minimemserve import SamplingParams, cli
 from minimemserve.bench.hosts import LocalInstances
 from minimemserve.config import EngineConfig
 from minimemserve.disagg import rpc
@@ -271,8 +271,6 @@ def test_instances_outlive_a_killed_frontend(tiny_llama_dir, tmp_path):
 
 
 def test_the_instance_command_names_what_is_wrong(tmp_path, capsys):
-    from minimemserve import cli
-
     key = tmp_path / "k"
     assert cli.main(["keygen", "--out", str(key)]) == 0
     cases = [

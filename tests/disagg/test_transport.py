@@ -14,7 +14,6 @@ from minimemserve.bench.transports import (
     CopyTransport,
     SharedMemoryTransport,
     SharedTensorFactory,
-    choose_transport,
     copy_blocks,
     pieces_per_transfer,
     remove_stale_segments,
@@ -248,19 +247,6 @@ def test_gloo_rejects_bad_setup() -> None:
         GlooTransport(2)
     with pytest.raises(ValueError, match="port of rank 0"):
         GlooTransport(1, port=0)
-
-
-def test_choose_transport_picks_the_fastest_path() -> None:
-    assert choose_transport("h1", "h1", same_process=True) is TransportKind.COPY
-    assert choose_transport("h1", "h1", same_process=False) is TransportKind.SHM
-    assert choose_transport("localhost", "127.0.0.1", False) is TransportKind.SHM
-    assert choose_transport("h1", "h2", False) is TransportKind.GLOO
-    assert choose_transport("h1", "h1", False, "cuda:0", "cuda:0") is TransportKind.CUDA_IPC
-    assert choose_transport("h1", "h1", False, "cuda:0", "cuda:1") is TransportKind.NCCL
-    assert choose_transport("h1", "h2", False, "cuda") is TransportKind.NCCL
-    assert TransportKind.SHM.one_sided and not TransportKind.GLOO.one_sided
-    with pytest.raises(ValueError, match="different device types"):
-        choose_transport("h1", "h1", False, "cpu", "cuda")
 
 
 def _cuda_writer(handle_bytes: bytes) -> None:

@@ -18,6 +18,7 @@ pytest.importorskip("fastapi")
 
 from minimemserve import LLM, SamplingParams  # noqa: E402
 from minimemserve.bench.driver import endpoint_targets, run_bench  # noqa: E402
+from minimemserve.bench.hosts import LocalInstances  # noqa: E402
 from minimemserve.model.tokenizer import Tokenizer  # noqa: E402
 from minimemserve.server import app  # noqa: E402
 from minimemserve.server.protocol import ChatFormat  # noqa: E402
@@ -352,8 +353,6 @@ def test_a_tensor_parallel_server_answers_as_the_library(tiny_llama_dir, referen
 
 
 def test_a_server_over_instances_started_on_their_own(tiny_llama_dir, reference, tmp_path):
-    from minimemserve.bench.hosts import LocalInstances
-
     with LocalInstances(["prefill", "decode"], tmp_path / "k", model_dir=tiny_llama_dir,
                         transport="gloo", log_dir=tmp_path) as inst:  # fmt: skip
         srv = Server(tiny_llama_dir, "1P1D-CC", "process", "--instances", ",".join(inst.addresses),
