@@ -453,7 +453,10 @@ class ProcessCluster:
         for a in insts:
             self.node.push(a.name, rpc.Peers(self._seen_by(a, insts), self._store_address()))
         for a in insts:  # answered once its pair groups formed
-            self.node.call(a.name, rpc.Query("links"), timeout_s=timeout_s)
+            formed = self.node.call(a.name, rpc.Query("links"), timeout_s=timeout_s).data
+            ways = {b.name: pair_transport(a, b, self.transport) for b in insts if b is not a}
+            if missing := {b for b, way in ways.items() if way == "gloo"} - set(formed):
+                raise TransferError(f"{a.name} formed no torch.distributed link with {missing}")
 
     def _seen_by(self, a: InstanceInfo, insts: Sequence[InstanceInfo]) -> list[rpc.PeerInfo]:
         """``a`` and the instances ``insts`` as ``a`` reaches them (transport, pool handle)."""
