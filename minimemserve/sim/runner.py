@@ -526,22 +526,38 @@ def calibrate(path: str | Path, hardware: str = "h200") -> list[dict]:
     return rows
 
 
+def _dense_part(roof: RooflineStepModel, shape: StepShape) -> float:
+    parts = roof.parts(shape)
+    return parts["linear"] + parts["elementwise"]
+
+
+# How each kind of published measurement is predicted (see ``data/anchors.json``'s note):
+# the batch's prefill, that and ``output - 1`` decode steps, or a pass's dense operators.
+ANCHOR_KINDS = {
+    "prefill": lambda roof, b, x, out: roof.step_time(StepShape(((0, x),) * b, (), b)),
+    "latency": lambda roof, b, x, out: (
+        roof.step_time(StepShape(((0, x),) * b, (), b))
+        + sum(roof.step_time(StepShape((), (x + i,) * b, b)) for i in range(1, out))
+    ),
+    "dense": lambda roof, b, x, out: _dense_part(roof, StepShape(((0, x),) * b, (), 0)),
+}
+
+
 def anchor_time(roof: RooflineStepModel, a: dict) -> float:
     """Predicted seconds of one published measurement ``a`` (see ``data/anchors.json``)."""
-    b, x = int(a["batch"]), int(a["input"])
-    t = roof.step_time(StepShape(((0, x),) * b, (), b))
-    if a["kind"] == "latency":
-        t += sum(roof.step_time(StepShape((), (x + i,) * b, b)) for i in range(1, int(a["output"])))
-    return t
+    if a["kind"] not in ANCHOR_KINDS:
+        raise ConfigError(f"unknown anchor kind {a['kind']!r}; known: {sorted(ANCHOR_KINDS)}")
+    return ANCHOR_KINDS[a["kind"]](roof, int(a["batch"]), int(a["input"]), int(a["output"]))
 
 
 def anchors(path: str | Path = DATA_DIR / "anchors.json") -> list[dict]:
-    """Every published measurement against the roofline's prediction; prints the table."""
+    """Every published measurement against the roofline's prediction; prints the table
+    (for whole requests also per output token) and each source's range of errors."""
     data = json.loads(Path(path).read_text())
     rows = []
     print(
-        f"{'hardware':9}{'model':12}{'TP':>3}{'kind':>9}{'batch':>6}{'in':>6}{'out':>5}"
-        f"{'published ms':>14}{'predicted ms':>14}{'error':>8}  source"
+        f"{'hardware':9}{'model':11}{'TP':>3}{'kind':>8}{'batch':>6}{'in':>6}{'out':>6}"
+        f"{'published':>11}{'predicted':>11}{'per token':>17}{'error':>7}  source"
     )
     for a in data["anchors"]:
         roof = RooflineStepModel(
@@ -549,11 +565,20 @@ def anchors(path: str | Path = DATA_DIR / "anchors.json") -> list[dict]:
         )
         pred = anchor_time(roof, a) * 1e3
         rows.append({**a, "predicted_ms": pred, "error": pred / a["ms"] - 1})
+        out = int(a["output"])
+        per = f"{a['ms'] / out:6.2f} /{pred / out:6.2f}" if a["kind"] == "latency" else ""
         print(
-            f"{a['hardware']:9}{a['model']:12}{a['tp']:>3}{a['kind']:>9}{a['batch']:>6}"
-            f"{a['input']:>6}{a['output']:>5}{a['ms']:>14.1f}{pred:>14.1f}"
-            f"{pred / a['ms'] - 1:>8.0%}  {a['source']}"
+            f"{a['hardware']:9}{a['model']:11}{a['tp']:>3}{a['kind']:>8}{a['batch']:>6}"
+            f"{a['input']:>6}{out:>6}{a['ms']:>11.1f}{pred:>11.1f}{per:>17}"
+            f"{pred / a['ms'] - 1:>7.0%}  {a['source']} {a['framework']}"
         )
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        groups.setdefault((r["hardware"], r["model"], r["source"], r["framework"], r["kind"]), [])
+        groups[r["hardware"], r["model"], r["source"], r["framework"], r["kind"]].append(r["error"])
+    print("\nerror range per source (hardware, model, source, framework, kind: rows, min..max)")
+    for key, errs in groups.items():
+        print(f"  {', '.join(key)}: {len(errs)}, {min(errs):+.0%}..{max(errs):+.0%}")
     return rows
 
 
