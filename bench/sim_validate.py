@@ -4,7 +4,8 @@
 
 Fits the CPU step model (real steps of the tiny preset on one thread, ~15 s) unless
 ``--cpu-model`` is given, measures the process runtime's per-step cost beyond the forward
-pass (one decode-heavy request per instance, ~15 s), runs the default four-configuration
+pass (one decode-heavy request per instance, ~15 s) and how much longer a prefill takes while
+the other instance decodes (~5 s), runs the default four-configuration
 benchmark for real (process runtime, one core per instance, two colocated instances,
 ``prompt_tree`` routing), then
 simulates the same sessions (same seed, same instance layout) and prints measured against
@@ -32,6 +33,7 @@ from minimemserve.sim.runner import (
     CPU_INSTANCES,
     DEFAULT_CONFIGS,
     cpu_setup,
+    measure_prefill_contention,
     measure_runtime_overhead,
     run_sim,
 )
@@ -148,12 +150,14 @@ def main() -> None:
         f"process runtime beyond the forward pass: {overhead[0] * 1e3:.2f} ms per step + "
         f"{overhead[1] * 1e3:.2f} ms per sequence"
     )
+    contention = measure_prefill_contention()
+    print(f"a prefill beside the other instance's decodes takes {contention:.2f}x as long")
     load_before = os.getloadavg()
     real = real_run(configs, args, out)["summaries"]
     load_after = os.getloadavg()
     print(f"load average (1, 5, 15 min) before the real run {load_before}, after {load_after}")
     sim = run_sim(
-        cpu_setup(fitted, runtime_overhead_s=overhead),
+        cpu_setup(fitted, runtime_overhead_s=overhead, prefill_contention=contention),
         configs,
         num_sessions=args.sessions,
         rate=args.rate,
@@ -169,6 +173,7 @@ def main() -> None:
         "rankings": ranks,
         "step_model": fitted.__dict__,
         "runtime_overhead_s": overhead,
+        "prefill_contention": contention,
         "load_average": {"before": load_before, "after": load_after},
         "wall_s": time.perf_counter() - t0,
     }

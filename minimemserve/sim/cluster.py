@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import heapq
 import itertools
+import math
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -207,13 +208,21 @@ class Topology:
     """Where instances sit: ``gpus_per_instance`` (TP) GPUs each, ``gpus_per_node`` per node;
     ``link(a, b)`` is the link between instance indices ``a`` and ``b``. ``blocking_calls``
     control calls of a transfer each wait for the receiver's step to end (a receiver that
-    answers its socket between steps, as a process-runtime instance does)."""
+    answers its socket between steps, as a process-runtime instance does). A step with
+    prefill work that starts while another instance is in a step takes ``prefill_contention``
+    times as long (instances sharing one machine's cores; 1 where each has its own device)."""
 
     intra: Link
     inter: Link
     gpus_per_instance: int = 1
     gpus_per_node: int = 1 << 30  # one node unless told
     blocking_calls: int = 0
+    prefill_contention: float = 1.0
+
+    def __post_init__(self) -> None:
+        c = self.prefill_contention
+        if not (isinstance(c, (int, float)) and math.isfinite(c) and c >= 1.0):
+            raise ConfigError(f"prefill_contention must be a finite number >= 1, got {c!r}")
 
     def link(self, a: int, b: int) -> Link:
         """The link between instances ``a`` and ``b``."""
@@ -376,8 +385,16 @@ class SimCluster:
                 continue
             self.steps += 1
             inst.last_step_s = self.step_time(shape)
+            if shape.prefills and self._shares_cores(inst):
+                inst.last_step_s *= self.topology.prefill_contention
             inst.step_ends = self.now + inst.last_step_s
             self.at(inst.step_ends, self._end_step, (inst,))
+
+    def _shares_cores(self, inst: SimInstance) -> bool:
+        """Whether another instance is in a step while ``inst`` starts one (and it matters)."""
+        if self.topology.prefill_contention == 1.0:
+            return False
+        return any(j.busy for j in self.instances if j is not inst)
 
     # ---- the workload ---------------------------------------------------------------------
     def replay(

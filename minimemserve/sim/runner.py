@@ -71,6 +71,8 @@ CPU_BLOCKING_CALLS = 4
 OVERHEAD_PROMPT_TOKENS, OVERHEAD_OUTPUT_TOKENS = 64, 64
 # Requests decoding together on each instance while the runtime's overhead is measured.
 OVERHEAD_BATCHES = (1, 16)
+# Prefill contention: prompts timed on one instance, alone and while the other decodes.
+CONTENTION_PROMPT_TOKENS, CONTENTION_PREFILLS, CONTENTION_DECODES = 384, 5, 4
 # A GPU instance's batch limits: vLLM's default sequence cap, and a token budget that holds
 # a whole Llama-2 prompt in one step (no chunking, as MemServe's vLLM base).
 GPU_MAX_NUM_SEQS, GPU_MAX_BATCHED_TOKENS = 256, 4096
@@ -143,28 +145,75 @@ def measure_runtime_overhead(
     return max(0.0, o1 - per_row * b1), per_row
 
 
+def measure_prefill_contention(model_dir: str | Path | None = None) -> float:
+    """How many times longer a prefill takes on one of the bench's two one-core instances
+    while the other decodes than while it idles: the median time to first token of
+    :data:`CONTENTION_PREFILLS` prompts of :data:`CONTENTION_PROMPT_TOKENS` tokens each way,
+    measured side by side in one process-runtime cluster (the cores and the frontend are
+    shared, so a decoding neighbour slows a compute-bound prefill)."""
+    mdir = Path(model_dir or preset_dir("tiny"))
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS * 4, temperature=0.0, ignore_eos=True)
+    prompt = [FIRST_PROMPT_TOKEN + j % 1000 for j in range(CONTENTION_PROMPT_TOKENS)]
+    ttft: dict[str, list[float]] = {"alone": [], "beside decodes": []}
+    with ProcessCluster(mdir, "PD", cores_per_instance=1, num_colocated=CPU_INSTANCES,
+                        policy="round_robin") as c:  # fmt: skip
+        # round robin: requests alternate between the two instances, so a one-token request
+        # to the other instance comes before each timed prompt
+        decodes = []
+        for phase in ttft:
+            for k in range(CONTENTION_PREFILLS):
+                c.add_request([FIRST_PROMPT_TOKEN], one, request_id=f"{phase}-pad-{k}")
+                rid = c.add_request(prompt, one, request_id=f"{phase}-{k}")
+                outs = []
+                while not any(o.request_id == rid for o in outs):
+                    outs += c.step()
+                ttft[phase] += [o.metrics.ttft for o in outs if o.request_id == rid]
+                if k == 0 and phase == "alone":  # the first prompt also warmed up
+                    ttft[phase].clear()
+            if phase == "alone":  # long decodes on the other instance for the next phase
+                for i in range(CONTENTION_DECODES):
+                    ids = [FIRST_PROMPT_TOKEN + (i * 7 + j) % 1000 for j in range(64)]
+                    decodes.append(c.add_request(ids, long, request_id=f"decode-{i}"))
+                    c.add_request([FIRST_PROMPT_TOKEN], one, request_id=f"decode-pad-{i}")
+        for rid in decodes:
+            c.abort(rid)
+        c.run_until_done()
+    alone, beside = (sorted(v)[len(v) // 2] for v in ttft.values())
+    return max(1.0, beside / alone)
+
+
 def cpu_setup(
     step_model: FittedStepModel,
     model_dir: str | Path | None = None,
     policy: str = "prompt_tree",
     runtime_overhead_s: tuple[float, float] = (0.0, 0.0),
+    prefill_contention: float = 1.0,
 ) -> SimSetup:
     """The default ``minimemserve bench`` layout: tiny preset (or ``model_dir``), fp32, the
     bench's engine options, two one-core instances, the token-count routing cost; each step
     costs ``runtime_overhead_s`` = (per step, per sequence) more than ``step_model`` says (the
-    process runtime's, :func:`measure_runtime_overhead`)."""
+    process runtime's, :func:`measure_runtime_overhead`), and a step with prefill work that
+    starts while the other instance computes ``prefill_contention`` times as long
+    (:func:`measure_prefill_contention`)."""
     mdir = Path(model_dir or preset_dir("tiny"))
     step_model = with_overhead(step_model, *runtime_overhead_s)
     mc = ModelConfig.from_hf(mdir)
     cfg = EngineConfig()
     block_bytes = 2 * mc.num_hidden_layers * cfg.block_size * mc.num_key_value_heads * mc.head_dim
     blocks = cfg.hbm_blocks(block_bytes * torch.float32.itemsize, torch.device("cpu"))
-    topo = Topology(CPU_LINK, CPU_LINK, blocking_calls=CPU_BLOCKING_CALLS)
+    topo = Topology(
+        CPU_LINK,
+        CPU_LINK,
+        blocking_calls=CPU_BLOCKING_CALLS,
+        prefill_contention=prefill_contention,
+    )
     describe = {
         "kind": "cpu",
         "model_dir": str(mdir),
         "step_model": asdict(step_model),
         "runtime_overhead_s": runtime_overhead_s,
+        "prefill_contention": prefill_contention,
         "instances": CPU_INSTANCES,
     }
     return SimSetup(

@@ -77,6 +77,23 @@ def test_same_hits_and_bytes_as_a_real_run(tiny_sessions, config):
     assert any(r["cached_tokens"] for r in real)
 
 
+def test_prefill_contention_slows_only_steps_with_prefill_beside_a_busy_instance(tiny_sessions):
+    plain, slowed = _setup(), cpu_setup(FittedStepModel(CPU_COEFS), prefill_contention=1.5)
+    base, _ = simulate(plain, ["PD", "1P1D"], tiny_sessions, rate=8.0, seed=0, progress=False)
+    more, _ = simulate(slowed, ["PD", "1P1D"], tiny_sessions, rate=8.0, seed=0, progress=False)
+    for config in ("PD", "1P1D"):
+        mean = lambda rs: sum(r["ttft"] for r in rs) / len(rs)
+        assert mean(more[config]) > mean(base[config])
+        keys = lambda rs: [(r["cached_tokens"], r["transferred_bytes"]) for r in rs]
+        assert sorted(keys(more[config])) == sorted(keys(base[config]))
+    # one instance alone never shares the cores: nothing changes
+    plain.instances = slowed.instances = 1
+    alone = [simulate(s, ["PD"], tiny_sessions, 8.0, 0, progress=False)[0] for s in (plain, slowed)]
+    assert alone[0] == alone[1]
+    with pytest.raises(ConfigError, match="prefill_contention"):
+        cpu_setup(FittedStepModel(CPU_COEFS), prefill_contention=0.5)
+
+
 def test_roofline_bounds_and_shapes():
     hw, shape = HardwareProfile.load("h800"), load_model_shape("llama2-13b")
     roof = RooflineStepModel(hw, shape, tp=2)
