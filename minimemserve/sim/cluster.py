@@ -340,8 +340,8 @@ class SimCluster:
         layout = src.layout
         nbytes = blocks * layout.block_bytes(src.dtype.itemsize) / self.topology.gpus_per_instance
         calls = link.calls(self.transfer_mode, blocks, layout.num_layers) if blocks else 1
-        calls = self.topology.blocking_calls if b.role == "decode" else RETURN_CALLS
-        busy = max(self.links.get((a.index, b.index), 0.0), self._answered(b, calls))
+        waits = self.topology.blocking_calls if b.role == "decode" else RETURN_CALLS
+        busy = max(self.links.get((a.index, b.index), 0.0), self._answered(b, waits))
         if self.transfer_mode == "by_layer" and a.busy:  # layers stream out as computed
             start = max(a.step_began, busy)
             end = max(

@@ -157,6 +157,20 @@ def test_links_queue_and_modes():
     p.free_mem(blocks)
     p.check()
     d.check()
+    # each mode pays its link's per-copy latency: one copy per layer piece of every block,
+    # one per aggregated block
+    landed = {}
+    for mode in ("by_request", "by_request_aggregated"):
+        cluster = gpu_setup("llama2-7b", "h100", 2, 1, transfer_mode=mode).cluster("1P1D")
+        p, d = cluster.instances[0].pool, cluster.instances[1].pool
+        blocks = p.alloc_mem(8)
+        d.free_mem(p.transfer(d, blocks))
+        p.free_mem(blocks)
+        landed[mode] = p.landed
+    nvlink = HardwareProfile.load("h100").links["nvlink"]
+    layers = load_model_shape("llama2-7b").num_hidden_layers
+    extra = (2 * layers * 8 - 8) * nvlink.latency_us * 1e-6
+    assert landed["by_request"] - landed["by_request_aggregated"] == pytest.approx(extra)
 
 
 def test_clear_errors(tmp_path, tiny_sessions):
