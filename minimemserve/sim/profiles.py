@@ -385,7 +385,7 @@ def fit_cpu_steps(
 
 def with_overhead(model: FittedStepModel, per_step: float, per_row: float = 0.0) -> FittedStepModel:
     """``model`` with ``per_step`` more seconds per step and ``per_row`` per sequence in it (a
-    runtime's cost around the forward pass)."""
+    runtime's cost around the forward pass; negative ones correct an over-estimate)."""
     step, *middle, rows = model.coefs
     return FittedStepModel(
         (step + per_step, *middle, rows + per_row),
