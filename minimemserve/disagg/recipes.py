@@ -99,7 +99,7 @@ def _free(pool, req: Request, peers: Peers | None) -> None:
 
 
 def _sent_bytes(pool) -> int:
-    return pool.stats()["counters"]["sent_bytes"]
+    return pool.counter("sent_bytes")
 
 
 def _hand_off(pool, req: Request, peers: Peers, with_insert: bool) -> Outcome:

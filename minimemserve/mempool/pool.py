@@ -413,6 +413,10 @@ class MemPool(TierMixin):
         self._counters["transfers_sent"] += 1
         return matched + new
 
+    def counter(self, name: str) -> int:
+        """One of the :data:`COUNTERS` (what :meth:`stats` reports, without its block scan)."""
+        return self._counters[name]
+
     def stats(self) -> dict[str, Any]:
         """Per tier ``{"total", "free", "referenced", "cached_only"}``; index size; counters."""
         out: dict[str, Any] = {}
