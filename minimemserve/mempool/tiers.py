@@ -182,14 +182,22 @@ class TierMixin:
         if dram is not None and dram.alloc.num_free < need and dram.evictable:  # room there first
             self._evict(dram, min(need - dram.alloc.num_free, dram.evictable))
         root, name = self._tree.root, t.name
-        nodes = reversed(list(self._tree.nodes()))  # children first, as ties in access time go
-        heap = [
-            (n.last_access, i, n)
-            for i, n in enumerate(nodes)
-            if n.tier == name and n.evictable and all(c.tier != name for c in n.children.values())
-        ]
+        # the leaves of this tier, walked parents first as RadixTree.nodes() does; ties in
+        # access time go to the later in that walk (children first), then to pushed parents
+        heap, order, stack = [], 0, list(root.children.values())
+        while stack:
+            node = stack.pop()
+            kids = node.children.values()
+            stack.extend(kids)
+            order -= 1
+            if node.tier == name and node.evictable:
+                for c in kids:
+                    if c.tier == name:
+                        break
+                else:
+                    heap.append((node.last_access, order, node))
         heapq.heapify(heap)
-        seq = itertools.count(self._tree.num_nodes)  # ties: pushed nodes go after the first
+        seq = itertools.count()
         while need > 0:
             if not heap:
                 raise PoolAccountingError(f"eviction of {name} fell {need} blocks short")
