@@ -255,6 +255,7 @@ class MemPool(TierMixin):
         if blocked:
             parent.below -= 1
             self._restate(parent)
+        self._candidate(parent)  # perhaps a leaf of its tier now
         self._counters["deleted_blocks"] += dropped
         return dropped
 
@@ -449,6 +450,12 @@ class MemPool(TierMixin):
             self._check_tier(t, held[name], errors)
             if t.evictable != count[name]:
                 errors.append(f"{name}: {t.evictable} blocks counted evictable, {count[name]} are")
+            queued = {id(n) for *_, n in t.lru}
+            for node in self._tree.nodes():  # eviction must find every leaf it may take
+                leaf = all(c.tier != name for c in node.children.values())
+                if node.tier == name and node.evictable and leaf and id(node) not in queued:
+                    errors.append(f"{name}: an evictable leaf is missing from the LRU heap")
+                    break
         if errors:
             raise PoolAccountingError("MemPool accounting: " + "; ".join(errors[:20]))
 

@@ -18,6 +18,7 @@ from minimemserve.mempool.radix import Match, RadixNode, RadixTree
 HBM = "hbm"
 DRAM = "dram"
 TIERS = (HBM, DRAM)
+LRU_SLACK = 1024  # stale eviction-heap entries tolerated beyond twice the node count
 
 
 class PoolAccountingError(AssertionError):
@@ -37,15 +38,19 @@ class PoolNode(RadixNode):
 
 
 class Tier:
-    """One tier's pool tensor, allocator, indexed blocks and evictable count."""
+    """One tier's pool tensor, allocator, indexed blocks and evictable count, and ``lru``:
+    a heap of ``(last access, order, node)`` holding at least one entry for every node that
+    eviction may take (stale entries are checked, re-keyed or dropped when they surface)."""
 
-    __slots__ = ("name", "kv", "alloc", "indexed", "node_of", "evictable")
+    __slots__ = ("name", "kv", "alloc", "indexed", "node_of", "evictable", "lru", "order")
 
     def __init__(self, name: str, kv: torch.Tensor, num_blocks: int) -> None:
         self.name, self.kv, self.alloc = name, kv, BlockAllocator(num_blocks)
         self.indexed = bytearray(num_blocks)  # 1 where the index holds a reference
         self.node_of: list[PoolNode | None] = [None] * num_blocks  # the node listing a block
         self.evictable = 0
+        self.lru: list[tuple[int, int, PoolNode]] = []
+        self.order = itertools.count()
 
 
 class TierMixin:
@@ -84,6 +89,7 @@ class TierMixin:
             if ev != node.evictable:
                 self._tiers[node.tier].evictable += ev - node.evictable
                 node.evictable = ev
+                self._candidate(node)
             blocked = node.below > 0 or node.run < len(node.values)
             if blocked == node.blocked:
                 return
@@ -99,6 +105,13 @@ class TierMixin:
             i -= 1
         node.run = len(values) - i
         self._restate(node)
+
+    def _candidate(self, node: PoolNode) -> None:
+        """Give ``node`` an entry in its tier's eviction heap if it has evictable blocks (it may
+        have just become a leaf of its tier, or evictable)."""
+        if node.parent is not None and node.evictable:
+            t = self._tiers[node.tier]
+            heapq.heappush(t.lru, (node.last_access, next(t.order), node))
 
     def _uncount(self, node: PoolNode) -> None:
         """Take ``node`` out of its tier's count before it changes tier or leaves."""
@@ -181,36 +194,41 @@ class TierMixin:
         dram = self._tiers.get(DRAM) if t.name == HBM else None
         if dram is not None and dram.alloc.num_free < need and dram.evictable:  # room there first
             self._evict(dram, min(need - dram.alloc.num_free, dram.evictable))
-        root, name = self._tree.root, t.name
-        # the leaves of this tier, walked parents first as RadixTree.nodes() does; ties in
-        # access time go to the later in that walk (children first), then to pushed parents
-        heap, order, stack = [], 0, list(root.children.values())
-        while stack:
-            node = stack.pop()
-            kids = node.children.values()
-            stack.extend(kids)
-            order -= 1
-            if node.tier == name and node.evictable:
-                for c in kids:
-                    if c.tier == name:
-                        break
-                else:
-                    heap.append((node.last_access, order, node))
-        heapq.heapify(heap)
-        seq = itertools.count()
+        name, heap = t.name, t.lru
+        if len(heap) > 2 * self._tree.num_nodes + LRU_SLACK:  # mostly stale entries: renew
+            self._renew_lru(t)
+        renewed = False
         while need > 0:
             if not heap:
-                raise PoolAccountingError(f"eviction of {name} fell {need} blocks short")
-            node = heapq.heappop(heap)[2]
+                if renewed:
+                    raise PoolAccountingError(f"eviction of {name} fell {need} blocks short")
+                self._renew_lru(t)
+                renewed = True
+                continue
+            key, _, node = heapq.heappop(heap)
             if node.parent is None or node.tier != name or not node.evictable:
+                continue  # gone, moved or pinned: it gets a new entry if that changes
+            if any(c.tier == name for c in node.children.values()):
+                continue  # not a leaf of its tier: one comes when its last such child goes
+            if key != node.last_access:  # touched since: back in at its access time
+                heapq.heappush(heap, (node.last_access, next(t.order), node))
                 continue
             k, parent = min(node.evictable, need), node.parent
             gone = k == len(node.values)
             self._evict_tail(t, node, k, dram)
             need -= k
-            if gone and parent is not root and parent.tier == name:  # a leaf of its tier now?
-                if all(c.tier != name and not c.blocked for c in parent.children.values()):
-                    heapq.heappush(heap, (parent.last_access, next(seq), parent))
+            if gone:
+                self._candidate(parent)  # perhaps a leaf of its tier now
+
+    def _renew_lru(self, t: Tier) -> None:
+        """Rebuild ``t``'s eviction heap from a walk of the index: every node of the tier with
+        evictable blocks (which includes all its evictable leaves)."""
+        t.lru = [
+            (n.last_access, next(t.order), n)
+            for n in self._tree.nodes()
+            if n.tier == t.name and n.evictable
+        ]
+        heapq.heapify(t.lru)
 
     def _evict_tail(self, t: Tier, node: PoolNode, k: int, dram: Tier | None) -> None:
         """Evict ``node``'s last ``k`` blocks: to dram while it has free blocks, else dropped."""
