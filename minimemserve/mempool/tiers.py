@@ -112,6 +112,8 @@ class TierMixin:
         if node.parent is not None and node.evictable:
             t = self._tiers[node.tier]
             heapq.heappush(t.lru, (node.last_access, next(t.order), node))
+            if len(t.lru) > 2 * self._tree.num_nodes + LRU_SLACK:  # mostly stale: renew
+                self._renew_lru(t)
 
     def _uncount(self, node: PoolNode) -> None:
         """Take ``node`` out of its tier's count before it changes tier or leaves."""
@@ -195,8 +197,6 @@ class TierMixin:
         if dram is not None and dram.alloc.num_free < need and dram.evictable:  # room there first
             self._evict(dram, min(need - dram.alloc.num_free, dram.evictable))
         name, heap = t.name, t.lru
-        if len(heap) > 2 * self._tree.num_nodes + LRU_SLACK:  # mostly stale entries: renew
-            self._renew_lru(t)
         renewed = False
         while need > 0:
             if not heap:
@@ -223,7 +223,7 @@ class TierMixin:
     def _renew_lru(self, t: Tier) -> None:
         """Rebuild ``t``'s eviction heap from a walk of the index: every node of the tier with
         evictable blocks (which includes all its evictable leaves)."""
-        t.lru = [
+        t.lru[:] = [  # in place: an eviction in progress holds the list
             (n.last_access, next(t.order), n)
             for n in self._tree.nodes()
             if n.tier == t.name and n.evictable

@@ -292,6 +292,29 @@ def test_eviction_trims_tails_and_keeps_shared_prefixes_last():
     pool.check()
 
 
+def test_eviction_heap_stays_bounded_and_is_rebuilt_when_lost():
+    pools = [MemPool(LAYOUT, 64), MemPool(LAYOUT, 64)]
+    for pool in pools:
+        for i in range(8):
+            cache(pool, seq(1, 2, 10 + i), [1, 2, 10 + i])
+        for _ in range(2000):  # pins and unpins re-enter nodes; nothing is evicted
+            pool.free_mem(pool.match(seq(1, 2, 13)))
+        assert len(pool._tiers["hbm"].lru) <= 2 * pool._tree.num_nodes + 1024
+        pool.check()
+    pools[1]._tiers["hbm"].lru.clear()  # lost: the next eviction walks the index instead
+    with pytest.raises(PoolAccountingError, match="missing from the LRU heap"):
+        pools[1].check()
+    left = []
+    for pool in pools:
+        got = pool.alloc_mem(64 - 10 + 2)  # two cached blocks go: least recently used leaves
+        left.append([pool.cached_prefix_len(seq(1, 2, 10 + i)) // BS for i in range(8)])
+        pool.free_mem(got)
+        pool.check()
+    assert left[0] == left[1]
+    assert sorted(left[0]) == [2, 2, 3, 3, 3, 3, 3, 3] and left[0][3] == 3  # 13: just used
+    assert left[0][:2] == [2, 2]  # 10 and 11: the oldest
+
+
 def test_referenced_blocks_are_never_evicted():
     pool = MemPool(LAYOUT, 4)
     cache(pool, seq(1, 2, 3), [1, 2, 3])
