@@ -315,6 +315,24 @@ def test_eviction_heap_stays_bounded_and_is_rebuilt_when_lost():
     assert left[0][:2] == [2, 2]  # 10 and 11: the oldest
 
 
+def test_delete_leaving_only_dram_children_makes_the_parent_an_eviction_candidate():
+    pool = MemPool(LAYOUT, 4, dram_blocks=4)
+    cache(pool, seq(1, 2, 3), [1, 2, 3])
+    cache(pool, seq(1, 2, 4), [1, 2, 4])
+    pool.free_mem(pool.match(seq(1, 2, 4)))
+    got = pool.alloc_mem(1)  # the least recently used leaf, 3, goes to dram
+    assert pool.stats()["counters"]["offloaded_blocks"] == 1
+    assert pool.cached_prefix_len(seq(1, 2, 4)) == 3 * BS
+    (prefix,) = [n for n in pool._tree.nodes() if len(n.values) == 2]
+    lru = pool._tiers["hbm"].lru
+    lru[:] = [e for e in lru if e[2] is not prefix]  # its entry surfaced while not a leaf
+    pool.check()
+    assert pool.delete(seq(1, 2, 4)) == 1  # now its only child is in dram: a leaf of hbm
+    pool.check()  # which eviction can find: it has an entry again
+    pool.free_mem(got)
+    pool.check()
+
+
 def test_referenced_blocks_are_never_evicted():
     pool = MemPool(LAYOUT, 4)
     cache(pool, seq(1, 2, 3), [1, 2, 3])
