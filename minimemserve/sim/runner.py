@@ -578,21 +578,23 @@ def calibrate(path: str | Path, hardware: str = "h200") -> list[dict]:
     return rows
 
 
-def _dense_part(roof: RooflineStepModel, shape: StepShape) -> float:
-    parts = roof.parts(shape)
+def _prefill(roof: RooflineStepModel, b: int, x: int, out: int) -> float:
+    return roof.step_time(StepShape(((0, x),) * b, (), b))
+
+
+def _latency(roof: RooflineStepModel, b: int, x: int, out: int) -> float:
+    decodes = (roof.step_time(StepShape((), (x + i,) * b, b)) for i in range(1, out))
+    return _prefill(roof, b, x, out) + sum(decodes)
+
+
+def _dense(roof: RooflineStepModel, b: int, x: int, out: int) -> float:
+    parts = roof.parts(StepShape(((0, x),) * b, (), 0))
     return parts["linear"] + parts["elementwise"]
 
 
 # How each kind of published measurement is predicted (see ``data/anchors.json``'s note):
 # the batch's prefill, that and ``output - 1`` decode steps, or a pass's dense operators.
-ANCHOR_KINDS = {
-    "prefill": lambda roof, b, x, out: roof.step_time(StepShape(((0, x),) * b, (), b)),
-    "latency": lambda roof, b, x, out: (
-        roof.step_time(StepShape(((0, x),) * b, (), b))
-        + sum(roof.step_time(StepShape((), (x + i,) * b, b)) for i in range(1, out))
-    ),
-    "dense": lambda roof, b, x, out: _dense_part(roof, StepShape(((0, x),) * b, (), 0)),
-}
+ANCHOR_KINDS = {"prefill": _prefill, "latency": _latency, "dense": _dense}
 
 
 def anchor_time(roof: RooflineStepModel, a: dict) -> float:
@@ -626,8 +628,8 @@ def anchors(path: str | Path = DATA_DIR / "anchors.json") -> list[dict]:
         )
     groups: dict[tuple, list[float]] = {}
     for r in rows:
-        groups.setdefault((r["hardware"], r["model"], r["source"], r["framework"], r["kind"]), [])
-        groups[r["hardware"], r["model"], r["source"], r["framework"], r["kind"]].append(r["error"])
+        key = (r["hardware"], r["model"], r["source"], r["framework"], r["kind"])
+        groups.setdefault(key, []).append(r["error"])
     print("\nerror range per source (hardware, model, source, framework, kind: rows, min..max)")
     for key, errs in groups.items():
         print(f"  {', '.join(key)}: {len(errs)}, {min(errs):+.0%}..{max(errs):+.0%}")
