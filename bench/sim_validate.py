@@ -28,18 +28,92 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minimemserve.bench import driver
 from minimemserve.bench.presets import preset_dir
-from minimemserve.sim.profiles import FittedStepModel, fit_cpu_steps
-from minimemserve.sim.runner import (
-    CPU_INSTANCES,
-    DEFAULT_CONFIGS,
-    cpu_setup,
-    measure_prefill_contention,
-    measure_runtime_overhead,
-    run_sim,
-)
+from minimemserve.disagg.runtime import ProcessCluster
+from minimemserve.sampling import SamplingParams
+from minimemserve.sim.profiles import FittedStepModel, StepShape, fit_cpu_steps
+from minimemserve.sim.runner import CPU_INSTANCES, DEFAULT_CONFIGS, cpu_setup, run_sim
 
 METRICS = (("ttft_mean", "TTFT mean"), ("jct_mean", "JCT mean"))
 TARGET_ERROR = 0.20  # the accuracy the simulator aims for on each mean
+
+
+# The request that measures the process runtime's per-step cost beyond the forward pass.
+OVERHEAD_PROMPT_TOKENS, OVERHEAD_OUTPUT_TOKENS = 64, 64
+# Requests decoding together on each instance while the runtime's overhead is measured.
+OVERHEAD_BATCHES = (1, 16)
+# Prefill contention: prompts timed on one instance, alone and while the other decodes.
+CONTENTION_PROMPT_TOKENS, CONTENTION_PREFILLS, CONTENTION_DECODES = 384, 5, 4
+FIRST_PROMPT_TOKEN = 3  # ids 0-2 are <unk>, <s>, </s> in the presets
+
+
+def measure_runtime_overhead(
+    step_model: FittedStepModel,
+    model_dir: str | Path | None = None,
+) -> tuple[float, float]:
+    """Seconds the process runtime adds beyond ``step_model``'s forward pass (its loop,
+    scheduling and postprocess, control plane, the frontend sharing the cores), per step and
+    per sequence in the step: decodes of ``b`` requests on each of the bench's two one-core
+    colocated instances, for each ``b`` in :data:`OVERHEAD_BATCHES`; measured TPOT less the
+    modelled step, fitted as ``per_step + per_row * b``. Either is negative where the fit
+    over-estimates those steps (it drifts between fits), down to the fit's own coefficient."""
+    mdir = Path(model_dir or preset_dir("tiny"))
+    params = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+    ctx = OVERHEAD_PROMPT_TOKENS + OVERHEAD_OUTPUT_TOKENS // 2
+    extra = []
+    with ProcessCluster(mdir, "PD", cores_per_instance=1, num_colocated=CPU_INSTANCES,
+                        policy="round_robin") as c:  # fmt: skip
+        for b in OVERHEAD_BATCHES:
+            for i in range(b * CPU_INSTANCES):
+                prompt = [
+                    FIRST_PROMPT_TOKEN + (i * 7 + j) % 1000 for j in range(OVERHEAD_PROMPT_TOKENS)
+                ]
+                c.add_request(prompt, params, request_id=f"overhead-{b}-{i}")
+            tpots = sorted(o.metrics.tpot for o in c.run_until_done())
+            modelled = step_model.step_time(StepShape((), (ctx,) * b, b))
+            extra.append(tpots[len(tpots) // 2] - modelled)
+    # negative where the fit over-estimates these steps, but never below what it charges
+    step, *_, row = step_model.coefs
+    (b1, b2), (o1, o2) = OVERHEAD_BATCHES, extra
+    per_row = max(-row, (o2 - o1) / (b2 - b1))
+    return max(-step, o1 - per_row * b1), per_row
+
+
+def measure_prefill_contention(model_dir: str | Path | None = None) -> float:
+    """How many times longer a prefill takes on one of the bench's two one-core instances
+    while the other decodes than while it idles: the median time to first token of
+    :data:`CONTENTION_PREFILLS` prompts of :data:`CONTENTION_PROMPT_TOKENS` tokens each way,
+    measured side by side in one process-runtime cluster (the cores and the frontend are
+    shared, so a decoding neighbour slows a compute-bound prefill)."""
+    mdir = Path(model_dir or preset_dir("tiny"))
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS * 4, temperature=0.0, ignore_eos=True)
+    prompt = [FIRST_PROMPT_TOKEN + j % 1000 for j in range(CONTENTION_PROMPT_TOKENS)]
+    ttft: dict[str, list[float]] = {"alone": [], "beside decodes": []}
+    with ProcessCluster(mdir, "PD", cores_per_instance=1, num_colocated=CPU_INSTANCES,
+                        policy="round_robin") as c:  # fmt: skip
+        # round robin: requests alternate between the two instances, so a one-token request
+        # to the other instance comes before each timed prompt
+        decodes = []
+        for phase in ttft:
+            for k in range(CONTENTION_PREFILLS):
+                c.add_request([FIRST_PROMPT_TOKEN], one, request_id=f"{phase}-pad-{k}")
+                rid = c.add_request(prompt, one, request_id=f"{phase}-{k}")
+                outs = []
+                while not any(o.request_id == rid for o in outs):
+                    outs += c.step()
+                ttft[phase] += [o.metrics.ttft for o in outs if o.request_id == rid]
+                if k == 0 and phase == "alone":  # the first prompt also warmed up
+                    ttft[phase].clear()
+            if phase == "alone":  # long decodes on the other instance for the next phase
+                for i in range(CONTENTION_DECODES):
+                    ids = [FIRST_PROMPT_TOKEN + (i * 7 + j) % 1000 for j in range(64)]
+                    decodes.append(c.add_request(ids, long, request_id=f"decode-{i}"))
+                    c.add_request([FIRST_PROMPT_TOKEN], one, request_id=f"decode-pad-{i}")
+        for rid in decodes:
+            c.abort(rid)
+        c.run_until_done()
+    alone, beside = (sorted(v)[len(v) // 2] for v in ttft.values())
+    return max(1.0, beside / alone)
 
 
 def parse_args() -> argparse.Namespace:

@@ -35,11 +35,9 @@ from minimemserve.bench.driver import (
 from minimemserve.bench.presets import preset_dir
 from minimemserve.bench.workloads import WORKLOADS, make_workload, total_turns
 from minimemserve.config import EngineConfig, parse_config_name
-from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.errors import ConfigError
 from minimemserve.model.config import ModelConfig
 from minimemserve.model.tokenizer import Tokenizer
-from minimemserve.sampling import SamplingParams
 from minimemserve.scheduler.global_scheduler import Cost
 
 from .cluster import SimCluster, Topology
@@ -67,17 +65,10 @@ CPU_INSTANCES = 2
 CPU_LINK = Link(gb_per_s=16.0, latency_us=0.0, sender_blocks=True, setup_us=600.0)
 # Control calls of a hand-off that wait for the receiver's loop (probe, alloc, commit, accept).
 CPU_BLOCKING_CALLS = 4
-# The request that measures the process runtime's per-step cost beyond the forward pass.
-OVERHEAD_PROMPT_TOKENS, OVERHEAD_OUTPUT_TOKENS = 64, 64
-# Requests decoding together on each instance while the runtime's overhead is measured.
-OVERHEAD_BATCHES = (1, 16)
-# Prefill contention: prompts timed on one instance, alone and while the other decodes.
-CONTENTION_PROMPT_TOKENS, CONTENTION_PREFILLS, CONTENTION_DECODES = 384, 5, 4
 # A GPU instance's batch limits: vLLM's default sequence cap, and a token budget that holds
 # a whole Llama-2 prompt in one step (no chunking, as MemServe's vLLM base).
 GPU_MAX_NUM_SEQS, GPU_MAX_BATCHED_TOKENS = 256, 4096
 GPU_DTYPE = torch.bfloat16
-FIRST_PROMPT_TOKEN = 3  # ids 0-2 are <unk>, <s>, </s> in the presets
 _PREFILL_NAME = re.compile(r"prefill (\d+)x(\d+)(?: after (\d+) cached)?")
 _MIXED_NAME = re.compile(r"mixed (\d+)x(\d+)")
 
@@ -116,76 +107,6 @@ class SimSetup:
         )
 
 
-def measure_runtime_overhead(
-    step_model: FittedStepModel,
-    model_dir: str | Path | None = None,
-) -> tuple[float, float]:
-    """Seconds the process runtime adds beyond ``step_model``'s forward pass (its loop,
-    scheduling and postprocess, control plane, the frontend sharing the cores), per step and
-    per sequence in the step: decodes of ``b`` requests on each of the bench's two one-core
-    colocated instances, for each ``b`` in :data:`OVERHEAD_BATCHES`; measured TPOT less the
-    modelled step, fitted as ``per_step + per_row * b``. Either is negative where the fit
-    over-estimates those steps (it drifts between fits), down to the fit's own coefficient."""
-    mdir = Path(model_dir or preset_dir("tiny"))
-    params = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
-    ctx = OVERHEAD_PROMPT_TOKENS + OVERHEAD_OUTPUT_TOKENS // 2
-    extra = []
-    with ProcessCluster(mdir, "PD", cores_per_instance=1, num_colocated=CPU_INSTANCES,
-                        policy="round_robin") as c:  # fmt: skip
-        for b in OVERHEAD_BATCHES:
-            for i in range(b * CPU_INSTANCES):
-                prompt = [
-                    FIRST_PROMPT_TOKEN + (i * 7 + j) % 1000 for j in range(OVERHEAD_PROMPT_TOKENS)
-                ]
-                c.add_request(prompt, params, request_id=f"overhead-{b}-{i}")
-            tpots = sorted(o.metrics.tpot for o in c.run_until_done())
-            modelled = step_model.step_time(StepShape((), (ctx,) * b, b))
-            extra.append(tpots[len(tpots) // 2] - modelled)
-    # negative where the fit over-estimates these steps, but never below what it charges
-    step, *_, row = step_model.coefs
-    (b1, b2), (o1, o2) = OVERHEAD_BATCHES, extra
-    per_row = max(-row, (o2 - o1) / (b2 - b1))
-    return max(-step, o1 - per_row * b1), per_row
-
-
-def measure_prefill_contention(model_dir: str | Path | None = None) -> float:
-    """How many times longer a prefill takes on one of the bench's two one-core instances
-    while the other decodes than while it idles: the median time to first token of
-    :data:`CONTENTION_PREFILLS` prompts of :data:`CONTENTION_PROMPT_TOKENS` tokens each way,
-    measured side by side in one process-runtime cluster (the cores and the frontend are
-    shared, so a decoding neighbour slows a compute-bound prefill)."""
-    mdir = Path(model_dir or preset_dir("tiny"))
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    long = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS * 4, temperature=0.0, ignore_eos=True)
-    prompt = [FIRST_PROMPT_TOKEN + j % 1000 for j in range(CONTENTION_PROMPT_TOKENS)]
-    ttft: dict[str, list[float]] = {"alone": [], "beside decodes": []}
-    with ProcessCluster(mdir, "PD", cores_per_instance=1, num_colocated=CPU_INSTANCES,
-                        policy="round_robin") as c:  # fmt: skip
-        # round robin: requests alternate between the two instances, so a one-token request
-        # to the other instance comes before each timed prompt
-        decodes = []
-        for phase in ttft:
-            for k in range(CONTENTION_PREFILLS):
-                c.add_request([FIRST_PROMPT_TOKEN], one, request_id=f"{phase}-pad-{k}")
-                rid = c.add_request(prompt, one, request_id=f"{phase}-{k}")
-                outs = []
-                while not any(o.request_id == rid for o in outs):
-                    outs += c.step()
-                ttft[phase] += [o.metrics.ttft for o in outs if o.request_id == rid]
-                if k == 0 and phase == "alone":  # the first prompt also warmed up
-                    ttft[phase].clear()
-            if phase == "alone":  # long decodes on the other instance for the next phase
-                for i in range(CONTENTION_DECODES):
-                    ids = [FIRST_PROMPT_TOKEN + (i * 7 + j) % 1000 for j in range(64)]
-                    decodes.append(c.add_request(ids, long, request_id=f"decode-{i}"))
-                    c.add_request([FIRST_PROMPT_TOKEN], one, request_id=f"decode-pad-{i}")
-        for rid in decodes:
-            c.abort(rid)
-        c.run_until_done()
-    alone, beside = (sorted(v)[len(v) // 2] for v in ttft.values())
-    return max(1.0, beside / alone)
-
-
 def cpu_setup(
     step_model: FittedStepModel,
     model_dir: str | Path | None = None,
@@ -196,9 +117,9 @@ def cpu_setup(
     """The default ``minimemserve bench`` layout: tiny preset (or ``model_dir``), fp32, the
     bench's engine options, two one-core instances, the token-count routing cost; each step
     costs ``runtime_overhead_s`` = (per step, per sequence) more than ``step_model`` says (the
-    process runtime's, :func:`measure_runtime_overhead`), and a step with prefill work that
+    process runtime's, measured by ``bench/sim_validate.py``), and a step with prefill work that
     starts while the other instance computes ``prefill_contention`` times as long
-    (:func:`measure_prefill_contention`)."""
+    (also measured there)."""
     mdir = Path(model_dir or preset_dir("tiny"))
     step_model = with_overhead(step_model, *runtime_overhead_s)
     mc = ModelConfig.from_hf(mdir)
