@@ -14,6 +14,7 @@ real run."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import heapq
@@ -41,24 +42,49 @@ from minimemserve.scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalS
 
 from .profiles import Link, StepShape
 
-# Blocking control calls of a transfer that hands nothing over (send-back, prefix push):
-# alloc and commit.
-RETURN_CALLS = 2
+# The control calls of a transfer, before and after its copy, where a receiver answers them
+# between its steps (the process runtime): a hand-off probes, allocates, [copies], commits and
+# hands the request over; a send-back or prefix push allocates, [copies], commits and frees.
+HANDOFF_CALLS, RETURN_CALLS = (2, 2), (1, 2)
 # Lowest stand-in output token id: 0-2 are <unk>, <s> and </s> in Llama vocabularies.
 FIRST_OUTPUT_TOKEN = 3
 
 
+class Transfer:
+    """One transfer in flight: its ``steps`` left (``CALL``: a control call the receiver
+    answers; a number: the copy, that many seconds on the link), run in order; ``done``
+    callbacks run when it completes, at ``landed``."""
+
+    CALL = None
+
+    def __init__(
+        self,
+        src: SimInstance,
+        dst: SimInstance,
+        copy_s: float,
+        calls: tuple[int, int],
+        streamed_tail_s: float | None = None,
+    ) -> None:
+        self.src, self.dst = src, dst
+        # by layer, sent from the step that computed it: the copy overlapped that step and
+        # ends at most its last layer's copy after it
+        self.streamed_tail_s = streamed_tail_s
+        self.steps = collections.deque([self.CALL] * calls[0] + [copy_s] + [self.CALL] * calls[1])
+        self.done: list[Callable[[], None]] = []
+        self.landed: float | None = None
+
+
 class SimPool(MemPool):
     """A ``MemPool`` on the ``meta`` device that reports each transfer it sends:
-    ``on_send(src, dst, blocks_sent)`` returns when the data lands (virtual seconds)."""
+    ``on_send(src, dst, blocks_sent)`` books it and returns its :class:`Transfer`."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, *, on_send, **kw) -> None:
         super().__init__(layout, num_blocks, **kw | {"device": "meta"})
-        self.on_send: Callable[[SimPool, MemPool, int], float] = on_send
-        self.landed = 0.0  # when the last transfer sent from here lands
+        self.on_send: Callable[[SimPool, MemPool, int], Transfer] = on_send
+        self.last: Transfer | None = None  # the transfer sent from here last
 
     def _sent(self, dst: MemPool, before: int) -> None:
-        self.landed = self.on_send(self, dst, self._counters["sent_blocks"] - before)
+        self.last = self.on_send(self, dst, self._counters["sent_blocks"] - before)
 
     def transfer(self, dst: MemPool, src_blocks: Sequence[int]) -> list[int]:
         """``MemPool.transfer``, its link time booked."""
@@ -180,15 +206,15 @@ class SimInstance:
     engine: SimEngine
     cluster: SimCluster
     index: int
-    busy: bool = False  # a step is under way
-    free_at: float = 0.0  # the engine waits for a copy it writes until then
+    busy: bool = False  # a step is under way (control calls wait for its end)
     step_began: float = 0.0
     step_ends: float = 0.0
-    last_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.pool = self.engine.pool
         self.incoming: list[Request] = []  # handed over, KV still on the wire
+        self.sending: collections.deque[Transfer] = collections.deque()  # the engine waits
+        self.asked: list[Transfer] = []  # transfers whose next call waits for this step's end
 
     def load(self) -> int:
         """Requests waiting, running or arriving here."""
@@ -200,15 +226,17 @@ class SimInstance:
         req.decode_instance = self.name
         self.incoming.append(req)
         src = self.cluster.by_name[req.prefill_instance].pool
-        self.cluster.at(src.landed, self.cluster._deliver, (self, req))
+        src.last.done.append(functools.partial(self.cluster._deliver, self, req))
 
 
 @dataclass(frozen=True)
 class Topology:
     """Where instances sit: ``gpus_per_instance`` (TP) GPUs each, ``gpus_per_node`` per node;
-    ``link(a, b)`` is the link between instance indices ``a`` and ``b``. ``blocking_calls``
-    control calls of a transfer each wait for the receiver's step to end (a receiver that
-    answers its socket between steps, as a process-runtime instance does). A step with
+    ``link(a, b)`` is the link between instance indices ``a`` and ``b``. With
+    ``calls_wait_for_steps`` a transfer's control calls (:data:`HANDOFF_CALLS`,
+    :data:`RETURN_CALLS`) are each answered when the receiver is not in a step, as a
+    process-runtime instance answers its socket between steps and while it waits on a call
+    itself; the sender waits for them. A step with
     prefill work that starts while another instance is in a step takes ``prefill_contention``
     times as long (instances sharing one machine's cores; 1 where each has its own device)."""
 
@@ -216,7 +244,7 @@ class Topology:
     inter: Link
     gpus_per_instance: int = 1
     gpus_per_node: int = 1 << 30  # one node unless told
-    blocking_calls: int = 0
+    calls_wait_for_steps: bool = False
     prefill_contention: float = 1.0
 
     def __post_init__(self) -> None:
@@ -333,35 +361,77 @@ class SimCluster:
         """Run ``fn(*args)`` at virtual time ``t`` (not before now)."""
         heapq.heappush(self._events, (max(t, self.now), next(self._seq), fn, args))
 
-    def _on_send(self, src: SimPool, dst: MemPool, blocks: int) -> float:
-        """Book a transfer of ``blocks`` blocks on its link; returns when it lands."""
+    def settle(self) -> None:
+        """Run every booked event in time order, starting steps as instances free up."""
+        while self._events:
+            self.now, _, fn, args = heapq.heappop(self._events)
+            fn(*args)
+            self._kick()
+
+    def _on_send(self, src: SimPool, dst: MemPool, blocks: int) -> Transfer:
+        """Book a transfer of ``blocks`` blocks from ``src`` to ``dst`` and start it (or queue
+        it behind the transfers its sender waits for)."""
         a, b = self._by_pool[id(src)], self._by_pool[id(dst)]
         link = self.topology.link(a.index, b.index)
         layout = src.layout
         nbytes = blocks * layout.block_bytes(src.dtype.itemsize) / self.topology.gpus_per_instance
-        calls = link.calls(self.transfer_mode, blocks, layout.num_layers) if blocks else 1
-        waits = self.topology.blocking_calls if b.role == "decode" else RETURN_CALLS
-        busy = max(self.links.get((a.index, b.index), 0.0), self._answered(b, waits))
-        if self.transfer_mode == "by_layer" and a.busy:  # layers stream out as computed
-            start = max(a.step_began, busy)
-            end = max(
-                start + link.seconds(nbytes, calls),
-                self.now + link.seconds(nbytes / layout.num_layers, 1),
-            )
-        else:
-            end = max(self.now, busy) + link.seconds(nbytes, calls)
-        self.links[(a.index, b.index)] = end
+        copies = link.calls(self.transfer_mode, blocks, layout.num_layers) if blocks else 1
+        calls = (0, 0)
+        if self.topology.calls_wait_for_steps:
+            calls = HANDOFF_CALLS if b.role == "decode" else RETURN_CALLS
+        tail = None
+        if self.transfer_mode == "by_layer" and a.step_ends == self.now:
+            tail = link.seconds(nbytes / layout.num_layers, 1)
+        t = Transfer(a, b, link.seconds(nbytes, copies), calls, tail)
         self.transfers += 1
-        if link.sender_blocks:
-            a.free_at = max(a.free_at, end)
-        return end
+        if not (link.sender_blocks or any(calls)):
+            self._advance(t)
+            return t
+        a.sending.append(t)  # the engine waits, one transfer at a time
+        if len(a.sending) == 1:
+            self._advance(t)
+        return t
 
-    def _answered(self, inst: SimInstance, calls: int) -> float:
-        """When ``inst`` has answered ``calls`` blocking control calls of a transfer: the first
-        after its current step, each further one after one more step."""
-        if not (self.topology.blocking_calls and calls and inst.busy):
-            return self.now
-        return inst.step_ends + (calls - 1) * inst.last_step_s
+    def _advance(self, t: Transfer) -> None:
+        """Run ``t``'s next steps: a call is answered now unless the receiver is in a step (then
+        at its end); the copy takes its time once the link is free."""
+        while t.steps:
+            if t.steps[0] is Transfer.CALL:
+                if t.dst.busy:
+                    t.dst.asked.append(t)
+                    return
+                t.steps.popleft()
+                continue
+            key = (t.src.index, t.dst.index)
+            copy, free = t.steps.popleft(), self.links.get(key, 0.0)
+            if t.streamed_tail_s is None:
+                end = max(self.now, free) + copy
+            else:
+                end = max(max(t.src.step_began, free) + copy, self.now + t.streamed_tail_s)
+            self.links[key] = end
+            self.at(end, self._advance, (t,))
+            return
+        t.landed = self.now
+        for fn in t.done:
+            fn()
+        if t.src.sending and t.src.sending[0] is t:
+            t.src.sending.popleft()
+            if t.src.sending:
+                self._advance(t.src.sending[0])
+            else:
+                self._dirty.add(t.src)
+
+    def _answer(self, inst: SimInstance) -> None:
+        """``inst``'s step ended: it answers one waiting call of each transfer. A transfer that
+        completes lands before ``inst`` steps again; one with calls left asks again once it has
+        (a receiver with work is in its next step by then)."""
+        asked, inst.asked = inst.asked, []
+        for t in asked:
+            t.steps.popleft()
+            if t.steps and t.steps[0] is Transfer.CALL:
+                self.at(self.now, self._advance, (t,))
+            else:
+                self._advance(t)
 
     def _deliver(self, inst: SimInstance, req: Request) -> None:
         inst.incoming.remove(req)
@@ -372,10 +442,7 @@ class SimCluster:
         """Start a step on every idle instance that has work."""
         while self._dirty:
             inst = self._dirty.pop()
-            if inst.busy or not inst.engine.has_unfinished():
-                continue
-            if inst.free_at > self.now:
-                self.at(inst.free_at, self._dirty.add, (inst,))
+            if inst.busy or inst.sending or not inst.engine.has_unfinished():
                 continue
             inst.busy, inst.step_began = True, self.now
             shape = inst.engine.begin_step()
@@ -384,10 +451,10 @@ class SimCluster:
                 self._blocked.add(inst)
                 continue
             self.steps += 1
-            inst.last_step_s = self.step_time(shape)
+            seconds = self.step_time(shape)
             if shape.prefills and self._shares_cores(inst):
-                inst.last_step_s *= self.topology.prefill_contention
-            inst.step_ends = self.now + inst.last_step_s
+                seconds *= self.topology.prefill_contention
+            inst.step_ends = self.now + seconds
             self.at(inst.step_ends, self._end_step, (inst,))
 
     def _shares_cores(self, inst: SimInstance) -> bool:
@@ -421,10 +488,7 @@ class SimCluster:
         for si, t in enumerate(poisson_arrivals(rate, len(sessions), seed)):
             self.at(t, self._submit, (si, 0, ()))
         with self._bar:
-            while self._events:
-                self.now, _, fn, args = heapq.heappop(self._events)
-                fn(*args)
-                self._kick()
+            self.settle()
         if self._inflight:
             raise RuntimeError(f"{len(self._inflight)} requests never finished in the simulation")
         return self._records
@@ -437,9 +501,9 @@ class SimCluster:
         route = self.scheduler.route(prompt)
         self.route_wall_s += time.perf_counter() - t0
         self.route_calls += 1
-        ready = self.now
+        pushed = None
         if route.transfer_from is not None:
-            ready = self._push_prefix(prompt, route.transfer_from, route.instance)
+            pushed = self._push_prefix(prompt, route.transfer_from, route.instance)
         inst = self.by_name[route.instance]
         try:
             inst.engine.validate(prompt, params)
@@ -450,32 +514,47 @@ class SimCluster:
             return
         self._inflight[rid] = (si, k, self.now)
         self.scheduler.dispatched(rid, route, len(prompt), params.max_tokens)
-        self.at(ready, self._enqueue, (inst, prompt, params, rid, self.now))
+        enqueue = functools.partial(self._enqueue, inst, prompt, params, rid, self.now)
+        if pushed is None:
+            self.at(self.now, enqueue)
+        else:  # after the cached prefix has landed
+            pushed.done.append(enqueue)
 
     def _enqueue(self, inst: SimInstance, prompt, params, rid: str, arrival: float) -> None:
         inst.engine.add_request(prompt, params, rid, arrival)
         self._dirty.add(inst)
 
-    def _push_prefix(self, prompt: Sequence[int], src_name: str, dst_name: str) -> float:
-        """``src`` sends its cached prefix of ``prompt`` to ``dst``; returns when it lands."""
+    def _push_prefix(self, prompt: Sequence[int], src_name: str, dst_name: str) -> Transfer | None:
+        """``src`` sends its cached prefix of ``prompt`` to ``dst``: the transfer, or None when
+        nothing of it is cached there any more."""
         src, dst = self.by_name[src_name].pool, self.by_name[dst_name].pool
         blocks = src.match(prompt)
         if not blocks:
-            return self.now
+            return None
         n = len(blocks) * src.block_size
         got = src.transfer_with_insert(dst, prompt[:n], blocks)
         dst.free_mem(got)
         src.free_mem(blocks)
         self.scheduler.record(dst_name, prompt[:n])
-        return src.landed
+        return src.last
 
     def _end_step(self, inst: SimInstance) -> None:
         inst.busy = False
         outs = inst.engine.end_step(self.now)
-        for req in inst.engine.handoffs:
-            self.scheduler.prefilled(req.request_id)
+        handoffs = [req.request_id for req in inst.engine.handoffs]
         inst.engine.handoffs.clear()
+        self._answer(inst)
         self._dirty.add(inst)
+        report = functools.partial(self._report, outs, handoffs)
+        if inst.sending:  # the step's transfers go first (the runtime reports after its step)
+            inst.sending[-1].done.append(report)
+        else:
+            report()
+
+    def _report(self, outs: list[RequestOutput], handoffs: list[str]) -> None:
+        """What a step's end tells the frontend: its hand-offs and finished requests."""
+        for rid in handoffs:
+            self.scheduler.prefilled(rid)
         if outs and self._blocked:
             self._dirty |= self._blocked
             self._blocked.clear()

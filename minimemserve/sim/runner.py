@@ -63,8 +63,6 @@ CPU_INSTANCES = 2
 # and the control round trips (probe, alloc, commit, hand-over: ~0.3 ms each on loopback)
 # from bench/transfer.py's shared-memory by-request-aggregated row and the RPC tests here.
 CPU_LINK = Link(gb_per_s=16.0, latency_us=0.0, sender_blocks=True, setup_us=600.0)
-# Control calls of a hand-off that wait for the receiver's loop (probe, alloc, commit, accept).
-CPU_BLOCKING_CALLS = 4
 # A GPU instance's batch limits: vLLM's default sequence cap, and a token budget that holds
 # a whole Llama-2 prompt in one step (no chunking, as MemServe's vLLM base).
 GPU_MAX_NUM_SEQS, GPU_MAX_BATCHED_TOKENS = 256, 4096
@@ -129,7 +127,7 @@ def cpu_setup(
     topo = Topology(
         CPU_LINK,
         CPU_LINK,
-        blocking_calls=CPU_BLOCKING_CALLS,
+        calls_wait_for_steps=True,
         prefill_contention=prefill_contention,
     )
     describe = {

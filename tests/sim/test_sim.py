@@ -29,7 +29,7 @@ from minimemserve.sim import (
 )
 from minimemserve.sim.cluster import scaled_deployment
 from minimemserve.sim.profiles import DATA_DIR, FEATURES
-from minimemserve.sim.runner import anchor_time, anchors
+from minimemserve.sim.runner import CPU_LINK, anchor_time, anchors
 
 # A step model in the range the tiny preset measures on this CPU (seconds per feature).
 CPU_COEFS = (8e-3, 5e-4, 2e-7, 2e-6, 2.5e-4)
@@ -149,10 +149,10 @@ def test_links_queue_and_modes():
     cluster = setup.cluster("1P1D")
     p, d = cluster.instances[0].pool, cluster.instances[1].pool
     blocks = p.alloc_mem(8)
-    first = p.transfer(d, blocks)
-    t1 = p.landed
-    second = p.transfer(d, blocks)
-    assert t1 > 0 and p.landed == pytest.approx(2 * t1)  # one link, one transfer at a time
+    first, t1 = p.transfer(d, blocks), p.last
+    second, t2 = p.transfer(d, blocks), p.last
+    cluster.settle()
+    assert t1.landed > 0 and t2.landed == pytest.approx(2 * t1.landed)  # one at a time
     d.free_mem(first + second)
     p.free_mem(blocks)
     p.check()
@@ -166,11 +166,43 @@ def test_links_queue_and_modes():
         blocks = p.alloc_mem(8)
         d.free_mem(p.transfer(d, blocks))
         p.free_mem(blocks)
-        landed[mode] = p.landed
+        cluster.settle()
+        landed[mode] = p.last.landed
     nvlink = HardwareProfile.load("h100").links["nvlink"]
     layers = load_model_shape("llama2-7b").num_hidden_layers
     extra = (2 * layers * 8 - 8) * nvlink.latency_us * 1e-6
     assert landed["by_request"] - landed["by_request_aggregated"] == pytest.approx(extra)
+
+
+def test_control_calls_wait_for_the_receivers_steps():
+    # the process runtime answers a call between steps (or while waiting on a call itself):
+    # each call of a hand-off to a decode instance in a step waits for that step's end, and
+    # the request joins the step that starts once its last call is answered
+    cluster = _setup().cluster("1P1D-CC")
+    p, d = cluster.instances
+    d.busy = True
+    blocks = p.pool.alloc_mem(2)
+    got = p.pool.transfer(d.pool, blocks)
+    t = p.pool.last
+    cluster.settle()
+    assert t.landed is None and d.asked == [t] and p.sending[0] is t  # p waits
+    ended = []
+    for when, again in ((0.005, True), (0.010, False)):  # d ends a step, maybe starts another
+        cluster.now, d.busy = when, False
+        cluster._answer(d)
+        d.busy = again
+        ended.append(len(t.steps))
+        cluster.settle()
+    # probe answered at the first step end (alloc, copy, commit, hand-over left); alloc at the
+    # second, the copy under way; commit and hand-over at once from the idle decode instance
+    assert ended == [4, 2]
+    nbytes = 2 * d.pool.layout.block_bytes(4)
+    assert t.landed == pytest.approx(0.010 + CPU_LINK.seconds(nbytes, 2))
+    assert not p.sending and not d.asked
+    d.pool.free_mem(got)
+    p.pool.free_mem(blocks)
+    for inst in cluster.instances:
+        inst.pool.check()
 
 
 def test_clear_errors(tmp_path, tiny_sessions):
