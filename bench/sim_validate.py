@@ -3,13 +3,14 @@
     python bench/sim_validate.py [--out DIR] [--cpu-model FILE] [--sessions N] [--rate R]
 
 Fits the CPU step model (real steps of the tiny preset on one thread, ~15 s) unless
-``--cpu-model`` is given, measures the process runtime's per-step cost beyond the forward
-pass (one decode-heavy request per instance, ~15 s) and how much longer a prefill takes while
-the other instance decodes (~5 s), runs the default four-configuration
-benchmark for real (process runtime, one core per instance, two colocated instances,
-``prompt_tree`` routing), then
-simulates the same sessions (same seed, same instance layout) and prints measured against
-predicted mean TTFT and mean JCT per configuration, with the ranking of each. Writes
+``--cpu-model`` is given, then runs each configuration of the default benchmark for real
+(process runtime, one core per instance, two colocated instances, ``prompt_tree`` routing)
+between calibrations of the process runtime (~10 s each): its per-step cost beyond the
+forward pass (one decode-heavy request per instance) and how much longer a prefill takes
+while the other instance decodes. The machine is shared and its speed drifts from minute to
+minute, so each configuration is simulated (same sessions, same seed, same instance layout)
+with the mean of the calibrations just before and just after its real run. Prints measured
+against predicted mean TTFT and mean JCT per configuration, with the ranking of each. Writes
 ``sim_validate.json`` and ``sim_validate.png`` under ``--out``.
 """
 
@@ -128,24 +129,46 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def real_run(configs: list[str], args: argparse.Namespace, out: Path) -> dict:
-    """The default benchmark, as ``minimemserve bench`` runs it."""
+def real_run(config: str, args: argparse.Namespace, out: Path) -> dict:
+    """``config`` of the default benchmark, as ``minimemserve bench`` runs it; its summary."""
     factories = driver.process_factories(
-        configs,
+        [config],
         cores_per_instance=driver.CORES_PER_INSTANCE,
         num_colocated=driver.COLOCATED_INSTANCES,
         policy="prompt_tree",
         cost_model=None,
     )
     return driver.run_bench(
-        configs=configs,
+        configs=[config],
         num_sessions=args.sessions,
         rate=args.rate,
         seed=args.seed,
-        out_dir=out / "real",
+        out_dir=out,
         factories=factories,
         runtime={"kind": "process", "policy": "prompt_tree"},
+    )["summaries"][config]
+
+
+def calibrate(step_model: FittedStepModel) -> dict:
+    """The process runtime's cost beyond ``step_model`` and its prefill contention, now."""
+    overhead = measure_runtime_overhead(step_model)
+    contention = measure_prefill_contention()
+    print(
+        f"process runtime beyond the forward pass: {overhead[0] * 1e3:.2f} ms per step + "
+        f"{overhead[1] * 1e3:.2f} ms per sequence; a prefill beside the other instance's "
+        f"decodes takes {contention:.2f}x as long"
     )
+    return {"runtime_overhead_s": overhead, "prefill_contention": contention}
+
+
+def bracket(before: dict, after: dict) -> dict:
+    """The mean of two calibrations, the machine's state between them."""
+    mean = lambda a, b: (a + b) / 2
+    steps = zip(before["runtime_overhead_s"], after["runtime_overhead_s"])
+    return {
+        "runtime_overhead_s": tuple(mean(a, b) for a, b in steps),
+        "prefill_contention": mean(before["prefill_contention"], after["prefill_contention"]),
+    }
 
 
 def ranking(summaries: dict, key: str) -> list[str]:
@@ -219,26 +242,24 @@ def main() -> None:
         fitted = fit_cpu_steps(preset_dir("tiny"), concurrent=CPU_INSTANCES)
         fitted.save(out / "sim_cpu_steps.json")
     print(f"CPU step model: {fitted.samples} steps, mean fit error {fitted.relative_error:.1%}")
-    overhead = measure_runtime_overhead(fitted)
-    print(
-        f"process runtime beyond the forward pass: {overhead[0] * 1e3:.2f} ms per step + "
-        f"{overhead[1] * 1e3:.2f} ms per sequence"
-    )
-    contention = measure_prefill_contention()
-    print(f"a prefill beside the other instance's decodes takes {contention:.2f}x as long")
     load_before = os.getloadavg()
-    real = real_run(configs, args, out)["summaries"]
+    points, real, sim = [calibrate(fitted)], {}, {}
+    for c in configs:
+        real[c] = real_run(c, args, out / "real" / c)
+        points.append(calibrate(fitted))
     load_after = os.getloadavg()
-    print(f"load average (1, 5, 15 min) before the real run {load_before}, after {load_after}")
-    sim = run_sim(
-        cpu_setup(fitted, runtime_overhead_s=overhead, prefill_contention=contention),
-        configs,
-        num_sessions=args.sessions,
-        rate=args.rate,
-        seed=args.seed,
-        out_dir=out / "sim",
-        verbose=False,
-    )["summaries"]
+    print(f"load average (1, 5, 15 min) before the real runs {load_before}, after {load_after}")
+    for c, before, after in zip(configs, points, points[1:]):
+        setup = cpu_setup(fitted, **bracket(before, after))
+        sim[c] = run_sim(
+            setup,
+            [c],
+            num_sessions=args.sessions,
+            rate=args.rate,
+            seed=args.seed,
+            out_dir=out / "sim" / c,
+            verbose=False,
+        )["summaries"][c]
     rows = compare(real, sim)
     ranks = report(rows, real, sim)
     plot(rows, out / "sim_validate.png")
@@ -246,8 +267,7 @@ def main() -> None:
         "rows": rows,
         "rankings": ranks,
         "step_model": fitted.__dict__,
-        "runtime_overhead_s": overhead,
-        "prefill_contention": contention,
+        "calibrations": points,
         "load_average": {"before": load_before, "after": load_after},
         "wall_s": time.perf_counter() - t0,
     }
