@@ -558,12 +558,13 @@ class SimCluster:
         if outs and self._blocked:
             self._dirty |= self._blocked
             self._blocked.clear()
+        for out in outs:  # the frontend takes a step's outputs together, then sends next turns
+            self.scheduler.finished(out.request_id)
         for out in outs:
             self._collect(out)
 
     def _collect(self, out: RequestOutput) -> None:
         si, k, arrival = self._inflight.pop(out.request_id)
-        self.scheduler.finished(out.request_id)
         session = self._sessions[si]
         rec = _record(self._config, session, k, arrival, out)
         self._records.append(rec)
