@@ -172,6 +172,20 @@ def test_links_queue_and_modes():
     layers = load_model_shape("llama2-7b").num_hidden_layers
     extra = (2 * layers * 8 - 8) * nvlink.latency_us * 1e-6
     assert landed["by_request"] - landed["by_request_aggregated"] == pytest.approx(extra)
+    # by layer, the KV a step computed streams out during that step: sent as the step ends,
+    # it lands one layer's copy after the end, not the whole copy after
+    for mode in ("by_layer", "by_request_aggregated"):
+        cluster = gpu_setup("llama2-7b", "h100", 2, 1, transfer_mode=mode).cluster("1P1D")
+        src, dst = cluster.instances
+        cluster.now = src.step_ends = 0.050  # src's step ran from 0 to 50 ms
+        blocks = src.pool.alloc_mem(8)
+        dst.pool.free_mem(src.pool.transfer(dst.pool, blocks))
+        src.pool.free_mem(blocks)
+        cluster.settle()
+        landed[mode] = src.pool.last.landed - 0.050
+    nbytes = 8 * cluster.instances[0].pool.layout.block_bytes(2)
+    assert landed["by_layer"] == pytest.approx(nvlink.seconds(nbytes / layers, 1))
+    assert landed["by_request_aggregated"] == pytest.approx(nvlink.seconds(nbytes, 8))
 
 
 def test_control_calls_wait_for_the_receivers_steps():
