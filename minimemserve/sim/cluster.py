@@ -328,8 +328,10 @@ class SimCluster:
         )
         for inst in self.entry:  # the prompt trees follow what entry instances cache
             inst.pool.on_change = self._cache_event(inst.name)
-        self._dirty: set[SimInstance] = set()
-        self._blocked: set[SimInstance] = set()
+        # instances to try to start, and those parked behind full decode instances: dicts, so
+        # they are taken in a fixed order (a set of objects would follow memory addresses)
+        self._dirty: dict[SimInstance, None] = {}
+        self._blocked: dict[SimInstance, None] = {}
 
     def _cache_event(self, name: str):
         def on_change(added: bool, tokens) -> None:
@@ -419,7 +421,7 @@ class SimCluster:
             if t.src.sending:
                 self._advance(t.src.sending[0])
             else:
-                self._dirty.add(t.src)
+                self._dirty[t.src] = None
 
     def _answer(self, inst: SimInstance) -> None:
         """``inst``'s step ended: it answers one waiting call of each transfer. A transfer that
@@ -436,19 +438,20 @@ class SimCluster:
     def _deliver(self, inst: SimInstance, req: Request) -> None:
         inst.incoming.remove(req)
         inst.engine.add_prefilled(req)
-        self._dirty.add(inst)
+        self._dirty[inst] = None
 
     def _kick(self) -> None:
         """Start a step on every idle instance that has work."""
         while self._dirty:
-            inst = self._dirty.pop()
+            inst = next(iter(self._dirty))
+            del self._dirty[inst]
             if inst.busy or inst.sending or not inst.engine.has_unfinished():
                 continue
             inst.busy, inst.step_began = True, self.now
             shape = inst.engine.begin_step()
             if shape is None:  # parked behind full decode instances: wait for one to free
                 inst.busy = False
-                self._blocked.add(inst)
+                self._blocked[inst] = None
                 continue
             self.steps += 1
             seconds = self.step_time(shape)
@@ -522,7 +525,7 @@ class SimCluster:
 
     def _enqueue(self, inst: SimInstance, prompt, params, rid: str, arrival: float) -> None:
         inst.engine.add_request(prompt, params, rid, arrival)
-        self._dirty.add(inst)
+        self._dirty[inst] = None
 
     def _push_prefix(self, prompt: Sequence[int], src_name: str, dst_name: str) -> Transfer | None:
         """``src`` sends its cached prefix of ``prompt`` to ``dst``: the transfer, or None when
@@ -544,7 +547,7 @@ class SimCluster:
         handoffs = [req.request_id for req in inst.engine.handoffs]
         inst.engine.handoffs.clear()
         self._answer(inst)
-        self._dirty.add(inst)
+        self._dirty[inst] = None
         report = functools.partial(self._report, outs, handoffs)
         if inst.sending:  # the step's transfers go first (the runtime reports after its step)
             inst.sending[-1].done.append(report)

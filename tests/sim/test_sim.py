@@ -64,6 +64,19 @@ def test_deterministic_and_pools_balance(tiny_sessions):
     assert sum(r["cached_tokens"] for r in a["PD-CC"]) > 0
 
 
+def test_same_results_wherever_the_objects_lie():
+    # instances starting at one virtual instant start in a fixed order, whatever their memory
+    # addresses (with contention the order decides which step is slowed)
+    tok = Tokenizer.from_dir(preset_dir("tiny"))
+    sessions = make_workload("sharegpt", tok, 8, 384, seed=1, max_turns=3, max_output_tokens=8)
+    setup = cpu_setup(FittedStepModel(CPU_COEFS), prefill_contention=1.5)
+    runs, ballast = [], []
+    for k in range(12):
+        ballast.append([object() for _ in range(97 * k + 1)])  # moves the next allocations
+        runs.append(simulate(setup, ["PD", "1P1D"], sessions, 8.0, 0, progress=False)[0])
+    assert all(r == runs[0] for r in runs)
+
+
 @pytest.mark.parametrize("config", ["PD-CC", "1P1D-CC"])
 def test_same_hits_and_bytes_as_a_real_run(tiny_sessions, config):
     """One instance per role: no routing choice, so the same code gives the same numbers."""
