@@ -49,6 +49,7 @@ FIRST_PROMPT_TOKEN = 3  # ids 0-2 are <unk>, <s>, </s> in the presets
 # A step-model fit whose mean error exceeds this was disturbed (the machine is shared): it is
 # retaken, up to FIT_TRIES fits in all, and the best one kept.
 FIT_RETAKE_ERROR, FIT_TRIES = 0.10, 3
+BOOTSTRAP = 2000  # resamples of the paired interval between two configurations
 
 
 def measure_runtime_overhead(
@@ -133,8 +134,9 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def real_run(config: str, args: argparse.Namespace, out: Path) -> dict:
-    """``config`` of the default benchmark, as ``minimemserve bench`` runs it; its summary."""
+def real_run(config: str, args: argparse.Namespace, out: Path) -> tuple[dict, list[dict]]:
+    """``config`` of the default benchmark, as ``minimemserve bench`` runs it; its summary and
+    per-request records."""
     factories = driver.process_factories(
         [config],
         cores_per_instance=driver.CORES_PER_INSTANCE,
@@ -142,7 +144,7 @@ def real_run(config: str, args: argparse.Namespace, out: Path) -> dict:
         policy="prompt_tree",
         cost_model=None,
     )
-    return driver.run_bench(
+    res = driver.run_bench(
         configs=[config],
         num_sessions=args.sessions,
         rate=args.rate,
@@ -150,7 +152,8 @@ def real_run(config: str, args: argparse.Namespace, out: Path) -> dict:
         out_dir=out,
         factories=factories,
         runtime={"kind": "process", "policy": "prompt_tree"},
-    )["summaries"][config]
+    )
+    return res["summaries"][config], res["records"][config]
 
 
 def calibrate(step_model: FittedStepModel) -> dict:
@@ -204,8 +207,22 @@ def compare(real: dict, sim: dict) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict], real: dict, sim: dict) -> dict:
-    """Print the side-by-side table and rankings; return the rankings."""
+def paired_interval(a: list[dict], b: list[dict], key: str) -> tuple[float, float]:
+    """95 % bootstrap interval of the mean of ``key`` in ``b`` less in ``a``, paired by
+    session and turn (both ran the same requests): an interval that holds 0 says the run
+    does not tell which of the two is lower."""
+    by_turn = {(r["session"], r["turn"]): r[key] for r in a if r[key] is not None}
+    diffs = np.array(
+        [r[key] - by_turn[k] for r in b if (k := (r["session"], r["turn"])) in by_turn]
+    )  # [requests]
+    rng = np.random.default_rng(0)
+    means = diffs[rng.integers(0, len(diffs), (BOOTSTRAP, len(diffs)))].mean(axis=1)
+    return tuple(np.quantile(means, [0.025, 0.975]))
+
+
+def report(rows: list[dict], real: dict, sim: dict, records: dict) -> dict:
+    """Print the side-by-side table and rankings, and how far the real run separates each
+    pair of neighbours in its ranking; return the rankings."""
     print(
         f"{'config':10}" + "".join(f"{n + ' meas':>16}{'pred':>10}{'error':>8}" for _, n in METRICS)
     )
@@ -222,6 +239,11 @@ def report(rows: list[dict], real: dict, sim: dict) -> dict:
         same = "same" if ranks[key]["measured"] == ranks[key]["predicted"] else "different"
         print(f"{name} ranking, measured:  {' < '.join(ranks[key]['measured'])}")
         print(f"{name} ranking, predicted: {' < '.join(ranks[key]['predicted'])} ({same})")
+        order, gaps = ranks[key]["measured"], []
+        for lo, hi in zip(order, order[1:]):
+            low, high = paired_interval(records[lo], records[hi], key.removesuffix("_mean"))
+            gaps.append(f"{lo} to {hi} {low * 1e3:+.1f}..{high * 1e3:+.1f} ms")
+        print(f"  measured steps, paired 95 % interval: {'; '.join(gaps)}")
     worst = max(abs(r[f"{k}_error"]) for r in rows for k, _ in METRICS)
     print(f"largest error {worst:.1%} (target ±{TARGET_ERROR:.0%})")
     return ranks
@@ -257,9 +279,9 @@ def main() -> None:
         fitted = fit_steps()
         fitted.save(out / "sim_cpu_steps.json")
     load_before = os.getloadavg()
-    points, real, sim = [calibrate(fitted)], {}, {}
+    points, real, records, sim = [calibrate(fitted)], {}, {}, {}
     for c in configs:
-        real[c] = real_run(c, args, out / "real" / c)
+        real[c], records[c] = real_run(c, args, out / "real" / c)
         points.append(calibrate(fitted))
     load_after = os.getloadavg()
     print(f"load average (1, 5, 15 min) before the real runs {load_before}, after {load_after}")
@@ -276,7 +298,7 @@ def main() -> None:
             verbose=False,
         )["summaries"][c]
     rows = compare(real, sim)
-    ranks = report(rows, real, sim)
+    ranks = report(rows, real, sim, records)
     plot(rows, out / "sim_validate.png")
     result = {
         "rows": rows,
