@@ -441,7 +441,9 @@ class SimCluster:
         self._dirty[inst] = None
 
     def _kick(self) -> None:
-        """Start a step on every idle instance that has work."""
+        """Start a step on every idle instance that has work. Steps are priced once all that
+        start at this instant have begun, so each sees the others in a step."""
+        started = []
         while self._dirty:
             inst = next(iter(self._dirty))
             del self._dirty[inst]
@@ -453,6 +455,8 @@ class SimCluster:
                 inst.busy = False
                 self._blocked[inst] = None
                 continue
+            started.append((inst, shape))
+        for inst, shape in started:
             self.steps += 1
             seconds = self.step_time(shape)
             if shape.prefills and self._shares_cores(inst):

@@ -15,6 +15,7 @@ from minimemserve.cli import build_parser
 from minimemserve.errors import ConfigError
 from minimemserve.llm import LLM
 from minimemserve.model.tokenizer import Tokenizer
+from minimemserve.sampling import SamplingParams
 from minimemserve.sim import (
     FittedStepModel,
     HardwareProfile,
@@ -105,6 +106,17 @@ def test_prefill_contention_slows_only_steps_with_prefill_beside_a_busy_instance
     assert alone[0] == alone[1]
     with pytest.raises(ConfigError, match="prefill_contention"):
         cpu_setup(FittedStepModel(CPU_COEFS), prefill_contention=0.5)
+
+
+def test_instances_starting_together_each_see_the_other_in_a_step():
+    setup = cpu_setup(FittedStepModel(CPU_COEFS), prefill_contention=1.5)
+    cluster = setup.cluster("PD")
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    for i, inst in enumerate(cluster.instances):
+        cluster._enqueue(inst, list(range(3, 67)), params, f"r{i}", 0.0)
+    cluster._kick()
+    alone = setup.step_model.step_time(StepShape(((0, 64),), (), 1))
+    assert [inst.step_ends for inst in cluster.instances] == pytest.approx([1.5 * alone] * 2)
 
 
 def test_roofline_bounds_and_shapes():
