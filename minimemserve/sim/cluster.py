@@ -5,12 +5,13 @@ hooks, ``Engine.schedule`` and ``Engine.postprocess``) over a :class:`SimPool`, 
 ``MemPool`` on PyTorch's ``meta`` device (block accounting, radix index and tiers, no
 storage). Only the forward pass and the data movement are replaced: a step is split into its
 schedule (at the step's start) and its postprocess (at its end), the clock advancing by the
-step model's time; a transfer takes its link's time, one at a time per link, and a handed-off
-request reaches its decode instance when its KV has landed. New requests are routed by the
-real ``GlobalScheduler`` whose prompt trees follow what entry instances report they cache, as
-in the process runtime. Output tokens are deterministic stand-ins (a hash of request id and
-position), so a request's prompt and output lengths, cache hits and transfers are those of a
-real run."""
+step model's time; a transfer (a :class:`Transfer`) takes its link's time, one at a time per
+link, between the control calls its receiver answers between steps where the topology says
+so, and a handed-off request reaches its decode instance when it has landed. New requests
+are routed by the real ``GlobalScheduler`` whose prompt trees follow what entry instances
+report they cache, as in the process runtime. Output tokens are deterministic stand-ins (a
+hash of request id and position), so a request's prompt and output lengths, cache hits and
+transfers are those of a real run."""
 
 from __future__ import annotations
 
@@ -236,9 +237,9 @@ class Topology:
     ``calls_wait_for_steps`` a transfer's control calls (:data:`HANDOFF_CALLS`,
     :data:`RETURN_CALLS`) are each answered when the receiver is not in a step, as a
     process-runtime instance answers its socket between steps and while it waits on a call
-    itself; the sender waits for them. A step with
-    prefill work that starts while another instance is in a step takes ``prefill_contention``
-    times as long (instances sharing one machine's cores; 1 where each has its own device)."""
+    itself; the sender waits for them. A step with prefill work that starts while another
+    instance is in a step takes ``prefill_contention`` times as long (instances sharing one
+    machine's cores; 1 where each has its own device)."""
 
     intra: Link
     inter: Link
