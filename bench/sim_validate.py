@@ -131,7 +131,16 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rate", type=float, default=driver.DEFAULT_RATE)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
-    return ap.parse_args()
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="real runs of each configuration, interleaved; means are averaged over them",
+    )
+    args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    return args
 
 
 def real_run(config: str, args: argparse.Namespace, out: Path) -> tuple[dict, list[dict]]:
@@ -209,12 +218,11 @@ def compare(real: dict, sim: dict) -> list[dict]:
 
 def paired_interval(a: list[dict], b: list[dict], key: str) -> tuple[float, float]:
     """95 % bootstrap interval of the mean of ``key`` in ``b`` less in ``a``, paired by
-    session and turn (both ran the same requests): an interval that holds 0 says the run
-    does not tell which of the two is lower."""
-    by_turn = {(r["session"], r["turn"]): r[key] for r in a if r[key] is not None}
-    diffs = np.array(
-        [r[key] - by_turn[k] for r in b if (k := (r["session"], r["turn"])) in by_turn]
-    )  # [requests]
+    repeat, session and turn (both ran the same requests): an interval that holds 0 says
+    the runs do not tell which of the two is lower."""
+    turn = lambda r: (r["repeat"], r["session"], r["turn"])
+    by_turn = {turn(r): r[key] for r in a if r[key] is not None}
+    diffs = np.array([r[key] - by_turn[turn(r)] for r in b if turn(r) in by_turn])  # [requests]
     rng = np.random.default_rng(0)
     means = diffs[rng.integers(0, len(diffs), (BOOTSTRAP, len(diffs)))].mean(axis=1)
     return tuple(np.quantile(means, [0.025, 0.975]))
@@ -279,24 +287,38 @@ def main() -> None:
         fitted = fit_steps()
         fitted.save(out / "sim_cpu_steps.json")
     load_before = os.getloadavg()
-    points, real, records, sim = [calibrate(fitted)], {}, {}, {}
-    for c in configs:
-        real[c], records[c] = real_run(c, args, out / "real" / c)
+    # each configuration in turn, repeated; a calibration before the first real run and after
+    # each, and each real run simulated with the two around it
+    runs = [(k, c) for k in range(args.repeats) for c in configs]
+    points, measured, records = [calibrate(fitted)], [], {c: [] for c in configs}
+    for k, c in runs:
+        summary, recs = real_run(c, args, out / "real" / f"{c}-{k}")
+        measured.append(summary)
+        records[c] += [r | {"repeat": k} for r in recs]
         points.append(calibrate(fitted))
     load_after = os.getloadavg()
     print(f"load average (1, 5, 15 min) before the real runs {load_before}, after {load_after}")
     contention = float(np.median([p["prefill_contention"] for p in points]))
-    for c, before, after in zip(configs, points, points[1:]):
+    predicted = []
+    for (k, c), before, after in zip(runs, points, points[1:]):
         setup = cpu_setup(fitted, **bracket(before, after, contention))
-        sim[c] = run_sim(
-            setup,
-            [c],
-            num_sessions=args.sessions,
-            rate=args.rate,
-            seed=args.seed,
-            out_dir=out / "sim" / c,
-            verbose=False,
-        )["summaries"][c]
+        predicted.append(
+            run_sim(
+                setup,
+                [c],
+                num_sessions=args.sessions,
+                rate=args.rate,
+                seed=args.seed,
+                out_dir=out / "sim" / f"{c}-{k}",
+                verbose=False,
+            )["summaries"][c]
+        )
+    mean = lambda summaries, c: {
+        key: float(np.mean([s[key] for (_, ck), s in zip(runs, summaries) if ck == c]))
+        for key, _ in METRICS
+    }
+    real = {c: mean(measured, c) for c in configs}
+    sim = {c: mean(predicted, c) for c in configs}
     rows = compare(real, sim)
     ranks = report(rows, real, sim, records)
     plot(rows, out / "sim_validate.png")
@@ -305,6 +327,10 @@ def main() -> None:
         "rankings": ranks,
         "step_model": fitted.__dict__,
         "calibrations": points,
+        "runs": [
+            {"repeat": k, "config": c, "measured": m, "predicted": p}
+            for (k, c), m, p in zip(runs, measured, predicted)
+        ],
         "load_average": {"before": load_before, "after": load_after},
         "wall_s": time.perf_counter() - t0,
     }
