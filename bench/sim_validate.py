@@ -1,17 +1,19 @@
 """The simulator against a real run: the default `minimemserve bench` and its simulation.
 
-    python bench/sim_validate.py [--out DIR] [--cpu-model FILE] [--sessions N] [--rate R]
+    python bench/sim_validate.py [--out DIR] [--cpu-model FILE] [--repeats N] [--sessions N]
 
 Fits the CPU step model (real steps of the tiny preset on one thread, ~15 s; retaken when
 disturbed) unless ``--cpu-model`` is given, then runs each configuration of the default
 benchmark for real (process runtime, one core per instance, two colocated instances,
-``prompt_tree`` routing) between calibrations of the process runtime (~10 s each): its
+``prompt_tree`` routing), all of them in turn ``--repeats`` times (default 3), with a
+calibration of the process runtime (~10 s) before the first real run and after each: its
 per-step cost beyond the forward pass (one decode-heavy request per instance) and how much
 longer a prefill takes while the other instance decodes. The machine is shared and its
-speed drifts from minute to minute, so each configuration is simulated (same sessions, same
+speed drifts from minute to minute, so each real run is simulated (same sessions, same
 seed, same instance layout) with the mean runtime cost of the calibrations just before and
-just after its real run, and the median contention of all. Prints measured against
-predicted mean TTFT and mean JCT per configuration, with the ranking of each. Writes
+just after it, and the median contention of all. Prints measured against predicted mean
+TTFT and mean JCT per configuration (means over the repeats), with the ranking of each and
+how far the real runs separate neighbouring configurations. About 6.5 minutes. Writes
 ``sim_validate.json`` and ``sim_validate.png`` under ``--out``.
 """
 
@@ -270,7 +272,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_ylabel("seconds")
         ax.set_title(name)
         ax.legend()
-    fig.suptitle("default minimemserve bench: real run against the simulator (CPU step model)")
+    fig.suptitle("default minimemserve bench: real runs against the simulator (CPU step model)")
     fig.savefig(path, dpi=100)
 
 
