@@ -231,8 +231,8 @@ def paired_interval(a: list[dict], b: list[dict], key: str) -> tuple[float, floa
 
 
 def report(rows: list[dict], real: dict, sim: dict, records: dict) -> dict:
-    """Print the side-by-side table and rankings, and how far the real run separates each
-    pair of neighbours in its ranking; return the rankings."""
+    """Print the side-by-side table and rankings, and how far the real runs separate each
+    pair of neighbours in their ranking; return the rankings."""
     print(
         f"{'config':10}" + "".join(f"{n + ' meas':>16}{'pred':>10}{'error':>8}" for _, n in METRICS)
     )
@@ -253,7 +253,7 @@ def report(rows: list[dict], real: dict, sim: dict, records: dict) -> dict:
         for lo, hi in zip(order, order[1:]):
             low, high = paired_interval(records[lo], records[hi], key.removesuffix("_mean"))
             gaps.append(f"{lo} to {hi} {low * 1e3:+.1f}..{high * 1e3:+.1f} ms")
-        print(f"  measured steps, paired 95 % interval: {'; '.join(gaps)}")
+        print(f"  measured neighbours, paired 95 % interval of the difference: {'; '.join(gaps)}")
     worst = max(abs(r[f"{k}_error"]) for r in rows for k, _ in METRICS)
     print(f"largest error {worst:.1%} (target ±{TARGET_ERROR:.0%})")
     return ranks
