@@ -54,7 +54,7 @@ FIRST_OUTPUT_TOKEN = 3
 class Transfer:
     """One transfer in flight: its ``steps`` left (``CALL``: a control call the receiver
     answers; a number: the copy, that many seconds on the link), run in order; ``done``
-    callbacks run when it completes, at ``landed``."""
+    callbacks run when it completes."""
 
     CALL = None
 
@@ -72,7 +72,6 @@ class Transfer:
         self.streamed_tail_s = streamed_tail_s
         self.steps = collections.deque([self.CALL] * calls[0] + [copy_s] + [self.CALL] * calls[1])
         self.done: list[Callable[[], None]] = []
-        self.landed: float | None = None
 
 
 class SimPool(MemPool):
@@ -414,7 +413,6 @@ class SimCluster:
             self.links[key] = end
             self.at(end, self._advance, (t,))
             return
-        t.landed = self.now
         for fn in t.done:
             fn()
         if t.src.sending and t.src.sending[0] is t:
