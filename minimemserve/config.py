@@ -9,6 +9,7 @@ import torch
 
 from .disagg.recipes import MILESTONES, Milestone
 from .errors import ConfigError
+from .scheduler.local import POLICIES as SCHEDULERS
 
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of host RAM: 64k tokens of the tiny fp32 preset
 DEFAULT_GPU_KV_FRACTION = 0.5  # share of free GPU memory given to the hbm tier when unsized
@@ -85,8 +86,11 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks (processes) the model is split over
     decode_tensor_parallel_size: int | None = None  # decode instances' size; None: the same
+    scheduler: str = "chunked"  # the local step policy: "chunked" or "prefill_first"
 
     def __post_init__(self) -> None:
+        if self.scheduler not in SCHEDULERS:
+            raise ConfigError(f"unknown scheduler {self.scheduler!r}; choose from {SCHEDULERS}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         for name in ("tensor_parallel_size", "decode_tensor_parallel_size"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +16,7 @@ import torch
 from .attention import make_backend
 from .attention.base import SeqSlice
 from .config import EngineConfig, parse_config_name, resolve_dtype
-from .disagg.recipes import Hook, Outcome, Peers
+from .disagg.recipes import Hook, Outcome, Peers, Recipe
 from .errors import ConfigError, InvalidRequest, PoolExhausted, SamplingError
 from .mempool import MemPool, PoolAccountingError
 from .model.config import ModelConfig
@@ -89,7 +89,9 @@ class ModelRunner:
 
 class Engine:
     """A ``Serving`` instance over one MemPool. ``role`` picks the recipe of ``config``'s
-    milestone (default: its only role); ``peers`` serve the recipe's transfer calls."""
+    milestone (default: its only role); ``peers`` serve the recipe's transfer calls; ``clock``
+    stamps requests' times (seconds). :meth:`from_parts` builds one around a model and a pool
+    made elsewhere (the simulator's engines have no weights and a virtual clock)."""
 
     def __init__(
         self,
@@ -104,63 +106,108 @@ class Engine:
         instance_id: str = "0",
         pool_factory=None,
         share_model_with: Engine | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
-        milestone = parse_config_name(config).milestone
-        roles = milestone.roles
-        if role is None and len(roles) == 1:
-            role = roles[0]
-        if role not in roles:
-            raise ConfigError(
-                f"config {config!r} has roles {list(roles)}: give one of them as role= (or run "
-                "the whole deployment with minimemserve.LLM or a cluster)"
-            )
-        self.role, self.recipe, self.peers = role, milestone.recipes[role], peers
-        self.config = engine_config or EngineConfig()
-        self.device, self.dtype = torch.device(device), resolve_dtype(dtype)
-        cfg, tp = self.config, self.config.tp_size(role)
+        role, recipe = _role_recipe(config, role)
+        cfg = engine_config or EngineConfig()
+        device, dtype = torch.device(device), resolve_dtype(dtype)
+        tp = cfg.tp_size(role)
         if tp > 1 and share_model_with is not None:
             raise ConfigError(f"a tensor-parallel instance (size {tp}) loads its own shard")
         if (s := share_model_with) is not None:  # instances in one process share read-only weights
-            self.model_config, self.tokenizer, self.model = s.model_config, s.tokenizer, s.model
+            model_config, tokenizer, model = s.model_config, s.tokenizer, s.model
         else:
             model_dir = Path(model_dir)
-            self.model_config = ModelConfig.from_hf(model_dir)
-            self.tokenizer = Tokenizer.from_dir(model_dir)
-        mc = self.model_config
-        shard = TPShard(0, tp, mc)  # rank 0's heads and KV heads: all of them at TP 1
+            model_config = ModelConfig.from_hf(model_dir)
+            tokenizer = Tokenizer.from_dir(model_dir)
+        shard = TPShard(0, tp, model_config)  # rank 0's heads and KV heads: all of them at TP 1
         layout = shard.kv_layout(cfg.block_size)
-        num_blocks = cfg.hbm_blocks(layout.block_bytes(self.dtype.itemsize), self.device)
-        self.tp = SingleRank()
+        num_blocks = cfg.hbm_blocks(layout.block_bytes(dtype.itemsize), device)
+        group = SingleRank()
         if tp > 1:
-            self.tp = TPGroup(model_dir, shard, num_blocks, cfg.block_size, cfg.attention,
-                              self.device, self.dtype, cfg.dram_blocks)  # fmt: skip
-            self.model = self.tp.model
+            group = TPGroup(model_dir, shard, num_blocks, cfg.block_size, cfg.attention,
+                            device, dtype, cfg.dram_blocks)  # fmt: skip
+            model = group.model
         elif s is None:
-            self.model = LlamaModel(mc)
-            self.model.load_hf_weights(load_weights(model_dir, mc))
-            self.model.to(device=self.device, dtype=self.dtype).eval()
-        context = mc.max_position_embeddings
-        self.max_model_len = min(cfg.max_model_len or context, context)
-        self.pool = self.tp.make_pool(pool_factory or MemPool)(
+            model = LlamaModel(model_config)
+            model.load_hf_weights(load_weights(model_dir, model_config))
+            model.to(device=device, dtype=dtype).eval()
+        pool = group.make_pool(pool_factory or MemPool)(
             layout,
             num_blocks,
             dram_blocks=cfg.dram_blocks,
-            device=self.device,
-            dtype=self.dtype,
+            device=device,
+            dtype=dtype,
             instance_id=instance_id,
         )
-        self.backend = make_backend(
-            cfg.attention, self.pool.kv("hbm"), layout, shard.heads, mc.head_dim**-0.5
+        backend = make_backend(
+            cfg.attention, pool.kv("hbm"), layout, shard.heads, model_config.head_dim**-0.5
         )
+        self._assemble(role, recipe, peers, cfg, model_config, tokenizer, pool, clock)
+        self.tp = group
+        self.runner = ModelRunner(model, backend, device, group)
+
+    @classmethod
+    def from_parts(
+        cls,
+        pool: MemPool,
+        model_config: ModelConfig,
+        tokenizer,
+        model: LlamaModel | None = None,
+        *,
+        config: str = "PD",
+        role: str | None = None,
+        peers: Peers | None = None,
+        engine_config: EngineConfig | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> Engine:
+        """An engine over ``pool`` (whose ``instance_id`` it takes) and ``model`` on the
+        pool's device. Without a model it schedules and postprocesses but cannot run a step:
+        its owner computes tokens and calls :meth:`schedule` and :meth:`postprocess`."""
+        eng = cls.__new__(cls)
+        role, recipe = _role_recipe(config, role)
+        cfg = engine_config or EngineConfig()
+        eng._assemble(role, recipe, peers, cfg, model_config, tokenizer, pool, clock)
+        eng.tp, eng.runner = SingleRank(), None
+        if model is not None:
+            backend = make_backend(
+                cfg.attention, pool.kv("hbm"), pool.layout, model_config.num_attention_heads,
+                model_config.head_dim**-0.5,
+            )  # fmt: skip
+            eng.runner = ModelRunner(model, backend, pool.device)
+        return eng
+
+    def _assemble(self, role, recipe, peers, cfg, model_config, tokenizer, pool, clock) -> None:
+        self.role = role
+        self.recipe = recipe
+        self.peers = peers
+        self.config = cfg
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.clock = clock
+        self.device = pool.device
+        self.dtype = pool.dtype
+        context = model_config.max_position_embeddings
+        self.max_model_len = min(cfg.max_model_len or context, context)
         self.scheduler = LocalScheduler(
-            self.pool, self.recipe, cfg.max_num_seqs, cfg.max_num_batched_tokens
+            pool, recipe, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.scheduler, clock
         )
-        self.runner = ModelRunner(self.model, self.backend, self.device, self.tp)
-        self.generator = torch.Generator().manual_seed(self.config.seed)
+        self.generator = torch.Generator().manual_seed(cfg.seed)
         self.requests: dict[str, Request] = {}
         self.handoffs: list[Request] = []  # prefilled here, decoding elsewhere; the owner drains
         self.deltas: dict[str, TokenDelta] = {}  # tokens since the last take_deltas()
         self._ids = itertools.count()
+
+    @property
+    def model(self) -> LlamaModel | None:
+        """The model the steps run (None for an engine without one)."""
+        return None if self.runner is None else self.runner.model
+
+    @property
+    def backend(self):
+        """The attention backend the steps run (None for an engine without a model)."""
+        return None if self.runner is None else self.runner.backend
 
     def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         """Token ids of ``prompt``, or a ``ValueError``/``PoolExhausted`` naming the problem."""
@@ -196,7 +243,8 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")
-        req = Request(rid, ids, params, arrival_time=arrival_time)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        req = Request(rid, ids, params, arrival_time=arrival)
         req.max_total_tokens = min(len(ids) + params.max_tokens, self.max_model_len)
         req.prefill_instance = self.pool.instance_id
         self.requests[rid] = req
@@ -268,6 +316,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule → run model → postprocess. Returns finished requests."""
+        if self.runner is None:
+            raise RuntimeError("this engine has no model: its owner computes the steps")
         plan = self.schedule()
         try:
             tokens, bad = self.runner.run(plan.batch, self.generator) if plan.batch else ([], {})
@@ -290,7 +340,7 @@ class Engine:
         requests in ``bad`` with their error, run stops and hooks; the finished requests."""
         batch, failed = plan.batch, plan.failed
         done = plan.done + [self._finish(req, Hook.FAILURE, "error") for req in failed]
-        now = time.perf_counter()
+        now = self.clock()
         for (req, n), tok in zip(batch, tokens):
             if req in bad:  # its KV of this step may be garbage: release it uncached
                 req.error = bad[req]
@@ -364,7 +414,21 @@ class Engine:
         req.finish_reason = reason
         self.recipe.run(hook, self.pool, req, self.peers)
         req.status = Status.FINISHED
-        req.metrics.finish_time = now or time.perf_counter()
+        req.metrics.finish_time = self.clock() if now is None else now
         self.requests.pop(req.request_id, None)
         self.deltas.pop(req.request_id, None)  # the output carries every token
         return req.to_output(self.tokenizer.decode(req.output_token_ids))
+
+
+def _role_recipe(config: str, role: str | None) -> tuple[str, Recipe]:
+    """``role`` (default: the only one of ``config``'s milestone) and its recipe."""
+    milestone = parse_config_name(config).milestone
+    roles = milestone.roles
+    if role is None and len(roles) == 1:
+        role = roles[0]
+    if role not in roles:
+        raise ConfigError(
+            f"config {config!r} has roles {list(roles)}: give one of them as role= (or run "
+            "the whole deployment with minimemserve.LLM or a cluster)"
+        )
+    return role, milestone.recipes[role]

@@ -543,7 +543,8 @@ class ProcessCluster:
             self._abort_later[out.request_id] = out
         elif self._inflight.pop(out.request_id, None) is not None:
             self._done.append(out)
-            self.scheduler.finished(out.request_id)
+            answered = out.finish_reason in ("stop", "length")
+            self.scheduler.finished(out.request_id, None, len(out.token_ids) if answered else None)
 
     def _on_tokens(self, sender: str, msg: rpc.Tokens) -> None:
         """Stream positions from P and D may arrive out of order: keep them by position."""
@@ -559,6 +560,8 @@ class ProcessCluster:
                 and logprobs_fit(d.logprobs, n, f.params.logprobs, self.vocab_size)
             ):
                 raise ValueError(f"{sender} sent tokens that do not fit {d.request_id!r}")
+            if d.start == 0:
+                self.scheduler.started(d.request_id)
             lps = d.logprobs or [None] * len(d.token_ids)
             for i, (tok, lp) in enumerate(zip(d.token_ids, lps)):
                 if d.start + i >= f.streamed:
@@ -722,7 +725,7 @@ class ProcessCluster:
         """Re-run a request whose instance died, or end it with ``error``."""
         if self.rerun_on_failure and f.reruns < MAX_RERUNS:
             with contextlib.suppress(TransferError, MiniMemServeError):
-                route = self._route(f.prompt)
+                route = self._route(f.prompt, f.params.max_tokens)
                 f.reruns += 1
                 self._submit(route, rid, f)
                 self.num_reruns += 1
@@ -733,12 +736,12 @@ class ProcessCluster:
         self._done.append(f.end(rid, "error", error))
 
     # ---- routing ---------------------------------------------------------------------------
-    def _route(self, prompt: Sequence[int]) -> Route:
+    def _route(self, prompt: Sequence[int], max_tokens: int) -> Route:
         live = {i.role for i in self.instances.values() if i.name not in self.dead}
         if not live.issuperset(self.deployment.milestone.roles):
             raise InstanceDied(f"a role has no live instance left: {self.dead}")
         try:
-            route = self.scheduler.route(prompt)
+            route = self.scheduler.route(prompt, max_tokens)
         except InstanceDied:
             raise InstanceDied(f"every instance taking new requests died: {self.dead}") from None
         if route.transfer_from is not None:
@@ -818,7 +821,7 @@ class ProcessCluster:
         self.monitor()
         f = _Inflight(ids, params, arrival_time or time.perf_counter(), "")
         try:
-            self._submit(self._route(ids), rid, f)
+            self._submit(self._route(ids, params.max_tokens), rid, f)
         except RemoteError as e:
             self._raise_remote(e)
         return rid

@@ -144,6 +144,13 @@ class CostModel:
         """Predicted seconds of the prefill step of ``x`` tokens with a fraction ``y`` cached."""
         return sum(self.parts(x, y).values())
 
+    def decode(self, x: int) -> float:
+        """Predicted seconds one more sequence of ``x`` tokens adds to a decode step: its token's
+        linear and other slopes and its attention over ``x`` tokens (no step intercepts)."""
+        x = _check_count("sequence length x", x)
+        (la, _), (aa, ab, ac, _), (oa, _) = self.linear, self.attention, self.other
+        return max(0.0, la + oa + aa * x * (x - 1) + ab * x * x + ac * x)
+
     def transfer(self, num_tokens: int) -> float:
         """Predicted seconds to move ``num_tokens`` tokens' KV to another instance."""
         n = _check_count("num_tokens", num_tokens)

@@ -1,12 +1,20 @@
 """The global scheduler: which instance serves a request, judged by global prompt trees.
 
 Per instance, a prompt tree holds the prefixes finished requests left cached there, for a
-TTL (instances evict on their own). A prompt of ``x`` tokens goes to ``argmin_p queued_p +
-exec(x, y_p)``: ``y_p`` is the fraction believed cached on ``p``, ``exec`` the predicted
-prefill, ``queued_p`` the unfinished work routed to ``p`` (its prefills, plus the decode
-steps its requests share). ``prompt_tree_transfer`` also weighs letting an instance ``q``
-holding more send the missing part first: ``transfer(y_q - y_p) + exec(x, y_q)``. The
-scheduler only decides; its owner submits, moves KV and reports back. Not thread-safe."""
+TTL (instances evict on their own). A prompt of ``x`` tokens goes where one more request
+costs least, in time summed over it and the requests already there::
+
+    cost_p = waiting_p + (1 + n_p) * exec(x, y_p) + 2 * n_p * L * decode(x)
+
+``y_p`` is the fraction believed cached on ``p``; ``exec`` the predicted prefill, which the
+request waits for and which holds up each of the ``n_p`` requests decoding on ``p``;
+``waiting_p`` the prefills routed to ``p`` and not yet begun, which go first; ``decode(x)``
+what one more sequence adds to a decode step, which the request pays beside each of the
+``n_p`` others and they beside it, for the ``L`` tokens answers have had on average so far
+(at most the request's ``max_tokens``). ``prompt_tree_transfer`` also weighs letting an
+instance ``q`` holding more send the missing part first: ``transfer(y_q - y_p) + exec(x,
+y_q)``. The scheduler only decides; its owner submits, moves KV and reports back (first
+tokens, hand-offs, ends). Not thread-safe."""
 
 from __future__ import annotations
 
@@ -43,6 +51,9 @@ class Cost(Protocol):
     def exec(self, x: int, y: float) -> float:
         """Predicted prefill time of ``x`` prompt tokens with a fraction ``y`` cached."""
 
+    def decode(self, x: int) -> float:
+        """Predicted time one more sequence of ``x`` tokens adds to a decode step."""
+
     def transfer(self, num_tokens: int) -> float:
         """Predicted time to move the KV of ``num_tokens`` tokens between instances."""
 
@@ -53,6 +64,10 @@ class TokenCost:
     def exec(self, x: int, y: float) -> float:
         """New tokens to compute, ``x * (1 - y)``, plus a step's fixed ``STEP_TOKENS``."""
         return x * (1.0 - y) + STEP_TOKENS
+
+    def decode(self, x: int) -> float:
+        """One token: a decode row through the model."""
+        return 1.0
 
     def transfer(self, num_tokens: int) -> float:
         """A transferred token costs ``UNIT_TRANSFER_COST`` of a computed one."""
@@ -127,7 +142,7 @@ class PromptTrees:
 class _Queued:
     instance: str
     prefill: float  # predicted prefill time
-    decode: float  # predicted time of its decode steps, were it alone in them
+    started: bool = False  # its first token is out: it decodes (or is handed over)
     active: bool = True  # still weighing on the instance (not handed to a decode instance)
 
 
@@ -162,6 +177,7 @@ class GlobalScheduler:
         self._queued: dict[str, _Queued] = {}
         self._rr = itertools.count()
         self.num_transfers = 0  # routes that asked for a prefix transfer
+        self._answers = [0, 0]  # output tokens and requests finished: the mean answer length
         self.dispatches: Counter[str] = Counter()  # requests sent to each instance
 
     def add(self, name: str) -> None:
@@ -179,17 +195,39 @@ class GlobalScheduler:
         return lost
 
     def queued_cost(self, name: str) -> float:
-        """Predicted work on ``name``: the prefills of its unfinished requests, plus their
-        decode steps, which the running requests share (so the mean, not the sum)."""
-        mine = [q for q in self._queued.values() if q.instance == name and q.active]
-        return sum(q.prefill for q in mine) + sum(q.decode for q in mine) / max(len(mine), 1)
+        """Predicted prefills routed to ``name`` and not yet begun (a new prompt waits for them)."""
+        mine = self._mine(name)
+        return sum(q.prefill for q in mine if not q.started)
+
+    def decoding(self, name: str) -> int:
+        """Requests decoding on ``name`` (first token out, not finished or handed over)."""
+        return sum(1 for q in self._mine(name) if q.started)
+
+    def _mine(self, name: str) -> list[_Queued]:
+        return [q for q in self._queued.values() if q.instance == name and q.active]
+
+    def answer_tokens(self, max_tokens: int | None = None) -> float:
+        """The mean answer length of finished requests (``max_tokens`` until one finished),
+        at most ``max_tokens``."""
+        tokens, done = self._answers
+        mean = tokens / done if done else (max_tokens or 0)
+        return mean if max_tokens is None else min(mean, max_tokens)
+
+    def marginal_cost(self, name: str, x: int, cached: int, max_tokens: int | None = None) -> float:
+        """What one more request of ``x`` prompt tokens, ``cached`` of them held there, costs
+        on ``name`` (see the module docstring)."""
+        n = self.decoding(name)
+        prefill = self._exec(x, cached)
+        decode = 2 * n * self.answer_tokens(max_tokens) * self.cost.decode(x) if n else 0.0
+        return self.queued_cost(name) + (1 + n) * prefill + decode
 
     def queued_requests(self, name: str) -> int:
         """Unfinished requests routed to ``name``."""
         return sum(1 for q in self._queued.values() if q.instance == name and q.active)
 
-    def route(self, tokens: Sequence[int]) -> Route:
-        """Pick the instance for a prompt; raises ``InstanceDied`` when none is live."""
+    def route(self, tokens: Sequence[int], max_tokens: int | None = None) -> Route:
+        """Pick the instance for a prompt that may be answered in up to ``max_tokens``;
+        raises ``InstanceDied`` when none is live."""
         if not self.live:
             raise InstanceDied("no live instance to route to")
         toks = as_tokens(tokens)
@@ -206,9 +244,10 @@ class GlobalScheduler:
             head = toks[: self.block_size].tobytes()
             name = self.live[zlib.crc32(head) % len(self.live)]
         else:
-            return self._by_cost(len(toks), {p: self.cached_tokens(p, toks) for p in self.live})
+            cached = {p: self.cached_tokens(p, toks) for p in self.live}
+            return self._by_cost(len(toks), cached, max_tokens)
         cached = self.cached_tokens(name, toks)
-        return Route(name, cached, self.queued_cost(name) + self._exec(len(toks), cached))
+        return Route(name, cached, self.marginal_cost(name, len(toks), cached, max_tokens))
 
     def cached_tokens(self, name: str, tokens: Sequence[int]) -> int:
         """Tokens of ``tokens`` believed cached on ``name``, but the last (always computed)."""
@@ -219,16 +258,15 @@ class GlobalScheduler:
     def _exec(self, x: int, cached: int) -> float:
         return self.cost.exec(x, cached / x)
 
-    def _by_cost(self, x: int, cached: dict[str, int]) -> Route:
+    def _by_cost(self, x: int, cached: dict[str, int], max_tokens: int | None) -> Route:
         options = []  # the first cheapest wins ties
         for p in self.live:
-            queued = self.queued_cost(p)
-            options.append(Route(p, cached[p], queued + self._exec(x, cached[p])))
+            options.append(Route(p, cached[p], self.marginal_cost(p, x, cached[p], max_tokens)))
             if self.policy == "prompt_tree_transfer":  # or q sends p the part it lacks first
                 for q in self.live:
                     if cached[q] > cached[p]:
-                        cost = queued + self.cost.transfer(cached[q] - cached[p])
-                        cost += self._exec(x, cached[q])
+                        cost = self.cost.transfer(cached[q] - cached[p])
+                        cost += self.marginal_cost(p, x, cached[q], max_tokens)
                         options.append(Route(p, cached[q], cost, q, cached[q]))
         best = min(options, key=lambda r: r.cost)
         if best.transfer_from is not None:
@@ -239,14 +277,16 @@ class GlobalScheduler:
         self, request_id: str, route: Route, num_tokens: int, max_tokens: int = 0
     ) -> None:
         """``request_id`` (``num_tokens`` prompt tokens, up to ``max_tokens`` to generate) was
-        submitted as ``route`` says. Until it finishes (or is handed to a decode instance) it
-        weighs on the instance with its prefill and one single-token step per output token."""
-        prefill = decode = 0.0
-        if num_tokens:
-            prefill = self._exec(num_tokens, route.cached_tokens)
-            decode = max_tokens * self._exec(num_tokens, num_tokens - 1)
-        self._queued[request_id] = _Queued(route.instance, prefill, decode)
+        submitted as ``route`` says. Its prefill weighs on the instance until its first token,
+        then it decodes there until it finishes (or is handed to a decode instance)."""
+        prefill = self._exec(num_tokens, route.cached_tokens) if num_tokens else 0.0
+        self._queued[request_id] = _Queued(route.instance, prefill)
         self.dispatches[route.instance] += 1
+
+    def started(self, request_id: str) -> None:
+        """``request_id``'s first token is out: its prefill is done, it decodes."""
+        if (q := self._queued.get(request_id)) is not None:
+            q.started = True
 
     def prefilled(self, request_id: str) -> None:
         """``request_id``'s prefill is done (handed to a decode instance): it no longer
@@ -254,10 +294,19 @@ class GlobalScheduler:
         if (q := self._queued.get(request_id)) is not None:
             q.active = False
 
-    def finished(self, request_id: str, cached_tokens: Sequence[int] | None = None) -> None:
-        """``request_id`` ended; ``cached_tokens`` is what it left cached where it ran (its
-        prompt plus output with caching, None when it failed or nothing is cached)."""
+    def finished(
+        self,
+        request_id: str,
+        cached_tokens: Sequence[int] | None = None,
+        output_tokens: int | None = None,
+    ) -> None:
+        """``request_id`` ended with ``output_tokens`` generated (None: unknown, or it failed);
+        ``cached_tokens`` is what it left cached where it ran (its prompt plus output with
+        caching, None when it failed or nothing is cached)."""
         q = self._queued.pop(request_id, None)
+        if q is not None and output_tokens is not None:
+            self._answers[0] += output_tokens
+            self._answers[1] += 1
         if q is not None and cached_tokens is not None:
             self.record(q.instance, cached_tokens)
 

@@ -1,25 +1,54 @@
-"""Local scheduler: continuous batching with a per-step token budget, chunked prefill,
-and preemption by recompute when the pool is full. Plain Python: no tensors here."""
+"""Local scheduler: continuous batching with a per-step token budget, preemption by recompute
+when the pool is full, and one of two step policies (:data:`POLICIES`). Plain Python: no
+tensors here."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from ..disagg.recipes import Hook, Recipe
-from ..errors import PoolExhausted
+from ..errors import ConfigError, PoolExhausted
 from ..request import Request, Status
+
+# ``chunked``: decodes first, prompts fill the rest of the budget in chunks (vLLM and SGLang
+# today). ``prefill_first``: waiting prompts run whole in a step of their own before any
+# decode (vLLM 0.4.0's default, MemServe's base).
+POLICIES = ("chunked", "prefill_first")
 
 
 class LocalScheduler:
-    """Decides, every step, which requests compute how many tokens. Running requests first get their
-    pending tokens (one for a decode, a chunk of a prefill) within ``max_num_batched_tokens``; then
-    waiting ones are admitted while budget, sequence slots and blocks remain. Chunking keeps a long
-    prompt from stalling decodes for more than a step. A running request that cannot get a block
-    preempts the newest: its recipe releases (with caching, indexes) its KV, to be recomputed."""
+    """Decides, every step, which requests compute how many tokens within
+    ``max_num_batched_tokens`` tokens and ``max_num_seqs`` running requests.
 
-    def __init__(self, pool, recipe: Recipe, max_num_seqs: int, max_num_batched_tokens: int):
-        self.pool, self.recipe = pool, recipe
+    ``chunked`` (the default): running requests first get their pending tokens (one for a
+    decode, a chunk of a prefill); then waiting ones are admitted while budget, sequence slots
+    and blocks remain. Chunking keeps a long prompt from stalling decodes for more than a step.
+
+    ``prefill_first`` follows vLLM 0.4.0's default scheduler: while prompts wait and fit whole
+    (token budget, sequence slots counting the running ones, blocks), the step is those
+    prefills alone, first come first served, and every running decode waits; otherwise the
+    step is the running decodes. It differs from vLLM 0.4.0 in three ways: a prompt longer than
+    the budget is prefilled alone in budget-sized chunks (vLLM rejects it), a request that
+    arrives with its KV (a hand-off) joins the decodes (vLLM has no hand-off), and there is no
+    swap space or free-block watermark.
+
+    Under both, a running request that cannot get a block preempts the newest: its recipe
+    releases (with caching, indexes) its KV, to be recomputed (vLLM's default, recompute)."""
+
+    def __init__(
+        self,
+        pool,
+        recipe: Recipe,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "chunked",
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        if policy not in POLICIES:
+            raise ConfigError(f"unknown local scheduler {policy!r}; choose from {POLICIES}")
+        self.pool, self.recipe, self.policy, self.clock = pool, recipe, policy, clock
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -50,42 +79,85 @@ class LocalScheduler:
     def schedule(self) -> tuple[list[tuple[Request, int]], list[Request]]:
         """The step's ``(request, tokens to compute)`` pairs, and the requests that failed
         because they can never get blocks (their error says why; the caller ends them)."""
-        budget = self.max_num_batched_tokens
         batch: dict[Request, int] = {}
         failed: list[Request] = []
+        if self.policy == "chunked":
+            self._run(batch, decodes_only=False)
+            self._admit(batch, failed, prompts=True, handoffs=True)
+            return list(batch.items()), failed
+        self._prefills_alone(batch, failed)
+        if not batch:  # no prompt runs: the decode step, which hand-offs may join
+            self._run(batch, decodes_only=True)
+            self._admit(batch, failed, prompts=False, handoffs=True)
+        return list(batch.items()), failed
+
+    def _budget(self, batch: dict[Request, int]) -> int:
+        return self.max_num_batched_tokens - sum(batch.values())
+
+    def _run(self, batch: dict[Request, int], decodes_only: bool) -> None:
+        """Give running requests their pending tokens (a decode's one, a prompt's next chunk)
+        within the budget; with ``decodes_only``, only those with one token pending."""
         for req in list(self.running):
+            budget = self._budget(batch)  # victims of a preemption give theirs back
             if req.status is not Status.RUNNING or budget == 0:
+                continue
+            if decodes_only and req.num_pending != 1:
                 continue
             n = min(req.num_pending, budget)
             if self._grow(req, req.num_computed + n, batch):
                 batch[req] = n
-            budget = self.max_num_batched_tokens - sum(batch.values())  # victims give theirs back
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+
+    def _prefills_alone(self, batch: dict[Request, int], failed: list[Request]) -> None:
+        """``prefill_first``'s prefill step: the next chunk of a prompt too long for the
+        budget, else the waiting prompts that fit whole (hand-offs wait for the decodes)."""
+        for req in self.running:
+            if req.status is Status.RUNNING and req.num_pending > 1:
+                n = min(req.num_pending, self.max_num_batched_tokens)
+                if self._grow(req, req.num_computed + n, batch):
+                    batch[req] = n
+                return
+        self._admit(batch, failed, prompts=True, handoffs=False, whole=True)
+
+    def _admit(
+        self,
+        batch: dict[Request, int],
+        failed: list[Request],
+        prompts: bool,
+        handoffs: bool,
+        whole: bool = False,
+    ) -> None:
+        """Admit waiting requests in order while budget, slots and blocks remain: ``prompts``
+        (requests without KV here) and ``handoffs`` (arrived with their KV) say which kinds
+        may run; with ``whole``, a prompt runs whole or waits (unless alone in the step, where
+        one longer than the budget takes its first chunk). The first that waits stops it."""
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            if (budget := self._budget(batch)) <= 0:
+                return
             req = self.waiting[0]
             arrived = not req.blocks  # requests handed over with KV keep their blocks
+            if not (prompts if arrived else handoffs):
+                return
             if arrived:
                 self.recipe.run(Hook.ARRIVAL, self.pool, req)
             n = min(req.num_pending, budget)
             try:
+                if whole and n < req.num_pending and batch:
+                    raise _Wait
                 self._alloc_to(req, req.num_computed + n)
-            except PoolExhausted as e:
+            except (PoolExhausted, _Wait) as e:
                 if arrived:
                     self.recipe.run(Hook.PREEMPT, self.pool, req)
-                if not (self.running or self.parked):  # nothing will free blocks: fail it
-                    self.waiting.popleft()
+                if isinstance(e, PoolExhausted) and not (self.running or self.parked):
+                    self.waiting.popleft()  # nothing will free blocks: fail it
                     req.error = f"PoolExhausted: {e}"
                     failed.append(req)
                     continue
-                break
+                return
             self.waiting.popleft()
-            req.metrics.first_scheduled_time = (
-                req.metrics.first_scheduled_time or time.perf_counter()
-            )
+            req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or self.clock()
             req.status = Status.RUNNING
             self.running.append(req)
             batch[req] = n
-            budget -= n
-        return list(batch.items()), failed
 
     def _alloc_to(self, req: Request, num_tokens: int) -> None:
         need = self.pool.layout.num_blocks_for(num_tokens) - len(req.blocks)
@@ -112,3 +184,7 @@ class LocalScheduler:
         req.status = Status.WAITING
         req.metrics.preemptions += 1
         self.waiting.appendleft(req)
+
+
+class _Wait(Exception):
+    """The head of the waiting queue does not run this step."""

@@ -16,7 +16,6 @@ transfers are those of a real run."""
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import heapq
 import itertools
@@ -25,7 +24,6 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -38,6 +36,7 @@ from minimemserve.engine import Engine, StepPlan
 from minimemserve.errors import ConfigError, InstanceDied
 from minimemserve.mempool import MemPool
 from minimemserve.model.config import ModelConfig
+from minimemserve.parallel import TPShard
 from minimemserve.request import Request, RequestOutput
 from minimemserve.scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler
 
@@ -103,15 +102,6 @@ class SimPool(MemPool):
         return got
 
 
-@dataclass(frozen=True)
-class _Weightless:
-    """What ``Engine`` takes from an engine it shares weights with: here, no weights."""
-
-    model_config: ModelConfig
-    tokenizer: Any
-    model: Any
-
-
 class _TokenIds:
     """The tokenizer of a simulated engine: prompts are token ids already, outputs have no text."""
 
@@ -129,37 +119,15 @@ class _TokenIds:
 
 
 class SimEngine(Engine):
-    """``Engine`` without weights: its scheduler, recipe and postprocess over a :class:`SimPool`.
-    :meth:`begin_step` schedules (the step's start), :meth:`end_step` postprocesses with
-    stand-in tokens at the virtual time the step model says it ends."""
+    """``Engine`` without a model (:meth:`Engine.from_parts` over a :class:`SimPool`, on the
+    cluster's virtual clock): :meth:`begin_step` schedules (the step's start), :meth:`end_step`
+    postprocesses with stand-in tokens when the step model says the step ends."""
 
-    def __init__(
-        self,
-        config: str,
-        role: str,
-        peers,
-        model_config: ModelConfig,
-        engine_config: EngineConfig,
-        num_blocks: int,
-        dtype: torch.dtype,
-        instance_id: str,
-        on_send,
-    ) -> None:
-        weightless = _Weightless(model_config, _TokenIds(), None)  # nothing to load
-        super().__init__(
-            "",
-            config=config,
-            role=role,
-            peers=peers,
-            device="meta",
-            dtype=dtype,
-            engine_config=dataclasses.replace(engine_config, num_blocks=num_blocks),
-            instance_id=instance_id,
-            pool_factory=functools.partial(SimPool, on_send=on_send),
-            share_model_with=weightless,
-        )
-        self._pending: StepPlan | None = None
-        self._eos = set(model_config.eos_token_ids)
+    _pending: StepPlan | None = None
+
+    @functools.cached_property
+    def _eos(self) -> set[int]:
+        return set(self.model_config.eos_token_ids)
 
     def begin_step(self) -> StepShape | None:
         """Schedule one step; its shape, or None when there is nothing to do."""
@@ -169,24 +137,17 @@ class SimEngine(Engine):
         self._pending = plan
         return StepShape.of_batch(plan.batch)
 
-    def end_step(self, now: float) -> list[RequestOutput]:
-        """Postprocess the step begun last with stand-in tokens; times stamped ``now``."""
+    def end_step(self) -> list[RequestOutput]:
+        """Postprocess the step begun last with stand-in tokens, at the clock's time."""
         plan, self._pending = self._pending, None
         tokens = [
             self._token(r) if r.num_computed + n == r.num_tokens else None for r, n in plan.batch
         ]
-        first = [r for (r, _), t in zip(plan.batch, tokens) if t is not None]
-        first = [r for r in first if r.metrics.first_token_time is None]
-        outs = self.postprocess(plan, tokens, {})
-        for req in first:
-            req.metrics.first_token_time = now
-        for out in outs:
-            out.metrics.finish_time = now
-        return outs
+        return self.postprocess(plan, tokens, {})
 
     def step(self) -> list[RequestOutput]:
-        """``begin_step`` and ``end_step`` with no time between (outputs stamped 0)."""
-        return self.end_step(0.0) if self.begin_step() is not None else []
+        """``begin_step`` and ``end_step`` with no time between."""
+        return self.end_step() if self.begin_step() is not None else []
 
     def _token(self, req: Request) -> int:
         span = self.model_config.vocab_size - FIRST_OUTPUT_TOKEN
@@ -300,17 +261,18 @@ class SimCluster:
         self.steps = self.transfers = 0
         self.route_calls, self.route_wall_s = 0, 0.0
         self.instances: list[SimInstance] = []
+        layout = TPShard(0, 1, model_config).kv_layout(engine_config.block_size)
         for i, (name, role) in enumerate(self.deployment.instances(colocated=colocated)):
-            eng = SimEngine(
-                config,
-                role,
-                self,
+            pool = SimPool(layout, num_blocks, on_send=self._on_send, dtype=dtype, instance_id=name)
+            eng = SimEngine.from_parts(
+                pool,
                 model_config,
-                engine_config,
-                num_blocks,
-                dtype,
-                name,
-                self._on_send,
+                _TokenIds(),
+                config=config,
+                role=role,
+                peers=self,
+                engine_config=engine_config,
+                clock=self.clock,
             )
             self.instances.append(SimInstance(name, role, eng, self, i))
         self.by_name = {i.name: i for i in self.instances}
@@ -324,7 +286,7 @@ class SimCluster:
             cost_model=cost,
             ttl_s=ttl_s,
             caching=milestone.entry_caches,
-            clock=lambda: self.now,
+            clock=self.clock,
         )
         for inst in self.entry:  # the prompt trees follow what entry instances cache
             inst.pool.on_change = self._cache_event(inst.name)
@@ -359,6 +321,10 @@ class SimCluster:
         """Simulated peers do not fail."""
 
     # ---- time ---------------------------------------------------------------------------------
+    def clock(self) -> float:
+        """Virtual seconds since the start."""
+        return self.now
+
     def at(self, t: float, fn: Callable, args: tuple = ()) -> None:
         """Run ``fn(*args)`` at virtual time ``t`` (not before now)."""
         heapq.heappush(self._events, (max(t, self.now), next(self._seq), fn, args))
@@ -504,7 +470,7 @@ class SimCluster:
         prompt = build_prompt(session, k, history)
         rid, params = f"{session.id}/{k}", self._params_for(session.turns[k])
         t0 = time.perf_counter()
-        route = self.scheduler.route(prompt)
+        route = self.scheduler.route(prompt, params.max_tokens)
         self.route_wall_s += time.perf_counter() - t0
         self.route_calls += 1
         pushed = None
@@ -546,7 +512,10 @@ class SimCluster:
 
     def _end_step(self, inst: SimInstance) -> None:
         inst.busy = False
-        outs = inst.engine.end_step(self.now)
+        outs = inst.engine.end_step()
+        for d in inst.engine.take_deltas():
+            if d.start == 0:  # the frontend sees a first token as it streams
+                self.scheduler.started(d.request_id)
         handoffs = [req.request_id for req in inst.engine.handoffs]
         inst.engine.handoffs.clear()
         self._answer(inst)
@@ -565,7 +534,8 @@ class SimCluster:
             self._dirty |= self._blocked
             self._blocked.clear()
         for out in outs:  # the frontend takes a step's outputs together, then sends next turns
-            self.scheduler.finished(out.request_id)
+            answered = out.finish_reason in ("stop", "length")
+            self.scheduler.finished(out.request_id, None, len(out.token_ids) if answered else None)
         for out in outs:
             self._collect(out)
 

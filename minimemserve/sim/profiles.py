@@ -480,6 +480,11 @@ class StepCost:
         cached = round(x * y)
         return self.model.prefill_time(max(x - cached, 1), cached)
 
+    def decode(self, x: int) -> float:
+        """Modelled seconds one more sequence of ``x`` tokens adds to a decode step."""
+        one = self.model.step_time(StepShape((), (x,), 1))
+        return max(0.0, self.model.step_time(StepShape((), (x, x), 2)) - one)
+
     def transfer(self, num_tokens: int) -> float:
         """Modelled seconds to move ``num_tokens`` tokens' KV (aggregated blocks)."""
         blocks = -(-num_tokens // self.block_size)

@@ -83,17 +83,51 @@ def test_prompt_tree_weighs_the_queue_against_the_cache():
     assert s.route(toks(1, 2, 3)).instance == "A"
 
 
-def test_running_requests_share_their_decode_steps():
+def test_marginal_cost_waiting_prefills_stalls_and_shared_decode_steps():
     s = sched()
     cost = TokenCost()
     s.dispatched("r1", Route("A", 0, 0.0), 10, max_tokens=4)
     s.dispatched("r2", Route("A", 0, 0.0), 30, max_tokens=8)
-    prefills = cost.exec(10, 0.0) + cost.exec(30, 0.0)
-    decodes = [4 * cost.exec(10, 9 / 10), 8 * cost.exec(30, 29 / 30)]
-    assert s.queued_cost("A") == pytest.approx(prefills + sum(decodes) / 2)
-    s.finished("r2")
-    assert s.queued_cost("A") == pytest.approx(cost.exec(10, 0.0) + decodes[0])
-    assert s.queued_cost("B") == 0
+    assert s.queued_cost("A") == pytest.approx(cost.exec(10, 0.0) + cost.exec(30, 0.0))
+    assert s.decoding("A") == 0
+    s.started("r1")  # its first token is out: it no longer waits, it decodes
+    assert s.queued_cost("A") == pytest.approx(cost.exec(30, 0.0)) and s.decoding("A") == 1
+    # no answer finished yet: the answer length is the request's cap
+    expect = cost.exec(30, 0.0) + 2 * cost.exec(20, 0.0) + 2 * 1 * 16 * cost.decode(20)
+    assert s.marginal_cost("A", 20, 0, max_tokens=16) == pytest.approx(expect)
+    s.finished("r1", output_tokens=6)  # answers so far average 6 tokens
+    s.started("r2")
+    assert s.answer_tokens(16) == 6 and s.answer_tokens(4) == 4
+    expect = 2 * cost.exec(20, 0.0) + 2 * 1 * 6 * cost.decode(20)
+    assert s.marginal_cost("A", 20, 0, max_tokens=16) == pytest.approx(expect)
+    assert s.marginal_cost("B", 20, 0) == pytest.approx(cost.exec(20, 0.0))
+
+
+def test_a_cached_prompt_stays_on_its_instance_whatever_the_caps_of_the_requests_there():
+    """Two instances, equally busy. A holds 2,144 of a 2,204-token prompt; its requests may
+    generate up to 1,024 tokens, B's up to 64; answers have averaged 200 tokens. A queue term
+    that counted each request's cap times a whole decode step read ~6 s on A against ~0.4 s on
+    B and sent the prompt to B, recomputing its 2,144 cached tokens (13B, TP 2, H800)."""
+    from minimemserve.sim.runner import gpu_setup
+
+    setup = gpu_setup("llama2-13b", "h800", 8, 2)
+    s = GlobalScheduler(["A", "B"], block_size=16, cost_model=setup.cost)
+    prompt = list(range(2204))
+    s.record("A", prompt[:2144])
+    for i in range(4):
+        for name, cap in (("A", 1024), ("B", 64)):
+            rid = f"{name}{i}"
+            s.dispatched(rid, Route(name, 0, 0.0), 1000, max_tokens=cap)
+            s.started(rid)
+    s.dispatched("done", Route("B", 0, 0.0), 100, max_tokens=1024)
+    s.finished("done", output_tokens=200)
+    route = s.route(prompt, max_tokens=1024)
+    assert route.instance == "A" and route.cached_tokens == 2144
+    # the load still counts: with A's decodes twice B's, an uncached prompt goes to B
+    for i in range(4, 8):
+        s.dispatched(f"A{i}", Route("A", 0, 0.0), 1000, max_tokens=1024)
+        s.started(f"A{i}")
+    assert s.route(list(range(5000, 7204)), max_tokens=1024).instance == "B"
 
 
 def test_prompt_tree_transfer_moves_the_prefix_to_the_idle_instance():
