@@ -4,14 +4,15 @@ Per instance, a prompt tree holds the prefixes finished requests left cached the
 TTL (instances evict on their own). A prompt of ``x`` tokens goes where one more request
 costs least, in time summed over it and the requests already there::
 
-    cost_p = waiting_p + (1 + n_p) * exec(x, y_p) + 2 * n_p * L * decode(x)
+    cost_p = waiting_p + (1 + n_p) * exec(x, y_p) + n_p * L * decode(x)
 
 ``y_p`` is the fraction believed cached on ``p``; ``exec`` the predicted prefill, which the
 request waits for and which holds up each of the ``n_p`` requests decoding on ``p``;
 ``waiting_p`` the prefills routed to ``p`` and not yet begun, which go first; ``decode(x)``
 what one more sequence adds to a decode step, which the request pays beside each of the
-``n_p`` others and they beside it, for the ``L`` tokens answers have had on average so far
-(at most the request's ``max_tokens``). ``prompt_tree_transfer`` also weighs letting an
+``n_p`` others and they beside it while both run: for half an answer on average (a running
+request is half-way through its answer), an answer being the ``L`` tokens answers have had on
+average so far (at most the request's ``max_tokens``). ``prompt_tree_transfer`` also weighs letting an
 instance ``q`` holding more send the missing part first: ``transfer(y_q - y_p) + exec(x,
 y_q)``. The scheduler only decides; its owner submits, moves KV and reports back (first
 tokens, hand-offs, ends). Not thread-safe."""
@@ -218,7 +219,7 @@ class GlobalScheduler:
         on ``name`` (see the module docstring)."""
         n = self.decoding(name)
         prefill = self._exec(x, cached)
-        decode = 2 * n * self.answer_tokens(max_tokens) * self.cost.decode(x) if n else 0.0
+        decode = n * self.answer_tokens(max_tokens) * self.cost.decode(x) if n else 0.0
         return self.queued_cost(name) + (1 + n) * prefill + decode
 
     def queued_requests(self, name: str) -> int:

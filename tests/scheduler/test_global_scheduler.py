@@ -93,12 +93,12 @@ def test_marginal_cost_waiting_prefills_stalls_and_shared_decode_steps():
     s.started("r1")  # its first token is out: it no longer waits, it decodes
     assert s.queued_cost("A") == pytest.approx(cost.exec(30, 0.0)) and s.decoding("A") == 1
     # no answer finished yet: the answer length is the request's cap
-    expect = cost.exec(30, 0.0) + 2 * cost.exec(20, 0.0) + 2 * 1 * 16 * cost.decode(20)
+    expect = cost.exec(30, 0.0) + 2 * cost.exec(20, 0.0) + 1 * 16 * cost.decode(20)
     assert s.marginal_cost("A", 20, 0, max_tokens=16) == pytest.approx(expect)
     s.finished("r1", output_tokens=6)  # answers so far average 6 tokens
     s.started("r2")
     assert s.answer_tokens(16) == 6 and s.answer_tokens(4) == 4
-    expect = 2 * cost.exec(20, 0.0) + 2 * 1 * 6 * cost.decode(20)
+    expect = 2 * cost.exec(20, 0.0) + 1 * 6 * cost.decode(20)
     assert s.marginal_cost("A", 20, 0, max_tokens=16) == pytest.approx(expect)
     assert s.marginal_cost("B", 20, 0) == pytest.approx(cost.exec(20, 0.0))
 
