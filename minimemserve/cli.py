@@ -17,7 +17,7 @@ from minimemserve.disagg.runtime import TRANSPORTS, parse_address
 from minimemserve.errors import ConfigError, MiniMemServeError
 from minimemserve.llm import LLM
 from minimemserve.sampling import SamplingParams
-from minimemserve.sim import runner as sim_runner
+from minimemserve.sim import command as sim_command
 
 # generate's options that go to LLM
 _LLM_OPTIONS = (
@@ -105,9 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "sim",
         help="the same comparison on a simulated GPU cluster (see `minimemserve sim -h`)",
-        description=sim_runner.DESCRIPTION,
+        description=sim_command.DESCRIPTION,
     )
-    sim_runner.add_arguments(s).set_defaults(fn=sim_runner.main)
+    sim_command.add_arguments(s).set_defaults(fn=sim_command.main)
     v = sub.add_parser("serve", help="serve the OpenAI HTTP API (needs the serve extra)")
     server.add_arguments(v).set_defaults(fn=_serve)
     g = sub.add_parser("generate", help="generate text for one or more prompts")

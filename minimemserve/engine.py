@@ -93,6 +93,8 @@ class Engine:
     stamps requests' times (seconds). :meth:`from_parts` builds one around a model and a pool
     made elsewhere (the simulator's engines have no weights and a virtual clock)."""
 
+    streams = True  # keep each step's new tokens for take_deltas()
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -352,7 +354,8 @@ class Engine:
                 continue
             req.tokens.append(tok)
             req.metrics.output_tokens = req.num_output
-            self._record_delta(req, tok)
+            if self.streams:
+                self._record_delta(req, tok)
             req.metrics.first_token_time = req.metrics.first_token_time or now
             if (reason := self._stop_reason(req, tok)) is not None:
                 self.scheduler.remove(req)

@@ -62,6 +62,34 @@ def test_greedy_matches_hf_with_continuous_batching(
     assert_pool_clean(engine.pool)
 
 
+@pytest.mark.parametrize("config", ["PD", "PD-CC", "1P1D", "1P1D-CC"])
+def test_prefill_first_gives_hf_tokens_under_every_configuration(
+    tiny_llama_dir, hf_model_from_dir, config
+):
+    """vLLM 0.4.0's step policy changes when tokens are computed, never which: the same greedy
+    tokens as HF and as the chunked policy, with prompts arriving while others decode."""
+    prompts = prompts_of_lengths(512, [3, 17, 40, 64, 9, 33], seed=5)
+    expected = hf_greedy(hf_model_from_dir(tiny_llama_dir), prompts, 10)
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    got = {}
+    for policy in ("prefill_first", "chunked"):
+        llm = LLM(
+            tiny_llama_dir,
+            config=config,
+            num_blocks=200,
+            max_num_batched_tokens=48,
+            scheduler=policy,
+        )
+        eng = llm.engine
+        ids = [eng.add_request(p, params) for p in prompts[:3]]
+        outs = {o.request_id: o for o in eng.step()}
+        ids += [eng.add_request(p, params) for p in prompts[3:]]
+        outs.update(run_all(eng))
+        got[policy] = [outs[i].token_ids for i in ids]
+        eng.check_pools()
+    assert got["prefill_first"] == expected and got["chunked"] == expected
+
+
 def test_preemption_by_recompute_keeps_tokens(tiny_llama_dir):
     prompts = prompts_of_lengths(512, [30, 41, 52, 25, 36, 47], seed=3)
     params = SamplingParams(max_tokens=40, **GREEDY)

@@ -42,7 +42,7 @@ from minimemserve.bench.workloads import (
     poisson_arrivals,
     total_turns,
 )
-from minimemserve.config import EngineConfig, parse_config_name
+from minimemserve.config import SCHEDULERS, EngineConfig, parse_config_name
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.llm import LLM
 from minimemserve.model.tokenizer import Tokenizer
@@ -89,6 +89,7 @@ class EngineOptions:
     seed: int = 0
     tensor_parallel_size: int = 1
     decode_tensor_parallel_size: int | None = None
+    scheduler: str = "chunked"
 
     def engine_config(self) -> EngineConfig:
         """These options as the ``EngineConfig`` of every instance (device and dtype aside)."""
@@ -100,6 +101,7 @@ class EngineOptions:
             seed=self.seed,
             tensor_parallel_size=self.tensor_parallel_size,
             decode_tensor_parallel_size=self.decode_tensor_parallel_size,
+            scheduler=self.scheduler,
         )
 
 
@@ -639,6 +641,14 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParse
         default="prompt_tree",
         help="global scheduler policy (default: %(default)s)",
     )
+    p.add_argument(
+        "--scheduler",
+        choices=SCHEDULERS,
+        default=None,
+        help="local step policy: chunked prefill beside decodes (the default), or "
+        "prefill_first (whole prompts in steps of their own, vLLM 0.4.0's; the default of "
+        "sim --paper)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -752,6 +762,7 @@ def main(args: argparse.Namespace) -> int:
             seed=args.seed,
             tensor_parallel_size=args.tensor_parallel_size,
             decode_tensor_parallel_size=args.decode_tensor_parallel_size,
+            scheduler=args.scheduler or "chunked",
         ),
         progress=not args.no_progress,
         factories=factories,

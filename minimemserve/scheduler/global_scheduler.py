@@ -12,9 +12,9 @@ request waits for and which holds up each of the ``n_p`` requests decoding on ``
 what one more sequence adds to a decode step, which the request pays beside each of the
 ``n_p`` others and they beside it while both run: for half an answer on average (a running
 request is half-way through its answer), an answer being the ``L`` tokens answers have had on
-average so far (at most the request's ``max_tokens``). ``prompt_tree_transfer`` also weighs letting an
-instance ``q`` holding more send the missing part first: ``transfer(y_q - y_p) + exec(x,
-y_q)``. The scheduler only decides; its owner submits, moves KV and reports back (first
+average so far (at most the request's ``max_tokens``). ``prompt_tree_transfer`` also weighs
+letting an instance ``q`` holding more send the missing part first: ``transfer(y_q - y_p) +
+exec(x, y_q)``. The scheduler only decides; its owner submits, moves KV and reports back (first
 tokens, hand-offs, ends). Not thread-safe."""
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ class LocalScheduler:
     def schedule(self) -> tuple[list[tuple[Request, int]], list[Request]]:
         """The step's ``(request, tokens to compute)`` pairs, and the requests that failed
         because they can never get blocks (their error says why; the caller ends them)."""
-        batch: dict[Request, int] = {}
+        batch = _Batch()
         failed: list[Request] = []
         if self.policy == "chunked":
             self._run(batch, decodes_only=False)
@@ -91,14 +91,11 @@ class LocalScheduler:
             self._admit(batch, failed, prompts=False, handoffs=True)
         return list(batch.items()), failed
 
-    def _budget(self, batch: dict[Request, int]) -> int:
-        return self.max_num_batched_tokens - sum(batch.values())
-
-    def _run(self, batch: dict[Request, int], decodes_only: bool) -> None:
+    def _run(self, batch: _Batch, decodes_only: bool) -> None:
         """Give running requests their pending tokens (a decode's one, a prompt's next chunk)
         within the budget; with ``decodes_only``, only those with one token pending."""
         for req in list(self.running):
-            budget = self._budget(batch)  # victims of a preemption give theirs back
+            budget = self.max_num_batched_tokens - batch.tokens  # a preempted victim gives back
             if req.status is not Status.RUNNING or budget == 0:
                 continue
             if decodes_only and req.num_pending != 1:
@@ -107,7 +104,7 @@ class LocalScheduler:
             if self._grow(req, req.num_computed + n, batch):
                 batch[req] = n
 
-    def _prefills_alone(self, batch: dict[Request, int], failed: list[Request]) -> None:
+    def _prefills_alone(self, batch: _Batch, failed: list[Request]) -> None:
         """``prefill_first``'s prefill step: the next chunk of a prompt too long for the
         budget, else the waiting prompts that fit whole (hand-offs wait for the decodes)."""
         for req in self.running:
@@ -120,7 +117,7 @@ class LocalScheduler:
 
     def _admit(
         self,
-        batch: dict[Request, int],
+        batch: _Batch,
         failed: list[Request],
         prompts: bool,
         handoffs: bool,
@@ -131,7 +128,7 @@ class LocalScheduler:
         may run; with ``whole``, a prompt runs whole or waits (unless alone in the step, where
         one longer than the budget takes its first chunk). The first that waits stops it."""
         while self.waiting and len(self.running) < self.max_num_seqs:
-            if (budget := self._budget(batch)) <= 0:
+            if (budget := self.max_num_batched_tokens - batch.tokens) <= 0:
                 return
             req = self.waiting[0]
             arrived = not req.blocks  # requests handed over with KV keep their blocks
@@ -164,7 +161,7 @@ class LocalScheduler:
         if need > 0:
             req.blocks.extend(self.pool.alloc_mem(need))
 
-    def _grow(self, req: Request, num_tokens: int, batch: dict[Request, int]) -> bool:
+    def _grow(self, req: Request, num_tokens: int, batch: _Batch) -> bool:
         """Give ``req`` blocks for ``num_tokens``, preempting newer requests if needed."""
         while True:
             try:
@@ -184,6 +181,23 @@ class LocalScheduler:
         req.status = Status.WAITING
         req.metrics.preemptions += 1
         self.waiting.appendleft(req)
+
+
+class _Batch(dict):
+    """A step's ``{request: tokens}``, keeping their sum as ``tokens``."""
+
+    tokens = 0
+
+    def __setitem__(self, req: Request, n: int) -> None:
+        self.tokens += n - self.get(req, 0)
+        super().__setitem__(req, n)
+
+    def pop(self, req: Request, default=None):
+        """Remove ``req`` (a preempted victim); its tokens return to the budget."""
+        n = super().pop(req, default)
+        if n is not default:
+            self.tokens -= n
+        return n
 
 
 class _Wait(Exception):

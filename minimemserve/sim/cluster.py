@@ -124,10 +124,15 @@ class SimEngine(Engine):
     postprocesses with stand-in tokens when the step model says the step ends."""
 
     _pending: StepPlan | None = None
+    streams = False  # nobody reads token deltas here: first tokens come from end_step
 
     @functools.cached_property
     def _eos(self) -> set[int]:
         return set(self.model_config.eos_token_ids)
+
+    @functools.cached_property
+    def _bases(self) -> dict[str, int]:
+        return {}  # request id -> the hash its stand-in tokens start from
 
     def begin_step(self) -> StepShape | None:
         """Schedule one step; its shape, or None when there is nothing to do."""
@@ -137,22 +142,32 @@ class SimEngine(Engine):
         self._pending = plan
         return StepShape.of_batch(plan.batch)
 
-    def end_step(self) -> list[RequestOutput]:
-        """Postprocess the step begun last with stand-in tokens, at the clock's time."""
+    def end_step(self) -> tuple[list[RequestOutput], list[str]]:
+        """Postprocess the step begun last with stand-in tokens, at the clock's time: the
+        finished requests, and the ids of those that got their first token."""
         plan, self._pending = self._pending, None
-        tokens = [
-            self._token(r) if r.num_computed + n == r.num_tokens else None for r, n in plan.batch
-        ]
-        return self.postprocess(plan, tokens, {})
+        tokens: list[int | None] = []
+        first = []
+        for r, n in plan.batch:
+            if r.num_computed + n != len(r.tokens):
+                tokens.append(None)
+                continue
+            tokens.append(self._token(r))
+            if len(r.tokens) == r.num_prompt:
+                first.append(r.request_id)
+        return self.postprocess(plan, tokens, {}), first
 
     def step(self) -> list[RequestOutput]:
         """``begin_step`` and ``end_step`` with no time between."""
-        return self.end_step() if self.begin_step() is not None else []
+        return self.end_step()[0] if self.begin_step() is not None else []
 
     def _token(self, req: Request) -> int:
+        """A stand-in output token: a hash of the request id stepped by the position, never EOS."""
         span = self.model_config.vocab_size - FIRST_OUTPUT_TOKEN
-        key = f"{req.request_id}:{req.num_output}".encode()
-        tok = FIRST_OUTPUT_TOKEN + zlib.crc32(key) % span
+        base = self._bases.get(req.request_id)
+        if base is None:
+            base = self._bases[req.request_id] = zlib.crc32(req.request_id.encode())
+        tok = FIRST_OUTPUT_TOKEN + (base + 7919 * (len(req.tokens) - req.num_prompt)) % span
         while tok in self._eos:
             tok = FIRST_OUTPUT_TOKEN + (tok + 1 - FIRST_OUTPUT_TOKEN) % span
         return tok
@@ -512,10 +527,9 @@ class SimCluster:
 
     def _end_step(self, inst: SimInstance) -> None:
         inst.busy = False
-        outs = inst.engine.end_step()
-        for d in inst.engine.take_deltas():
-            if d.start == 0:  # the frontend sees a first token as it streams
-                self.scheduler.started(d.request_id)
+        outs, first = inst.engine.end_step()
+        for rid in first:  # the frontend sees a first token as it streams
+            self.scheduler.started(rid)
         handoffs = [req.request_id for req in inst.engine.handoffs]
         inst.engine.handoffs.clear()
         self._answer(inst)

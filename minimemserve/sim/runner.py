@@ -1,4 +1,4 @@
-"""``minimemserve sim``: the four-configuration benchmark on a simulated cluster.
+"""The four-configuration benchmark on a simulated cluster (``minimemserve sim``).
 
 :func:`cpu_setup` reproduces the default ``minimemserve bench`` layout on this CPU (tiny
 preset, two instances, a fitted step model); :func:`gpu_setup` builds ``gpus / tp``
@@ -10,8 +10,6 @@ replays a workload under each configuration and prints, writes and plots what
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import math
 import re
@@ -26,14 +24,13 @@ import torch
 from minimemserve.bench.driver import (
     DEFAULT_CONFIGS,
     DEFAULT_OUT_DIR,
-    add_workload_arguments,
     caching_ratios,
     format_table,
     summarize,
     write_plots,
 )
 from minimemserve.bench.presets import preset_dir
-from minimemserve.bench.workloads import WORKLOADS, make_workload, total_turns
+from minimemserve.bench.workloads import make_workload, total_turns
 from minimemserve.config import EngineConfig, parse_config_name
 from minimemserve.errors import ConfigError
 from minimemserve.model.config import ModelConfig
@@ -43,14 +40,12 @@ from minimemserve.scheduler.global_scheduler import Cost
 from .cluster import SimCluster, Topology
 from .profiles import (
     DATA_DIR,
-    TRANSFER_MODES,
     FittedStepModel,
     HardwareProfile,
     Link,
     RooflineStepModel,
     StepCost,
     StepShape,
-    fit_cpu_steps,
     load_model_shape,
     with_overhead,
 )
@@ -111,6 +106,7 @@ def cpu_setup(
     policy: str = "prompt_tree",
     runtime_overhead_s: tuple[float, float] = (0.0, 0.0),
     prefill_contention: float = 1.0,
+    scheduler: str = "chunked",
 ) -> SimSetup:
     """The default ``minimemserve bench`` layout: tiny preset (or ``model_dir``), fp32, the
     bench's engine options, two one-core instances, the token-count routing cost; each step
@@ -121,7 +117,7 @@ def cpu_setup(
     mdir = Path(model_dir or preset_dir("tiny"))
     step_model = with_overhead(step_model, *runtime_overhead_s)
     mc = ModelConfig.from_hf(mdir)
-    cfg = EngineConfig()
+    cfg = EngineConfig(scheduler=scheduler)
     block_bytes = 2 * mc.num_hidden_layers * cfg.block_size * mc.num_key_value_heads * mc.head_dim
     blocks = cfg.hbm_blocks(block_bytes * torch.float32.itemsize, torch.device("cpu"))
     topo = Topology(
@@ -137,6 +133,7 @@ def cpu_setup(
         "runtime_overhead_s": runtime_overhead_s,
         "prefill_contention": prefill_contention,
         "instances": CPU_INSTANCES,
+        "scheduler": scheduler,
     }
     return SimSetup(
         mc,
@@ -162,13 +159,16 @@ def gpu_setup(
     transfer_mode: str = "by_request_aggregated",
     max_num_seqs: int = GPU_MAX_NUM_SEQS,
     max_batched_tokens: int = GPU_MAX_BATCHED_TOKENS,
+    scheduler: str = "chunked",
 ) -> SimSetup:
     """``gpus // tp`` instances of ``model`` on ``hardware`` with the roofline step model."""
     if not isinstance(gpus, int) or gpus < 1 or gpus % tp:
         raise ConfigError(f"--gpus must be a positive multiple of --tp {tp}, got {gpus}")
     hw, mc = HardwareProfile.load(hardware), load_model_shape(model)
     roof = RooflineStepModel(hw, mc, tp, GPU_DTYPE.itemsize)
-    cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens)
+    cfg = EngineConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens, scheduler=scheduler
+    )
     blocks = roof.kv_blocks(cfg.block_size)
     nvlink = hw.links["nvlink"]
     topo = Topology(nvlink, hw.link(False), tp, int(hw.gpus_per_node))
@@ -181,6 +181,7 @@ def gpu_setup(
         "tp": tp,
         "kv_blocks_per_instance": blocks,
         "weights_gb": roof.weight_bytes / 1e9,
+        "scheduler": scheduler,
     }
     return SimSetup(
         mc,
@@ -365,91 +366,6 @@ def _plot_sweep(rows: list[dict], configs: Sequence[str], png: Path, title: str)
     fig.savefig(png, dpi=100)
 
 
-# The paper's relative gains (MemServe, arXiv 2406.17565), for side-by-side tables:
-# (workload, comparison, metric) -> change.
-PAPER_GAINS = {
-    ("sharegpt", "1P1D vs PD", "jct_mean"): -0.30,
-    ("sharegpt", "1P1D-CC vs 1P1D", "jct_mean"): -0.17,
-    ("sharegpt", "1P1D-CC vs 1P1D", "jct_p99"): -0.29,
-    ("sharegpt", "1P1D-CC vs 1P1D", "ttft_mean"): -0.58,
-    ("loogle", "1P1D-CC vs 1P1D", "jct_mean"): -0.269,
-    ("loogle", "1P1D-CC vs 1P1D", "ttft_mean"): -0.562,
-    ("react", "prompt_tree vs session", "ttft_p99"): -0.59,
-}
-_COMPARISONS = (
-    ("1P1D vs PD", "1P1D", "PD", ("jct_mean",)),
-    ("1P1D-CC vs 1P1D", "1P1D-CC", "1P1D", ("jct_mean", "jct_p99", "ttft_mean")),
-    ("prompt_tree vs session", "PD-CC", "PD-CC session", ("ttft_p99",)),
-)
-
-
-def paper_table(
-    setup: SimSetup,
-    rates: dict[str, float],
-    num_sessions: int,
-    seed: int = 0,
-    out_dir: str | Path = DEFAULT_OUT_DIR,
-    progress: bool = True,
-) -> list[dict]:
-    """The paper's relative gains on each workload at ``rates[workload]``: disaggregation
-    against colocation, PD-Caching-3 against disaggregation, prompt-tree against session
-    routing (PD-CC); prints them beside the paper's, writes JSON and a bar plot."""
-    rows = []
-    for workload, rate in rates.items():
-        sessions = _sessions(setup, workload, num_sessions, seed, None, None, None)
-        records, _ = simulate(setup, DEFAULT_CONFIGS, sessions, rate, seed, progress)
-        session_setup = dataclasses.replace(setup, policy="session")
-        extra, _ = simulate(session_setup, ["PD-CC"], sessions, rate, seed, progress)
-        records["PD-CC session"] = extra["PD-CC"]
-        summ = {c: summarize(r) for c, r in records.items()}
-        for name, new, base, metrics in _COMPARISONS:
-            for m in metrics:
-                gain = summ[new][m] / summ[base][m] - 1
-                paper = PAPER_GAINS.get((workload, name, m))
-                rows.append(
-                    {
-                        "workload": workload,
-                        "rate": rate,
-                        "comparison": name,
-                        "metric": m,
-                        "simulated": gain,
-                        "paper": paper,
-                        "new_s": summ[new][m],
-                        "base_s": summ[base][m],
-                    }
-                )
-    print(f"{'workload':9}{'rate':>6}  {'comparison':24}{'metric':10}{'simulated':>10}{'paper':>8}")
-    for r in rows:
-        paper = "-" if r["paper"] is None else f"{r['paper']:+.0%}"
-        print(
-            f"{r['workload']:9}{r['rate']:>6g}  {r['comparison']:24}{r['metric']:10}"
-            f"{r['simulated']:>+10.0%}{paper:>8}"
-        )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sim_paper.json").write_text(
-        json.dumps({"setup": setup.describe, "rows": rows}, indent=1)
-    )
-    _plot_paper(rows, out / "sim_paper.png")
-    return rows
-
-
-def _plot_paper(rows: list[dict], png: Path) -> None:
-    from matplotlib.figure import Figure  # slow to import: only plots need it
-
-    fig = Figure(figsize=(12, 4), layout="tight")
-    ax = fig.subplots()
-    labels = [f"{r['workload']}\n{r['comparison']}\n{r['metric']}" for r in rows]
-    x = list(range(len(rows)))
-    ax.bar([i - 0.2 for i in x], [100 * r["simulated"] for r in rows], 0.4, label="simulated")
-    ax.bar([i + 0.2 for i in x], [100 * (r["paper"] or 0.0) for r in rows], 0.4, label="paper")
-    ax.set_xticks(x, labels, fontsize=6)
-    ax.set_ylabel("change (%)")
-    ax.axhline(0, color="black", linewidth=0.5)
-    ax.legend()
-    fig.savefig(png, dpi=100)
-
-
 # --------------------------------------------------------------------------- roofline checks
 
 
@@ -553,126 +469,3 @@ def anchors(path: str | Path = DATA_DIR / "anchors.json") -> list[dict]:
     for key, errs in groups.items():
         print(f"  {', '.join(key)}: {len(errs)}, {min(errs):+.0%}..{max(errs):+.0%}")
     return rows
-
-
-# --------------------------------------------------------------------------- CLI
-
-DESCRIPTION = (
-    "Run the engine's scheduling, MemPool and recipes on a simulated cluster in virtual time "
-    "and compare configurations as `minimemserve bench` does."
-)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the options of ``minimemserve sim`` to ``p``; returns ``p``."""
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="llama2-7b|llama2-13b|llama2-70b, a shape JSON or an HF checkpoint dir",
-    )
-    p.add_argument(
-        "--hardware",
-        default=DEFAULT_HARDWARE,
-        help="a100-80g|h100|h800|h200, a profile JSON, or 'cpu' (this machine, the "
-        "fitted step model, the bench's tiny-preset layout)",
-    )
-    p.add_argument("--gpus", type=int, default=DEFAULT_GPUS)
-    p.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor parallelism per instance")
-    add_workload_arguments(p)  # as `minimemserve bench`; xPyD configs repeat to fill the GPUs
-    p.add_argument("--transfer-mode", choices=TRANSFER_MODES, default="by_request_aggregated")
-    p.add_argument(
-        "--cpu-model",
-        default=None,
-        help="fitted CPU step model JSON (--hardware cpu; default: fit now, ~1 min)",
-    )
-    p.add_argument("--sweep", default=None, help="comma-separated rates: a rate sweep plot")
-    p.add_argument(
-        "--calibrate",
-        default=None,
-        help="gpu_steps.json from scripts/gpu-check.sh: measured vs predicted steps",
-    )
-    p.add_argument(
-        "--paper",
-        default=None,
-        help="workload=rate,... (e.g. sharegpt=2,loogle=0.5,react=1): the paper's "
-        "relative gains, simulated",
-    )
-    p.add_argument(
-        "--anchors",
-        action="store_true",
-        help="print the roofline against published GPU measurements",
-    )
-    return p
-
-
-def setup_from_args(args: argparse.Namespace) -> SimSetup:
-    """The :class:`SimSetup` the options describe (fits the CPU model when none is given)."""
-    if args.hardware != "cpu":
-        return gpu_setup(
-            args.model, args.hardware, args.gpus, args.tp, args.policy, args.transfer_mode
-        )
-    if args.cpu_model:
-        fitted = FittedStepModel.load(args.cpu_model)
-    else:
-        fitted = fit_cpu_steps(
-            preset_dir("tiny"), progress=not args.no_progress, concurrent=CPU_INSTANCES
-        )
-        print(f"wrote {fitted.save(Path(args.out) / 'sim_cpu_steps.json')}")
-    model_dir = args.model if Path(args.model).is_dir() else None
-    return cpu_setup(fitted, model_dir, args.policy)
-
-
-def main(args: argparse.Namespace) -> int:
-    """Run ``minimemserve sim`` with parsed ``args``; returns the exit status."""
-    if args.anchors:
-        anchors()
-        return 0
-    if args.calibrate:
-        calibrate(args.calibrate, "h200" if args.hardware == "cpu" else args.hardware)
-        return 0
-    setup = setup_from_args(args)
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    kw = dict(
-        max_turns=args.max_turns,
-        max_output_tokens=args.max_output_tokens,
-        max_context=args.max_context,
-    )
-    if args.paper:
-        try:
-            rates = {w: float(r) for w, r in (kv.split("=") for kv in args.paper.split(","))}
-        except ValueError:
-            raise ConfigError(f"--paper takes workload=rate pairs, got {args.paper!r}") from None
-        if bad := set(rates) - set(WORKLOADS):
-            raise ConfigError(f"--paper: unknown workloads {sorted(bad)}; choose from {WORKLOADS}")
-        paper_table(setup, rates, args.sessions, args.seed, args.out, not args.no_progress)
-        return 0
-    if args.sweep:
-        try:
-            rates = [float(r) for r in args.sweep.split(",")]
-        except ValueError:
-            raise ConfigError(f"--sweep takes comma-separated rates, got {args.sweep!r}") from None
-        res = sweep(
-            setup,
-            configs,
-            args.workload,
-            args.sessions,
-            rates,
-            args.seed,
-            args.out,
-            not args.no_progress,
-            **kw,
-        )
-        print("wrote " + ", ".join(res["files"]))
-        return 0
-    run_sim(
-        setup,
-        configs,
-        args.workload,
-        args.sessions,
-        args.rate,
-        args.seed,
-        out_dir=args.out,
-        progress=not args.no_progress,
-        **kw,
-    )
-    return 0

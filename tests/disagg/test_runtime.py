@@ -102,6 +102,18 @@ def runs(tiny_llama_dir, sessions):
     return res
 
 
+def test_prefill_first_across_processes_gives_the_same_tokens(tiny_llama_dir, sessions, reference):
+    """The step policy travels to every instance of a process cluster (1P1D-CC, and the
+    colocated PD-CC), and changes no token."""
+    for config in ("1P1D-CC", "PD-CC"):
+        cfg = EngineConfig(num_blocks=NUM_BLOCKS, scheduler="prefill_first")
+        with ProcessCluster(
+            tiny_llama_dir, config, engine_config=cfg, timeout_s=10, start_method="forkserver"
+        ) as cluster:
+            assert tokens(run_turns(cluster, sessions)) == reference
+            cluster.check_pools(require_idle=True)
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 def test_same_greedy_tokens_as_in_process(runs, reference, config):
     assert tokens(runs[config]["outs"]) == reference

@@ -1,0 +1,175 @@
+"""``minimemserve sim``: its options and what each runs (a simulation, a rate sweep, the
+paper's evaluation, the roofline's checks)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from minimemserve.bench.driver import add_workload_arguments
+from minimemserve.bench.presets import preset_dir
+from minimemserve.bench.workloads import WORKLOADS
+from minimemserve.errors import ConfigError
+
+from . import paper
+from .profiles import TRANSFER_MODES, FittedStepModel, fit_cpu_steps
+from .runner import (
+    CPU_INSTANCES,
+    DEFAULT_GPUS,
+    DEFAULT_HARDWARE,
+    DEFAULT_MODEL,
+    DEFAULT_TP,
+    SimSetup,
+    anchors,
+    calibrate,
+    cpu_setup,
+    gpu_setup,
+    run_sim,
+    sweep,
+)
+
+DESCRIPTION = (
+    "Run the engine's scheduling, MemPool and recipes on a simulated cluster in virtual time "
+    "and compare configurations as `minimemserve bench` does."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the options of ``minimemserve sim`` to ``p``; returns ``p``."""
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="llama2-7b|llama2-13b|llama2-70b, a shape JSON or an HF checkpoint dir",
+    )
+    p.add_argument(
+        "--hardware",
+        default=DEFAULT_HARDWARE,
+        help="a100-80g|h100|h800|h200, a profile JSON, or 'cpu' (this machine, the "
+        "fitted step model, the bench's tiny-preset layout)",
+    )
+    p.add_argument("--gpus", type=int, default=DEFAULT_GPUS)
+    p.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor parallelism per instance")
+    add_workload_arguments(p)  # as `minimemserve bench`; xPyD configs repeat to fill the GPUs
+    p.add_argument("--transfer-mode", choices=TRANSFER_MODES, default="by_request_aggregated")
+    p.add_argument(
+        "--cpu-model",
+        default=None,
+        help="fitted CPU step model JSON (--hardware cpu; default: fit now, ~1 min)",
+    )
+    p.add_argument("--sweep", default=None, help="comma-separated rates: a rate sweep plot")
+    p.add_argument(
+        "--calibrate",
+        default=None,
+        help="gpu_steps.json from scripts/gpu-check.sh: measured vs predicted steps",
+    )
+    p.add_argument(
+        "--paper",
+        nargs="?",
+        const="",
+        default=None,
+        help="the paper's 19 relative gains on its three workloads, simulated at loads the "
+        "load rule picks, or at workload=rate,... given here (e.g. sharegpt=4,react=2); "
+        "scheduler prefill_first unless --scheduler says otherwise",
+    )
+    p.add_argument(
+        "--anchors",
+        action="store_true",
+        help="print the roofline against published GPU measurements",
+    )
+    return p
+
+
+def setup_from_args(args: argparse.Namespace) -> SimSetup:
+    """The :class:`SimSetup` the options describe (fits the CPU model when none is given)."""
+    scheduler = args.scheduler or "chunked"
+    if args.hardware != "cpu":
+        return gpu_setup(
+            args.model,
+            args.hardware,
+            args.gpus,
+            args.tp,
+            args.policy,
+            args.transfer_mode,
+            scheduler=scheduler,
+        )
+    if args.cpu_model:
+        fitted = FittedStepModel.load(args.cpu_model)
+    else:
+        fitted = fit_cpu_steps(
+            preset_dir("tiny"), progress=not args.no_progress, concurrent=CPU_INSTANCES
+        )
+        print(f"wrote {fitted.save(Path(args.out) / 'sim_cpu_steps.json')}")
+    model_dir = args.model if Path(args.model).is_dir() else None
+    return cpu_setup(fitted, model_dir, args.policy, scheduler=scheduler)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``minimemserve sim`` with parsed ``args``; returns the exit status."""
+    if args.anchors:
+        anchors()
+        return 0
+    if args.calibrate:
+        calibrate(args.calibrate, "h200" if args.hardware == "cpu" else args.hardware)
+        return 0
+    if args.paper is not None:
+        rates = _paper_rates(args.paper) if args.paper else None
+        paper.reproduce(
+            args.model,
+            args.hardware,
+            args.tp,
+            args.scheduler or "prefill_first",
+            args.sessions,
+            args.seed,
+            rates,
+            args.out,
+            not args.no_progress,
+        )
+        return 0
+    setup = setup_from_args(args)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    kw = dict(
+        max_turns=args.max_turns,
+        max_output_tokens=args.max_output_tokens,
+        max_context=args.max_context,
+    )
+    if args.sweep:
+        try:
+            rates = [float(r) for r in args.sweep.split(",")]
+        except ValueError:
+            raise ConfigError(f"--sweep takes comma-separated rates, got {args.sweep!r}") from None
+        res = sweep(
+            setup,
+            configs,
+            args.workload,
+            args.sessions,
+            rates,
+            args.seed,
+            args.out,
+            not args.no_progress,
+            **kw,
+        )
+        print("wrote " + ", ".join(res["files"]))
+        return 0
+    run_sim(
+        setup,
+        configs,
+        args.workload,
+        args.sessions,
+        args.rate,
+        args.seed,
+        out_dir=args.out,
+        progress=not args.no_progress,
+        **kw,
+    )
+    return 0
+
+
+def _paper_rates(text: str) -> dict[str, float]:
+    """``workload=rate,...`` as a dict, or a ``ConfigError`` naming what is wrong."""
+    try:
+        rates = {w: float(r) for w, r in (kv.split("=") for kv in text.split(","))}
+    except ValueError:
+        raise ConfigError(f"--paper takes workload=rate pairs, got {text!r}") from None
+    if bad := set(rates) - set(WORKLOADS):
+        raise ConfigError(f"--paper: unknown workloads {sorted(bad)}; choose from {WORKLOADS}")
+    return rates
