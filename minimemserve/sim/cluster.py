@@ -274,6 +274,8 @@ class SimCluster:
         self.now, self._seq, self._events = 0.0, itertools.count(), []
         self.links: dict[tuple[int, int], float] = {}  # (src, dst) -> busy until
         self.steps = self.transfers = 0
+        # instance-seconds in steps, in steps with prefill work, and decode-seconds held up
+        self.busy_s = self.prefill_busy_s = self.decode_stall_s = 0.0
         self.route_calls, self.route_wall_s = 0, 0.0
         self.instances: list[SimInstance] = []
         layout = TPShard(0, 1, model_config).kv_layout(engine_config.block_size)
@@ -443,6 +445,17 @@ class SimCluster:
                 seconds *= self.topology.prefill_contention
             inst.step_ends = self.now + seconds
             self.at(inst.step_ends, self._end_step, (inst,))
+            self.busy_s += seconds
+            if shape.prefills:
+                self._count_stall(inst, shape, seconds)
+
+    def _count_stall(self, inst: SimInstance, shape: StepShape, seconds: float) -> None:
+        """A step with prefill work: its time, and what it holds up the requests decoding on
+        ``inst`` (the whole step for those left out of it, its prefill part for the others)."""
+        self.prefill_busy_s += seconds
+        decoding = sum(1 for r in inst.engine.scheduler.running if r.prefilled)
+        alone = self.step_time(StepShape((), shape.decodes, len(shape.decodes)))
+        self.decode_stall_s += decoding * (seconds - (alone if shape.decodes else 0.0))
 
     def _shares_cores(self, inst: SimInstance) -> bool:
         """Whether another instance is in a step while ``inst`` starts one (and it matters)."""

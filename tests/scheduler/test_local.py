@@ -166,7 +166,7 @@ def test_prefill_first_runs_prompts_whole_and_first_come_first_served():
 
 def test_prefill_first_chunks_a_prompt_longer_than_the_budget_alone():
     _, s = make(32, budget=16, policy="prefill_first")
-    a = decoding(s, "a", 5)
+    decoding(s, "a", 5)  # waits through every chunk
     long, short = req("long", 40), req("short", 3)
     s.add(long)
     s.add(short)

@@ -378,3 +378,28 @@ def test_meta_pools_hold_no_storage():
     pool = cluster.instances[0].pool
     assert pool.kv("hbm").device == torch.device("meta")
     assert pool.capacity() == setup.num_blocks > 1000
+
+
+def test_cli_paper_prints_the_19_numbers_and_is_deterministic(tmp_path, capsys):
+    common = ["sim", "--sessions", "3", "--no-progress"]
+    args = build_parser().parse_args([*common, "--out", str(tmp_path / "a"), "--paper"])
+    assert args.fn(args) == 0
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "a" / "sim_paper.json").read_text())
+    assert len(data["rows"]) == 19 and data["setup"]["scheduler"] == "prefill_first"
+    for name, w in data["workloads"].items():  # the load rule walked a ladder for each
+        assert w["ladder"] and w["rate"] == w["ladder"][-1][0], name
+        assert f"{name:9}" in out
+    assert data["best_ratio"] in ("1P3D", "2P2D", "1P2D") and "closest to the paper" in out
+    for png in ("sim_paper.png", "sim_paper_fig8.png"):
+        assert (tmp_path / "a" / png).stat().st_size > 0
+    again = []
+    for run in ("b", "c"):
+        fixed = [*common, "--out", str(tmp_path / run), "--paper", "sharegpt=1,loogle=1,react=2"]
+        args = build_parser().parse_args(fixed)
+        assert args.fn(args) == 0
+        again.append(json.loads((tmp_path / run / "sim_paper.json").read_text())["rows"])
+    assert again[0] == again[1] and all(isinstance(r["1P3D"], float) for r in again[0])
+    bad = build_parser().parse_args([*common, "--paper", "chat=1"])
+    with pytest.raises(ConfigError, match="unknown workloads"):
+        bad.fn(bad)
