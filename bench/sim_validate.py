@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minimemserve.bench import driver
 from minimemserve.bench.presets import preset_dir
+from minimemserve.config import SCHEDULERS
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.sampling import SamplingParams
 from minimemserve.sim.profiles import FittedStepModel, StepShape, fit_cpu_steps
@@ -134,6 +135,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     ap.add_argument(
+        "--scheduler",
+        choices=SCHEDULERS,
+        default="chunked",
+        help="the local step policy of the real runs and their simulation",
+    )
+    ap.add_argument(
         "--repeats",
         type=int,
         default=3,
@@ -161,6 +168,7 @@ def real_run(config: str, args: argparse.Namespace, out: Path) -> tuple[dict, li
         rate=args.rate,
         seed=args.seed,
         out_dir=out,
+        options=driver.EngineOptions(seed=args.seed, scheduler=args.scheduler),
         factories=factories,
         runtime={"kind": "process", "policy": "prompt_tree"},
     )
@@ -303,7 +311,7 @@ def main() -> None:
     contention = float(np.median([p["prefill_contention"] for p in points]))
     predicted = []
     for (k, c), before, after in zip(runs, points, points[1:]):
-        setup = cpu_setup(fitted, **bracket(before, after, contention))
+        setup = cpu_setup(fitted, **bracket(before, after, contention), scheduler=args.scheduler)
         predicted.append(
             run_sim(
                 setup,

@@ -57,6 +57,7 @@ from minimemserve.serving import Serving
 DEFAULT_CONFIGS = ("PD", "PD-CC", "1P1D", "1P1D-CC")
 DEFAULT_WORKLOAD = "sharegpt"
 DEFAULT_SESSIONS = 16
+PAPER_SESSIONS = 600  # sim --paper: enough sessions to load 4 Llama-2-13B instances past their knee
 DEFAULT_RATE = 1.0  # sessions per second
 DEFAULT_OUT_DIR = "bench/results"
 # Equal resources under the process runtime: one core per instance, and two colocated
@@ -610,8 +611,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParse
     p.add_argument(
         "--sessions",
         type=int,
-        default=DEFAULT_SESSIONS,
-        help="sessions (ShareGPT conversations, LooGLE documents, ReAct questions)",
+        default=None,
+        help="sessions (ShareGPT conversations, LooGLE documents, ReAct questions; default "
+        f"{DEFAULT_SESSIONS}, sim --paper {PAPER_SESSIONS})",
     )
     p.add_argument("--rate", type=float, default=DEFAULT_RATE, help="session arrivals per second")
     p.add_argument(
@@ -747,7 +749,7 @@ def main(args: argparse.Namespace) -> int:
     run_bench(
         configs=configs,
         workload=args.workload,
-        num_sessions=args.sessions,
+        num_sessions=args.sessions or DEFAULT_SESSIONS,
         rate=args.rate,
         max_turns=args.max_turns,
         max_output_tokens=args.max_output_tokens,

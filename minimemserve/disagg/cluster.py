@@ -17,6 +17,7 @@ from ..engine import Engine
 from ..errors import InstanceDied
 from ..request import Request, RequestOutput, TokenDelta
 from ..sampling import SamplingParams
+from .recipes import decode_preference
 
 
 class Instance:
@@ -75,12 +76,15 @@ class InProcessCluster:
         return max(instances, key=lambda i: (i.pool.cached_prefix_len(tokens), -i.load()))
 
     def pick_decode(self, req: Request, exclude: Sequence[str]) -> Instance | None:
-        """The decode instance with room for ``req`` holding most of it; None if all are full."""
+        """The decode instance with room for ``req`` by ``decode_preference``; None if all are
+        full."""
         if not (live := [i for i in self.role("decode") if i.name not in exclude]):
             raise InstanceDied(f"no decode instance left to continue the request ({exclude})")
         blocks = self.pool.layout.num_blocks_for(req.max_total_tokens)
         roomy = [i for i in live if i.engine.has_room(blocks)]
-        return self._best(roomy, req.tokens[: req.num_computed]) if roomy else None
+        toks = req.tokens[: req.num_computed]
+        key = lambda i: decode_preference(i.load(), i.pool.cached_prefix_len(toks))
+        return max(roomy, key=key) if roomy else None
 
     def prefill_pool(self, req: Request):
         """The pool of the instance that prefilled ``req``."""

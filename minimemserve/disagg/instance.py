@@ -50,6 +50,7 @@ from ..mempool.shared import SharedPoolTensor, attach, segment_path
 from ..model.config import ModelConfig
 from ..request import Request, logprobs_fit
 from . import rpc
+from .recipes import decode_preference
 from .transports import GlooTransport, TransferMode
 
 logger = logging.getLogger(__name__)
@@ -348,7 +349,7 @@ class InstanceServer:
 
     # ---- what recipes need (``Peers``) -------------------------------------------------------
     def pick_decode(self, req: Request, exclude: Sequence[str]) -> RemotePool | None:
-        """The live decode peer with room holding most of ``req`` (then least loaded), or None."""
+        """The live decode peer with room for ``req`` by ``decode_preference``, or None."""
         decodes = [n for n, p in self.remotes.items() if p.role == "decode"]
         if not (live := [d for d in decodes if d not in self.node.dead and d not in exclude]):
             gone = ", ".join(f"{d}: {self.node.dead.get(d, 'refused')}" for d in decodes)
@@ -359,7 +360,7 @@ class InstanceServer:
             with contextlib.suppress(TransferError):
                 rep = self.remotes[d].probe(req.tokens[: req.num_computed], blocks)
                 if rep.room:
-                    scores[d] = (rep.cached, -rep.load)
+                    scores[d] = decode_preference(rep.load, rep.cached)
         return self.remotes[max(scores, key=scores.__getitem__)] if scores else None
 
     def prefill_pool(self, req: Request) -> RemotePool:

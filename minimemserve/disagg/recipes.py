@@ -79,6 +79,13 @@ class Peers(Protocol):
         """A transfer to ``name`` failed with ``error`` (the peer may be dead)."""
 
 
+def decode_preference(load: int, cached_tokens: int) -> tuple[int, int]:
+    """How hand-offs choose among decode instances with room (the largest wins): the least
+    loaded, then the one holding most of the request. Where it decodes weighs on every step of
+    the answer; what it holds saves only part of one copy."""
+    return (-load, cached_tokens)
+
+
 def _match(pool, req: Request, peers: Peers | None) -> None:
     """``match`` all but the last token (one token is always computed, for its logits)."""
     req.blocks = pool.match(req.tokens[: req.num_tokens - 1])

@@ -32,6 +32,7 @@ from minimemserve.bench.driver import _record, greedy_params
 from minimemserve.bench.workloads import Session, build_prompt, poisson_arrivals, total_turns
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.config import Deployment, EngineConfig, parse_config_name
+from minimemserve.disagg.recipes import decode_preference
 from minimemserve.engine import Engine, StepPlan
 from minimemserve.errors import ConfigError, InstanceDied
 from minimemserve.mempool import MemPool
@@ -320,14 +321,14 @@ class SimCluster:
 
     # ---- what recipes need (Peers) -----------------------------------------------------------
     def pick_decode(self, req: Request, exclude: Sequence[str]) -> SimInstance | None:
-        """The decode instance with room holding most of ``req`` (then least loaded), or None."""
+        """The decode instance with room for ``req`` by ``decode_preference``, or None."""
         live = [i for i in self.instances if i.role == "decode" and i.name not in exclude]
         if not live:
             raise InstanceDied(f"no decode instance left to continue the request ({exclude})")
         blocks = self.instances[0].pool.layout.num_blocks_for(req.max_total_tokens)
         roomy = [i for i in live if i.engine.has_room(blocks, i.incoming)]
         toks = req.tokens[: req.num_computed]
-        key = lambda i: (i.pool.cached_prefix_len(toks), -i.load())
+        key = lambda i: decode_preference(i.load(), i.pool.cached_prefix_len(toks))
         return max(roomy, key=key) if roomy else None
 
     def prefill_pool(self, req: Request) -> MemPool:

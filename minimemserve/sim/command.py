@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from minimemserve.bench.driver import add_workload_arguments
+from minimemserve.bench.driver import DEFAULT_SESSIONS, PAPER_SESSIONS, add_workload_arguments
 from minimemserve.bench.presets import preset_dir
 from minimemserve.bench.workloads import WORKLOADS
 from minimemserve.errors import ConfigError
@@ -72,6 +72,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "scheduler prefill_first unless --scheduler says otherwise",
     )
     p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="--paper: configurations simulated at once, each in a process (default: cores)",
+    )
+    p.add_argument(
         "--anchors",
         action="store_true",
         help="print the roofline against published GPU measurements",
@@ -118,11 +124,12 @@ def main(args: argparse.Namespace) -> int:
             args.hardware,
             args.tp,
             args.scheduler or "prefill_first",
-            args.sessions,
+            args.sessions or PAPER_SESSIONS,
             args.seed,
             rates,
             args.out,
             not args.no_progress,
+            args.jobs,
         )
         return 0
     setup = setup_from_args(args)
@@ -141,7 +148,7 @@ def main(args: argparse.Namespace) -> int:
             setup,
             configs,
             args.workload,
-            args.sessions,
+            args.sessions or DEFAULT_SESSIONS,
             rates,
             args.seed,
             args.out,
@@ -154,7 +161,7 @@ def main(args: argparse.Namespace) -> int:
         setup,
         configs,
         args.workload,
-        args.sessions,
+        args.sessions or DEFAULT_SESSIONS,
         args.rate,
         args.seed,
         out_dir=args.out,

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
+import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from minimemserve.bench.driver import summarize
+from minimemserve.bench.driver import PAPER_SESSIONS, summarize
 
 from .runner import SimSetup, _sessions, gpu_setup, simulate
 
@@ -66,18 +69,28 @@ class Workload:
     ladder: list[tuple[float, float]]  # (rate, PD mean JCT)
 
 
-def knee_rate(setup: SimSetup, sessions, seed: int) -> tuple[float, list[tuple[float, float]]]:
+def simulate_one(setup: SimSetup, config: str, sessions, rate: float, seed: int):
+    """One configuration's summary and simulator stats (a worker process runs it)."""
+    records, stats = simulate(setup, [config], sessions, rate, seed, progress=False)
+    return summarize(records[config]), stats[config]
+
+
+def knee_rate(
+    pool: Executor, setup: SimSetup, sessions, seed: int, width: int = 2
+) -> tuple[float, list[tuple[float, float]]]:
     """The load rule, the same for every workload: colocated PD's mean JCT at
     :data:`LIGHT_RATE` and at doubling rates; the first rate where it reaches :data:`KNEE`
-    times the light-load value (else the last tried). Returns it and the ladder walked."""
+    times the light-load value (else the last tried). Returns it and the ladder walked.
+    ``width`` rates are simulated at once on ``pool``."""
+    rates = [LIGHT_RATE * 2**k for k in range(MAX_DOUBLINGS)]
     ladder: list[tuple[float, float]] = []
-    rate = LIGHT_RATE
-    for _ in range(MAX_DOUBLINGS):
-        records, _ = simulate(setup, ["PD"], sessions, rate, seed, progress=False)
-        ladder.append((rate, summarize(records["PD"])["jct_mean"]))
-        if ladder[-1][1] >= KNEE * ladder[0][1]:
-            break
-        rate *= 2
+    for k in range(0, len(rates), width):
+        batch = rates[k : k + width]
+        futures = [pool.submit(simulate_one, setup, "PD", sessions, r, seed) for r in batch]
+        for rate, f in zip(batch, futures):
+            ladder.append((rate, f.result()[0]["jct_mean"]))
+            if ladder[-1][1] >= KNEE * ladder[0][1]:
+                return rate, ladder
     return ladder[-1][0], ladder
 
 
@@ -86,10 +99,10 @@ def _gains(summ: dict[str, dict], new: str, base: str, metrics: Sequence[str]) -
 
 
 def run_workload(
-    setups: dict[int, SimSetup], w: Workload, seed: int, progress: bool
+    pool: Executor, setups: dict[int, SimSetup], w: Workload, seed: int, progress: bool
 ) -> tuple[dict, dict]:
-    """Every configuration the comparisons need at ``w.rate``: ``(summaries by run name,
-    simulated seconds and wall seconds by run name)``."""
+    """Every configuration the comparisons need at ``w.rate``, run on ``pool``: ``(summaries
+    by run name, simulator stats by run name)``."""
     runs: dict[str, tuple[int, str, str]] = {}  # run name -> (gpus, config, routing)
     for ratio, gpus in RATIOS.items():
         runs[f"PD@{gpus}"] = (gpus, "PD", "prompt_tree")
@@ -97,19 +110,26 @@ def run_workload(
         runs[f"{ratio}-CC"] = (gpus, f"{ratio}-CC", "prompt_tree")
     runs["PD-CC@8"] = (8, "PD-CC", "prompt_tree")
     runs["PD-CC@8 session"] = (8, "PD-CC", "session")
-    summaries, stats = {}, {}
+    t0 = time.perf_counter()
+    futures = {}
     for name, (gpus, config, routing) in runs.items():
         setup = dataclasses.replace(setups[gpus], policy=routing)
-        t0 = time.perf_counter()
-        records, st = simulate(setup, [config], w.sessions, w.rate, seed, progress=False)
-        summaries[name] = summarize(records[config])
-        stats[name] = {"simulated_s": st[config]["simulated_s"], "wall_s": time.perf_counter() - t0}
+        futures[name] = pool.submit(simulate_one, setup, config, w.sessions, w.rate, seed)
+    summaries, stats = {}, {}
+    for name, future in futures.items():
+        summaries[name], st = future.result()
+        stats[name] = {
+            k: st[k] for k in ("simulated_s", "wall_s", "prefill_share", "decode_stall_s")
+        }
         if progress:
             s = summaries[name]
             print(
                 f"  {w.name} {name:16} JCT {s['jct_mean']:7.2f} s (P99 {s['jct_p99']:6.1f}), "
                 f"TTFT {1e3 * s['ttft_mean']:8.1f} ms (P99 {1e3 * s['ttft_p99']:8.1f}), "
-                f"cached {s['cached_ratio']:.0%} [{stats[name]['wall_s']:.1f} s]",
+                f"TPOT {1e3 * s['tpot_mean']:5.1f} ms, cached {s['cached_ratio']:.0%}, prefill "
+                f"{st['prefill_share']:.0%} of busy time, decodes held up "
+                f"{st['decode_stall_s']:.2f} s [{st['wall_s']:.1f} s; "
+                f"{time.perf_counter() - t0:.0f} s]",
                 flush=True,
             )
     return summaries, stats
@@ -147,16 +167,18 @@ def reproduce(
     hardware: str = "h800",
     tp: int = 2,
     scheduler: str = "prefill_first",
-    num_sessions: int = 400,
+    num_sessions: int = PAPER_SESSIONS,
     seed: int = 0,
     rates: dict[str, float] | None = None,
     out_dir: str | Path = "sim_paper",
     progress: bool = True,
+    jobs: int | None = None,
 ) -> dict:
     """Simulate the paper's evaluation under the local ``scheduler`` policy (the paper's base,
     vLLM 0.4.0, is ``prefill_first``) at ``rates`` per workload (default: the load rule);
     prints the table, writes ``sim_paper.json``, ``sim_paper.png`` and ``sim_paper_fig8.png``
-    under ``out_dir``; returns what it wrote."""
+    under ``out_dir``; returns what it wrote. Configurations run ``jobs`` at a time (default:
+    one per core), each in its own process."""
     t0 = time.perf_counter()
     setups = {}
     for gpus in sorted(set(RATIOS.values())):
@@ -170,25 +192,11 @@ def reproduce(
         "workloads": {},
         "rows": [],
     }
-    for name in WORKLOADS:
-        cap = MAX_OUTPUT_TOKENS.get(name)
-        sessions = _sessions(setups[8], name, num_sessions, seed, None, cap, None)
-        if rates and name in rates:
-            w = Workload(name, sessions, rates[name], [])
-        else:
-            w = Workload(name, sessions, *knee_rate(setups[8], sessions, seed))
-        if progress:
-            ladder = ", ".join(f"{r:g}/s: {j:.2f} s" for r, j in w.ladder)
-            print(f"{name}: {len(sessions)} sessions at {w.rate:g}/s (PD mean JCT {ladder})")
-        summ, stats = run_workload(setups, w, seed, progress)
-        rows = comparisons(name, summ)
-        result["rows"] += rows
-        result["workloads"][name] = {
-            "rate": w.rate,
-            "ladder": w.ladder,
-            "summaries": summ,
-            "stats": stats,
-        }
+    jobs = jobs or os.cpu_count() or 1
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(jobs, mp_context=spawn) if jobs > 1 else _Inline() as pool:
+        for name in WORKLOADS:
+            _one_workload(pool, setups, name, num_sessions, seed, rates, progress, result)
     disagg = [r for r in result["rows"] if r["comparison"] != "prompt_tree vs session"]
     result["best_ratio"] = best_ratio(disagg)
     result["wall_s"] = time.perf_counter() - t0
@@ -202,6 +210,39 @@ def reproduce(
     plot_fig8(result, files[2])
     print(f"wrote {', '.join(result['files'])} ({result['wall_s']:.0f} s)")
     return result
+
+
+def _one_workload(pool, setups, name, num_sessions, seed, rates, progress, result) -> None:
+    cap = MAX_OUTPUT_TOKENS.get(name)
+    sessions = _sessions(setups[8], name, num_sessions, seed, None, cap, None)
+    if rates and name in rates:
+        w = Workload(name, sessions, rates[name], [])
+    else:
+        w = Workload(name, sessions, *knee_rate(pool, setups[8], sessions, seed))
+    if progress:
+        ladder = ", ".join(f"{r:g}/s: {j:.2f} s" for r, j in w.ladder)
+        print(f"{name}: {len(sessions)} sessions at {w.rate:g}/s (PD mean JCT {ladder})")
+    summ, stats = run_workload(pool, setups, w, seed, progress)
+    result["rows"] += comparisons(name, summ)
+    result["workloads"][name] = {
+        "rate": w.rate,
+        "ladder": w.ladder,
+        "summaries": summ,
+        "stats": stats,
+    }
+
+
+class _Inline(Executor):
+    """Runs each task at once in this process (``jobs=1``: no worker to start)."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        """``fn(*args, **kwargs)`` now; its result (or exception) in a finished future."""
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:
+            future.set_exception(e)
+        return future
 
 
 def print_table(result: dict) -> None:

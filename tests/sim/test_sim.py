@@ -4,6 +4,7 @@ roofline that respects its bounds, clear errors, and the CLI end to end."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -381,7 +382,7 @@ def test_meta_pools_hold_no_storage():
 
 
 def test_cli_paper_prints_the_19_numbers_and_is_deterministic(tmp_path, capsys):
-    common = ["sim", "--sessions", "3", "--no-progress"]
+    common = ["sim", "--sessions", "3", "--no-progress", "--jobs", "1"]
     args = build_parser().parse_args([*common, "--out", str(tmp_path / "a"), "--paper"])
     assert args.fn(args) == 0
     out = capsys.readouterr().out
@@ -403,3 +404,23 @@ def test_cli_paper_prints_the_19_numbers_and_is_deterministic(tmp_path, capsys):
     bad = build_parser().parse_args([*common, "--paper", "chat=1"])
     with pytest.raises(ConfigError, match="unknown workloads"):
         bad.fn(bad)
+
+
+def test_hand_offs_spread_over_decode_instances_that_all_hold_the_shared_prefix():
+    """ReAct's sessions share one few-shot prefix, which every decode instance soon holds:
+    hand-offs go to the least loaded one, not all to the one that held it first."""
+    setup = gpu_setup("llama2-13b", "h800", 6, 2)  # 1P2D-CC: P0, D0, D1
+    tok = Tokenizer.from_dir(preset_dir("tiny"))
+    sessions = make_workload("react", tok, 12, 4096, seed=0, max_turns=3)
+    cluster = setup.cluster("1P2D-CC")
+    decoded = Counter()
+    for inst in cluster.instances:
+        if inst.role == "decode":
+            add = inst.engine.add_prefilled
+            inst.engine.add_prefilled = lambda req, add=add, n=inst.name: (
+                decoded.update([n]),
+                add(req),
+            )
+    cluster.replay(sessions, 16.0, 0, progress=False)
+    cluster.check_pools()
+    assert set(decoded) == {"D0", "D1"} and min(decoded.values()) >= total_turns(sessions) // 4

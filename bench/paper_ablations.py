@@ -1,0 +1,132 @@
+"""What moves each of the paper's gains in the simulator: one factor at a time from the
+``sim --paper`` setup (local policy, disaggregated ratio, load, answer length, routing).
+
+    python bench/paper_ablations.py --paper bench/results/sim_paper.json [--out bench/results]
+
+For each workload at the load ``sim --paper`` chose (read from its JSON), each variant prints
+disaggregation against colocated PD (JCT mean and P99), caching on top (JCT and TTFT mean),
+and colocated PD's prefill share of busy time and the time its decodes were held up by
+prefills per request: what disaggregation can remove at most. Then PD-CC's P99 TTFT under
+each routing policy. Writes ``paper_ablations.json``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from minimemserve.bench.driver import summarize
+from minimemserve.sim.paper import MAX_OUTPUT_TOKENS, RATIOS, WORKLOADS
+from minimemserve.sim.runner import _sessions, gpu_setup, simulate
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One factor changed from the base setup."""
+
+    name: str
+    scheduler: str = "prefill_first"
+    ratio: str = ""  # "": the base ratio
+    rate_factor: float = 1.0
+    cap: int | None = -1  # -1: the workload's own answer lengths
+
+
+def variants(workload: str, base_ratio: str) -> list[Variant]:
+    """The base and one variant per factor."""
+    out = [Variant("base"), Variant("chunked", scheduler="chunked")]
+    out += [Variant(f"ratio {r}", ratio=r) for r in RATIOS if r != base_ratio]
+    out += [Variant("load x0.5", rate_factor=0.5), Variant("load x2", rate_factor=2.0)]
+    if workload == "sharegpt":
+        out += [Variant("answers <= 48", cap=48), Variant("answers <= 256", cap=256)]
+    return out
+
+
+def run_variant(workload: str, rate: float, v: Variant, base_ratio: str, n: int, seed: int):
+    """The gains of one variant, with PD's prefill share and decode hold-up."""
+    ratio = v.ratio or base_ratio
+    gpus = RATIOS[ratio]
+    setup = gpu_setup("llama2-13b", "h800", gpus, 2, scheduler=v.scheduler)
+    cap = MAX_OUTPUT_TOKENS.get(workload) if v.cap == -1 else v.cap
+    sessions = _sessions(setup, workload, n, seed, None, cap, None)
+    configs = ["PD", ratio, f"{ratio}-CC"]
+    records, stats = simulate(setup, configs, sessions, rate * v.rate_factor, seed, progress=False)
+    s = {c: summarize(records[c]) for c in configs}
+    gain = lambda new, base, m: s[new][m] / s[base][m] - 1
+    return {
+        "workload": workload,
+        "variant": v.name,
+        "rate": rate * v.rate_factor,
+        "ratio": ratio,
+        "disagg_jct_mean": gain(ratio, "PD", "jct_mean"),
+        "disagg_jct_p99": gain(ratio, "PD", "jct_p99"),
+        "cc_jct_mean": gain(f"{ratio}-CC", ratio, "jct_mean"),
+        "cc_ttft_mean": gain(f"{ratio}-CC", ratio, "ttft_mean"),
+        "pd_jct_mean": s["PD"]["jct_mean"],
+        "pd_tpot_mean": s["PD"]["tpot_mean"],
+        "disagg_tpot_mean": s[ratio]["tpot_mean"],
+        "pd_prefill_share": stats["PD"]["prefill_share"],
+        "pd_decode_stall_s": stats["PD"]["decode_stall_s"],
+    }
+
+
+def routing(workload: str, rate: float, n: int, seed: int) -> dict:
+    """PD-CC's P99 and mean TTFT and cached fraction under each routing policy."""
+    out = {}
+    for policy in ("prompt_tree", "session", "least_load", "round_robin"):
+        setup = dataclasses.replace(
+            gpu_setup("llama2-13b", "h800", 8, 2, scheduler="prefill_first"), policy=policy
+        )
+        sessions = _sessions(setup, workload, n, seed, None, MAX_OUTPUT_TOKENS.get(workload), None)
+        records, _ = simulate(setup, ["PD-CC"], sessions, rate, seed, progress=False)
+        s = summarize(records["PD-CC"])
+        out[policy] = {k: s[k] for k in ("ttft_p99", "ttft_mean", "jct_mean", "cached_ratio")}
+    return out
+
+
+def main() -> None:
+    """Parse the options, run every variant and the routing comparison, print and write."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--paper", required=True, help="sim_paper.json of `minimemserve sim --paper`")
+    p.add_argument("--out", default="bench/results")
+    args = p.parse_args()
+    paper = json.loads(Path(args.paper).read_text())
+    n, seed = paper["setup"]["sessions"], 0
+    base_ratio = paper["best_ratio"]
+    rows, routes = [], {}
+    t0 = time.perf_counter()
+    print(
+        f"{'workload':9}{'variant':16}{'rate':>6}{'ratio':>6}{'D/PD JCT':>10}{'P99':>8}"
+        f"{'CC JCT':>8}{'CC TTFT':>9}{'PD TPOT':>9}{'D TPOT':>8}{'PD prefill':>11}{'held up':>9}"
+    )
+    for workload in WORKLOADS:
+        rate = paper["workloads"][workload]["rate"]
+        for v in variants(workload, base_ratio):
+            r = run_variant(workload, rate, v, base_ratio, n, seed)
+            rows.append(r)
+            print(
+                f"{workload:9}{v.name:16}{r['rate']:>6g}{r['ratio']:>6}"
+                f"{r['disagg_jct_mean']:>+10.1%}{r['disagg_jct_p99']:>+8.1%}"
+                f"{r['cc_jct_mean']:>+8.1%}{r['cc_ttft_mean']:>+9.1%}"
+                f"{1e3 * r['pd_tpot_mean']:>7.1f}ms{1e3 * r['disagg_tpot_mean']:>6.1f}ms"
+                f"{r['pd_prefill_share']:>11.1%}{r['pd_decode_stall_s']:>8.2f}s",
+                flush=True,
+            )
+        routes[workload] = routing(workload, rate, n, seed)
+        for policy, s in routes[workload].items():
+            print(
+                f"  {workload} PD-CC {policy:12} TTFT P99 {1e3 * s['ttft_p99']:7.1f} ms, mean "
+                f"{1e3 * s['ttft_mean']:6.1f} ms, JCT {s['jct_mean']:.2f} s, cached "
+                f"{s['cached_ratio']:.1%}",
+                flush=True,
+            )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "paper_ablations.json"
+    path.write_text(json.dumps({"paper": args.paper, "rows": rows, "routing": routes}, indent=1))
+    print(f"wrote {path} in {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
