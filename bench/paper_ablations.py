@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from minimemserve.bench.driver import summarize
-from minimemserve.sim.paper import MAX_OUTPUT_TOKENS, RATIOS, WORKLOADS
-from minimemserve.sim.runner import _sessions, gpu_setup, simulate
+from minimemserve.sim.paper import MAX_OUTPUT_TOKENS, RATIOS, WORKLOADS, simulate_one
+from minimemserve.sim.runner import _sessions, gpu_setup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,21 +45,30 @@ def variants(workload: str, base_ratio: str) -> list[Variant]:
     return out
 
 
-def run_variant(workload: str, rate: float, v: Variant, base_ratio: str, n: int, seed: int):
-    """The gains of one variant, with PD's prefill share and decode hold-up."""
+def submit_variant(pool, workload: str, rate: float, v: Variant, base_ratio: str, n, seed):
+    """Start one variant's three runs (PD, disaggregated, with caching) on ``pool``."""
     ratio = v.ratio or base_ratio
-    gpus = RATIOS[ratio]
-    setup = gpu_setup("llama2-13b", "h800", gpus, 2, scheduler=v.scheduler)
+    setup = gpu_setup("llama2-13b", "h800", RATIOS[ratio], 2, scheduler=v.scheduler)
     cap = MAX_OUTPUT_TOKENS.get(workload) if v.cap == -1 else v.cap
     sessions = _sessions(setup, workload, n, seed, None, cap, None)
     configs = ["PD", ratio, f"{ratio}-CC"]
-    records, stats = simulate(setup, configs, sessions, rate * v.rate_factor, seed, progress=False)
-    s = {c: summarize(records[c]) for c in configs}
+    runs = {
+        c: pool.submit(simulate_one, setup, c, sessions, rate * v.rate_factor, seed)
+        for c in configs
+    }
+    return v, ratio, rate * v.rate_factor, runs
+
+
+def variant_row(workload: str, v: Variant, ratio: str, rate: float, runs: dict) -> dict:
+    """The gains of one variant, with PD's prefill share and decode hold-up."""
+    done = {c: f.result() for c, f in runs.items()}
+    s = {c: d[0] for c, d in done.items()}
+    stats = {c: d[1] for c, d in done.items()}
     gain = lambda new, base, m: s[new][m] / s[base][m] - 1
     return {
         "workload": workload,
         "variant": v.name,
-        "rate": rate * v.rate_factor,
+        "rate": rate,
         "ratio": ratio,
         "disagg_jct_mean": gain(ratio, "PD", "jct_mean"),
         "disagg_jct_p99": gain(ratio, "PD", "jct_p99"),
@@ -71,18 +82,16 @@ def run_variant(workload: str, rate: float, v: Variant, base_ratio: str, n: int,
     }
 
 
-def routing(workload: str, rate: float, n: int, seed: int) -> dict:
-    """PD-CC's P99 and mean TTFT and cached fraction under each routing policy."""
-    out = {}
-    for policy in ("prompt_tree", "session", "least_load", "round_robin"):
-        setup = dataclasses.replace(
-            gpu_setup("llama2-13b", "h800", 8, 2, scheduler="prefill_first"), policy=policy
+def submit_routing(pool, workload: str, rate: float, n: int, seed: int) -> dict:
+    """Start PD-CC under each routing policy on ``pool``."""
+    base = gpu_setup("llama2-13b", "h800", 8, 2, scheduler="prefill_first")
+    sessions = _sessions(base, workload, n, seed, None, MAX_OUTPUT_TOKENS.get(workload), None)
+    return {
+        policy: pool.submit(
+            simulate_one, dataclasses.replace(base, policy=policy), "PD-CC", sessions, rate, seed
         )
-        sessions = _sessions(setup, workload, n, seed, None, MAX_OUTPUT_TOKENS.get(workload), None)
-        records, _ = simulate(setup, ["PD-CC"], sessions, rate, seed, progress=False)
-        s = summarize(records["PD-CC"])
-        out[policy] = {k: s[k] for k in ("ttft_p99", "ttft_mean", "jct_mean", "cached_ratio")}
-    return out
+        for policy in ("prompt_tree", "session", "least_load", "round_robin")
+    }
 
 
 def main() -> None:
@@ -90,6 +99,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--paper", required=True, help="sim_paper.json of `minimemserve sim --paper`")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at once")
     args = p.parse_args()
     paper = json.loads(Path(args.paper).read_text())
     n, seed = paper["setup"]["sessions"], 0
@@ -100,10 +110,17 @@ def main() -> None:
         f"{'workload':9}{'variant':16}{'rate':>6}{'ratio':>6}{'D/PD JCT':>10}{'P99':>8}"
         f"{'CC JCT':>8}{'CC TTFT':>9}{'PD TPOT':>9}{'D TPOT':>8}{'PD prefill':>11}{'held up':>9}"
     )
-    for workload in WORKLOADS:
-        rate = paper["workloads"][workload]["rate"]
-        for v in variants(workload, base_ratio):
-            r = run_variant(workload, rate, v, base_ratio, n, seed)
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pending = []
+        for workload in WORKLOADS:
+            rate = paper["workloads"][workload]["rate"]
+            for v in variants(workload, base_ratio):
+                pending.append(
+                    (workload, submit_variant(pool, workload, rate, v, base_ratio, n, seed))
+                )
+            routes[workload] = submit_routing(pool, workload, rate, n, seed)
+        for workload, (v, ratio, rate, runs) in pending:
+            r = variant_row(workload, v, ratio, rate, runs)
             rows.append(r)
             print(
                 f"{workload:9}{v.name:16}{r['rate']:>6g}{r['ratio']:>6}"
@@ -113,14 +130,19 @@ def main() -> None:
                 f"{r['pd_prefill_share']:>11.1%}{r['pd_decode_stall_s']:>8.2f}s",
                 flush=True,
             )
-        routes[workload] = routing(workload, rate, n, seed)
-        for policy, s in routes[workload].items():
-            print(
-                f"  {workload} PD-CC {policy:12} TTFT P99 {1e3 * s['ttft_p99']:7.1f} ms, mean "
-                f"{1e3 * s['ttft_mean']:6.1f} ms, JCT {s['jct_mean']:.2f} s, cached "
-                f"{s['cached_ratio']:.1%}",
-                flush=True,
-            )
+        for workload, futures in routes.items():
+            routes[workload] = {}
+            for policy, f in futures.items():
+                s = f.result()[0]
+                routes[workload][policy] = {
+                    k: s[k] for k in ("ttft_p99", "ttft_mean", "jct_mean", "cached_ratio")
+                }
+                print(
+                    f"  {workload} PD-CC {policy:12} TTFT P99 {1e3 * s['ttft_p99']:7.1f} ms, "
+                    f"mean {1e3 * s['ttft_mean']:6.1f} ms, JCT {s['jct_mean']:.2f} s, cached "
+                    f"{s['cached_ratio']:.1%}",
+                    flush=True,
+                )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "paper_ablations.json"

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minimemserve.bench.driver import PAPER_SESSIONS, summarize
+from minimemserve.bench.workloads import build_prompt
+from minimemserve.mempool.radix import RadixTree
 
 from .runner import SimSetup, _sessions, gpu_setup, simulate
 
@@ -67,6 +69,46 @@ class Workload:
     sessions: list
     rate: float
     ladder: list[tuple[float, float]]  # (rate, PD mean JCT)
+
+
+def workload_stats(sessions, block_size: int = 16) -> dict:
+    """What the paper's Figure 7 shows of a workload: prompt and answer lengths (mean, median,
+    P99), turns per session, and the shared-prefix fraction: of all prompt tokens, those (in
+    whole blocks) that begin an earlier request's prompt plus answer, the most any cache could
+    hit. Answers are stand-in tokens of their planned length, distinct per request."""
+    tree = RadixTree(block_size, clock=lambda: 0.0)
+    prompts, answers, turns, shared = [], [], [], 0
+    fresh = 1 << 40  # stand-in answer ids, beyond any vocabulary
+    for session in sessions:
+        turns.append(len(session.turns))
+        history: list[int] = []
+        for k, turn in enumerate(session.turns):
+            prompt = build_prompt(session, k, history)
+            shared += tree.match_prefix(prompt).num_tokens
+            answer = list(range(fresh, fresh + turn.max_tokens))
+            fresh += turn.max_tokens
+            history = [*prompt, *answer]
+            whole = len(history) - len(history) % block_size
+            tree.insert(history[:whole], [0] * (whole // block_size))
+            prompts.append(len(prompt))
+            answers.append(turn.max_tokens)
+
+    def spread(xs: list[int]) -> dict:
+        xs = sorted(xs)
+        return {
+            "mean": sum(xs) / len(xs),
+            "p50": xs[len(xs) // 2],
+            "p99": xs[int(0.99 * (len(xs) - 1))],
+        }
+
+    return {
+        "sessions": len(sessions),
+        "requests": len(prompts),
+        "prompt": spread(prompts),
+        "answer": spread(answers),
+        "turns": spread(turns),
+        "shared_prefix": shared / sum(prompts),
+    }
 
 
 def simulate_one(setup: SimSetup, config: str, sessions, rate: float, seed: int):
@@ -222,11 +264,20 @@ def _one_workload(pool, setups, name, num_sessions, seed, rates, progress, resul
     if progress:
         ladder = ", ".join(f"{r:g}/s: {j:.2f} s" for r, j in w.ladder)
         print(f"{name}: {len(sessions)} sessions at {w.rate:g}/s (PD mean JCT {ladder})")
+    wstats = workload_stats(sessions, setups[8].engine_config.block_size)
+    if progress:
+        p, a = wstats["prompt"], wstats["answer"]
+        print(
+            f"  {wstats['requests']} requests; prompt mean {p['mean']:.0f} (P99 {p['p99']}), "
+            f"answer mean {a['mean']:.0f} (P99 {a['p99']}), turns {wstats['turns']['mean']:.1f}, "
+            f"shared prefix {wstats['shared_prefix']:.0%}"
+        )
     summ, stats = run_workload(pool, setups, w, seed, progress)
     result["rows"] += comparisons(name, summ)
     result["workloads"][name] = {
         "rate": w.rate,
         "ladder": w.ladder,
+        "workload_stats": wstats,
         "summaries": summ,
         "stats": stats,
     }

@@ -110,8 +110,12 @@ def test_prefill_first_across_processes_gives_the_same_tokens(tiny_llama_dir, se
         with ProcessCluster(
             tiny_llama_dir, config, engine_config=cfg, timeout_s=10, start_method="forkserver"
         ) as cluster:
-            assert tokens(run_turns(cluster, sessions)) == reference
+            outs = run_turns(cluster, sessions)
+            assert tokens(outs) == reference
             cluster.check_pools(require_idle=True)
+            # the frontend told the global scheduler each answer's length as it finished
+            lengths = [len(o.token_ids) for session in outs for o in session]
+            assert cluster.scheduler.answer_tokens() == pytest.approx(sum(lengths) / len(lengths))
 
 
 @pytest.mark.parametrize("config", CONFIGS)
