@@ -194,8 +194,9 @@ def time_shape(model, backend, pool, shape: Shape, device, warmup: int, repeats:
     }
 
 
-def run(dry: bool, backend_name: str | None, model_name: str = "7b") -> dict:
-    """Build the model and pool, time every shape; the report dict."""
+def run(dry: bool, backend_name: str | None, model_name: str = "7b", progress=None) -> dict:
+    """Build the model and pool, time every shape; the report dict (``progress(report)``
+    after every shape, if given)."""
     device = torch.device("cpu" if dry else "cuda")
     dtype = torch.float32 if dry else torch.bfloat16
     sizes = DRY_MODEL if dry else GPU_MODELS[model_name]
@@ -209,9 +210,9 @@ def run(dry: bool, backend_name: str | None, model_name: str = "7b") -> dict:
     backend = make_backend(backend_name, pool.kv("hbm"), layout, cfg.num_attention_heads,
                            cfg.head_dim**-0.5)  # fmt: skip
     warmup, repeats = (1, 2) if dry else (WARMUP, REPEATS)
-    results = [time_shape(model, backend, pool, s, device, warmup, repeats) for s in shapes]
+    results: list[dict] = []
     params = sum(p.numel() for p in model.parameters())
-    return {
+    report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dry_run": dry,
         "model_name": "dry-run tiny" if dry else f"llama2-{model_name}",
@@ -224,6 +225,11 @@ def run(dry: bool, backend_name: str | None, model_name: str = "7b") -> dict:
         "repeats": repeats,
         "steps": results,
     }
+    for shape in shapes:
+        results.append(time_shape(model, backend, pool, shape, device, warmup, repeats))
+        if progress is not None:
+            progress(report)
+    return report
 
 
 def print_report(report: dict) -> None:
@@ -247,11 +253,17 @@ def main() -> None:
     args = ap.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("gpu_steps needs a CUDA device (use --dry-run on the CPU)")
-    report = run(args.dry_run, args.backend, args.model)
-    print_report(report)
     out = Path(args.out) / f"gpu_steps_{args.model}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+
+    def write(report: dict) -> None:  # after every shape: a run cut short keeps what it had
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        tmp.replace(out)
+
+    report = run(args.dry_run, args.backend, args.model, progress=write)
+    print_report(report)
+    write(report)
     print(f"wrote {out}")
 
 

@@ -250,9 +250,10 @@ def bench_prefill(cached: float, dtype, device, heads: int) -> dict:
             "flash_attn_tflops": t_fa and flops / t_fa / 1e12}  # fmt: skip
 
 
-def run_gpu(quick: bool, device: torch.device | None = None) -> dict:
+def run_gpu(quick: bool, device: torch.device | None = None, progress=None) -> dict:
     """The decode and prefill sweeps on the CUDA device: the report dict (bf16 only and
-    fewer points with ``quick``)."""
+    fewer points with ``quick``); ``progress(report)`` after every point, if given."""
+    progress = progress or (lambda report: None)
     device = device or torch.device("cuda")
     name, peak_bw, peak_flops = device_peaks(device)
     fa = flash_attn_func()
@@ -276,6 +277,7 @@ def run_gpu(quick: bool, device: torch.device | None = None) -> dict:
             r["pct_copy"] = 100 * r["gbps"] / report["copy_gbps"]
             r["pct_peak"] = peak_bw and 100 * r["gbps"] * 1e9 / peak_bw
             report["decode"].append(r)
+            progress(report)
             torch.cuda.empty_cache()
         for f in tqdm(cached, desc=f"prefill {model} {dtype}"):
             r = meta | bench_prefill(f, dtype, device, heads)
@@ -284,6 +286,7 @@ def run_gpu(quick: bool, device: torch.device | None = None) -> dict:
             fa_tf = r["flash_attn_tflops"]
             r["pct_flash_attn"] = fa_tf and 100 * r["tflops"] / fa_tf
             report["prefill"].append(r)
+            progress(report)
             torch.cuda.empty_cache()
     report["targets"] = targets(report)
     return report
@@ -393,12 +396,18 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS), help="folder for kernels.json")
     ap.add_argument("--quick", action="store_true", help="bf16 only, fewer points")
     args = ap.parse_args()
-    report = run_gpu(args.quick) if torch.cuda.is_available() else run_cpu()
-    if torch.cuda.is_available():
-        print_gpu(report)
     out = Path(args.out) / "kernels.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+
+    def write(report: dict) -> None:  # after every point: a run cut short keeps what it had
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        tmp.replace(out)
+
+    report = run_gpu(args.quick, progress=write) if torch.cuda.is_available() else run_cpu()
+    if torch.cuda.is_available():
+        print_gpu(report)
+    write(report)
     print(f"wrote {out}")
 
 
