@@ -114,6 +114,7 @@ def gpu_shapes(max_kv_tokens: int) -> list[Shape]:
 def kv_capacity(layout: KVLayout, dtype: torch.dtype, device: torch.device) -> int:
     """Tokens of KV the device's free memory holds after HEADROOM_BYTES (MAX_POOL_BYTES at
     most), in whole blocks."""
+    torch.cuda.empty_cache()  # the fp32 weights the model was built in are free, not cached
     free, _ = torch.cuda.mem_get_info(device)
     pool_bytes = min(MAX_POOL_BYTES, free - HEADROOM_BYTES)
     per_block = math.prod(layout.pool_shape(1)) * torch.empty((), dtype=dtype).element_size()
