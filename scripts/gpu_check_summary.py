@@ -19,6 +19,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 STEP_MODELS = ("7b", "13b")
+SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 MAX_LISTED_FAILURES = 12
 
 
@@ -123,18 +124,18 @@ def kernels(out: Path) -> list[str]:
         f"  {'decode':28}{'GB/s':>7}{'of copy':>9}{'of spec':>9}{'SDPA GB/s':>11}  SDPA backend",
     ]
     for r in k.get("decode", []):
-        what = f"{r['model']} {r['dtype'][:4]} {r['batch']}x{r['context']}"
+        what = f"{r['model']} {SHORT_DTYPE.get(r['dtype'], r['dtype'])} {r['batch']}x{r['context']}"
         lines.append(f"  {what:28}{r['gbps']:>7.0f}{_pct(r['pct_copy']):>9}"
                      f"{_pct(r.get('pct_peak')):>9}{r['sdpa_gbps']:>11.0f}"
                      f"  {r['sdpa_backend']}")  # fmt: skip
     lines.append(f"  {'prefill 2x4096':28}{'TF/s':>7}{'of SDPA':>9}{'SDPA TF/s':>11}"
                  f"{'FA TF/s':>9}{'max err':>9}  SDPA backend")  # fmt: skip
     for r in k.get("prefill", []):
-        what = f"{r['model']} {r['dtype'][:4]} cached {r['cached']:.0%}"
+        what = f"{r['model']} {SHORT_DTYPE.get(r['dtype'], r['dtype'])} cached {r['cached']:.0%}"
         fa = r.get("flash_attn_tflops")
         lines.append(f"  {what:28}{r['tflops']:>7.0f}{_pct(r['pct_sdpa']):>9}"
                      f"{r['sdpa_tflops']:>11.0f}{'-' if fa is None else f'{fa:.0f}':>9}"
-                     f"{r['max_abs_err_vs_sdpa']:>9.3f}  {r['sdpa_backend']}")  # fmt: skip
+                     f"{r['max_abs_err_vs_sdpa']:>9.2g}  {r['sdpa_backend']}")  # fmt: skip
     for t in k.get("targets", []):
         verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
         lines.append(f"  target {verdict} ({_pct(t['value_pct'])}): {t['target']}")
