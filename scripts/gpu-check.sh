@@ -102,6 +102,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 
 # everything the stages import, before any of them runs
+began=$(date +%s)
 NEEDS="torch triton numpy transformers safetensors sentencepiece tqdm msgspec zmq pytest
 pytest_timeout minimemserve minimemserve.cli"
 [ "$DRY" = 1 ] || NEEDS="$NEEDS xdist"
@@ -122,7 +123,7 @@ if [ "$DRY" != 1 ] && ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_
     >>"$WORK/imports.log" 2>&1; then
     fail imports "nvidia-smi sees a GPU but torch.cuda does not ($PY)"
 fi
-record imports ok $(($(date +%s) - START)) -
+record imports ok $(($(date +%s) - began)) -
 
 stage env 30 "$PY" -c "
 import json, os, platform, torch, triton

@@ -12,6 +12,7 @@ file is named, and the rest is still written.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -33,7 +34,7 @@ def _pct(x) -> str:
 
 def header(work: Path, final: bool) -> list[str]:
     env = _load(work / "env.json") or {}
-    mode = "DRY RUN (no GPU used)" if env.get("dry_run") else "GPU run"
+    mode = "DRY RUN (no GPU used)" if os.environ.get("GPU_CHECK_DRY") == "1" else "GPU run"
     started = float((work / "started").read_text()) if (work / "started").exists() else None
     elapsed = "" if started is None else f"{time.time() - started:.0f} s"
     state = f"finished in {elapsed}" if final else f"in progress ({elapsed} so far)"
