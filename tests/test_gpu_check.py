@@ -160,3 +160,24 @@ def test_device_rehearsal_installs_the_wheels_and_runs_every_stage(tmp_path):
     assert set(bench["summaries"]) == {"PD", "PD-CC"}
     assert all(s["errors"] == 0 for s in bench["summaries"].values())
     assert "logs.tgz" in files
+
+
+def test_a_gpu_with_a_package_missing_fails_at_once(tmp_path):
+    """nvidia-smi sees a GPU but msgspec is not importable (no .whl/): one line saying so,
+    exit 3, before any stage; the summary records it."""
+    repo, fake, out = tmp_path / "repo", tmp_path / "fake", tmp_path / "out"
+    _copy_tree(repo)
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: Pretend GPU (UUID: GPU-0)'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    (fake / "sitecustomize.py").write_text("import sys\nsys.modules['msgspec'] = None\n")
+    env = _env(PATH=f"{fake}:{os.environ['PATH']}", PYTHONPATH=str(fake), OUT=str(out),
+               GPU_CHECK_PYTHON=sys.executable)  # fmt: skip
+    res = subprocess.run(["bash", "scripts/gpu-check.sh"], cwd=repo, env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "cannot import" in res.stderr
+    assert "msgspec" in res.stderr
+    summary = (out / "summary.txt").read_text()
+    assert "imports" in summary and "FAILED: cannot import" in summary, summary
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tgz", "summary.txt"]
