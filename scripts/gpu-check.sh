@@ -188,13 +188,13 @@ fi
 
 # the four configurations: the tiny-synthetic preset (its tokenizer is trained in about a
 # second on pseudo-words: no dataset) over the synthetic LooGLE-like workload
-BENCH_CAP=75
+BENCH_CAP=90
 if [ "$DRY" = 1 ]; then
     BENCH_CAP=150 # a 32M-parameter model on the CPU, which may be shared
     BENCH=(--device cpu --dtype float32 --runtime inline --configs PD,PD-CC --sessions 1
         --max-turns 2 --max-output-tokens 2 --max-context 256)
 else
-    BENCH=(--device cuda --dtype bfloat16 --runtime process --sessions 8 --rate 2 --max-turns 4
+    BENCH=(--device cuda --dtype bfloat16 --runtime process --sessions 6 --rate 2 --max-turns 3
         --max-output-tokens 32)
 fi
 echo "minimemserve bench --model \$(minimemserve preset --name tiny-synthetic) --workload loogle" \
