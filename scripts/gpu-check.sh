@@ -177,8 +177,11 @@ TP=(tests/parallel/test_tensor_parallel.py -m gpu)
 if [ "$DRY" = 1 ]; then
     stage tp-nccl 30 "${PYTEST[@]}" -q --collect-only "${TP[@]}"
 else
-    stage tp-nccl 45 env NCCL_DEBUG=WARN NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1 \
-        "${PYTEST[@]}" -v --timeout 40 --junitxml="$WORK/tp-nccl.xml" "${TP[@]}"
+    # a hang inside NCCL would not see pytest-timeout's signal: its thread method dumps the
+    # stacks into the log and ends the run
+    stage tp-nccl 70 env NCCL_DEBUG=WARN NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1 \
+        "${PYTEST[@]}" -v --timeout 45 --timeout-method=thread --junitxml="$WORK/tp-nccl.xml" \
+        "${TP[@]}"
     if ! grep -qP '^tp-nccl\tok' "$STAGES" && grep -q "Duplicate GPU" "$WORK/tp-nccl.log"; then
         echo "skipped: NCCL refused two ranks on one GPU ('Duplicate GPU detected') even with a" \
             "distinct NCCL_HOSTID per rank; this machine has one GPU" >"$WORK/tp-nccl.note"
