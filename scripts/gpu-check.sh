@@ -83,6 +83,7 @@ stage() {
 fail() {
     record "$1" "FAILED: $2" $(($(date +%s) - START)) -
     publish --final
+    rm -rf "$WORK" "$SITE"
     echo "gpu-check: $2" >&2
     exit 3
 }
@@ -216,8 +217,8 @@ for f in "$OUT_DIR"/* "$OUT_DIR"/.[!.]*; do
     esac
 done
 publish --final
-rm -rf "$SITE"
 FAILED=$(grep -cv -P '^[^\t]+\t(ok|skipped)' "$STAGES")
+rm -rf "$WORK" "$SITE" # all of it is in logs.tgz
 echo "results in $OUT_DIR (summary.txt first); $FAILED stage(s) not ok; $(($(date +%s) - START)) s in all"
 cat "$OUT_DIR/summary.txt"
 [ "$FAILED" -eq 0 ]
