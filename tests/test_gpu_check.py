@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu-check.sh"
@@ -181,3 +182,54 @@ def test_a_gpu_with_a_package_missing_fails_at_once(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert "imports" in summary and "FAILED: cannot import" in summary, summary
     assert sorted(p.name for p in out.iterdir()) == ["logs.tgz", "summary.txt"]
+
+
+def _bench_module(name: str, monkeypatch):
+    """``bench/<name>.py`` as a module (the bench scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_paths_of_the_benchmarks_and_the_summary_on_the_cpu(tmp_path, monkeypatch):
+    """What only a GPU run executes, here with tiny shapes and a stand-in timer: the kernel
+    sweep's rows and targets, the step grid at the Llama-2 shapes, and the summary of it all."""
+    kernels = _bench_module("kernels", monkeypatch)
+    monkeypatch.setattr(kernels, "device_peaks", lambda device: ("NVIDIA H200", 4.8e12, 989e12))
+    monkeypatch.setattr(kernels, "copy_gbps", lambda device: 4300.0)
+    monkeypatch.setattr(kernels, "time_cuda", lambda fn: (fn(), 1e-3)[1])
+    monkeypatch.setattr(kernels, "MODELS", {"llama2-7b": (2, 2)})
+    monkeypatch.setattr(kernels, "QUICK_DECODE", ((2, 48),))
+    monkeypatch.setattr(kernels, "PREFILL_TOKENS", 32)
+    monkeypatch.setattr(kernels, "DECODE_TARGET", (2, 48, 80.0))
+    seen = []
+    report = kernels.run_gpu(True, torch.device("cpu"), progress=lambda r: seen.append(1))
+    assert len(seen) == 3 and len(report["decode"]) == 1 and len(report["prefill"]) == 2
+    assert report["decode"][0]["sdpa_backend"] in {b.lower() for b in kernels.SDPA_ORDER}
+    assert [t["met"] is not None for t in report["targets"]] == [True, True]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "work").mkdir()
+    (tmp_path / "out" / "kernels.json").write_text(json.dumps(report))
+
+    steps = _bench_module("gpu_steps", monkeypatch)
+    for model, sizes in steps.GPU_MODELS.items():
+        per_token = 2 * sizes["num_hidden_layers"] * sizes["num_key_value_heads"] * 128 * 2
+        shapes = steps.gpu_shapes(100 * 2**30 // per_token)  # 100 GiB of bf16 KV
+        batches = {s.decodes for s in shapes if s.name.startswith("decode")}
+        assert batches == set(steps.DECODE_BATCHES), (model, [s.name for s in shapes])
+        rows = [{"shape": s.name, "step_ms_median": 1.0, "step_ms_p99": 2.0,
+                 "tokens_per_s": 1e3} for s in shapes]  # fmt: skip
+        (tmp_path / "out" / f"gpu_steps_{model}.json").write_text(json.dumps({
+            "model_name": f"llama2-{model}", "parameters": 7e9, "dtype": "bfloat16",
+            "backend": "triton", "model": sizes, "steps": rows}))  # fmt: skip
+    (tmp_path / "work" / "stages.tsv").write_text("kernels\tok\t40\t75\n")
+    subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check_summary.py"),
+                    tmp_path / "out", tmp_path / "work", "--final"], check=True)  # fmt: skip
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "copy ceiling 4300 GB/s" in summary and "llama2-7b bf16 2x48" in summary
+    assert "model steps llama2-13b" in summary and "decode 256x" in summary
+    assert "section failed" not in summary, summary
