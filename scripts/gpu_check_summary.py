@@ -100,7 +100,7 @@ def tests(work: Path, name: str, title: str) -> list[str]:
     if counts is None:
         counts, source = _log_counts(log), "log (no XML: cut short?)"
     if counts is None:
-        return [f"{title}: collected {collected[-1]}" if collected else f"{title}: no results"]
+        return [f"{title} (dry run): {collected[-1]}" if collected else f"{title}: no results"]
     lines = [
         f"{title}: {counts['passed']} passed, {counts['failures']} failed, {counts['errors']} "
         f"errors, {counts['skipped']} skipped (from the {source})"
