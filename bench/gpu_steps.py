@@ -1,23 +1,28 @@
-"""Step times of a Llama-2-shaped random bf16 model of 1.3B parameters on one GPU.
+"""Step times and tokens/s of Llama-2-7B or -13B with random bf16 weights on one GPU.
 
-    python bench/gpu_steps.py --out DIR              # CUDA: the grid below (~1 min on an H200)
-    python bench/gpu_steps.py --out DIR --dry-run    # CPU: a tiny model, one shape per kind
+    python bench/gpu_steps.py --model 7b --out DIR    # CUDA: the grid below (<1 min on an H200)
+    python bench/gpu_steps.py --model 13b --out DIR
+    python bench/gpu_steps.py --dry-run --out DIR     # CPU: a tiny model, one shape per kind
 
-The model is Llama-2's architecture (MHA, head_dim 128, SwiGLU, RMSNorm, RoPE) at 24 layers
-x 2048 hidden, with random weights: the weights do not change a step's time, and no
-checkpoint has to be written or read. The KV pool is a MemPool on the device; every step
-goes through the attention backend's ``prepare`` and the model's forward, as in the engine.
+The model is Llama-2-7B's or -13B's exact shape (MHA, head_dim 128, SwiGLU, RMSNorm, RoPE,
+4096 positions) with random weights: the weights do not change a step's time, and no
+checkpoint has to be written or read. The KV pool is a MemPool on the device, as large as
+the memory left allows; every step goes through the attention backend's ``prepare`` and the
+model's forward, as in the engine.
 
-Shapes: prefills (one or more sequences, with and without a cached prefix), decodes (batch x
-context) and one mixed step (a prefill chunk beside running decodes). A step is timed from
-``prepare`` to the logits of its last tokens, synchronised, after warm-up; median and P99
-of the repeats, plus the host time of ``prepare`` alone. Output: ``gpu_steps.json``.
+Shapes: prefills (one or more sequences, with and without a cached prefix), decodes (batch
+1-256 x context, every batch at the contexts the pool holds) and one mixed step (a prefill
+chunk beside running decodes). A step is timed from ``prepare`` to the logits of its last
+tokens, synchronised, after warm-up; median and P99 of the repeats, plus the host time of
+``prepare`` alone. Output: ``gpu_steps_<model>.json``, which ``minimemserve sim --calibrate``
+reads (the simulator's H200 profile against these measurements).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -35,16 +40,27 @@ from minimemserve.mempool import MemPool
 from minimemserve.model.config import ModelConfig
 from minimemserve.model.llama import LlamaModel
 
-# Llama-2 architecture at 1.3B parameters (Llama-2-7B halved in width, 24 layers)
-GPU_MODEL = dict(
-    vocab_size=32000,
-    hidden_size=2048,
-    intermediate_size=5504,
-    num_hidden_layers=24,
-    num_attention_heads=16,
-    num_key_value_heads=16,
-    max_position_embeddings=16384,
-)
+# Llama-2's published shapes (both MHA)
+GPU_MODELS = {
+    "7b": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+    ),
+    "13b": dict(
+        vocab_size=32000,
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=40,
+        max_position_embeddings=4096,
+    ),
+}
 DRY_MODEL = dict(
     vocab_size=256,
     hidden_size=64,
@@ -56,7 +72,10 @@ DRY_MODEL = dict(
 )
 INIT_STD = 0.02  # Llama's initialiser range: keeps random activations finite in bf16
 BLOCK_SIZE = 16
-MAX_KV_TOKENS = 320 * 1024  # pool capacity: 60 GiB of bf16 KV at this model's 192 KiB a token
+HEADROOM_BYTES = 10 * 2**30  # left free beside the pool: activations, logits, the allocator
+MAX_POOL_BYTES = 100 * 2**30
+DECODE_BATCHES = (1, 8, 32, 64, 128, 256)
+DECODE_CONTEXTS = (512, 2048)
 WARMUP, REPEATS = 2, 10
 
 
@@ -70,22 +89,36 @@ class Shape:
     context: int = 0
 
 
-def gpu_shapes() -> list[Shape]:
-    """The grid on CUDA: prefill sizes, prefix reuse, decode batch x context, one mixed step."""
+def gpu_shapes(max_kv_tokens: int) -> list[Shape]:
+    """The grid on CUDA: prefill sizes, prefix reuse, decode batch x context (each batch at
+    the contexts a pool of ``max_kv_tokens`` holds, else the longest multiple of 128 it
+    does), one mixed step."""
     shapes = [
         Shape("prefill 1x512", ((0, 512),)),
         Shape("prefill 1x2048", ((0, 2048),)),
-        Shape("prefill 1x8192", ((0, 8192),)),
+        Shape("prefill 1x4096", ((0, 4096),)),
         Shape("prefill 4x1024", ((0, 1024),) * 4),
-        Shape("prefill 1x512 after 4096 cached", ((4096, 512),)),
+        Shape("prefill 1x512 after 3072 cached", ((3072, 512),)),
         Shape("prefill 4x256 after 2048 cached", ((2048, 256),) * 4),
     ]
-    for batch in (1, 8, 32, 64, 128, 256):
-        for context in (1024, 4096):
-            if batch * context <= MAX_KV_TOKENS:  # the pool holds the largest step
-                shapes.append(Shape(f"decode {batch}x{context}", decodes=batch, context=context))
-    shapes.append(Shape("mixed 1x512 + 63 decodes x2048", ((0, 512),), 63, 2048))
+    for batch in DECODE_BATCHES:
+        contexts = [c for c in DECODE_CONTEXTS if batch * c <= max_kv_tokens]
+        longest = max_kv_tokens // batch // 128 * 128
+        for context in contexts or ([longest] if longest else []):
+            shapes.append(Shape(f"decode {batch}x{context}", decodes=batch, context=context))
+    if 512 + 63 * 2048 <= max_kv_tokens:
+        shapes.append(Shape("mixed 1x512 + 63 decodes x2048", ((0, 512),), 63, 2048))
     return shapes
+
+
+def kv_capacity(layout: KVLayout, dtype: torch.dtype, device: torch.device) -> int:
+    """Tokens of KV the device's free memory holds after HEADROOM_BYTES (MAX_POOL_BYTES at
+    most), in whole blocks."""
+    torch.cuda.empty_cache()  # the fp32 weights the model was built in are free, not cached
+    free, _ = torch.cuda.mem_get_info(device)
+    pool_bytes = min(MAX_POOL_BYTES, free - HEADROOM_BYTES)
+    per_block = math.prod(layout.pool_shape(1)) * torch.empty((), dtype=dtype).element_size()
+    return max(0, pool_bytes // per_block) * layout.block_size
 
 
 def dry_shapes() -> list[Shape]:
@@ -162,26 +195,28 @@ def time_shape(model, backend, pool, shape: Shape, device, warmup: int, repeats:
     }
 
 
-def run(dry: bool, backend_name: str | None) -> dict:
-    """Build the model and pool, time every shape; the report dict."""
+def run(dry: bool, backend_name: str | None, model_name: str = "7b", progress=None) -> dict:
+    """Build the model and pool, time every shape; the report dict (``progress(report)``
+    after every shape, if given)."""
     device = torch.device("cpu" if dry else "cuda")
     dtype = torch.float32 if dry else torch.bfloat16
-    sizes = DRY_MODEL if dry else GPU_MODEL
+    sizes = DRY_MODEL if dry else GPU_MODELS[model_name]
     model = build_model(sizes, device, dtype)
     cfg = model.cfg
     layout = KVLayout(cfg.num_hidden_layers, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
-    shapes = dry_shapes() if dry else gpu_shapes()
+    shapes = dry_shapes() if dry else gpu_shapes(kv_capacity(layout, dtype, device))
     runs = [[c + n for c, n in s.prefills] + [s.context] * s.decodes for s in shapes]
     need = max(sum(layout.num_blocks_for(n) for n in r) for r in runs)
     pool = MemPool(layout, need + 16, device=device, dtype=dtype)
     backend = make_backend(backend_name, pool.kv("hbm"), layout, cfg.num_attention_heads,
                            cfg.head_dim**-0.5)  # fmt: skip
     warmup, repeats = (1, 2) if dry else (WARMUP, REPEATS)
-    results = [time_shape(model, backend, pool, s, device, warmup, repeats) for s in shapes]
+    results: list[dict] = []
     params = sum(p.numel() for p in model.parameters())
-    return {
+    report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dry_run": dry,
+        "model_name": "dry-run tiny" if dry else f"llama2-{model_name}",
         "backend": backend.name,
         "dtype": str(dtype).removeprefix("torch."),
         "model": sizes,
@@ -191,12 +226,17 @@ def run(dry: bool, backend_name: str | None) -> dict:
         "repeats": repeats,
         "steps": results,
     }
+    for shape in shapes:
+        results.append(time_shape(model, backend, pool, shape, device, warmup, repeats))
+        if progress is not None:
+            progress(report)
+    return report
 
 
 def print_report(report: dict) -> None:
     """One line per shape."""
-    print(f"{report['device']}: {report['parameters'] / 1e9:.2f}B parameters, "
-          f"{report['dtype']}, {report['backend']} attention")  # fmt: skip
+    print(f"{report['device']}: {report['model_name']}, {report['parameters'] / 1e9:.2f}B "
+          f"parameters, {report['dtype']}, {report['backend']} attention")  # fmt: skip
     print(f"{'shape':36}{'median ms':>11}{'p99 ms':>9}{'prepare us':>12}{'tok/s':>11}")
     for r in report["steps"]:
         print(f"{r['shape']:36}{r['step_ms_median']:>11.2f}{r['step_ms_p99']:>9.2f}"
@@ -207,17 +247,25 @@ def main() -> None:
     """Parse options, run, print and write ``gpu_steps.json`` under ``--out``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--model", default="7b", choices=sorted(GPU_MODELS),
+                    help="Llama-2 shape (default: 7b)")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="tiny model on the CPU")
     ap.add_argument("--backend", default=None, help="attention backend (default: the device's)")
     args = ap.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("gpu_steps needs a CUDA device (use --dry-run on the CPU)")
-    report = run(args.dry_run, args.backend)
+    out = Path(args.out) / f"gpu_steps_{args.model}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(report: dict) -> None:  # after every shape: a run cut short keeps what it had
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        tmp.replace(out)
+
+    report = run(args.dry_run, args.backend, args.model, progress=write)
     print_report(report)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_steps.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {out / 'gpu_steps.json'}")
+    write(report)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

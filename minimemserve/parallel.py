@@ -277,6 +277,11 @@ def _gloo(store, rank: int, size: int, timeout: timedelta):
 
 
 def _nccl(store, rank: int, size: int, timeout: timedelta):
+    if torch.cuda.device_count() < size:
+        # ranks share a GPU: NCCL refuses two ranks of one host on one device ("Duplicate GPU
+        # detected"), so each rank names itself a host of its own (their traffic then goes
+        # through NCCL's network transport)
+        os.environ["NCCL_HOSTID"] = f"{os.environ.get('NCCL_HOSTID', 'tp')}-rank{rank}"
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, size, opts)

@@ -1,213 +1,224 @@
 #!/usr/bin/env bash
-# One command for a machine with a CUDA GPU: install, run the GPU tests, the kernel
-# micro-benchmark, the four-configuration benchmark and a 1.3B-parameter model's step times.
+# One command for a borrowed CUDA machine: the GPU tests, the kernels against the copy ceiling,
+# Llama-2-7B/13B step times, NCCL tensor parallelism and the four-configuration benchmark.
 #
-#   bash scripts/gpu-check.sh [OUT_DIR]     # $1, else $OUT, else bench/results/gpu-check
-#   GPU_CHECK_DRY_RUN=1 bash scripts/gpu-check.sh DIR   # the plumbing only, in seconds
+#   OUT=DIR bash scripts/gpu-check.sh         # or: bash scripts/gpu-check.sh DIR
+#   DRY=1 OUT=DIR bash scripts/gpu-check.sh   # every stage in its CPU form, for the plumbing
 #
-# Without CUDA the dry run is automatic: what needs the GPU is skipped or replaced by its CPU
-# form (test collection, the interpreter smoke check, a tiny model), and the commands a GPU
-# run would use are logged. Each stage writes <stage>.log (and its JSON) under OUT_DIR;
-# summary.txt is the one-screen result. Stages run under one time budget (GPU_CHECK_BUDGET_S,
-# default 450 s, plus installing when the venv lacks torch/triton): about 3 min of tests,
-# 1 min of kernels, 1 min of model steps and 1.5 min of the four configurations on an H200.
-# Exit status: 0 when every stage passed.
+# It runs on the machine's own python3 (GPU_CHECK_PYTHON overrides it) and never builds a
+# venv: the packages that python3 lacks travel as wheels in the git-ignored .whl/ (made by
+# scripts/gpu-wheels.sh where there is network) and are installed with pip --no-index
+# --no-deps --target into a temporary folder put on PYTHONPATH. Without DRY=1 it stops at
+# once, with one line, when nvidia-smi finds no GPU, and when anything needed cannot be
+# imported. A dry run hides the GPU (CUDA_VISIBLE_DEVICES="", Triton interpreted).
+#
+# Time: at most GPU_CHECK_BUDGET_S (default 400 s) for the stages, each under its own cap
+# (shortened to what is left of the budget, skipped under 10 s); about 7 minutes in all.
+# Output: at most 8 files in OUT (default bench/results/gpu-check): summary.txt first (written
+# at the start and after every stage), kernels.json, gpu_steps_7b.json, gpu_steps_13b.json
+# (what `minimemserve sim --calibrate` reads), bench4.json, and logs.tgz (every log, the junit
+# XML, env.json). Exit status: 0 when every stage passed or was skipped for a stated reason.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
+DRY=${DRY:-${GPU_CHECK_DRY_RUN:-0}}
+PY=${GPU_CHECK_PYTHON:-python3}
+
+if [ "$DRY" != 1 ] && ! { command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; }; then
+    echo "gpu-check: no GPU (nvidia-smi finds none); DRY=1 runs the stages without one" >&2
+    exit 2
+fi
+
 OUT_DIR=${1:-${OUT:-$REPO/bench/results/gpu-check}}
 mkdir -p "$OUT_DIR" && OUT_DIR=$(cd "$OUT_DIR" && pwd)
-STAGES=$OUT_DIR/stages.tsv
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX") # logs and XML: packed into logs.tgz
+SITE=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-site.XXXXXX")
+STAGES=$WORK/stages.tsv
 : >"$STAGES"
 START=$(date +%s)
-DEADLINE=$((START + ${GPU_CHECK_BUDGET_S:-450}))
-PY=${GPU_CHECK_PYTHON:-$REPO/.venv/bin/python}
+echo "$START" >"$WORK/started"
+DEADLINE=$((START + ${GPU_CHECK_BUDGET_S:-400}))
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 GPU_CHECK_DRY=$DRY
+export MINIMEMSERVE_CACHE=$WORK/cache # the benchmark's preset, built here
+if [ "$DRY" = 1 ]; then
+    # a dry run never touches a GPU, even where there is one; Triton runs interpreted
+    export CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1
+fi
 
-# stage NAME CAP_S COMMAND...: run with a timeout of min(CAP_S, time left), log to NAME.log,
-# record "NAME<TAB>status<TAB>seconds" in stages.tsv
+# publish: summary.txt and logs.tgz in OUT_DIR, as they stand (after every stage)
+publish() {
+    "$PY" scripts/gpu_check_summary.py "$OUT_DIR" "$WORK" "$@" 2>>"$WORK/summary.err" ||
+        { echo "gpu-check: the summary failed (summary.err)"; cat "$STAGES" >"$OUT_DIR/summary.txt"; }
+    tar -czf "$OUT_DIR/.logs.tgz.tmp" -C "$WORK" --exclude=./cache . 2>/dev/null &&
+        mv -f "$OUT_DIR/.logs.tgz.tmp" "$OUT_DIR/logs.tgz"
+}
+
+# record NAME STATUS SECONDS CAP
+record() { printf '%s\t%s\t%s\t%s\n' "$@" >>"$STAGES"; }
+
+# stage NAME CAP_S COMMAND...: run with a timeout of min(CAP_S, time left) (SIGINT first, so
+# pytest still writes its XML), log to NAME.log, record the outcome, publish
 stage() {
-    local name=$1 cap=$2 left rc began
+    local name=$1 cap=$2 left rc began status=ok
     shift 2
     left=$((DEADLINE - $(date +%s)))
     ((left < cap)) && cap=$left
     if ((cap < 10)); then
-        printf '%s\tskipped (budget spent)\t0\n' "$name" >>"$STAGES"
+        record "$name" "skipped (budget spent)" 0 "$cap"
+        publish
         return
     fi
     echo "== $name (up to ${cap}s): $*"
     began=$(date +%s)
-    timeout --kill-after=10 "$cap" "$@" >"$OUT_DIR/$name.log" 2>&1
+    timeout --signal=INT --kill-after=15 "$cap" "$@" >"$WORK/$name.log" 2>&1
     rc=$?
-    local status=ok
     ((rc == 124 || rc == 137)) && status="timed out after ${cap}s"
     ((rc != 0 && rc != 124 && rc != 137)) && status="failed (exit $rc)"
-    printf '%s\t%s\t%s\n' "$name" "$status" $(($(date +%s) - began)) >>"$STAGES"
-    echo "   $status; log: $OUT_DIR/$name.log"
+    record "$name" "$status" $(($(date +%s) - began)) "$cap"
+    echo "   $status"
+    publish
 }
 
-# setup: only when the venv cannot import what the checks need (setup.sh needs the network)
-if ! "$PY" -c "import torch, triton, minimemserve" 2>/dev/null; then
-    echo "== setup: bash scripts/setup.sh"
-    began=$(date +%s)
-    bash scripts/setup.sh >"$OUT_DIR/setup.log" 2>&1
-    printf 'setup\t%s\t%s\n' "$([ $? -eq 0 ] && echo ok || echo failed)" \
-        $(($(date +%s) - began)) >>"$STAGES"
-    PY=$REPO/.venv/bin/python
+# fail NAME WHY: one loud line, a summary saying it, exit 3
+fail() {
+    record "$1" "FAILED: $2" $(($(date +%s) - START)) -
+    publish --final
+    rm -rf "$WORK" "$SITE"
+    echo "gpu-check: $2" >&2
+    exit 3
+}
+
+publish # summary.txt first
+
+# install the carried wheels (nothing is fetched: there is no network)
+if compgen -G ".whl/*.whl" >/dev/null; then
+    stage install 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target "$SITE" .whl/*.whl
+    if ! grep -qP '^install\tok' "$STAGES"; then
+        # a dry run goes on (.whl/ may hold another Python's wheels); the import check decides
+        [ "$DRY" = 1 ] || fail install "pip could not install .whl/ with $PY (install.log)"
+        sed -i 's/^install\t[^\t]*/install\tskipped (pip could not install .whl\/ here)/' "$STAGES"
+    fi
+    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-DRY=${GPU_CHECK_DRY_RUN:-0}
+# everything the stages import, before any of them runs
+began=$(date +%s)
+NEEDS="torch triton numpy transformers safetensors sentencepiece tqdm msgspec zmq pytest
+pytest_timeout minimemserve minimemserve.cli"
+[ "$DRY" = 1 ] || NEEDS="$NEEDS xdist"
+if ! "$PY" -c "
+import importlib, sys
+missing = []
+for name in sys.argv[1].split():
+    try:
+        importlib.import_module(name)
+    except Exception as e:
+        missing.append(f'{name} ({type(e).__name__}: {e})')
+if missing:
+    sys.exit('cannot import ' + '; '.join(missing))
+" "$NEEDS" >"$WORK/imports.log" 2>&1; then
+    fail imports "$(tail -n 1 "$WORK/imports.log") with $PY; carry the wheels in .whl/ (bash scripts/gpu-wheels.sh)"
+fi
 if [ "$DRY" != 1 ] && ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" \
-    2>/dev/null; then
-    echo "no CUDA device: dry run"
-    DRY=1
+    >>"$WORK/imports.log" 2>&1; then
+    fail imports "nvidia-smi sees a GPU but torch.cuda does not ($PY)"
 fi
-if [ "$DRY" = 1 ]; then
-    # a dry run never touches a GPU, even where there is one; triton runs interpreted
-    export CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1
-fi
+record imports ok $(($(date +%s) - began)) -
 
-export GPU_CHECK_OUT=$OUT_DIR GPU_CHECK_DRY=$DRY
-stage env 60 "$PY" -c "
+stage env 30 "$PY" -c "
 import json, os, platform, torch, triton
 cuda = torch.cuda.is_available()
 info = {'python': platform.python_version(), 'torch': torch.__version__,
         'triton': triton.__version__, 'cuda': torch.version.cuda,
         'device': torch.cuda.get_device_name() if cuda else 'cpu',
         'capability': list(torch.cuda.get_device_capability()) if cuda else None,
-        'dry_run': os.environ['GPU_CHECK_DRY'] == '1'}
+        'gpus': torch.cuda.device_count(), 'dry_run': os.environ['GPU_CHECK_DRY'] == '1'}
 print(json.dumps(info, indent=1))
-with open(os.path.join(os.environ['GPU_CHECK_OUT'], 'env.json'), 'w') as f:
+with open('$WORK/env.json', 'w') as f:
     json.dump(info, f)
 "
-command -v nvidia-smi >/dev/null && nvidia-smi >>"$OUT_DIR/env.log" 2>&1
+command -v nvidia-smi >/dev/null && nvidia-smi >>"$WORK/env.log" 2>&1
 
-# run_shards: one pytest per argument (a space-separated list of test paths), all at once,
-# since most of their time is Triton compiling kernels on the CPU; fails if any shard fails
-run_shards() {
-    local i=0 rc=0 pids=() shard
-    for shard in "$@"; do
-        i=$((i + 1))
-        # shellcheck disable=SC2086  # a shard is a list of paths
-        "$PY" -m pytest -q -p no:cacheprovider -rfE --durations=5 \
-            --junitxml="$OUT_DIR/gpu-tests-$i.xml" $shard >"$OUT_DIR/gpu-tests-$i.log" 2>&1 &
-        pids+=($!)
-    done
-    i=0
-    for pid in "${pids[@]}"; do
-        i=$((i + 1))
-        wait "$pid" || rc=1
-        echo "shard $i: $(tail -n 1 "$OUT_DIR/gpu-tests-$i.log")"
-    done
-    return $rc
-}
-export -f run_shards
-export PY OUT_DIR
-
-K=tests/triton_kernels
+# measurements first (what --calibrate and the kernel targets read), then the tests
 if [ "$DRY" = 1 ]; then
-    # collect the GPU tests (imports, parametrisation) without running them
-    stage gpu-tests 60 "$PY" -m pytest -q -p no:cacheprovider --collect-only -m gpu \
-        $K tests/attention/test_triton_backend.py tests/parallel
     stage kernels 60 "$PY" bench/kernels.py --out "$OUT_DIR"
-    stage model-steps 60 "$PY" bench/gpu_steps.py --dry-run --out "$OUT_DIR"
+    for m in 7b 13b; do
+        stage "steps-$m" 60 "$PY" bench/gpu_steps.py --dry-run --model "$m" --out "$OUT_DIR"
+    done
 else
-    # every case of the kernel and backend tests runs on the GPU, the gpu-marked ones included
-    stage gpu-tests 200 bash -c 'run_shards "$@"' run_shards "$K/test_paged_decode.py" \
-        "$K/test_prefix_prefill.py" tests/attention/test_triton_backend.py \
-        "$K/test_store_kv.py $K/test_compile_variants.py $K/test_int64_addressing.py \
-         $K/test_masked_loads.py $K/test_interpreter_mode.py" \
-        "tests/parallel/test_tensor_parallel.py -m gpu"
-    stage kernels 90 "$PY" bench/kernels.py --quick --out "$OUT_DIR"
-    stage model-steps 90 "$PY" bench/gpu_steps.py --out "$OUT_DIR"
+    stage kernels 75 "$PY" bench/kernels.py --quick --out "$OUT_DIR"
+    stage steps-7b 50 "$PY" bench/gpu_steps.py --model 7b --out "$OUT_DIR"
+    stage steps-13b 60 "$PY" bench/gpu_steps.py --model 13b --out "$OUT_DIR"
 fi
+for m in 7b 13b; do # the simulator's H200 profile against the measured steps (CPU, seconds)
+    [ -f "$OUT_DIR/gpu_steps_$m.json" ] && stage "calibrate-$m" 20 "$PY" -m minimemserve.cli sim \
+        --calibrate "$OUT_DIR/gpu_steps_$m.json" --hardware h200
+done
 
-# the four-configuration benchmark on the GPU, one process per instance where supported
-MMS=$(dirname "$PY")/minimemserve
-stage bench-options 60 "$MMS" bench -h
-BENCH=("$MMS" bench --device cuda --dtype bfloat16 --workload sharegpt --sessions 16 --rate 4
-    --max-turns 3 --max-output-tokens 32 --out "$OUT_DIR/bench4" --no-progress)
-if grep -q -- "--runtime" "$OUT_DIR/bench-options.log"; then
-    BENCH+=(--runtime process)
-fi
-echo "${BENCH[*]}" >"$OUT_DIR/bench4.cmd"
+# the kernel and backend tests, every case on the GPU (fp32/fp16/bf16, head sizes, block
+# sizes, GQA groups, split counts, int64 addressing, masked loads, compiled variants)
+K=tests/triton_kernels
+TESTS=("$K" tests/attention/test_triton_backend.py)
+# pytest with SIGINT handled even when this script was started with it ignored (as a
+# background job is), so a capped run still ends with its summary and junit XML
+PYTEST=("$PY" -c 'import signal, sys, pytest
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.exit(pytest.main(sys.argv[1:]))' -p no:cacheprovider -rfE)
 if [ "$DRY" = 1 ]; then
-    printf 'bench4\tskipped (dry run; command in bench4.cmd)\t0\n' >>"$STAGES"
+    stage gpu-tests 60 "${PYTEST[@]}" -q --collect-only "${TESTS[@]}"
 else
-    stage bench4 120 "${BENCH[@]}"
+    stage gpu-tests 110 "${PYTEST[@]}" -v -n "${GPU_CHECK_WORKERS:-8}" --timeout 90 \
+        --durations=10 --junitxml="$WORK/gpu-tests.xml" "${TESTS[@]}"
 fi
 
-# the one-screen summary
-"$PY" - <<'EOF'
-import json
-import os
-import re
-import xml.etree.ElementTree as ET
-from pathlib import Path
+# two tensor-parallel ranks on one GPU over NCCL: each rank names itself a host of its own
+# (NCCL_HOSTID, set by minimemserve.parallel), which NCCL needs to accept two ranks on one device
+TP=(tests/parallel/test_tensor_parallel.py -m gpu)
+if [ "$DRY" = 1 ]; then
+    stage tp-nccl 30 "${PYTEST[@]}" -q --collect-only "${TP[@]}"
+else
+    # a hang inside NCCL would not see pytest-timeout's signal: its thread method dumps the
+    # stacks into the log and ends the run
+    stage tp-nccl 70 env NCCL_DEBUG=WARN NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1 \
+        "${PYTEST[@]}" -v --timeout 45 --timeout-method=thread --junitxml="$WORK/tp-nccl.xml" \
+        "${TP[@]}"
+    if ! grep -qP '^tp-nccl\tok' "$STAGES" && grep -q "Duplicate GPU" "$WORK/tp-nccl.log"; then
+        echo "skipped: NCCL refused two ranks on one GPU ('Duplicate GPU detected') even with a" \
+            "distinct NCCL_HOSTID per rank; this machine has one GPU" >"$WORK/tp-nccl.note"
+        sed -i 's/^tp-nccl\t[^\t]*/tp-nccl\tskipped (NCCL: duplicate GPU, tp-nccl.note)/' "$STAGES"
+    fi
+fi
 
-out = Path(os.environ["GPU_CHECK_OUT"])
+# the four configurations: the tiny-synthetic preset (its tokenizer is trained in about a
+# second on pseudo-words: no dataset) over the synthetic LooGLE-like workload
+BENCH_CAP=90
+if [ "$DRY" = 1 ]; then
+    BENCH_CAP=150 # a 32M-parameter model on the CPU, which may be shared
+    BENCH=(--device cpu --dtype float32 --runtime inline --configs PD,PD-CC --sessions 1
+        --max-turns 2 --max-output-tokens 2 --max-context 256)
+else
+    BENCH=(--device cuda --dtype bfloat16 --runtime process --sessions 6 --rate 2 --max-turns 3
+        --max-output-tokens 32)
+fi
+echo "minimemserve bench --model \$(minimemserve preset --name tiny-synthetic) --workload loogle" \
+    "${BENCH[*]}" >"$WORK/bench4.cmd"
+stage bench4 "$BENCH_CAP" bash -c '"$1" -m minimemserve.cli preset --name tiny-synthetic >"$2/preset.txt" &&
+    "$1" -m minimemserve.cli bench --model "$(cat "$2/preset.txt")" --workload loogle \
+        --no-progress --out "$2/bench4" "${@:4}" &&
+    cp "$2/bench4/e2e_loogle.json" "$3/bench4.json"' bench4 "$PY" "$WORK" "$OUT_DIR" "${BENCH[@]}"
 
-
-def load(name):
-    p = out / name
-    return json.loads(p.read_text()) if p.exists() else None
-
-
-lines = []
-env = load("env.json") or {}
-mode = "DRY RUN (no GPU used)" if env.get("dry_run") else "GPU run"
-lines.append(f"gpu-check: {mode} on {env.get('device', '?')}, torch {env.get('torch', '?')}, "
-             f"triton {env.get('triton', '?')}, CUDA {env.get('cuda')}")
-lines.append("")
-lines.append(f"{'stage':14}{'seconds':>8}  status")
-for row in (out / "stages.tsv").read_text().splitlines():
-    name, status, secs = row.split("\t")
-    lines.append(f"{name:14}{secs:>8}  {status}")
-counts = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
-for xml in sorted(out.glob("gpu-tests-*.xml")):
-    suite = ET.parse(xml).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    for key in counts:
-        counts[key] += int(suite.get(key, 0))
-if counts["tests"]:
-    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    lines.append(f"tests: {passed} passed, {counts['failures']} failed, {counts['errors']} "
-                 f"errors, {counts['skipped']} skipped (gpu-tests-*.log)")
-log = out / "gpu-tests.log"
-collected = re.findall(r"\d+/\d+ tests collected.*", log.read_text()) if log.exists() else []
-if collected:
-    lines.append(f"tests (dry run, gpu-marked): {collected[-1]}")
-kern = load("kernels.json")
-if kern:
-    for r in kern.get("decode", []):
-        if r["batch"] in (1, 64) and r["dtype"] == "bfloat16":
-            lines.append(f"decode {r['batch']}x{r['context']} bf16: {r['gbps']:.0f} GB/s "
-                         f"({r['pct_peak'] or 0:.0f}% of peak, {r['pct_copy']:.0f}% of copy), "
-                         f"SDPA {r['sdpa_gbps']:.0f} GB/s")
-    for r in kern.get("prefill", []):
-        lines.append(f"prefill 4k cached {r['cached']:.0%} {r['dtype']}: {r['tflops']:.0f} TFLOP/s, "
-                     f"{r['pct_sdpa']:.0f}% of SDPA ({r['sdpa_tflops']:.0f})")
-    for t in kern.get("targets", []):
-        verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
-        value = "" if t["value_pct"] is None else f" ({t['value_pct']:.0f}%)"
-        lines.append(f"target {verdict}{value}: {t['target']}")
-steps = load("gpu_steps.json")
-if steps:
-    lines.append(f"model steps ({steps['parameters'] / 1e9:.2f}B params, {steps['dtype']}, "
-                 f"{steps['backend']}): median / p99 ms")
-    for r in steps["steps"]:
-        lines.append(f"  {r['shape']:34}{r['step_ms_median']:9.2f}{r['step_ms_p99']:9.2f}")
-bench = load("bench4/e2e_sharegpt.json")
-if bench:
-    lines.append("four configurations (sharegpt): mean TTFT / JCT / TPOT, errors")
-    for config, s in bench["summaries"].items():
-        vals = [s.get(k) for k in ("ttft_mean", "jct_mean", "tpot_mean")]
-        shown = " / ".join("-" if v is None else f"{v:.4g}" for v in vals)
-        lines.append(f"  {config:10}{shown}, {s.get('errors')} errors of {s.get('requests')}")
-text = "\n".join(lines) + "\n"
-(out / "summary.txt").write_text(text)
-print("\n" + text)
-EOF
-
-FAILED=$(grep -cv -P '\tok\t|\tskipped' "$STAGES")
-echo "results in $OUT_DIR (summary.txt); $FAILED stage(s) not ok; $(($(date +%s) - START)) s in all"
+# nothing else may stay in OUT_DIR: at most 8 files come back
+for f in "$OUT_DIR"/* "$OUT_DIR"/.[!.]*; do
+    [ -e "$f" ] || continue
+    case $(basename "$f") in
+    summary.txt | kernels.json | gpu_steps_7b.json | gpu_steps_13b.json | bench4.json | logs.tgz) ;;
+    *) mkdir -p "$WORK/moved" && mv "$f" "$WORK/moved/" ;;
+    esac
+done
+publish --final
+FAILED=$(grep -cv -P '^[^\t]+\t(ok|skipped)' "$STAGES")
+rm -rf "$WORK" "$SITE" # all of it is in logs.tgz
+echo "results in $OUT_DIR (summary.txt first); $FAILED stage(s) not ok; $(($(date +%s) - START)) s in all"
+cat "$OUT_DIR/summary.txt"
 [ "$FAILED" -eq 0 ]

@@ -105,3 +105,39 @@ def test_no_project_imports_inside_functions():
 def test_the_checker_sees_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+# packages only the process runtime (ProcessCluster, its RPC) may need at import time
+PROCESS_RUNTIME_ONLY = {"msgspec", "zmq"}
+
+
+def _top_level_externals(path: Path) -> set[str]:
+    """Root names of the modules ``path`` imports when it is imported (not in functions)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Import | ast.ImportFrom):
+            continue
+        if node not in set(tree.body) and not _guarded(tree, node):
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_the_engine_imports_without_the_process_runtime_packages():
+    """``import minimemserve`` (engine, model, attention, kernels) loads no module that needs
+    msgspec or pyzmq; only the process runtime does, on first use of ``ProcessCluster``."""
+    edges, _ = _graph()
+    known = _modules()
+    reached, todo = set(), ["minimemserve"]
+    while todo:
+        m = todo.pop()
+        if m not in reached:
+            reached.add(m)
+            todo.extend(edges[m] | {p for p in known if m.startswith(p + ".")})
+    assert {"minimemserve.engine", "minimemserve.llm", "minimemserve.attention"} <= reached
+    bad = {m: sorted(_top_level_externals(known[m]) & PROCESS_RUNTIME_ONLY) for m in reached}
+    assert {m: b for m, b in bad.items() if b} == {}

