@@ -133,7 +133,8 @@ class Engine:
         self.tp = SingleRank()
         if tp > 1:
             self.tp = TPGroup(model_dir, shard, num_blocks, cfg.block_size, cfg.attention,
-                              self.device, self.dtype, cfg.dram_blocks)  # fmt: skip
+                              self.device, self.dtype, cfg.dram_blocks,
+                              cfg.collective_timeout_s)  # fmt: skip
             self.model = self.tp.model
         elif s is None:
             self.model = LlamaModel(mc)

@@ -504,6 +504,7 @@ def make_server(args: argparse.Namespace) -> Server:
         max_model_len=args.max_model_len,
         tensor_parallel_size=args.tensor_parallel_size,
         decode_tensor_parallel_size=args.decode_tensor_parallel_size,
+        collective_timeout_s=args.collective_timeout_s,
     )
 
     def make() -> Serving:
