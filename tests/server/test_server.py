@@ -20,7 +20,7 @@ from minimemserve import LLM, SamplingParams  # noqa: E402
 from minimemserve.bench.driver import endpoint_targets, run_bench  # noqa: E402
 from minimemserve.bench.hosts import LocalInstances  # noqa: E402
 from minimemserve.model.tokenizer import Tokenizer  # noqa: E402
-from minimemserve.server import app  # noqa: E402
+from minimemserve.server import DEFAULT_MAX_PENDING, app  # noqa: E402
 from minimemserve.server.protocol import ChatFormat  # noqa: E402
 
 MODEL = "tiny"
@@ -240,6 +240,8 @@ BAD_BODIES = [
     ({"prompt": [[5, 6.0]]}, "prompt"),
     ({"prompt": ["a good prompt", ""]}, "prompt"),  # a good and a bad one: nothing queued
     ({"prompt": [[5, 6, 7], []]}, "prompt"),
+    ({"prompt": "a lone \ud800 surrogate"}, "not valid unicode"),
+    ({"prompt": [[5, 6]] * (DEFAULT_MAX_PENDING + 1)}, f"at most {DEFAULT_MAX_PENDING}"),
     ({"max_tokens": 100_000}, "max_tokens"),
     ({"echo": True}, "echo"),
 ]
@@ -260,6 +262,9 @@ def test_bad_input_is_a_400_in_the_openai_shape_and_the_server_keeps_serving(ser
         assert status == 400 and body["error"]["param"] == "body", (raw, body)
     status, body = server.post("/v1/chat/completions", json.dumps({"model": MODEL}).encode())
     assert status == 400 and body["error"]["param"] == "messages"
+    surrogate = {"model": MODEL, "messages": [{"role": "user", "content": "\udfff"}]}
+    status, body = server.post("/v1/chat/completions", json.dumps(surrogate).encode())
+    assert status == 400 and body["error"]["param"] == "messages", body
     bad_role = {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}
     status, body = server.post("/v1/chat/completions", json.dumps(bad_role).encode())
     assert status == 400 and "role" in body["error"]["param"]
