@@ -431,7 +431,8 @@ class TPGroup:
         try:
             yield
         except BaseException as e:
-            self._fail(f"a tensor-parallel {what} failed: {type(e).__name__}: {e}")
+            limit = f"collective_timeout_s={self.timeout_s:g}"
+            self._fail(f"a tensor-parallel {what} failed ({limit}): {type(e).__name__}: {e}")
 
     @contextlib.contextmanager
     def step(self, slices: list[SeqSlice], ids: list[int], rows: list[int]) -> Iterator[None]:
