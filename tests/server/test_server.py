@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -345,14 +347,41 @@ def test_an_api_key_is_required_when_set():
         assert e.value.status == 401 and e.value.body()["error"]["code"] == "invalid_api_key"
 
 
-def test_a_tensor_parallel_server_answers_as_the_library(tiny_llama_dir, reference):
-    srv = Server(tiny_llama_dir, "1P1D-CC", "inprocess", "--tensor-parallel-size", "2")
+def _spawned_children(pid: int) -> list[int]:
+    """The multiprocessing-spawned children of ``pid`` (tensor-parallel workers)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):  # the engine thread starts them, not main
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    out = []
+    for c in children:
+        with open(f"/proc/{c}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                out.append(c)
+    return out
+
+
+def test_a_tensor_parallel_server_answers_as_the_library_and_fails_a_stopped_rank(
+    tiny_llama_dir, reference
+):
+    deadline_s = 4.0
+    srv = Server(tiny_llama_dir, "1P1D-CC", "inprocess", "--tensor-parallel-size", "2",
+                 "--collective-timeout", str(deadline_s))  # fmt: skip
     try:
         prompt = "Tensor parallel serving splits every layer"
         r = srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
         ref = reference.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))[0]
         assert r.choices[0].text == ref.text
         srv.wait_released()
+        workers = _spawned_children(srv.proc.pid)
+        assert len(workers) == 2  # rank 1 of P0 and of D0
+        os.kill(workers[0], signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as e:
+            srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8)
+        assert time.monotonic() - start < 2 * deadline_s
+        assert e.value.status_code == 503 and "collective_timeout_s=4" in str(e.value.body)
+        assert not any(os.path.exists(f"/proc/{w}") for w in workers[:1])  # killed, reaped
     finally:
         srv.close()
 
