@@ -304,13 +304,14 @@ def _groups(store, rank: int, size: int, device: torch.device, timeout_s: float)
 
 
 class HostStore:
-    """A ``TCPStore`` listening on ``host`` only (by itself it listens on every interface):
-    where torch.distributed ranks meet. It has no authentication (see the README)."""
+    """A ``TCPStore`` listening on ``host`` only (by itself it listens on every interface), on
+    ``port`` (0: a free one, then read :attr:`port`): where torch.distributed ranks meet. It has
+    no authentication (see the README)."""
 
-    def __init__(self, host: str, timeout_s: float) -> None:
+    def __init__(self, host: str, timeout_s: float, port: int = 0) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
+            sock.bind((host, port))
             sock.listen(128)
             self.port = sock.getsockname()[1]
             self.store = dist.TCPStore(

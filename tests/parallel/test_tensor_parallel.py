@@ -3,16 +3,15 @@ CPU, gloo) on multi-turn sessions, with the pool audited; a dead rank fails its 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
+from helpers import listening
 
 from minimemserve import LLM, SamplingParams
 from minimemserve.attention.base import SeqSlice
@@ -29,7 +28,6 @@ GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6)
 # prefix, beside running decodes, so every attention path of the backend runs sharded
 ENGINE = dict(num_blocks=96, block_size=4, max_num_batched_tokens=24)
 DEATH_BUDGET_S = 30.0  # a request on an instance whose rank died must end well before this
-_TCP_LISTEN = "0A"  # the LISTEN state in /proc/net/tcp
 STOPPED_DEADLINE_S = 4.0  # the collective timeout of the stopped-rank test (60 s by default)
 
 
@@ -277,35 +275,15 @@ def test_workers_exit_when_rank_0_is_killed(tiny_llama_dir):
     assert not _running(worker)
 
 
-def _listening(pid: int) -> set[tuple[str, int]]:
-    """``(address, port)`` of every TCP socket process ``pid`` listens on (from /proc)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):  # an fd closed while we look
-            inodes.add(os.readlink(f"/proc/{pid}/fd/{fd}").removeprefix("socket:[")[:-1])
-    out = set()
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            rows = [line.split() for line in f.readlines()[1:]]
-        for row in rows:
-            if row[3] == _TCP_LISTEN and row[9] in inodes:
-                addr, port = row[1].split(":")
-                raw = bytes.fromhex(addr)  # /proc prints each 32-bit word in host order
-                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-                family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
-                out.add((socket.inet_ntop(family, words), int(port, 16)))
-    return out
-
-
 def test_every_socket_of_the_group_listens_on_loopback_only(tiny_llama_dir):
-    before = _listening(os.getpid())
+    before = listening(os.getpid())
     engine = Engine(tiny_llama_dir, engine_config=EngineConfig(tensor_parallel_size=2,
                                                                 num_blocks=8))  # fmt: skip
     try:
-        rank0 = _listening(os.getpid()) - before
+        rank0 = listening(os.getpid()) - before
         (worker,) = engine.tp.procs
         assert ("127.0.0.1", engine.tp.store.port) in rank0  # the store
-        assert {addr for addr, _ in rank0 | _listening(worker.pid)} == {"127.0.0.1"}
+        assert {addr for addr, _ in rank0 | listening(worker.pid)} == {"127.0.0.1"}
     finally:
         engine.tp.close()
 
