@@ -366,7 +366,8 @@ class TPGroup:
     """Rank 0 of a tensor-parallel instance: starts the workers (each loads its shard of
     ``model_dir`` and zero-fills a KV shard of ``num_blocks`` blocks), builds rank 0's model
     (``.model``), announces every step to the other ranks and moves their KV shards. A rank
-    that misses a collective by ``timeout_s`` stops the group, as a dead one does."""
+    that keeps rank 0 waiting ``timeout_s`` in one collective stops the group, as a dead one
+    does."""
 
     def __init__(self, model_dir, shard: TPShard, num_blocks: int, block_size: int,
                  attention: str | None, device: torch.device, dtype: torch.dtype,

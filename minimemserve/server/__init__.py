@@ -9,7 +9,8 @@ from ..bench.driver import add_parallel_arguments
 from ..config import EngineConfig
 from ..disagg.rpc import LOOPBACK
 
-# Choices in flight at once; more is "overloaded" (503), not an unbounded queue.
+# Choices in flight at once; more is "overloaded" (503), not an unbounded queue, and one
+# request asking for more than this could never start (400).
 DEFAULT_MAX_PENDING = 1024
 
 
