@@ -40,6 +40,7 @@ from minimemserve.bench.presets import preset_dir
 from minimemserve.config import EngineConfig
 from minimemserve.engine import Engine
 from minimemserve.llm import LLM
+from minimemserve.parallel import LOOPBACK, HostStore
 from minimemserve.sampling import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -96,7 +97,7 @@ def _timed_step(engine: Engine, timer: CollectiveTimer | None) -> tuple[float, f
 
 
 def _allreduce_peer(port: int, numel: int, iters: int) -> None:
-    store = dist.TCPStore("127.0.0.1", port, 2, False)
+    store = dist.TCPStore(LOOPBACK, port, 2, False)
     group = dist.ProcessGroupGloo(store, 1, 2, timedelta(seconds=60))
     x = torch.ones(numel)
     for _ in range(iters + 1):
@@ -105,7 +106,7 @@ def _allreduce_peer(port: int, numel: int, iters: int) -> None:
 
 def allreduce_ms(numel: int, iters: int = 50) -> float:
     """Median milliseconds of one gloo all-reduce of ``numel`` fp32 between two processes."""
-    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    store = HostStore(LOOPBACK, 60.0).store
     peer = mp.get_context("spawn").Process(target=_allreduce_peer, args=(store.port, numel, iters))
     peer.start()
     group = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=60))

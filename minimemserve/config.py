@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -87,6 +88,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks (processes) the model is split over
     decode_tensor_parallel_size: int | None = None  # decode instances' size; None: the same
     scheduler: str = "chunked"  # the local step policy: "chunked" or "prefill_first"
+    # how long rank 0 waits for the other ranks in one collective; one that misses it (stopped,
+    # slow, cut off) is killed and its instance fails with InstanceDied, as a dead one does
+    collective_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -98,6 +102,9 @@ class EngineConfig:
             if not isinstance(tp, int) or isinstance(tp, bool):
                 if tp is not None or name == "tensor_parallel_size":
                     raise ConfigError(f"{name} must be an int, got {tp!r}")
+        t = self.collective_timeout_s
+        if not isinstance(t, int | float) or isinstance(t, bool) or not 0 < t < math.inf:
+            raise ConfigError(f"collective_timeout_s must be a positive number, got {t!r}")
         for name, low in _MINIMUM.items():
             value = getattr(self, name)
             if value is None and getattr(EngineConfig, name) is None:

@@ -127,8 +127,17 @@ class Engine:
         num_blocks = cfg.hbm_blocks(layout.block_bytes(dtype.itemsize), device)
         group = SingleRank()
         if tp > 1:
-            group = TPGroup(model_dir, shard, num_blocks, cfg.block_size, cfg.attention,
-                            device, dtype, cfg.dram_blocks)  # fmt: skip
+            group = TPGroup(
+                model_dir,
+                shard,
+                num_blocks,
+                cfg.block_size,
+                cfg.attention,
+                device,
+                dtype,
+                cfg.dram_blocks,
+                cfg.collective_timeout_s,
+            )
             model = group.model
         elif s is None:
             model = LlamaModel(model_config)

@@ -22,8 +22,12 @@ What is split where (``r`` = rank, ``n`` = tensor-parallel size):
 - embedding: vocabulary-parallel (rank r looks up its rows, zeros elsewhere, one all-reduce);
 - LM head: vocabulary-parallel, the logits all-gathered (rank 0 samples).
 
-A worker exits when rank 0 closes the group, when rank 0's process ends (its connections
-close, and a watchdog thread waits on the parent), or when a step's collectives time out."""
+Every wait of rank 0 has a deadline (``EngineConfig.collective_timeout_s`` per collective or
+message): a worker that misses it, stopped, slow or cut off, is killed and its instance fails
+with ``InstanceDied``, as when it dies. A worker exits when rank 0 closes the group, when rank
+0's process ends (its connections close, and a watchdog thread waits on the parent), or when a
+step's collectives time out. Every socket of the group (the store, gloo's pairs) listens on
+loopback only."""
 
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import socket
 import sys
 import threading
 import time
@@ -59,7 +64,6 @@ from .model.loader import EMBED_NAME, LM_HEAD_NAME, load_weights
 
 LOOPBACK = "127.0.0.1"  # the ranks of an instance share one host; the store listens nowhere else
 START_TIMEOUT = timedelta(seconds=180)  # a worker imports torch and loads its shard (slow CPUs)
-COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # one step's collectives; a stuck rank fails the step
 # workers wait this long for the next step of an idle instance; a dead rank 0 is noticed at
 # once (its connections close and the watchdog sees the parent end), not by this timeout
 IDLE_TIMEOUT = timedelta(days=30)
@@ -261,7 +265,8 @@ class WorkerSpec:
     device: str
     dtype: torch.dtype
     threads: int
-    dram_blocks: int = 0
+    dram_blocks: int
+    timeout_s: float  # of each compute collective
 
 
 def _rank_device(device: str, rank: int) -> torch.device:
@@ -273,7 +278,10 @@ def _rank_device(device: str, rank: int) -> torch.device:
 
 
 def _gloo(store, rank: int, size: int, timeout: timedelta):
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+    opts._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
 def _nccl(store, rank: int, size: int, timeout: timedelta):
@@ -290,11 +298,35 @@ def _nccl(store, rank: int, size: int, timeout: timedelta):
 _COMPUTE_BACKENDS = {"cpu": _gloo, "cuda": _nccl}  # device type -> compute group
 
 
-def _groups(store, rank: int, size: int, device: torch.device):
-    """The control group (gloo, step metadata on the host) and the compute group."""
-    control = _gloo(dist.PrefixStore("control", store), rank, size, IDLE_TIMEOUT)
+def _groups(store, rank: int, size: int, device: torch.device, timeout_s: float):
+    """The control group (gloo, step metadata on the host) and the compute group. Rank 0 waits
+    ``timeout_s`` in each; a worker waits for rank 0's next announcement without end."""
+    timeout = timedelta(seconds=timeout_s)
+    control = _gloo(dist.PrefixStore("control", store), rank, size,
+                    timeout if rank == 0 else IDLE_TIMEOUT)  # fmt: skip
     make = _COMPUTE_BACKENDS[device.type]
-    return control, make(dist.PrefixStore("compute", store), rank, size, COLLECTIVE_TIMEOUT)
+    return control, make(dist.PrefixStore("compute", store), rank, size, timeout)
+
+
+class HostStore:
+    """A ``TCPStore`` listening on ``host`` only (by itself it listens on every interface), on
+    ``port`` (0: a free one, then read :attr:`port`): where torch.distributed ranks meet. It has
+    no authentication (see the README)."""
+
+    def __init__(self, host: str, timeout_s: float, port: int = 0) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((host, port))
+            sock.listen(128)
+            self.port = sock.getsockname()[1]
+            self.store = dist.TCPStore(
+                host, self.port, is_master=True, wait_for_workers=False,
+                timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.fileno(),
+            )  # fmt: skip
+            sock.detach()  # the store owns the socket now, and closes it
+
+    def close(self) -> None:
+        self.store = None
 
 
 def encode_step(slices: list[SeqSlice], ids: list[int], rows: list[int]) -> list[int]:
@@ -338,21 +370,23 @@ class SingleRank:
 class TPGroup:
     """Rank 0 of a tensor-parallel instance: starts the workers (each loads its shard of
     ``model_dir`` and zero-fills a KV shard of ``num_blocks`` blocks), builds rank 0's model
-    (``.model``), announces every step to the other ranks and moves their KV shards."""
+    (``.model``), announces every step to the other ranks and moves their KV shards. A rank
+    that keeps rank 0 waiting ``timeout_s`` in one collective stops the group, as a dead one
+    does."""
 
     def __init__(self, model_dir, shard: TPShard, num_blocks: int, block_size: int,
                  attention: str | None, device: torch.device, dtype: torch.dtype,
-                 dram_blocks: int = 0):  # fmt: skip
+                 dram_blocks: int, timeout_s: float):  # fmt: skip
         self.size, self.device, self.dtype, self.shard = shard.size, device, dtype, shard
         self.block_size = block_size
         self.shards = [TPShard(r, shard.size, shard.cfg) for r in range(shard.size)]
         self.dead: str | None = None  # why the group stopped, once it has
-        store = dist.TCPStore(
-            LOOPBACK, 0, self.size, True, timeout=START_TIMEOUT, wait_for_workers=False
-        )
-        spec = WorkerSpec(str(model_dir), self.size, store.port, num_blocks, block_size,
+        self.timeout_s = timeout_s
+        self.store = HostStore(LOOPBACK, START_TIMEOUT.total_seconds())
+        spec = WorkerSpec(str(model_dir), self.size, self.store.port, num_blocks, block_size,
                           attention, str(device), dtype,
-                          max(1, torch.get_num_threads() // self.size), dram_blocks)  # fmt: skip
+                          max(1, torch.get_num_threads() // self.size), dram_blocks,
+                          timeout_s)  # fmt: skip
         ctx = mp.get_context("spawn")
         self.procs = [
             ctx.Process(target=_worker_main, args=(r, spec), daemon=True, name=f"tp-rank{r}")
@@ -362,9 +396,10 @@ class TPGroup:
         for p in self.procs:
             p.start()
         weights = load_weights(model_dir, shard.cfg, dtype, device)
-        self._wait_ready(store)
-        self.control, group = _groups(store, 0, self.size, device)
-        self.comm, self.store = Collectives(group, self.size), store
+        self._wait_ready(self.store.store)
+        with self._guard("start"):
+            self.control, group = _groups(self.store.store, 0, self.size, device, timeout_s)
+        self.comm = Collectives(group, self.size)
         self.model = build_model(weights, shard, self.comm).to(device=device, dtype=dtype).eval()
 
     def _wait_ready(self, store) -> None:
@@ -403,7 +438,8 @@ class TPGroup:
         try:
             yield
         except BaseException as e:
-            self._fail(f"a tensor-parallel {what} failed: {type(e).__name__}: {e}")
+            limit = f"collective_timeout_s={self.timeout_s:g}"
+            self._fail(f"a tensor-parallel {what} failed ({limit}): {type(e).__name__}: {e}")
 
     @contextlib.contextmanager
     def step(self, slices: list[SeqSlice], ids: list[int], rows: list[int]) -> Iterator[None]:
@@ -550,7 +586,7 @@ class _Worker:
         weights = load_weights(Path(spec.model_dir), cfg, spec.dtype, self.device)
         store = dist.TCPStore(LOOPBACK, spec.port, spec.size, False, timeout=START_TIMEOUT)
         store.set(f"ready{rank}", "1")
-        self.control, group = _groups(store, rank, spec.size, self.device)
+        self.control, group = _groups(store, rank, spec.size, self.device, spec.timeout_s)
         self.comm, self.store = Collectives(group, spec.size), store
         self.model = build_model(weights, shard, self.comm)
         self.model.to(device=self.device, dtype=spec.dtype).eval()

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import socket
 
 import torch
 
 from minimemserve.attention.base import SeqSlice
 from minimemserve.blocks.layout import AGGREGATED, KVLayout
+
+TCP_LISTEN = "0A"  # the LISTEN state in /proc/net/tcp
 
 
 def hf_greedy(hf, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -93,3 +98,23 @@ def attention_reference(pool, layout, layer, slices, q, k, v, scale):
             outs.append(torch.einsum("hn,nhd->hd", w, vv))
         t += s.num_new
     return torch.stack(outs), pool
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """``(address, port)`` of every TCP socket process ``pid`` listens on (from /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # an fd closed while we look
+            inodes.add(os.readlink(f"/proc/{pid}/fd/{fd}").removeprefix("socket:[")[:-1])
+    out = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+        for row in rows:
+            if row[3] == TCP_LISTEN and row[9] in inodes:
+                addr, port = row[1].split(":")
+                raw = bytes.fromhex(addr)  # /proc prints each 32-bit word in host order
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+                out.add((socket.inet_ntop(family, words), int(port, 16)))
+    return out

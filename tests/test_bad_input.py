@@ -43,6 +43,8 @@ def test_bad_prompts_raise_and_engine_keeps_serving(llm):
         llm.generate([[5, -1]], params)
     with pytest.raises(InvalidRequest, match="not an integer"):
         llm.generate([[5, 6.5]], params)
+    with pytest.raises(InvalidRequest, match="not valid Unicode"):
+        llm.generate(["a lone \ud800 surrogate"], params)
     with pytest.raises(InvalidRequest, match="prompt too long"):
         llm.generate([[7] * 512], params)
     # a good and a bad prompt together: nothing is queued

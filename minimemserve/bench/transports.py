@@ -17,7 +17,6 @@ hosts' identity (``disagg.runtime.pair_transport``)."""
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import socket
 from collections.abc import Sequence
@@ -43,6 +42,7 @@ from minimemserve.mempool.shared import (
     SharedPoolTensor,
     attach,
 )
+from minimemserve.parallel import HostStore
 
 
 def pieces_per_transfer(mode: TransferMode | str, num_layers: int, num_blocks: int) -> int:
@@ -312,14 +312,8 @@ def pick_free_port(host: str = LOOPBACK) -> int:
 
 
 def start_store(
-    host: str = LOOPBACK, port: int = 0, world_size: int = 2, timeout_s: float = GLOO_TIMEOUT_S
+    host: str = LOOPBACK, port: int = 0, timeout_s: float = GLOO_TIMEOUT_S
 ) -> torch.distributed.TCPStore:
-    """Start the rendezvous store (rank 0 does this); ``store.port`` is the port it got."""
-    return torch.distributed.TCPStore(
-        host,
-        port,
-        world_size,
-        True,
-        datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
+    """Start the rendezvous store (rank 0 does this), listening on ``host`` only;
+    ``store.port`` is the port it got."""
+    return HostStore(host, timeout_s, port).store

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import itertools
 import logging
 import multiprocessing as mp
 import os
 import secrets
 import signal
-import socket
 import threading
 import time
 import weakref
@@ -43,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import torch
 
 from ..config import NAME_PREFIX, EngineConfig, parse_config_name
 from ..errors import (
@@ -59,6 +56,7 @@ from ..mempool import TIERS, PoolAccountingError
 from ..mempool.shared import segment_path
 from ..model.config import ModelConfig
 from ..model.tokenizer import Tokenizer
+from ..parallel import HostStore
 from ..request import RequestMetrics, RequestOutput, TokenDelta, logprobs_fit
 from ..sampling import INT64_LIMIT, SamplingParams
 from ..scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler, Route
@@ -162,29 +160,9 @@ def _cluster_key(
         raise ConfigError(str(e)) from None
 
 
-class _HostStore:
-    """A ``TCPStore`` listening on ``host`` only (by itself it listens on every interface):
-    where torch.distributed pairs meet. It has no authentication (see the README)."""
-
-    def __init__(self, host: str, timeout_s: float) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            sock.listen(128)
-            self.port = sock.getsockname()[1]
-            self.store = torch.distributed.TCPStore(
-                host, self.port, is_master=True, wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno(),
-            )  # fmt: skip
-            sock.detach()  # the store owns the socket now, and closes it
-
-    def close(self) -> None:
-        self.store = None
-
-
-def _host_store(host: str, timeout_s: float) -> _HostStore:
+def _host_store(host: str, timeout_s: float) -> HostStore:
     try:
-        return _HostStore(host, timeout_s)
+        return HostStore(host, timeout_s)
     except (OSError, RuntimeError) as e:
         raise TransferError(f"cannot host the torch.distributed store on {host}: {e}") from e
 
@@ -312,7 +290,7 @@ class ProcessCluster:
         curve = (key or rpc.ClusterKey.generate()).curve_for(host)
         codec = rpc.Codec(secret)
         self.session = secrets.token_hex(8)  # names this deployment's pair groups
-        self._store: _HostStore | None = None  # where torch.distributed pairs meet, if any
+        self._store: HostStore | None = None  # where torch.distributed pairs meet, if any
         self._beacon: rpc.Beacon | None = None  # heartbeats to instances started on their own
         self.node = rpc.RpcNode(
             "frontend",

@@ -26,6 +26,7 @@ import torch
 from minimemserve.blocks.copy import is_run
 from minimemserve.disagg.rpc import LOOPBACK
 from minimemserve.errors import TransferError
+from minimemserve.parallel import HostStore
 
 # A transfer of a few hundred MiB over loopback takes well under a second; a minute means
 # the peer is gone or hung.
@@ -181,10 +182,11 @@ class GlooTransport:
             if rank == 1 and port == 0:
                 raise ValueError("rank 1 needs the port of rank 0's store")
             try:
-                store = torch.distributed.TCPStore(
-                    host, port, 2, rank == 0, timeout, wait_for_workers=False
-                )
-            except (RuntimeError, TimeoutError) as e:
+                if rank == 0:  # on the address gloo binds, not on every interface
+                    store = HostStore(bind_host or host, timeout_s, port).store
+                else:
+                    store = torch.distributed.TCPStore(host, port, 2, False, timeout)
+            except (OSError, RuntimeError) as e:
                 raise TransferError(f"cannot reach the store at {host}:{port}: {e}") from e
         self.store = store
         self.host = host

@@ -59,6 +59,11 @@ class Tokenizer:
         """Token ids of ``text``, with BOS first when ``add_bos`` (and the model has one)."""
         if not isinstance(text, str):
             raise InvalidRequest(f"text to encode must be a str, got {type(text).__name__}")
+        try:
+            text.encode()
+        except UnicodeEncodeError as e:  # sentencepiece takes UTF-8, which has no surrogates
+            bad = text[e.start : e.end]
+            raise InvalidRequest(f"text is not valid Unicode: {bad!r} at {e.start}") from None
         ids = self._sp.encode(text)
         return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
 

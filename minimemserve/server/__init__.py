@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 
 from ..bench.driver import add_parallel_arguments
+from ..config import EngineConfig
 from ..disagg.rpc import LOOPBACK
 
-# Choices in flight at once; more is "overloaded" (503), not an unbounded queue.
+# Choices in flight at once; more is "overloaded" (503), not an unbounded queue, and one
+# request asking for more than this could never start (400).
 DEFAULT_MAX_PENDING = 1024
 
 
@@ -54,6 +56,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
     add_parallel_arguments(p)  # tensor parallelism: with --runtime inprocess
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=EngineConfig.collective_timeout_s,
+        dest="collective_timeout_s",
+        help="seconds rank 0 waits for the other ranks in one collective before the instance "
+        "fails (tensor parallelism)",
+    )
     p.add_argument(
         "--max-pending",
         type=int,

@@ -310,7 +310,13 @@ class Server:
                 "model",
                 "model_not_found",
             )
-        if self.loop.num_streams + len(parsed.prompts) * parsed.n > self.max_pending:
+        if (choices := len(parsed.prompts) * parsed.n) > self.max_pending:  # never admitted
+            raise protocol.BadField(
+                "n" if chat else "prompt",
+                f"the request asks for {choices} choices (prompts x n); this server runs at "
+                f"most {self.max_pending} at once (--max-pending)",
+            )
+        if self.loop.num_streams + choices > self.max_pending:
             raise ApiError(
                 503,
                 f"server overloaded: {self.loop.num_streams} requests in flight",
@@ -504,6 +510,7 @@ def make_server(args: argparse.Namespace) -> Server:
         max_model_len=args.max_model_len,
         tensor_parallel_size=args.tensor_parallel_size,
         decode_tensor_parallel_size=args.decode_tensor_parallel_size,
+        collective_timeout_s=args.collective_timeout_s,
     )
 
     def make() -> Serving:
@@ -525,16 +532,17 @@ def make_server(args: argparse.Namespace) -> Server:
             transport=args.transport,
         )
 
+    tok = Tokenizer.from_dir(model_dir)
+    chat = protocol.ChatFormat(model_dir, tok)  # a broken template fails before the engine starts
     metrics = ServerMetrics()
     loop = EngineLoop(make, on_output=metrics.observe_output)
     loop.start(STARTUP_TIMEOUT_S)
     metrics.roles = {name: v["role"] for name, v in loop.serving.load().items()}
     context = ModelConfig.from_hf(model_dir).max_position_embeddings
-    tok = Tokenizer.from_dir(model_dir)
     return Server(
         loop,
         tok,
-        protocol.ChatFormat(model_dir, tok),
+        chat,
         args.served_model_name or ("tiny" if args.model is None else model_dir.name),
         min(args.max_model_len or context, context),
         deployment.milestone.roles,

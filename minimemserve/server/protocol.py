@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidRequest
+from ..errors import CheckpointError, InvalidRequest
 from ..model.tokenizer import Tokenizer
 from ..sampling import MAX_LOGPROBS, SamplingParams
 
@@ -27,6 +27,8 @@ CHAT_ROLES = ("system", "user", "assistant")
 # Fields of OpenAI's API this server does not implement: accepted only at their neutral value.
 _UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": "", "frequency_penalty": 0,
                 "presence_penalty": 0, "logit_bias": {}}  # fmt: skip
+# The checkpoint file that may hold a Jinja chat template (HF's ``chat_template`` field).
+CHAT_CONFIG = "tokenizer_config.json"
 # Llama-2's chat format, used when the checkpoint ships no chat template.
 INST, END_INST, SYS, END_SYS = "[INST]", "[/INST]", "<<SYS>>\n", "\n<</SYS>>\n\n"
 
@@ -121,23 +123,52 @@ def _messages(body: dict) -> list[tuple[str, str]]:
     return out
 
 
+def _refuse(message: str):
+    """``raise_exception`` of a chat template: the conversation is the problem."""
+    raise BadField("messages", f"the chat template refuses the conversation: {message}")
+
+
+def _chat_template(path: Path):
+    """The compiled chat template of a ``tokenizer_config.json`` (HF's named list: its
+    ``default``); None when the file is absent or has none. A file that is not a JSON object,
+    or a template that does not compile, is a ``CheckpointError`` naming the file."""
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, not {type(config).__name__}")
+    source = config.get("chat_template")
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        if "default" not in named:
+            raise CheckpointError(f"{path}: none of its chat templates is named 'default'")
+        source = named["default"]
+    if source is None:
+        return None
+    if not isinstance(source, str):
+        raise CheckpointError(f"{path}: chat_template must be text, not {type(source).__name__}")
+    from jinja2 import TemplateError  # lazy: optional extra
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # lazy: optional extra
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _refuse
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise CheckpointError(f"{path}: the chat template does not compile: {e}") from None
+
+
 class ChatFormat:
     """Renders messages to prompt ids: the checkpoint's Jinja chat template (sandboxed) when its
-    ``tokenizer_config.json`` has one, else Llama-2's ``[INST]`` / ``<<SYS>>`` format."""
+    ``tokenizer_config.json`` has one, else Llama-2's ``[INST]`` / ``<<SYS>>`` format. A broken
+    ``tokenizer_config.json`` or template is a ``CheckpointError`` naming the file."""
 
     def __init__(self, model_dir: str | Path, tokenizer: Tokenizer) -> None:
-        self.tok, self.template = tokenizer, None
-        cfg = Path(model_dir) / "tokenizer_config.json"
-        if cfg.is_file():
-            try:
-                source = json.loads(cfg.read_text()).get("chat_template")
-            except (OSError, ValueError, AttributeError):
-                source = None
-            if isinstance(source, str):
-                from jinja2.sandbox import ImmutableSandboxedEnvironment  # lazy: optional extra
-
-                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-                self.template = env.from_string(source)
+        self.tok = tokenizer
+        self.template = _chat_template(Path(model_dir) / CHAT_CONFIG)
 
     def render(self, messages: list[tuple[str, str]]) -> list[int]:
         """Prompt token ids of a conversation, ready for the assistant's next message."""

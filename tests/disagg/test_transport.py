@@ -9,6 +9,7 @@ import os
 import msgpack
 import pytest
 import torch
+from helpers import listening
 
 from minimemserve.bench.transports import (
     CopyTransport,
@@ -211,6 +212,7 @@ def _gloo_receiver(port: int) -> None:
 
 def test_gloo_blocks_are_bit_exact_across_processes() -> None:
     store = start_store(port=0, timeout_s=JOIN_S)
+    assert {a for a, port in listening(os.getpid()) if port == store.port} == {"127.0.0.1"}
     child = mp.get_context("spawn").Process(target=_gloo_receiver, args=(store.port,))
     child.start()
     try:

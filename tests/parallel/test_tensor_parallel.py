@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from helpers import listening
 
 from minimemserve import LLM, SamplingParams
 from minimemserve.attention.base import SeqSlice
@@ -27,6 +28,7 @@ GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6)
 # prefix, beside running decodes, so every attention path of the backend runs sharded
 ENGINE = dict(num_blocks=96, block_size=4, max_num_batched_tokens=24)
 DEATH_BUDGET_S = 30.0  # a request on an instance whose rank died must end well before this
+STOPPED_DEADLINE_S = 4.0  # the collective timeout of the stopped-rank test (60 s by default)
 
 
 def _multi_turn(llm: LLM, turns: int = 2) -> list[list[int]]:
@@ -153,6 +155,31 @@ def test_dead_rank_fails_requests_without_hanging(tiny_llama_dir):
             llm.engine.instances[0].engine.runner.group.step([], [], []).__enter__()
 
 
+def test_stopped_rank_fails_requests_within_the_deadline(tiny_llama_dir):
+    """A rank that stops answering (SIGSTOP: as a slow or cut-off one) is killed once it
+    misses a collective's deadline, and its instance fails as when the rank dies."""
+    with LLM(tiny_llama_dir, config="PD-CC", tensor_parallel_size=2,
+             collective_timeout_s=STOPPED_DEADLINE_S, **ENGINE) as llm:  # fmt: skip
+        llm.generate([[5, 6, 7, 8, 9]], GREEDY)
+        (worker,) = llm.engine.instances[0].engine.tp.procs
+        os.kill(worker.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        outs = llm.generate([[5, 6, 7, 8, 9, 10], [3, 4]], GREEDY)
+        assert time.monotonic() - start < 2 * STOPPED_DEADLINE_S
+        assert [o.finish_reason for o in outs] == ["error", "error"]
+        assert all("InstanceDied" in o.error and "Timed out" in o.error for o in outs)
+        assert worker.exitcode == -signal.SIGKILL  # killed and reaped, not left stopped
+        llm.engine.check_pools()  # nothing leaked on rank 0
+        with pytest.raises(InstanceDied):
+            llm.engine.instances[0].engine.runner.group.step([], [], []).__enter__()
+
+
+def test_collective_timeout_is_validated():
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "60"):
+        with pytest.raises(ConfigError, match="collective_timeout_s"):
+            EngineConfig(collective_timeout_s=bad)
+
+
 @pytest.mark.parametrize("config", ["1P1D", "1P1D-CC"])
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2), (2, 2)], ids=["P2-D1", "P1-D2", "P2-D2"])
 def test_heterogeneous_disaggregation_keeps_greedy_tokens(tiny_llama_dir, config, p_tp, d_tp):
@@ -246,6 +273,19 @@ def test_workers_exit_when_rank_0_is_killed(tiny_llama_dir):
     while _running(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _running(worker)
+
+
+def test_every_socket_of_the_group_listens_on_loopback_only(tiny_llama_dir):
+    before = listening(os.getpid())
+    engine = Engine(tiny_llama_dir, engine_config=EngineConfig(tensor_parallel_size=2,
+                                                                num_blocks=8))  # fmt: skip
+    try:
+        rank0 = listening(os.getpid()) - before
+        (worker,) = engine.tp.procs
+        assert ("127.0.0.1", engine.tp.store.port) in rank0  # the store
+        assert {addr for addr, _ in rank0 | listening(worker.pid)} == {"127.0.0.1"}
+    finally:
+        engine.tp.close()
 
 
 def test_process_cluster_refuses_tensor_parallel_instances(tiny_llama_dir):

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 pytest.importorskip("fastapi")
 
+from minimemserve.cli import build_parser
+from minimemserve.errors import CheckpointError, InvalidRequest
 from minimemserve.model.tokenizer import Tokenizer
-from minimemserve.server.protocol import Detokenizer
+from minimemserve.server import app
+from minimemserve.server.protocol import (
+    CHAT_CONFIG,
+    BadField,
+    ChatFormat,
+    Detokenizer,
+    parse,
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +58,64 @@ def test_a_stop_string_ends_the_text_before_it_even_across_deltas(tok):
     out = "".join(d.feed([t]) for t in ids)
     assert out == "the quick brown " and d.stopped
     assert d.feed(ids[:2]) == ""
+
+
+def _checkpoint_with(tmp_path, source_dir, config_text: str):
+    """A copy of ``source_dir`` (files linked) whose ``tokenizer_config.json`` is the text."""
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    for f in source_dir.iterdir():
+        (out / f.name).symlink_to(f)
+    (out / CHAT_CONFIG).write_text(config_text)
+    return out
+
+
+BROKEN_CHAT_CONFIGS = [
+    ("{not json", "cannot read"),
+    ('["a list"]', "JSON object"),
+    ('{"chat_template": 7}', "must be text"),
+    ('{"chat_template": [{"name": "tool_use", "template": "x"}]}', "named 'default'"),
+    ('{"chat_template": "{% for m in messages %}{{ m.content }"}', "does not compile"),
+]
+
+
+@pytest.mark.parametrize("text,needle", BROKEN_CHAT_CONFIGS)
+def test_a_broken_chat_template_is_a_checkpoint_error_naming_the_file(
+    tmp_path, tiny_llama_dir, tok, text, needle
+):
+    path = _checkpoint_with(tmp_path, tiny_llama_dir, text)
+    with pytest.raises(CheckpointError, match=needle) as e:
+        ChatFormat(path, tok)
+    assert str(path / CHAT_CONFIG) in str(e.value)
+
+
+def test_the_server_refuses_a_broken_chat_template_before_starting_the_engine(
+    tmp_path, tiny_llama_dir, monkeypatch
+):
+    path = _checkpoint_with(tmp_path, tiny_llama_dir, BROKEN_CHAT_CONFIGS[-1][0])
+    monkeypatch.setattr(app.EngineLoop, "start", lambda *a: pytest.fail("the engine started"))
+    args = build_parser().parse_args(["serve", "--model", str(path), "--runtime", "inprocess"])
+    with pytest.raises(CheckpointError, match=CHAT_CONFIG):
+        app.make_server(args)
+
+
+def test_a_named_default_template_renders_and_raise_exception_is_a_bad_field(tmp_path, tok):
+    template = (
+        "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    )
+    named = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": template}]
+    (tmp_path / CHAT_CONFIG).write_text(json.dumps({"chat_template": named}))
+    chat = ChatFormat(tmp_path, tok)
+    assert chat.render([("user", "hi")]) == tok.prompt_ids("<user>hi")
+    with pytest.raises(BadField, match="user first") as e:
+        chat.render([("assistant", "hi")])
+    assert e.value.param == "messages"
+
+
+def test_a_lone_surrogate_is_a_bad_request_not_a_tokenizer_crash(tok):
+    with pytest.raises(InvalidRequest, match="not valid Unicode"):
+        tok.encode("lone \ud800 surrogate")
+    with pytest.raises(BadField, match="not valid Unicode") as e:
+        parse({"model": "m", "prompt": ["fine", "\udfff"]}, tok, None, 512)
+    assert e.value.param == "prompt"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +22,7 @@ from minimemserve import LLM, SamplingParams  # noqa: E402
 from minimemserve.bench.driver import endpoint_targets, run_bench  # noqa: E402
 from minimemserve.bench.hosts import LocalInstances  # noqa: E402
 from minimemserve.model.tokenizer import Tokenizer  # noqa: E402
-from minimemserve.server import app  # noqa: E402
+from minimemserve.server import DEFAULT_MAX_PENDING, app  # noqa: E402
 from minimemserve.server.protocol import ChatFormat  # noqa: E402
 
 MODEL = "tiny"
@@ -240,6 +242,8 @@ BAD_BODIES = [
     ({"prompt": [[5, 6.0]]}, "prompt"),
     ({"prompt": ["a good prompt", ""]}, "prompt"),  # a good and a bad one: nothing queued
     ({"prompt": [[5, 6, 7], []]}, "prompt"),
+    ({"prompt": "a lone \ud800 surrogate"}, "not valid unicode"),
+    ({"prompt": [[5, 6]] * (DEFAULT_MAX_PENDING + 1)}, f"at most {DEFAULT_MAX_PENDING}"),
     ({"max_tokens": 100_000}, "max_tokens"),
     ({"echo": True}, "echo"),
 ]
@@ -260,6 +264,9 @@ def test_bad_input_is_a_400_in_the_openai_shape_and_the_server_keeps_serving(ser
         assert status == 400 and body["error"]["param"] == "body", (raw, body)
     status, body = server.post("/v1/chat/completions", json.dumps({"model": MODEL}).encode())
     assert status == 400 and body["error"]["param"] == "messages"
+    surrogate = {"model": MODEL, "messages": [{"role": "user", "content": "\udfff"}]}
+    status, body = server.post("/v1/chat/completions", json.dumps(surrogate).encode())
+    assert status == 400 and body["error"]["param"] == "messages", body
     bad_role = {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}
     status, body = server.post("/v1/chat/completions", json.dumps(bad_role).encode())
     assert status == 400 and "role" in body["error"]["param"]
@@ -340,14 +347,41 @@ def test_an_api_key_is_required_when_set():
         assert e.value.status == 401 and e.value.body()["error"]["code"] == "invalid_api_key"
 
 
-def test_a_tensor_parallel_server_answers_as_the_library(tiny_llama_dir, reference):
-    srv = Server(tiny_llama_dir, "1P1D-CC", "inprocess", "--tensor-parallel-size", "2")
+def _spawned_children(pid: int) -> list[int]:
+    """The multiprocessing-spawned children of ``pid`` (tensor-parallel workers)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):  # the engine thread starts them, not main
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    out = []
+    for c in children:
+        with open(f"/proc/{c}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                out.append(c)
+    return out
+
+
+def test_a_tensor_parallel_server_answers_as_the_library_and_fails_a_stopped_rank(
+    tiny_llama_dir, reference
+):
+    deadline_s = 4.0
+    srv = Server(tiny_llama_dir, "1P1D-CC", "inprocess", "--tensor-parallel-size", "2",
+                 "--collective-timeout", str(deadline_s))  # fmt: skip
     try:
         prompt = "Tensor parallel serving splits every layer"
         r = srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
         ref = reference.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))[0]
         assert r.choices[0].text == ref.text
         srv.wait_released()
+        workers = _spawned_children(srv.proc.pid)
+        assert len(workers) == 2  # rank 1 of P0 and of D0
+        os.kill(workers[0], signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as e:
+            srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8)
+        assert time.monotonic() - start < 2 * deadline_s
+        assert e.value.status_code == 503 and "collective_timeout_s=4" in str(e.value.body)
+        assert not any(os.path.exists(f"/proc/{w}") for w in workers[:1])  # killed, reaped
     finally:
         srv.close()
 
