@@ -323,6 +323,7 @@ class InstanceServer:
                 curve=spec.curve,
             )
         node.name, node.handler, node.timeout_s = spec.name, self._handle, spec.timeout_s
+        node.any_recipient = False  # named now: frames for another name are not for us
         node.on_wait = self._heartbeat
         self.node = node
         self.node.connect(FRONTEND, spec.frontend)
@@ -485,6 +486,7 @@ class InstanceServer:
             "grants": {p: sum(c.values()) for p, c in self.grants.items()},
             "dead_peers": dict(self.node.dead),
             "rejected": self.node.rejected,
+            "replayed": self.node.replayed,
         }
         return rpc.Info(stats)
 
@@ -758,6 +760,7 @@ def _await_join(
         codec=rpc.Codec(opts.key.secret),
         curve=opts.key.curve_for(opts.host),
     )
+    node.any_recipient = True  # frontends address it by the name they are about to give it
     logger.info("instance (%s) waiting for a frontend at %s", opts.role, node.address)
     if back is not None:
         node.name = back.name  # the name the frontend knows, to rejoin under

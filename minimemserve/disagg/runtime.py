@@ -903,8 +903,9 @@ class ProcessCluster:
 
     def stats(self) -> dict[str, dict]:
         """Per live instance: pool stats, requests held, blocks granted to peers, dead peers,
-        control frames rejected; ``"frontend"``: frames the frontend rejected."""
-        return self._ask_all("stats") | {"frontend": {"rejected": self.node.rejected}}
+        control frames rejected and dropped as replayed; ``"frontend"``: the frontend's."""
+        frontend = {"rejected": self.node.rejected, "replayed": self.node.replayed}
+        return self._ask_all("stats") | {"frontend": frontend}
 
     def pool_stats(self) -> dict[str, dict]:
         """``{live instance: MemPool.stats()}``."""
