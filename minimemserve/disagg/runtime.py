@@ -616,14 +616,16 @@ class ProcessCluster:
 
     # ---- liveness --------------------------------------------------------------------------
     def monitor(self) -> dict[str, str]:
-        """Check every instance (exit code, heartbeat); handle deaths. Returns :attr:`dead`."""
+        """Check every instance (exit code, heartbeat); handle deaths. Returns :attr:`dead`.
+        Silence counts up to the frontend's last read of its socket, not up to now: a caller
+        that has not stepped for a while has not read the heartbeats, and blames nobody."""
         if self._closed:
             return self.dead
-        now = time.monotonic()
+        now, read = time.monotonic(), self.node.drained_at
         for inst in [i for i in self.instances.values() if i.name not in self.dead]:
             if inst.process is not None and not inst.process.is_alive():
                 self._on_death(inst, f"process exited with code {inst.process.exitcode}")
-            elif now - self._last_heard.get(inst.name, now) > self.heartbeat_timeout_s:
+            elif read - self._last_heard.get(inst.name, read) > self.heartbeat_timeout_s:
                 if inst.process is not None:
                     inst.process.kill()
                     inst.process.join(2.0)

@@ -115,6 +115,24 @@ def test_colocated_instance_dies_and_the_scheduler_routes_around_it(tiny_llama_d
         assert list(reports) == [n for n in ("C0", "C1") if n != victim]
 
 
+def test_an_idle_cluster_keeps_its_instances(tiny_llama_dir):
+    """Nobody steps for three heartbeat timeouts: no instance is blamed, a request is served."""
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    with ProcessCluster(
+        tiny_llama_dir,
+        "1P1D-CC",
+        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        timeout_s=TIMEOUT_S,
+        heartbeat_timeout_s=2.0,
+        start_method="forkserver",
+    ) as c:
+        time.sleep(3 * c.heartbeat_timeout_s)
+        c.add_request(prompts(1)[0], params)
+        outs = c.run_until_done(timeout_s=WAIT_S)
+        assert not c.dead and [o.finish_reason for o in outs] == ["length"], outs
+        c.check_pools(require_idle=True)
+
+
 def test_abort_on_decode_and_on_prefill_frees_every_block(tiny_llama_dir):
     with cluster(tiny_llama_dir, "1P1D-CC") as c:
         params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
