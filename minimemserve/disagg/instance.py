@@ -114,6 +114,25 @@ def host_identity() -> str:
     return f"{boot}/{netns}"
 
 
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited, including as a zombie nobody reaped (``kill(pid, 0)``
+    still succeeds on those); without ``/proc``, the kernel's word."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")  # state, after the name
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # exists, owned by someone else
+    return False
+
+
 @dataclass
 class Link:
     """A two-rank torch.distributed group with one peer, and what moved over it."""
@@ -297,6 +316,7 @@ class InstanceServer:
         # requests a dead decode instance held even if our Handoff notice is still in flight
         self.handed: OrderedDict[str, str] = OrderedDict()
         self._last_beat = self._last_parent_check = 0.0
+        self._ppid = os.getppid()  # the frontend, or the forkserver that ends with it
         self.engine = Engine(
             spec.model_dir,
             config=spec.config,
@@ -649,17 +669,13 @@ class InstanceServer:
             self._flush(outputs)
 
     def _parent_alive(self) -> bool:
+        """Whether the launching process still runs: it has not exited (a zombie nobody reaped
+        has), and this process has not been handed to another parent since it started."""
         now = time.monotonic()
         if now - self._last_parent_check < PARENT_CHECK_S or not self.spec.parent_pid:
             return True
         self._last_parent_check = now
-        try:
-            os.kill(self.spec.parent_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass  # exists, owned by someone else
-        return True
+        return os.getppid() == self._ppid and not process_gone(self.spec.parent_pid)
 
     def close(self) -> None:
         """Release sockets and links, and unlink the shared pool segment."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -17,6 +19,7 @@ from minimemserve.errors import InstanceDied
 NUM_BLOCKS = 128
 TIMEOUT_S = 3.0  # control-request timeout of the clusters under test
 WAIT_S = 20.0
+ORPHAN_S = 5.0  # how long instances may outlive their frontend
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -149,8 +152,10 @@ def test_abort_on_decode_and_on_prefill_frees_every_block(tiny_llama_dir):
         c.check_pools(require_idle=True)  # every block came back, on P and on D
 
 
-def test_an_orphaned_instance_exits_even_while_it_waits_on_a_peer(tiny_llama_dir, tmp_path):
-    """The frontend is SIGKILLed: every instance notices within a second or so and exits."""
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "zombie"])
+def test_an_orphaned_instance_exits_even_while_it_waits_on_a_peer(tiny_llama_dir, tmp_path, reaped):
+    """The frontend is SIGKILLed, and reaped or left a zombie by its own parent: within 5 s
+    every instance has exited and its shared-memory segment is gone."""
     script = tmp_path / "frontend.py"
     script.write_text(
         "import os, sys, time\n"
@@ -165,23 +170,36 @@ def test_an_orphaned_instance_exits_even_while_it_waits_on_a_peer(tiny_llama_dir
         "    print(' '.join(str(i.process.pid) for i in c.instances.values()), flush=True)\n"
         "    time.sleep(60)\n"
     )
-    import subprocess
-    import sys
-
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    pids = [int(p) for p in proc.stdout.readline().split()]
-    proc.kill()
-    proc.wait()
-    deadline = time.monotonic() + WAIT_S
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(p) for p in pids)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        segments = [n for n in os.listdir("/dev/shm") for p in pids if n.startswith(f"mms-{p}-")]
+        assert len(segments) == 2, segments
+        proc.kill()
+        if reaped:
+            proc.wait()
+        deadline = time.monotonic() + ORPHAN_S
+        while time.monotonic() < deadline and (
+            any(map(_alive, pids)) or any(os.path.exists(f"/dev/shm/{n}") for n in segments)
+        ):
+            time.sleep(0.1)
+        if not reaped:  # still there, exited but never reaped
+            assert _state(proc.pid) == "Z"
+        assert not [p for p in pids if _alive(p)]
+        assert not [n for n in segments if os.path.exists(f"/dev/shm/{n}")]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (``Z``: a zombie, exited); "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return ""
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited
-        return f.read().split()[2] != "Z"
+    return _state(pid) not in ("", "Z", "X")
