@@ -40,6 +40,7 @@ from typing import Any
 
 import msgspec
 import torch
+import zmq
 
 from ..blocks.copy import check_pool_tensor, move_blocks
 from ..config import EngineConfig, parse_config_name
@@ -701,6 +702,26 @@ class StandaloneOptions:
     num_threads: int = 1
     engine_overrides: dict = field(default_factory=dict)  # EngineConfig sizes set on this host
     once: bool = False  # serve one frontend, then exit
+    parent_pid: int = 0  # spawned by a frontend: end when it is gone, even while waiting
+
+
+def spawned_options(spec: InstanceSpec, address: str) -> StandaloneOptions:
+    """A spawned instance as a standalone one listening where it did (``address``), so the
+    frontend that declared it dead by mistake can join it again. On loopback the CURVE key
+    pair is unused: a throwaway one makes the key whole."""
+    key = rpc.ClusterKey(spec.secret, spec.curve or zmq.curve_keypair())
+    return StandaloneOptions(
+        role=spec.role,
+        model_dir=spec.model_dir,
+        host=spec.host,
+        port=int(address.rsplit(":", 1)[1]),
+        key=key,
+        transport=spec.transport,
+        device=spec.device,
+        dtype=spec.dtype,
+        num_threads=spec.num_threads,
+        parent_pid=spec.parent_pid,
+    )
 
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
@@ -742,6 +763,7 @@ def _check_join(m: rpc.Join, opts: StandaloneOptions) -> InstanceSpec:
         port=opts.port,
         timeout_s=m.timeout_s,
         heartbeat_s=m.heartbeat_s,
+        parent_pid=opts.parent_pid,
         shared_pool=m.linked and opts.transport in ("auto", "shm"),
         secret=opts.key.secret,
         curve=opts.key.curve_for(opts.host),
@@ -786,6 +808,8 @@ def _await_join(
         while not joined:
             node.serve(LOBBY_POLL_S)
             if back is not None and time.monotonic() - last > REJOIN_EVERY_S:
+                if opts.parent_pid and process_gone(opts.parent_pid):
+                    raise SystemExit(f"{back.name}: the launching process is gone")
                 node.try_push(FRONTEND, rpc.Rejoin())
                 last = time.monotonic()
     except BaseException:
@@ -799,27 +823,45 @@ def standalone_main(opts: StandaloneOptions) -> int:
     after one with ``once``). Ctrl-C or SIGTERM ends it."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     torch.set_num_threads(opts.num_threads)
-    back = None
+    serve_sessions(opts)
+    return 0
+
+
+def serve_sessions(opts: StandaloneOptions, first: InstanceServer | None = None) -> None:
+    """Serve one frontend's session after another: ``first``'s (a spawned instance's), then each
+    one a frontend joins. After a session the frontend gave up on (it declared this instance
+    dead, or went silent), wait for that frontend to join it again; after one it closed, for the
+    next frontend. A spawned instance returns once its frontend closed its session, and stops
+    on a crash; with ``once``, return after one session."""
+    spawned, back = first is not None, None
     while True:
-        node, spec = _await_join(opts, back)
-        server, back = None, spec
-        try:
+        server, node, first = first, None, None
+        if server is None:
+            node, spec = _await_join(opts, back)
             logger.info("%s: joined %s as %s", spec.name, spec.config, opts.role)
-            server = InstanceServer(spec, node)
+        else:
+            spec = server.spec
+        given_up = False
+        try:
+            server = server or InstanceServer(spec, node)
             server.announce()
             logger.info("%s: ready", spec.name)
             server.run()
             logger.info("%s: the frontend ended the session (%s)", spec.name, server.stop_reason)
-            if server.stop_reason == CLOSING:
-                back = None
+            given_up = server.stop_reason != CLOSING
         except SessionOver as e:
             logger.warning("%s: session over: %s", spec.name, e)
+            given_up = True
         except Exception as e:  # a session that failed to start or crashed: the next one
+            if spawned:
+                raise
             logger.error("%s: session failed: %s: %s", spec.name, type(e).__name__, e)
+            given_up = True
         finally:
             (server or node).close()
-        if opts.once:
-            return 0
+        back = spec if given_up else None
+        if opts.once or (spawned and not given_up):
+            return
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -827,18 +869,16 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 def instance_main(spec: InstanceSpec) -> None:
-    """Entry point of a spawned instance process."""
+    """Entry point of a spawned instance process: it serves its frontend until that closes it
+    (or is gone); declared dead by mistake (it stalled), it waits to be joined again."""
     # Ctrl-C reaches the whole process group; the frontend decides how we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     torch.set_num_threads(spec.num_threads)
     server = InstanceServer(spec)
     try:
-        server.announce()
-        server.run()
+        serve_sessions(spawned_options(spec, server.node.address), server)
     finally:
-        with contextlib.suppress(Exception):
-            server.close()
         sys.stdout.flush()
         sys.stderr.flush()
     # Everything this process owns is released above; skip the slow interpreter teardown.

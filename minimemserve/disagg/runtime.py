@@ -313,7 +313,6 @@ class ProcessCluster:
         codec = rpc.Codec(secret)
         self.session = secrets.token_hex(8)  # names this deployment's pair groups
         self._store: _HostStore | None = None  # where torch.distributed pairs meet, if any
-        self._beacon: rpc.Beacon | None = None  # heartbeats to instances started on their own
         self.node = rpc.RpcNode(
             "frontend",
             self._handle,
@@ -323,6 +322,8 @@ class ProcessCluster:
             codec=codec,
             curve=curve,
         )
+        # heartbeats to every instance, from a thread: they hear the frontend while it is idle
+        self._beacon = rpc.Beacon("frontend", codec, heartbeat_s, curve)
         self.instances: dict[str, InstanceInfo] = {}
         self._finalizer = weakref.finalize(self, _reap, self.instances.values())
         try:
@@ -342,10 +343,6 @@ class ProcessCluster:
                 caching=milestone.entry_caches,
             )
             self._wait_ready(startup_timeout_s)
-            if instances is not None:
-                self._beacon = rpc.Beacon("frontend", codec, heartbeat_s, curve)
-                for inst in self.instances.values():
-                    self._beacon.add(inst.name, inst.address)
             for inst in self.instances.values():
                 self.node.connect(inst.name, inst.address)
             if linked:
@@ -378,6 +375,7 @@ class ProcessCluster:
                 timeout_s=self.timeout_s,
                 heartbeat_s=heartbeat_s,
                 parent_pid=os.getpid(),
+                frontend_timeout_s=self.heartbeat_timeout_s,
                 shared_pool=linked and transport in ("auto", "shm"),
                 secret=secret,
                 curve=curve,
@@ -506,8 +504,9 @@ class ProcessCluster:
         for inst in self.instances.values():
             if inst.name not in self.dead and inst.ready:
                 self.node.try_push(inst.name, rpc.Shutdown(CLOSING))
-        if self._beacon is not None:
-            self._beacon.close()
+            elif inst.process is not None and inst.process.is_alive():
+                inst.process.terminate()  # declared dead, maybe waiting to rejoin: no grace
+        self._beacon.close()
         if any(i.process is None for i in self.instances.values()):
             time.sleep(0.05)  # let the Shutdown frames to other hosts leave before the sockets go
         self._finalizer()
@@ -613,6 +612,7 @@ class ProcessCluster:
             info.transport,
         )
         inst.ready = True
+        self._beacon.add(inst.name, inst.address)
 
     # ---- liveness --------------------------------------------------------------------------
     def monitor(self) -> dict[str, str]:
@@ -626,12 +626,9 @@ class ProcessCluster:
             if inst.process is not None and not inst.process.is_alive():
                 self._on_death(inst, f"process exited with code {inst.process.exitcode}")
             elif read - self._last_heard.get(inst.name, read) > self.heartbeat_timeout_s:
-                if inst.process is not None:
-                    inst.process.kill()
-                    inst.process.join(2.0)
-                else:  # on its own: should it wake up, it drops this session and rejoins
-                    self.node.try_push(inst.name, rpc.Shutdown("declared dead: no heartbeat"))
-                    self._gone.add(inst.name)
+                # should it wake up, it drops this session and rejoins (spawned ones too)
+                self.node.try_push(inst.name, rpc.Shutdown("declared dead: no heartbeat"))
+                self._gone.add(inst.name)
                 self._on_death(inst, f"no heartbeat for {self.heartbeat_timeout_s:g} s")
         for name in list(self._back):
             self._ask_back(self.instances[name])
@@ -689,8 +686,6 @@ class ProcessCluster:
             return
         del self.dead[inst.name]
         self._last_heard[inst.name] = time.monotonic()
-        if self._beacon is not None:
-            self._beacon.add(inst.name, inst.address)
         if inst.role == self.deployment.milestone.roles[0]:
             self.scheduler.add(inst.name)
         logger.warning("instance %s (%s) rejoined", inst.name, inst.role)
@@ -700,8 +695,7 @@ class ProcessCluster:
         self.node.dead[inst.name] = reason
         self.scheduler.drop(inst.name)
         logger.error("instance %s (%s) died: %s", inst.name, inst.role, reason)
-        if self._beacon is not None:
-            self._beacon.remove(inst.name)
+        self._beacon.remove(inst.name)
         if inst.process is not None:
             _unlink_segment(inst.handle)
         for other in self.instances.values():

@@ -203,3 +203,37 @@ def _state(pid: int) -> str:
 
 def _alive(pid: int) -> bool:
     return _state(pid) not in ("", "Z", "X")
+
+
+def test_a_spawned_instance_declared_dead_by_mistake_rejoins(tiny_llama_dir):
+    """D0 stalls (SIGSTOP) past the heartbeat timeout while a request runs on it: it is
+    declared dead and its request ends naming it; woken, it drops that session, waits, is
+    joined again, and serves with the same tokens as before; pools balance."""
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    ref = LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS).generate(prompts(1), short)
+    with ProcessCluster(
+        tiny_llama_dir,
+        "1P1D-CC",
+        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        timeout_s=TIMEOUT_S,
+        heartbeat_timeout_s=2.0,
+        start_method="forkserver",
+    ) as c:
+        rid = c.add_request(prompts(1, seed=5)[0], params)
+        wait_until_on_decode(c, [rid])
+        pid = c.instances["D0"].process.pid
+        os.kill(pid, signal.SIGSTOP)
+        outs, deadline = [], time.monotonic() + WAIT_S
+        while "D0" not in c.dead and time.monotonic() < deadline:
+            outs += c.step()
+        os.kill(pid, signal.SIGCONT)
+        while "D0" in c.dead and time.monotonic() < deadline + WAIT_S:
+            outs += c.step()
+        assert not c.dead and c.num_rejoins == 1 and c.instances["D0"].process.pid == pid
+        (out,) = outs + c.run_until_done(timeout_s=WAIT_S)
+        assert out.finish_reason == "error" and "D0" in out.error, out
+        c.add_request(prompts(1)[0], short)
+        (out,) = c.run_until_done(timeout_s=WAIT_S)
+        assert out.token_ids == ref[0].token_ids and out.metrics.decode_instance == "D0"
+        c.check_pools(require_idle=True)
