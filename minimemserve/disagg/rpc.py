@@ -6,9 +6,9 @@ ranges) when decoded; nothing is pickled. Every frame carries an HMAC of the clu
 file); a frame without it is dropped unanswered, loopback included. Frames are fresh: the tag
 covers the sender, the receiver and the frame's place in its sender's stream (a random id per
 sending socket and a counter), so a captured frame replayed to any node is dropped and counted
-(:attr:`RpcNode.replayed`). A node waiting for its
-reply keeps answering requests: P and D call each other (D sends decode-phase KV back while P
-sends to it), and a node that only waited would deadlock. Transfer protocol (receiving side of
+(:attr:`RpcNode.replayed`). A node waiting for its reply keeps answering requests: P and D call
+each other (D sends decode-phase KV back while P sends to it), and a node that only waited
+would deadlock. Transfer protocol (receiving side of
 ``MemPool.transfer``): AllocRequest → AllocReply, the sender writes the blocks, Commit or Abort."""
 
 from __future__ import annotations
