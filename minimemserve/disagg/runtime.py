@@ -203,8 +203,9 @@ def _unlink_segment(handle: dict | None) -> None:
             os.unlink(path)
 
 
-def _reap(instances: Iterable[InstanceInfo]) -> None:
-    """Stop every process still running and unlink every segment (idempotent)."""
+def _reap(instances: Iterable[InstanceInfo], beacon: rpc.Beacon) -> None:
+    """Stop the heartbeats, every process still running, and unlink every segment (idempotent)."""
+    beacon.close()
     for inst in instances:
         if (p := inst.process) is None:
             continue  # started on its own: told to stop, its host cleans up after it
@@ -325,7 +326,7 @@ class ProcessCluster:
         # heartbeats to every instance, from a thread: they hear the frontend while it is idle
         self._beacon = rpc.Beacon("frontend", codec, heartbeat_s, curve)
         self.instances: dict[str, InstanceInfo] = {}
-        self._finalizer = weakref.finalize(self, _reap, self.instances.values())
+        self._finalizer = weakref.finalize(self, _reap, self.instances.values(), self._beacon)
         try:
             if instances is not None:
                 self._join(instances, model_config, startup_timeout_s)
@@ -506,7 +507,6 @@ class ProcessCluster:
                 self.node.try_push(inst.name, rpc.Shutdown(CLOSING))
             elif inst.process is not None and inst.process.is_alive():
                 inst.process.terminate()  # declared dead, maybe waiting to rejoin: no grace
-        self._beacon.close()
         if any(i.process is None for i in self.instances.values()):
             time.sleep(0.05)  # let the Shutdown frames to other hosts leave before the sockets go
         self._finalizer()
