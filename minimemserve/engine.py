@@ -424,6 +424,8 @@ class Engine:
         self, req: Request, hook: Hook, reason: str, now: float | None = None
     ) -> RequestOutput:
         req.finish_reason = reason
+        if reason == "error" and not req.error:  # every failed output says where, at least
+            req.error = f"failed on {self.pool.instance_id} without a recorded cause"
         self.recipe.run(hook, self.pool, req, self.peers)
         req.status = Status.FINISHED
         req.metrics.finish_time = self.clock() if now is None else now

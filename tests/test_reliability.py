@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from minimemserve import LLM, SamplingParams
 from minimemserve import engine as engine_module
 from minimemserve.config import EngineConfig
+from minimemserve.disagg import recipes
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.errors import SamplingError
 
@@ -112,3 +113,15 @@ def test_values_that_used_to_kill_instances_run_across_processes(tiny_llama_dir,
         assert outs[rids[1]].token_ids == outs[rids[2]].token_ids == healthy.token_ids
         assert not c.dead and c.num_reruns == 0
         c.check_pools(require_idle=True)
+
+
+def test_every_failed_output_carries_its_cause(tiny_llama_dir, monkeypatch):
+    """A hand-off that fails without saying why still ends with an error naming the instance;
+    the ones that say why keep their cause."""
+    llm = LLM(tiny_llama_dir, config="1P1D-CC", num_blocks=64)
+    monkeypatch.setitem(recipes.OPS, "transfer_with_insert", lambda *a: recipes.Outcome.FAILED)
+    (out,) = llm.generate(prompts(1), GREEDY)
+    assert out.finish_reason == "error" and "P0" in out.error, out
+    monkeypatch.undo()
+    llm.engine.check_pools(require_idle=True)
+    assert llm.generate(prompts(1), GREEDY)[0].finish_reason == "length"

@@ -40,6 +40,7 @@ from typing import Any
 
 import msgspec
 import torch
+import zmq
 
 from ..blocks.copy import check_pool_tensor, move_blocks
 from ..config import EngineConfig, parse_config_name
@@ -113,6 +114,25 @@ def host_identity() -> str:
     except OSError:
         netns = 0
     return f"{boot}/{netns}"
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited, including as a zombie nobody reaped (``kill(pid, 0)``
+    still succeeds on those); without ``/proc``, the kernel's word."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")  # state, after the name
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # exists, owned by someone else
+    return False
 
 
 @dataclass
@@ -298,6 +318,7 @@ class InstanceServer:
         # requests a dead decode instance held even if our Handoff notice is still in flight
         self.handed: OrderedDict[str, str] = OrderedDict()
         self._last_beat = self._last_parent_check = 0.0
+        self._ppid = os.getppid()  # the frontend, or the forkserver that ends with it
         self.engine = Engine(
             spec.model_dir,
             config=spec.config,
@@ -324,6 +345,7 @@ class InstanceServer:
                 curve=spec.curve,
             )
         node.name, node.handler, node.timeout_s = spec.name, self._handle, spec.timeout_s
+        node.any_recipient = False  # named now: frames for another name are not for us
         node.on_wait = self._heartbeat
         self.node = node
         self.node.connect(FRONTEND, spec.frontend)
@@ -486,6 +508,7 @@ class InstanceServer:
             "grants": {p: sum(c.values()) for p, c in self.grants.items()},
             "dead_peers": dict(self.node.dead),
             "rejected": self.node.rejected,
+            "replayed": self.node.replayed,
         }
         return rpc.Info(stats)
 
@@ -648,17 +671,13 @@ class InstanceServer:
             self._flush(outputs)
 
     def _parent_alive(self) -> bool:
+        """Whether the launching process still runs: it has not exited (a zombie nobody reaped
+        has), and this process has not been handed to another parent since it started."""
         now = time.monotonic()
         if now - self._last_parent_check < PARENT_CHECK_S or not self.spec.parent_pid:
             return True
         self._last_parent_check = now
-        try:
-            os.kill(self.spec.parent_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass  # exists, owned by someone else
-        return True
+        return os.getppid() == self._ppid and not process_gone(self.spec.parent_pid)
 
     def close(self) -> None:
         """Release sockets and links, and unlink the shared pool segment."""
@@ -684,6 +703,26 @@ class StandaloneOptions:
     num_threads: int = 1
     engine_overrides: dict = field(default_factory=dict)  # EngineConfig sizes set on this host
     once: bool = False  # serve one frontend, then exit
+    parent_pid: int = 0  # spawned by a frontend: end when it is gone, even while waiting
+
+
+def spawned_options(spec: InstanceSpec, address: str) -> StandaloneOptions:
+    """A spawned instance as a standalone one listening where it did (``address``), so the
+    frontend that declared it dead by mistake can join it again. On loopback the CURVE key
+    pair is unused: a throwaway one makes the key whole."""
+    key = rpc.ClusterKey(spec.secret, spec.curve or zmq.curve_keypair())
+    return StandaloneOptions(
+        role=spec.role,
+        model_dir=spec.model_dir,
+        host=spec.host,
+        port=int(address.rsplit(":", 1)[1]),
+        key=key,
+        transport=spec.transport,
+        device=spec.device,
+        dtype=spec.dtype,
+        num_threads=spec.num_threads,
+        parent_pid=spec.parent_pid,
+    )
 
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
@@ -725,6 +764,7 @@ def _check_join(m: rpc.Join, opts: StandaloneOptions) -> InstanceSpec:
         port=opts.port,
         timeout_s=m.timeout_s,
         heartbeat_s=m.heartbeat_s,
+        parent_pid=opts.parent_pid,
         shared_pool=m.linked and opts.transport in ("auto", "shm"),
         secret=opts.key.secret,
         curve=opts.key.curve_for(opts.host),
@@ -759,6 +799,7 @@ def _await_join(
         codec=rpc.Codec(opts.key.secret),
         curve=opts.key.curve_for(opts.host),
     )
+    node.any_recipient = True  # frontends address it by the name they are about to give it
     logger.info("instance (%s) waiting for a frontend at %s", opts.role, node.address)
     if back is not None:
         node.name = back.name  # the name the frontend knows, to rejoin under
@@ -768,6 +809,8 @@ def _await_join(
         while not joined:
             node.serve(LOBBY_POLL_S)
             if back is not None and time.monotonic() - last > REJOIN_EVERY_S:
+                if opts.parent_pid and process_gone(opts.parent_pid):
+                    raise SystemExit(f"{back.name}: the launching process is gone")
                 node.try_push(FRONTEND, rpc.Rejoin())
                 last = time.monotonic()
     except BaseException:
@@ -781,27 +824,45 @@ def standalone_main(opts: StandaloneOptions) -> int:
     after one with ``once``). Ctrl-C or SIGTERM ends it."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     torch.set_num_threads(opts.num_threads)
-    back = None
+    serve_sessions(opts)
+    return 0
+
+
+def serve_sessions(opts: StandaloneOptions, first: InstanceServer | None = None) -> None:
+    """Serve one frontend's session after another: ``first``'s (a spawned instance's), then each
+    one a frontend joins. After a session the frontend gave up on (it declared this instance
+    dead, or went silent), wait for that frontend to join it again; after one it closed, for the
+    next frontend. A spawned instance returns once its frontend closed its session, and stops
+    on a crash; with ``once``, return after one session."""
+    spawned, back = first is not None, None
     while True:
-        node, spec = _await_join(opts, back)
-        server, back = None, spec
-        try:
+        server, node, first = first, None, None
+        if server is None:
+            node, spec = _await_join(opts, back)
             logger.info("%s: joined %s as %s", spec.name, spec.config, opts.role)
-            server = InstanceServer(spec, node)
+        else:
+            spec = server.spec
+        given_up = False
+        try:
+            server = server or InstanceServer(spec, node)
             server.announce()
             logger.info("%s: ready", spec.name)
             server.run()
             logger.info("%s: the frontend ended the session (%s)", spec.name, server.stop_reason)
-            if server.stop_reason == CLOSING:
-                back = None
+            given_up = server.stop_reason != CLOSING
         except SessionOver as e:
             logger.warning("%s: session over: %s", spec.name, e)
+            given_up = True
         except Exception as e:  # a session that failed to start or crashed: the next one
+            if spawned:
+                raise
             logger.error("%s: session failed: %s: %s", spec.name, type(e).__name__, e)
+            given_up = True
         finally:
             (server or node).close()
-        if opts.once:
-            return 0
+        back = spec if given_up else None
+        if opts.once or (spawned and not given_up):
+            return
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -809,18 +870,16 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 def instance_main(spec: InstanceSpec) -> None:
-    """Entry point of a spawned instance process."""
+    """Entry point of a spawned instance process: it serves its frontend until that closes it
+    (or is gone); declared dead by mistake (it stalled), it waits to be joined again."""
     # Ctrl-C reaches the whole process group; the frontend decides how we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     torch.set_num_threads(spec.num_threads)
     server = InstanceServer(spec)
     try:
-        server.announce()
-        server.run()
+        serve_sessions(spawned_options(spec, server.node.address), server)
     finally:
-        with contextlib.suppress(Exception):
-            server.close()
         sys.stdout.flush()
         sys.stderr.flush()
     # Everything this process owns is released above; skip the slow interpreter teardown.

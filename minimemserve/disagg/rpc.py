@@ -3,9 +3,12 @@
 Messages are ``msgspec`` structs tagged by class name and validated field by field (types,
 ranges) when decoded; nothing is pickled. Every frame carries an HMAC of the cluster's secret
 (made by the frontend and handed to the instances it spawns, never on a command line or in a
-file); a frame without it is dropped unanswered, loopback included. A node waiting for its
-reply keeps answering requests: P and D call each other (D sends decode-phase KV back while P
-sends to it), and a node that only waited would deadlock. Transfer protocol (receiving side of
+file); a frame without it is dropped unanswered, loopback included. Frames are fresh: the tag
+covers the sender, the receiver and the frame's place in its sender's stream (a random id per
+sending socket and a counter), so a captured frame replayed to any node is dropped and counted
+(:attr:`RpcNode.replayed`). A node waiting for its reply keeps answering requests: P and D call
+each other (D sends decode-phase KV back while P sends to it), and a node that only waited
+would deadlock. Transfer protocol (receiving side of
 ``MemPool.transfer``): AllocRequest → AllocReply, the sender writes the blocks, Commit or Abort."""
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import secrets
 import stat
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_type_hints
 
 import msgspec
 import zmq
@@ -38,6 +42,13 @@ WAIT_SLICE_S = 0.05  # longest poll while awaiting a reply, so heartbeats and de
 SEND_HWM = 10_000  # messages queued towards one peer before sends fail fast
 MAX_MESSAGE_BYTES = 32 << 20  # largest control message accepted: a 1M-token prompt is ~9 MB
 TAG_BYTES = 32  # HMAC-SHA256 of the payload, sent in front of it
+# How old (sender's clock) the first frame of a stream a node has not seen may be, counted back
+# from the node's last read (an idle node blames no frame for waiting): hosts' clocks agree to
+# well within it, and a frame captured earlier is refused.
+FRESH_S = 30.0
+# Streams (sending sockets) a node remembers, least recently heard first to go: a cluster opens
+# a few per peer and reconnection.
+MAX_STREAMS = 4096
 
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Ids = list[Count]
@@ -290,12 +301,49 @@ MESSAGES = tuple(Msg.__subclasses__())  # the runtime's messages, all defined ab
 
 
 class Envelope(msgspec.Struct, forbid_unknown_fields=True):
-    """What travels: the kind of frame, its sequence number, the sender and the message."""
+    """What travels: the kind of frame, its call number (``seq``, which a reply repeats), who
+    sends it to whom, its place in the sender's stream (``stream``: a random id per sending
+    socket, ``count``: growing by one per frame), the sender's clock, and the message."""
 
     kind: Literal["req", "rep", "push"]
     seq: int
     sender: str
+    to: str
+    stream: int
+    count: int
+    sent: float
     msg: Msg
+
+
+class Stream:
+    """The frames one socket sends, stamped with this stream's id and the next count."""
+
+    def __init__(self) -> None:
+        self.id, self._count = secrets.randbits(63), itertools.count(1)
+
+    def envelope(self, kind: str, seq: int, sender: str, to: str, msg: Msg) -> Envelope:
+        """``msg`` from ``sender`` to ``to`` as the next frame of this stream."""
+        return Envelope(kind, seq, sender, to, self.id, next(self._count), time.time(), msg)
+
+
+class Freshness:
+    """Admits each frame of a stream once, in order (its count must grow), and the first frame
+    of a stream it does not know only if sent at most :data:`FRESH_S` before ``horizon``."""
+
+    def __init__(self) -> None:
+        self._last: OrderedDict[tuple[str, int], int] = OrderedDict()  # -> last count
+
+    def admit(self, env: Envelope, horizon: float) -> bool:
+        """Whether ``env`` is fresh; ``horizon``: wall-clock time of the receiver's last read."""
+        key = (env.sender, env.stream)
+        last = self._last.get(key)
+        if (env.count <= last) if last is not None else (env.sent < horizon - FRESH_S):
+            return False
+        self._last[key] = env.count
+        self._last.move_to_end(key)
+        if len(self._last) > MAX_STREAMS:
+            self._last.popitem(last=False)
+        return True
 
 
 class ClusterKey:
@@ -361,9 +409,8 @@ class Codec:
             raise ValueError("the control-plane secret must be at least 16 bytes")
         self._secret = secret
         msg_type = Union[MESSAGES + tuple(extra)]  # noqa: UP007 - a runtime union of classes
-        env = msgspec.defstruct("Envelope", [("kind", Literal["req", "rep", "push"]),
-                                             ("seq", int), ("sender", str), ("msg", msg_type)],
-                                forbid_unknown_fields=True)  # fmt: skip
+        fields = [(f, msg_type if f == "msg" else t) for f, t in get_type_hints(Envelope).items()]
+        env = msgspec.defstruct("Envelope", fields, forbid_unknown_fields=True)
         self._decode = msgspec.msgpack.Decoder(env).decode
 
     def encode(self, env: Envelope) -> bytes:
@@ -382,13 +429,15 @@ class Codec:
             raise TransferError(f"malformed control message: {e}") from None
 
     @staticmethod
-    def seq_of(frame: bytes) -> int:
-        """The sequence number of an authentic frame that failed validation (-1 if none)."""
+    def origin(frame: bytes) -> tuple[int, str]:
+        """The call number and sender of an authentic frame that failed validation (to
+        answer it), or ``(-1, "")``."""
         try:
-            seq = msgspec.msgpack.decode(frame[TAG_BYTES:]).get("seq", -1)
+            env = msgspec.msgpack.decode(frame[TAG_BYTES:])
+            seq, sender = env.get("seq", -1), env.get("sender", "")
         except (msgspec.DecodeError, AttributeError):
-            return -1
-        return seq if type(seq) is int else -1
+            return -1, ""
+        return (seq, sender) if type(seq) is int and type(sender) is str else (-1, "")
 
 
 class _ClusterMember:
@@ -415,7 +464,9 @@ Handler = Callable[[str, Msg], "Msg | None"]
 class RpcNode:
     """One process's end: a ROUTER socket peers send to, a DEALER socket per peer it sends to.
     ``handler(sender, msg)`` answers every request and push (a ``None`` reply is sent as
-    :class:`Ack`, an exception as :class:`Error`); it must not :meth:`call`. Not thread-safe."""
+    :class:`Ack`, an exception as :class:`Error`); it must not :meth:`call`. Frames addressed to
+    another name than :attr:`name` (unless ``any_recipient``: a standalone instance waiting to be
+    named) or not fresh are dropped unanswered. Not thread-safe."""
 
     def __init__(self, name: str, handler: Handler, *, host: str = LOOPBACK, port: int = 0,
                  timeout_s: float = DEFAULT_TIMEOUT_S, on_wait: Callable[[], None] | None = None,
@@ -432,8 +483,13 @@ class RpcNode:
         self.name, self.handler, self.codec = name, handler, codec
         self.timeout_s, self.on_wait = timeout_s, on_wait
         self.rejected = 0  # frames dropped: unauthenticated, or failed validation
+        self.replayed = 0  # authentic frames dropped: seen before, too old, or not for us
+        self.any_recipient = False
+        self.drained_at = time.monotonic()  # when every frame sent to us before was read
         self.dead: dict[str, str] = {}  # peer name -> why it is considered dead
-        self._peers: dict[str, zmq.Socket] = {}
+        self._fresh = Freshness()
+        self._peers: dict[str, tuple[zmq.Socket, Stream]] = {}
+        self._replies = Stream()  # what the ROUTER socket sends
         self._seq = itertools.count(1)
         self._ctx = zmq.Context()  # its options are the defaults of every socket it opens
         self._ctx.setsockopt(zmq.LINGER, 0)
@@ -463,44 +519,60 @@ class RpcNode:
             sock.curve_serverkey = self._curve[0]
             sock.curve_publickey, sock.curve_secretkey = self._curve
         sock.connect(address)
-        self._peers[peer] = sock
+        self._peers[peer] = (sock, Stream())
 
     def disconnect(self, peer: str) -> None:
         """Close the sending socket towards ``peer``, if any."""
         if (old := self._peers.pop(peer, None)) is not None:
-            old.close(linger=0)
+            old[0].close(linger=0)
 
     def serve(self, timeout_s: float = 0.0) -> int:
         """Wait up to ``timeout_s`` for a message, then handle every queued one; the count."""
+        horizon = self._horizon()
         if not self._server.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
+            self.drained_at = time.monotonic()
             return 0
         n = 0
         while True:
             try:
                 frames = self._server.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
+                self.drained_at = time.monotonic()
                 return n
             n += 1
             if len(frames) == 2:
-                self._handle(*frames)
+                self._handle(*frames, horizon)
 
-    def _handle(self, ident: bytes, payload: bytes) -> None:
+    def _horizon(self) -> float:
+        """When this node last read every queued frame, on the wall clock (senders' clock)."""
+        return time.time() - (time.monotonic() - self.drained_at)
+
+    def _admit(self, env: Envelope, horizon: float) -> bool:
+        """Whether an authentic frame is for this node and fresh; counts it if not."""
+        if (env.to == self.name or self.any_recipient) and self._fresh.admit(env, horizon):
+            return True
+        self.replayed += 1
+        return False
+
+    def _handle(self, ident: bytes, payload: bytes, horizon: float) -> None:
         try:
             env = self.codec.decode(payload)
         except TransferError as e:
             self.rejected += 1
             if not isinstance(e, Unauthenticated):  # a member sent something invalid: tell it
-                self._reply(ident, self.codec.seq_of(payload), Error("TransferError", str(e)))
+                self._reply(ident, *self.codec.origin(payload), Error("TransferError", str(e)))
+            return
+        if not self._admit(env, horizon):
             return
         try:
             reply = self.handler(env.sender, env.msg)
         except Exception as e:  # every handler failure goes back to the caller
             reply = Error(type(e).__name__, str(e))
         if env.kind == "req":
-            self._reply(ident, env.seq, Ack() if reply is None else reply)
+            self._reply(ident, env.seq, env.sender, Ack() if reply is None else reply)
 
-    def _reply(self, ident: bytes, seq: int, msg: Msg) -> None:
-        frame = self.codec.encode(Envelope("rep", seq, self.name, msg))
+    def _reply(self, ident: bytes, seq: int, to: str, msg: Msg) -> None:
+        frame = self.codec.encode(self._replies.envelope("rep", seq, self.name, to, msg))
         with contextlib.suppress(zmq.ZMQError):  # the asker is gone; its own timeout tells it
             self._server.send_multipart([ident, frame])
 
@@ -508,10 +580,12 @@ class RpcNode:
         op = type(msg).__name__
         if peer in self.dead:
             raise InstanceDied(f"instance {peer} is dead ({self.dead[peer]}); cannot {op}")
-        if (sock := self._peers.get(peer)) is None:
+        if (out := self._peers.get(peer)) is None:
             raise TransferError(f"{self.name} has no connection to {peer!r} ({op})")
+        sock, stream = out
+        frame = self.codec.encode(stream.envelope(kind, seq, self.name, peer, msg))
         try:
-            sock.send(self.codec.encode(Envelope(kind, seq, self.name, msg)), zmq.NOBLOCK)
+            sock.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise TransferError(f"{peer} is not taking messages ({op}): {e}") from e
         return sock
@@ -546,8 +620,7 @@ class RpcNode:
             if left <= 0:
                 raise TransferError(f"instance {peer} did not answer {op} within {timeout_s:g} s")
             events = dict(poller.poll(int(min(left, WAIT_SLICE_S) * 1000) + 1))
-            if self._server in events:
-                self.serve()
+            self.serve()  # also records that nothing waits unread
             if sock in events and (reply := self._reply_to(sock, seq)) is not None:
                 if isinstance(reply, Error):
                     raise RemoteError(peer, op, reply.kind, reply.message)
@@ -565,12 +638,14 @@ class RpcNode:
             except Unauthenticated:
                 self.rejected += 1
                 continue
+            if not self._admit(env, self._horizon()):
+                continue
             if env.kind == "rep" and env.seq == seq:  # others answer calls that timed out
                 return env.msg
 
     def close(self) -> None:
         """Close every socket and the context. Idempotent."""
-        for sock in [*self._peers.values(), self._server]:
+        for sock in [*(out[0] for out in self._peers.values()), self._server]:
             sock.close(linger=0)
         self._peers.clear()
         if self._auth is not None:
@@ -608,7 +683,7 @@ class Beacon:
         ctx.setsockopt(zmq.LINGER, 0)
         ctx.setsockopt(zmq.SNDHWM, 4)  # a stopped peer queues a few beats, not a backlog
         socks: dict[str, tuple[str, zmq.Socket]] = {}
-        frame = self.codec.encode(Envelope("push", 0, self.name, Heartbeat()))
+        stream = Stream()
         try:
             while not self._stop.wait(self.period_s):
                 with self._lock:
@@ -623,8 +698,9 @@ class Beacon:
                             sock.curve_publickey, sock.curve_secretkey = self._curve
                         sock.connect(address)
                         socks[peer] = (address, sock)
+                    beat = stream.envelope("push", 0, self.name, peer, Heartbeat())
                     with contextlib.suppress(zmq.ZMQError):
-                        socks[peer][1].send(frame, zmq.NOBLOCK)
+                        socks[peer][1].send(self.codec.encode(beat), zmq.NOBLOCK)
         finally:
             for _, sock in socks.values():
                 sock.close(linger=0)

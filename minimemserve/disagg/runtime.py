@@ -181,8 +181,9 @@ def _unlink_segment(handle: dict | None) -> None:
             os.unlink(path)
 
 
-def _reap(instances: Iterable[InstanceInfo]) -> None:
-    """Stop every process still running and unlink every segment (idempotent)."""
+def _reap(instances: Iterable[InstanceInfo], beacon: rpc.Beacon) -> None:
+    """Stop the heartbeats, every process still running, and unlink every segment (idempotent)."""
+    beacon.close()
     for inst in instances:
         if (p := inst.process) is None:
             continue  # started on its own: told to stop, its host cleans up after it
@@ -291,7 +292,6 @@ class ProcessCluster:
         codec = rpc.Codec(secret)
         self.session = secrets.token_hex(8)  # names this deployment's pair groups
         self._store: HostStore | None = None  # where torch.distributed pairs meet, if any
-        self._beacon: rpc.Beacon | None = None  # heartbeats to instances started on their own
         self.node = rpc.RpcNode(
             "frontend",
             self._handle,
@@ -301,8 +301,10 @@ class ProcessCluster:
             codec=codec,
             curve=curve,
         )
+        # heartbeats to every instance, from a thread: they hear the frontend while it is idle
+        self._beacon = rpc.Beacon("frontend", codec, heartbeat_s, curve)
         self.instances: dict[str, InstanceInfo] = {}
-        self._finalizer = weakref.finalize(self, _reap, self.instances.values())
+        self._finalizer = weakref.finalize(self, _reap, self.instances.values(), self._beacon)
         try:
             if instances is not None:
                 self._join(instances, model_config, startup_timeout_s)
@@ -320,10 +322,6 @@ class ProcessCluster:
                 caching=milestone.entry_caches,
             )
             self._wait_ready(startup_timeout_s)
-            if instances is not None:
-                self._beacon = rpc.Beacon("frontend", codec, heartbeat_s, curve)
-                for inst in self.instances.values():
-                    self._beacon.add(inst.name, inst.address)
             for inst in self.instances.values():
                 self.node.connect(inst.name, inst.address)
             if linked:
@@ -356,6 +354,7 @@ class ProcessCluster:
                 timeout_s=self.timeout_s,
                 heartbeat_s=heartbeat_s,
                 parent_pid=os.getpid(),
+                frontend_timeout_s=self.heartbeat_timeout_s,
                 shared_pool=linked and transport in ("auto", "shm"),
                 secret=secret,
                 curve=curve,
@@ -484,8 +483,8 @@ class ProcessCluster:
         for inst in self.instances.values():
             if inst.name not in self.dead and inst.ready:
                 self.node.try_push(inst.name, rpc.Shutdown(CLOSING))
-        if self._beacon is not None:
-            self._beacon.close()
+            elif inst.process is not None and inst.process.is_alive():
+                inst.process.terminate()  # declared dead, maybe waiting to rejoin: no grace
         if any(i.process is None for i in self.instances.values()):
             time.sleep(0.05)  # let the Shutdown frames to other hosts leave before the sockets go
         self._finalizer()
@@ -594,23 +593,23 @@ class ProcessCluster:
             info.transport,
         )
         inst.ready = True
+        self._beacon.add(inst.name, inst.address)
 
     # ---- liveness --------------------------------------------------------------------------
     def monitor(self) -> dict[str, str]:
-        """Check every instance (exit code, heartbeat); handle deaths. Returns :attr:`dead`."""
+        """Check every instance (exit code, heartbeat); handle deaths. Returns :attr:`dead`.
+        Silence counts up to the frontend's last read of its socket, not up to now: a caller
+        that has not stepped for a while has not read the heartbeats, and blames nobody."""
         if self._closed:
             return self.dead
-        now = time.monotonic()
+        now, read = time.monotonic(), self.node.drained_at
         for inst in [i for i in self.instances.values() if i.name not in self.dead]:
             if inst.process is not None and not inst.process.is_alive():
                 self._on_death(inst, f"process exited with code {inst.process.exitcode}")
-            elif now - self._last_heard.get(inst.name, now) > self.heartbeat_timeout_s:
-                if inst.process is not None:
-                    inst.process.kill()
-                    inst.process.join(2.0)
-                else:  # on its own: should it wake up, it drops this session and rejoins
-                    self.node.try_push(inst.name, rpc.Shutdown("declared dead: no heartbeat"))
-                    self._gone.add(inst.name)
+            elif read - self._last_heard.get(inst.name, read) > self.heartbeat_timeout_s:
+                # should it wake up, it drops this session and rejoins (spawned ones too)
+                self.node.try_push(inst.name, rpc.Shutdown("declared dead: no heartbeat"))
+                self._gone.add(inst.name)
                 self._on_death(inst, f"no heartbeat for {self.heartbeat_timeout_s:g} s")
         for name in list(self._back):
             self._ask_back(self.instances[name])
@@ -668,8 +667,6 @@ class ProcessCluster:
             return
         del self.dead[inst.name]
         self._last_heard[inst.name] = time.monotonic()
-        if self._beacon is not None:
-            self._beacon.add(inst.name, inst.address)
         if inst.role == self.deployment.milestone.roles[0]:
             self.scheduler.add(inst.name)
         logger.warning("instance %s (%s) rejoined", inst.name, inst.role)
@@ -679,8 +676,7 @@ class ProcessCluster:
         self.node.dead[inst.name] = reason
         self.scheduler.drop(inst.name)
         logger.error("instance %s (%s) died: %s", inst.name, inst.role, reason)
-        if self._beacon is not None:
-            self._beacon.remove(inst.name)
+        self._beacon.remove(inst.name)
         if inst.process is not None:
             _unlink_segment(inst.handle)
         for other in self.instances.values():
@@ -884,8 +880,9 @@ class ProcessCluster:
 
     def stats(self) -> dict[str, dict]:
         """Per live instance: pool stats, requests held, blocks granted to peers, dead peers,
-        control frames rejected; ``"frontend"``: frames the frontend rejected."""
-        return self._ask_all("stats") | {"frontend": {"rejected": self.node.rejected}}
+        control frames rejected and dropped as replayed; ``"frontend"``: the frontend's."""
+        frontend = {"rejected": self.node.rejected, "replayed": self.node.replayed}
+        return self._ask_all("stats") | {"frontend": frontend}
 
     def pool_stats(self) -> dict[str, dict]:
         """``{live instance: MemPool.stats()}``."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -17,6 +19,7 @@ from minimemserve.errors import InstanceDied
 NUM_BLOCKS = 128
 TIMEOUT_S = 3.0  # control-request timeout of the clusters under test
 WAIT_S = 20.0
+ORPHAN_S = 5.0  # how long instances may outlive their frontend
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -115,6 +118,24 @@ def test_colocated_instance_dies_and_the_scheduler_routes_around_it(tiny_llama_d
         assert list(reports) == [n for n in ("C0", "C1") if n != victim]
 
 
+def test_an_idle_cluster_keeps_its_instances(tiny_llama_dir):
+    """Nobody steps for three heartbeat timeouts: no instance is blamed, a request is served."""
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    with ProcessCluster(
+        tiny_llama_dir,
+        "1P1D-CC",
+        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        timeout_s=TIMEOUT_S,
+        heartbeat_timeout_s=2.0,
+        start_method="forkserver",
+    ) as c:
+        time.sleep(3 * c.heartbeat_timeout_s)
+        c.add_request(prompts(1)[0], params)
+        outs = c.run_until_done(timeout_s=WAIT_S)
+        assert not c.dead and [o.finish_reason for o in outs] == ["length"], outs
+        c.check_pools(require_idle=True)
+
+
 def test_abort_on_decode_and_on_prefill_frees_every_block(tiny_llama_dir):
     with cluster(tiny_llama_dir, "1P1D-CC") as c:
         params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -131,8 +152,10 @@ def test_abort_on_decode_and_on_prefill_frees_every_block(tiny_llama_dir):
         c.check_pools(require_idle=True)  # every block came back, on P and on D
 
 
-def test_an_orphaned_instance_exits_even_while_it_waits_on_a_peer(tiny_llama_dir, tmp_path):
-    """The frontend is SIGKILLed: every instance notices within a second or so and exits."""
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "zombie"])
+def test_an_orphaned_instance_exits_even_while_it_waits_on_a_peer(tiny_llama_dir, tmp_path, reaped):
+    """The frontend is SIGKILLed, and reaped or left a zombie by its own parent: within 5 s
+    every instance has exited and its shared-memory segment is gone."""
     script = tmp_path / "frontend.py"
     script.write_text(
         "import os, sys, time\n"
@@ -147,23 +170,70 @@ def test_an_orphaned_instance_exits_even_while_it_waits_on_a_peer(tiny_llama_dir
         "    print(' '.join(str(i.process.pid) for i in c.instances.values()), flush=True)\n"
         "    time.sleep(60)\n"
     )
-    import subprocess
-    import sys
-
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    pids = [int(p) for p in proc.stdout.readline().split()]
-    proc.kill()
-    proc.wait()
-    deadline = time.monotonic() + WAIT_S
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(p) for p in pids)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        segments = [n for n in os.listdir("/dev/shm") for p in pids if n.startswith(f"mms-{p}-")]
+        assert len(segments) == 2, segments
+        proc.kill()
+        if reaped:
+            proc.wait()
+        deadline = time.monotonic() + ORPHAN_S
+        while time.monotonic() < deadline and (
+            any(map(_alive, pids)) or any(os.path.exists(f"/dev/shm/{n}") for n in segments)
+        ):
+            time.sleep(0.1)
+        if not reaped:  # still there, exited but never reaped
+            assert _state(proc.pid) == "Z"
+        assert not [p for p in pids if _alive(p)]
+        assert not [n for n in segments if os.path.exists(f"/dev/shm/{n}")]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (``Z``: a zombie, exited); "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return ""
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited
-        return f.read().split()[2] != "Z"
+    return _state(pid) not in ("", "Z", "X")
+
+
+def test_a_spawned_instance_declared_dead_by_mistake_rejoins(tiny_llama_dir):
+    """D0 stalls (SIGSTOP) past the heartbeat timeout while a request runs on it: it is
+    declared dead and its request ends naming it; woken, it drops that session, waits, is
+    joined again, and serves with the same tokens as before; pools balance."""
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    ref = LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS).generate(prompts(1), short)
+    with ProcessCluster(
+        tiny_llama_dir,
+        "1P1D-CC",
+        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        timeout_s=TIMEOUT_S,
+        heartbeat_timeout_s=2.0,
+        start_method="forkserver",
+    ) as c:
+        rid = c.add_request(prompts(1, seed=5)[0], params)
+        wait_until_on_decode(c, [rid])
+        pid = c.instances["D0"].process.pid
+        os.kill(pid, signal.SIGSTOP)
+        outs, deadline = [], time.monotonic() + WAIT_S
+        while "D0" not in c.dead and time.monotonic() < deadline:
+            outs += c.step()
+        os.kill(pid, signal.SIGCONT)
+        while "D0" in c.dead and time.monotonic() < deadline + WAIT_S:
+            outs += c.step()
+        assert not c.dead and c.num_rejoins == 1 and c.instances["D0"].process.pid == pid
+        (out,) = outs + c.run_until_done(timeout_s=WAIT_S)
+        assert out.finish_reason == "error" and "D0" in out.error, out
+        c.add_request(prompts(1)[0], short)
+        (out,) = c.run_until_done(timeout_s=WAIT_S)
+        assert out.token_ids == ref[0].token_ids and out.metrics.decode_instance == "D0"
+        c.check_pools(require_idle=True)

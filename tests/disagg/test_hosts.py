@@ -178,9 +178,11 @@ def test_hostile_connections_leave_the_instance_serving(tiny_llama_dir, tmp_path
     ):  # fmt: skip
         key = rpc.ClusterKey.load(inst.key)
         target = "tcp://" + inst.addresses[1]
-        good = rpc.Codec(key.secret).encode(rpc.Envelope("req", 1, "frontend", rpc.Query("stats")))
+        stats = rpc.Stream().envelope("req", 1, "frontend", "D0", rpc.Query("stats"))
+        good = rpc.Codec(key.secret).encode(stats)
         assert knock(target, good, key.curve, key.curve[0]) is not None  # the key holder's
         payload = msgspec.msgpack.encode({"kind": "req", "seq": 7, "sender": "frontend",
+                                          "to": "D0", "stream": 1, "count": 1, "sent": 0.0,
                                           "msg": {"type": "Submit", "request_id": 5,
                                                   "prompt": "abc", "params": [],
                                                   "arrival_time": "now"}})  # fmt: skip

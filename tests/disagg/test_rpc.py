@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import hmac
 import multiprocessing as mp
+import secrets
 import threading
+import time
 
 import msgpack
+import msgspec
 import pytest
+import zmq
 
 from minimemserve.disagg import rpc
 from minimemserve.disagg.rpc import (
@@ -16,7 +20,6 @@ from minimemserve.disagg.rpc import (
     AllocReply,
     AllocRequest,
     Commit,
-    Envelope,
     Error,
     FreeMem,
     Heartbeat,
@@ -103,13 +106,13 @@ def test_every_message_round_trips_as_plain_msgpack() -> None:
         Error("PoolExhausted", "no blocks"),
     ]
     for msg in messages:
-        payload = CODEC.encode(Envelope("push", 3, "P0", msg))
+        payload = CODEC.encode(rpc.Stream().envelope("push", 3, "P0", "D0", msg))
         tag, body = payload[: rpc.TAG_BYTES], payload[rpc.TAG_BYTES :]
         assert tag == hmac.digest(SECRET, body, "sha256")
         raw = msgpack.unpackb(body, raw=False)  # plain maps, no pickle inside
         assert raw["msg"]["type"] == type(msg).__name__
         env = CODEC.decode(payload)
-        assert env.msg == msg and env.seq == 3 and env.sender == "P0"
+        assert env.msg == msg and env.seq == 3 and (env.sender, env.to) == ("P0", "D0")
 
 
 @pytest.mark.parametrize(
@@ -128,16 +131,16 @@ def test_every_message_round_trips_as_plain_msgpack() -> None:
     ],
 )  # fmt: skip
 def test_malformed_messages_raise_clear_errors(msg, match) -> None:
-    payload = msgpack.packb({"kind": "req", "seq": 1, "sender": "x", "msg": msg})
+    env = {"kind": "req", "seq": 1, "sender": "x", "to": "y", "stream": 1, "count": 1, "sent": 0.0}
+    payload = msgpack.packb(env | {"msg": msg})
     payload = hmac.digest(SECRET, payload, "sha256") + payload  # authentic, but invalid
     with pytest.raises(TransferError, match=match):
         CODEC.decode(payload)
 
 
 def test_garbage_and_frames_signed_with_another_key_are_unauthenticated() -> None:
-    for frame in (b"\xc1garbage", rpc.Codec(b"another secret, 32 bytes as well").encode(
-        Envelope("req", 1, "frontend", Shutdown("forged"))
-    )):  # fmt: skip
+    forged = rpc.Stream().envelope("req", 1, "frontend", "P0", Shutdown("forged"))
+    for frame in (b"\xc1garbage", rpc.Codec(b"another secret, 32 bytes as well").encode(forged)):
         with pytest.raises(rpc.Unauthenticated):
             CODEC.decode(frame)
 
@@ -315,3 +318,40 @@ def test_an_oversized_frame_is_dropped_and_the_node_keeps_serving(monkeypatch) -
         thread.join(JOIN_S)
         for n in (server, big, small):
             n.close()
+
+
+def test_replayed_stale_and_misaddressed_frames_are_dropped_and_counted() -> None:
+    """Each frame of a stream is taken once; a stream's first frame must be fresh, counted
+    back from the receiver's last read (an idle receiver blames no frame for waiting)."""
+    receiver = _Receiver()
+    server = node("d", receiver)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(server.address)
+    stream, now = rpc.Stream(), time.time()
+
+    def frame(to: str, sent: float | None = None) -> bytes:
+        env = stream.envelope("push", 0, "c", to, AllocRequest("x", None, 1))
+        if sent is not None:  # the first frame of a stream sent at ``sent``
+            env = msgspec.structs.replace(env, stream=secrets.randbits(63), sent=sent)
+        return CODEC.encode(env)
+
+    try:
+        server.drained_at -= 2 * rpc.FRESH_S  # it last read its socket a minute ago
+        first = frame("d", sent=now - 1.5 * rpc.FRESH_S)  # sent while it was not reading
+        stale = frame("d", sent=now - 5 * rpc.FRESH_S)
+        sent = [first, first, frame("d"), frame("elsewhere"), stale]
+        for f in sent:
+            raw.send(f)
+        got = 0
+        while got < len(sent) and server.serve(5.0):
+            got = server.replayed + len(receiver.heard)
+        assert receiver.heard == ["c", "c"] and server.replayed == 3
+        raw.send(first)  # later, to a node that reads: still taken only once
+        server.serve(1.0)
+        assert receiver.heard == ["c", "c"] and server.replayed == 4 and server.rejected == 0
+    finally:
+        raw.close()
+        ctx.term()
+        server.close()

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -135,6 +138,121 @@ def test_a_members_tokens_are_checked_before_they_stream(cluster):
     cluster.check_pools(require_idle=True)
 
 
+class Tap:
+    """A TCP relay in front of ``address`` that records what its one client sends: a capture
+    of the wire, as a process sniffing loopback (or the network) would get it."""
+
+    def __init__(self, address: str) -> None:
+        self.target = ("127.0.0.1", int(address.rsplit(":", 1)[1]))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.sent = bytearray()
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        client, _ = self.listener.accept()
+        server = socket.create_connection(self.target)
+        self.socks += [client, server]
+        threading.Thread(target=self._pump, args=(server, client, None), daemon=True).start()
+        self._pump(client, server, self.sent)
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, record: bytearray | None) -> None:
+        while data := _recv(src):
+            if record is not None:
+                record += data
+            dst.sendall(data)
+
+    def close(self) -> bytes:
+        for sock in [self.listener, *self.socks]:
+            sock.close()
+        return bytes(self.sent)
+
+
+def _recv(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(65536)
+    except OSError:
+        return b""
+
+
+def capture_alloc(target: str, codec: rpc.Codec, curve=None) -> tuple[bytes, rpc.AllocReply]:
+    """P0 (a member) asks D0 for 4 blocks through a tap: what crossed the wire, and the reply."""
+    tap = Tap(target)
+    member = rpc.RpcNode("P0", lambda s, m: None, timeout_s=5, codec=codec, curve=curve)
+    member.connect("D0", tap.address)
+    try:
+        reply = member.call("D0", rpc.AllocRequest("captured", None, 4))
+        time.sleep(0.1)  # the tap has relayed every byte
+        return tap.close(), reply
+    finally:
+        member.close()
+
+
+GREETING = 64  # bytes of a ZMTP 3 greeting: a 10-byte signature, then the rest
+
+
+def replay(wire: bytes, address: str, times: int) -> list[socket.socket]:
+    """Send the captured bytes ``times`` over, each on a new connection (kept open), pacing
+    the greeting as a ZMTP peer does: the server reads the rest only after its signature."""
+    port = int(address.rsplit(":", 1)[1])
+    socks = []
+    for _ in range(times):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        got = 0
+        for part in (wire[:10], wire[10:GREETING]):
+            sock.sendall(part)
+            got += len(sock.recv(GREETING - got if got else 10))
+        while got < GREETING:
+            got += len(sock.recv(GREETING - got))
+        sock.sendall(wire[GREETING:])
+        socks.append(sock)
+    return socks
+
+
+def release(cluster: ProcessCluster, reply: rpc.AllocReply, codec, curve=None) -> None:
+    """The genuine transfer is called off, as P0 would: D0 releases its blocks."""
+    member = rpc.RpcNode("P0", lambda s, m: None, timeout_s=5, codec=codec, curve=curve)
+    member.connect("D0", cluster.instances["D0"].address.replace("0.0.0.0", "127.0.0.1"))
+    member.call("D0", rpc.Abort("captured", reply.matched + reply.new))
+    member.close()
+
+
+def wait_for(what, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while not (got := what()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
+
+
+def test_a_captured_control_frame_replayed_is_dropped_and_counted(cluster):
+    """A member's AllocRequest captured on loopback and replayed 200 times to D0 (and once to
+    P0 and the frontend): D0 grants nothing more, every replay is counted, pools balance."""
+    codec, d0 = cluster.node.codec, cluster.instances["D0"].address
+    before = {n: s["replayed"] for n, s in cluster.stats().items()}
+    wire, reply = capture_alloc(d0, codec)
+    assert len(reply.new) == 4
+    socks = replay(wire, d0, 200)
+    socks += replay(wire, cluster.instances["P0"].address, 1)
+    socks += replay(wire, cluster.node.address, 1)
+
+    def counted() -> dict[str, int]:
+        return {n: s["replayed"] - before[n] for n, s in cluster.stats().items()}
+
+    assert wait_for(lambda: counted() == {"P0": 1, "D0": 200, "frontend": 1}), counted()
+    for sock in socks:
+        sock.close()
+    stats = cluster.stats()
+    assert stats["D0"]["grants"] == {"P0": 4} and not cluster.dead
+    release(cluster, reply, codec)
+    assert cluster.stats()["D0"]["grants"] == {"P0": 0}
+    cluster.check_pools(require_idle=True)
+    cluster.add_request(prompt(5), PARAMS)
+    assert [o.finish_reason for o in cluster.run_until_done(timeout_s=60)] == ["length"]
+    cluster.check_pools(require_idle=True)
+
+
 def test_binding_off_loopback_needs_curve_keys():
     with pytest.raises(ValueError, match="needs CURVE keys"):
         rpc.RpcNode("x", lambda s, m: None, host="0.0.0.0", codec=rpc.Codec(os.urandom(32)))
@@ -150,7 +268,8 @@ def _knock(address: str, curve_server_key: bytes | None) -> bool:
         sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
     sock.connect(address)
     sock.send(os.urandom(64))
-    sock.send(rpc.Codec(os.urandom(32)).encode(rpc.Envelope("req", 1, "P0", rpc.Shutdown("x"))))
+    forged = rpc.Stream().envelope("req", 1, "frontend", "P0", rpc.Shutdown("x"))
+    sock.send(rpc.Codec(os.urandom(32)).encode(forged))
     answered = bool(sock.poll(1500))
     sock.close()
     ctx.term()
@@ -158,21 +277,33 @@ def _knock(address: str, curve_server_key: bytes | None) -> bool:
 
 
 def test_off_loopback_a_peer_without_the_curve_key_gets_nothing(tiny_llama_dir):
-    """Bound to every interface, the cluster encrypts its sockets with a CURVE key pair of its
-    own: a plain client and a CURVE client with the wrong key get no answer, no frame even
-    reaches the handler (nothing counted as rejected), and the cluster keeps serving."""
+    """Bound to every interface, the cluster encrypts its sockets with its CURVE key pair: a
+    plain client and a CURVE client with the wrong key get no answer, a member's encrypted
+    AllocRequest captured on the wire and replayed delivers nothing (each connection has its own
+    session keys), no frame even reaches the handler (nothing counted), and the cluster keeps
+    serving."""
+    key = rpc.ClusterKey.generate()
     with ProcessCluster(tiny_llama_dir, "1P1D-CC", engine_config=EngineConfig(
-            num_blocks=NUM_BLOCKS), host="0.0.0.0", timeout_s=10) as c:  # fmt: skip
+            num_blocks=NUM_BLOCKS), host="0.0.0.0", timeout_s=10, key=key) as c:  # fmt: skip
         port = c.node.address.rsplit(":", 1)[1]
         targets = [f"tcp://127.0.0.1:{port}"]
         targets += [f"tcp://127.0.0.1:{i.address.rsplit(':', 1)[1]}" for i in c.instances.values()]
         for address in targets:
             assert not _knock(address, None)
             assert not _knock(address, zmq.curve_keypair()[0])
+        codec, d0 = rpc.Codec(key.secret), c.instances["D0"].address
+        wire, reply = capture_alloc(d0, codec, key.curve)
+        assert len(reply.new) == 4 and wire
+        socks = replay(wire, d0, 20)
+        time.sleep(1.0)
+        for sock in socks:
+            sock.close()
+        assert c.stats()["D0"]["grants"] == {"P0": 4}
+        release(c, reply, codec, key.curve)
         rid = c.add_request(prompt(2), PARAMS)
         outs = {o.request_id: o for o in c.run_until_done(timeout_s=60)}
         assert outs[rid].finish_reason == "length" and len(outs[rid].token_ids) == 8
         stats = c.stats()
         assert stats["frontend"]["rejected"] == 0 and not c.dead
-        assert all(stats[n]["rejected"] == 0 for n in c.instances)
+        assert all(stats[n]["rejected"] == stats[n]["replayed"] == 0 for n in c.instances)
         c.check_pools()
