@@ -21,7 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from minimemserve.sim.paper import MAX_OUTPUT_TOKENS, RATIOS, WORKLOADS, simulate_one
-from minimemserve.sim.runner import _sessions, gpu_setup
+from minimemserve.sim.runner import gpu_setup, workload_sessions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ def submit_variant(pool, workload: str, rate: float, v: Variant, base_ratio: str
     ratio = v.ratio or base_ratio
     setup = gpu_setup("llama2-13b", "h800", RATIOS[ratio], 2, scheduler=v.scheduler)
     cap = MAX_OUTPUT_TOKENS.get(workload) if v.cap == -1 else v.cap
-    sessions = _sessions(setup, workload, n, seed, None, cap, None)
+    sessions = workload_sessions(setup, workload, n, seed, None, cap, None)
     configs = ["PD", ratio, f"{ratio}-CC"]
     runs = {
         c: pool.submit(simulate_one, setup, c, sessions, rate * v.rate_factor, seed)
@@ -85,7 +85,9 @@ def variant_row(workload: str, v: Variant, ratio: str, rate: float, runs: dict) 
 def submit_routing(pool, workload: str, rate: float, n: int, seed: int) -> dict:
     """Start PD-CC under each routing policy on ``pool``."""
     base = gpu_setup("llama2-13b", "h800", 8, 2, scheduler="prefill_first")
-    sessions = _sessions(base, workload, n, seed, None, MAX_OUTPUT_TOKENS.get(workload), None)
+    sessions = workload_sessions(
+        base, workload, n, seed, None, MAX_OUTPUT_TOKENS.get(workload), None
+    )
     return {
         policy: pool.submit(
             simulate_one, dataclasses.replace(base, policy=policy), "PD-CC", sessions, rate, seed

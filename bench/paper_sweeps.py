@@ -20,7 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from minimemserve.sim.paper import MAX_OUTPUT_TOKENS, WORKLOADS, simulate_one
-from minimemserve.sim.runner import _sessions, gpu_setup
+from minimemserve.sim.runner import gpu_setup, workload_sessions
 
 METRICS = ("jct_mean", "jct_p99", "ttft_mean", "ttft_p99")
 SCHEDULERS = ("prefill_first", "chunked")
@@ -35,7 +35,7 @@ def sweep(ratio: str, num_sessions: int, rates: list[float], seed: int, jobs: in
         points = []
         for workload in WORKLOADS:
             cap = MAX_OUTPUT_TOKENS.get(workload)
-            sessions = _sessions(base, workload, num_sessions, seed, None, cap, None)
+            sessions = workload_sessions(base, workload, num_sessions, seed, None, cap, None)
             for scheduler in SCHEDULERS:
                 cfg = dataclasses.replace(base.engine_config, scheduler=scheduler)
                 setup = dataclasses.replace(base, engine_config=cfg)

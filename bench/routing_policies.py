@@ -18,7 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from minimemserve.sim.paper import simulate_one
-from minimemserve.sim.runner import _sessions, gpu_setup
+from minimemserve.sim.runner import gpu_setup, workload_sessions
 
 POLICIES = ("prompt_tree", "session", "least_load", "round_robin")
 
@@ -34,7 +34,9 @@ def main() -> None:
     p.add_argument("--out", default="bench/results")
     args = p.parse_args()
     base = gpu_setup("llama2-13b", "h800", 8, 2, scheduler=args.scheduler)
-    sessions = _sessions(base, "sharegpt", args.sessions, 0, None, args.max_output_tokens, None)
+    sessions = workload_sessions(
+        base, "sharegpt", args.sessions, 0, None, args.max_output_tokens, None
+    )
     rates = [float(r) for r in args.rates.split(",")]
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:

@@ -23,7 +23,7 @@ from minimemserve.bench.driver import PAPER_SESSIONS, summarize
 from minimemserve.bench.workloads import build_prompt
 from minimemserve.mempool.radix import RadixTree
 
-from .runner import SimSetup, _sessions, gpu_setup, simulate
+from .runner import SimSetup, gpu_setup, simulate, workload_sessions
 
 # (workload, comparison, metric) -> the paper's relative change (Figures 8-10, Section 6).
 PAPER = {
@@ -60,7 +60,9 @@ RATIOS = {"1P3D": 8, "2P2D": 8, "1P2D": 6}
 MAX_OUTPUT_TOKENS = {"sharegpt": 1024}
 # The load rule: from LIGHT_RATE sessions/s, doubling, the first rate at which colocated PD's
 # mean JCT is KNEE times its light-load value (queueing has doubled it), at most MAX_DOUBLINGS.
-LIGHT_RATE, KNEE, MAX_DOUBLINGS = 0.25, 2.0, 9
+LIGHT_RATE = 0.25
+KNEE = 2.0
+MAX_DOUBLINGS = 9
 
 
 @dataclass
@@ -259,7 +261,7 @@ def reproduce(
 
 def _one_workload(pool, setups, name, num_sessions, seed, rates, progress, result) -> None:
     cap = MAX_OUTPUT_TOKENS.get(name)
-    sessions = _sessions(setups[8], name, num_sessions, seed, None, cap, None)
+    sessions = workload_sessions(setups[8], name, num_sessions, seed, None, cap, None)
     if rates and name in rates:
         w = Workload(name, sessions, rates[name], [])
     else:

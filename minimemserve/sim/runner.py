@@ -198,7 +198,10 @@ def gpu_setup(
     )
 
 
-def _sessions(setup: SimSetup, workload: str, n: int, seed: int, max_turns, max_out, max_context):
+def workload_sessions(
+    setup: SimSetup, workload: str, n: int, seed: int, max_turns, max_out, max_context
+) -> list:
+    """``n`` sessions of ``workload`` in ``setup``'s tokens, within the model's context."""
     context = min(max_context or math.inf, setup.model_config.max_position_embeddings)
     tok = Tokenizer.from_dir(setup.tokenizer_dir)
     return make_workload(
@@ -254,7 +257,7 @@ def run_sim(
     prints the table, writes ``<tag>_<workload>.json`` and its bar and CDF plots."""
     for c in configs:
         parse_config_name(c)
-    sessions = _sessions(
+    sessions = workload_sessions(
         setup, workload, num_sessions, seed, max_turns, max_output_tokens, max_context
     )
     records, stats = simulate(setup, configs, sessions, rate, seed, progress)
@@ -307,7 +310,7 @@ def sweep(
     **workload_kw,
 ) -> dict:
     """Mean and P99 JCT and TTFT of each config against the request rate (one plot)."""
-    sessions = _sessions(
+    sessions = workload_sessions(
         setup,
         workload,
         num_sessions,
