@@ -39,27 +39,12 @@ from minimemserve.blocks.layout import KVLayout
 from minimemserve.mempool import MemPool
 from minimemserve.model.config import ModelConfig
 from minimemserve.model.llama import LlamaModel
+from minimemserve.sim.profiles import DATA_DIR
 
-# Llama-2's published shapes (both MHA)
+# Llama-2's published shapes (both MHA), as the simulator ships them
 GPU_MODELS = {
-    "7b": dict(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        max_position_embeddings=4096,
-    ),
-    "13b": dict(
-        vocab_size=32000,
-        hidden_size=5120,
-        intermediate_size=13824,
-        num_hidden_layers=40,
-        num_attention_heads=40,
-        num_key_value_heads=40,
-        max_position_embeddings=4096,
-    ),
+    size: json.loads((DATA_DIR / "models" / f"llama2-{size}.json").read_text())
+    for size in ("7b", "13b")
 }
 DRY_MODEL = dict(
     vocab_size=256,

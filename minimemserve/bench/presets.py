@@ -266,38 +266,23 @@ class Preset:
         return fields
 
 
+# ~32M parameters: big enough to show real compute, small enough for a 2-core CPU.
+_TINY = Preset(
+    name="tiny",
+    vocab_size=8000,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+)
 PRESETS: dict[str, Preset] = {
-    # ~32M parameters: big enough to show real compute, small enough for a 2-core CPU.
-    "tiny": Preset(
-        name="tiny",
-        vocab_size=8000,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-    ),
-    "tiny-mha": Preset(
-        name="tiny-mha",
-        vocab_size=8000,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-    ),
+    "tiny": _TINY,
+    "tiny-mha": dataclasses.replace(_TINY, name="tiny-mha", num_key_value_heads=8),
     # the tiny model with a tokenizer trained in about a second on seeded pseudo-words: for
     # machines without the ShareGPT package (the GPU check's), with the synthetic workloads
-    "tiny-synthetic": Preset(
-        name="tiny-synthetic",
-        vocab_size=8000,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        tokenizer_chars=1_000_000,
-        tokenizer_text="synthetic",
+    "tiny-synthetic": dataclasses.replace(
+        _TINY, name="tiny-synthetic", tokenizer_chars=1_000_000, tokenizer_text="synthetic"
     ),
 }
 

@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--calibrate",
         default=None,
-        help="gpu_steps.json from scripts/gpu-check.sh: measured vs predicted steps",
+        help="gpu_steps_7b.json or _13b.json from scripts/gpu-check.sh: measured vs predicted",
     )
     p.add_argument(
         "--paper",
