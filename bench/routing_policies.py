@@ -4,9 +4,9 @@ Llama-2-13B, 8 x H800, TP 2 (four instances), ShareGPT with answers up to 1,024 
     python bench/routing_policies.py [--sessions 400] [--rates 2,4,8,16] [--scheduler chunked]
 
 Prints, per rate and policy, the cached fraction of prompt tokens, mean and P99 JCT and mean
-TTFT, and whether each prompt-tree policy (``prompt_tree``, and ``prompt_tree_transfer``, which
-may move a cached prefix to the instance it picks) caches at least as much as ``session`` and
-how far its mean JCT is from the best simple policy's; writes ``routing_policies.json``."""
+TTFT, and whether each prompt-tree policy (``prompt_tree``, the paper's, which may move a cached
+prefix to the instance it picks, and ``prompt_tree_local``, which never does) caches at least as
+much as ``session`` and how far its mean JCT is from the best simple policy's; writes ``routing_policies.json``."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from minimemserve.sim.paper import simulate_one
 from minimemserve.sim.runner import gpu_setup, workload_sessions
 
-TREES = ("prompt_tree", "prompt_tree_transfer")
+TREES = ("prompt_tree", "prompt_tree_local")
 SIMPLE = ("session", "least_load", "round_robin")
 POLICIES = TREES + SIMPLE
 
@@ -58,7 +58,7 @@ def main() -> None:
             s = rows[rate, policy]
             out.append({"rate": rate, "policy": policy, **s})
             print(
-                f"{rate:5g}/s {policy:12} cached {s['cached_ratio']:6.1%}  JCT mean "
+                f"{rate:5g}/s {policy:17} cached {s['cached_ratio']:6.1%}  JCT mean "
                 f"{1e3 * s['jct_mean']:7.0f} ms (P99 {1e3 * s['jct_p99']:6.0f})  TTFT mean "
                 f"{1e3 * s['ttft_mean']:5.1f} ms  TPOT {1e3 * s['tpot_mean']:4.1f} ms"
             )

@@ -2,9 +2,9 @@
 
 Two colocated instances with caching (PD-CC), each its own process on one core, serve the
 same sessions under every policy: round_robin, least_load, session (hash of the first
-block), prompt_tree (believed cached prefix + queued work, weighed by the cost model) and
-prompt_tree_transfer (the same, and an instance holding more of a prompt may push the
-missing KV to the chosen one first).
+block), prompt_tree (believed cached prefix + queued work, weighed by the cost model; the
+instance holding most of a prompt may push the missing KV to the chosen one first) and
+prompt_tree_local (the same without pushes).
 
 Workloads: ``react`` (every question shares one few-shot prefix, so hashing the first block
 sends everything to one instance) and ``sharegpt`` (multi-turn conversations).

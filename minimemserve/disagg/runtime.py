@@ -7,8 +7,8 @@ only through MemPool's transfer calls, whose receiving side is an ``instance.Rem
 
 Routing: a ``GlobalScheduler`` picks the entry instance (colocated, or prefill) by its
 ``policy``; its prompt trees mirror what each entry instance reports its index gained and
-evicted (``CacheEvents``); with ``prompt_tree_transfer`` an instance holding more of a prompt
-first sends the missing KV to the chosen one (``PushPrefix``).
+evicted (``CacheEvents``); under ``prompt_tree`` the instance holding most of a prompt may
+first send the missing KV to the chosen one (``PushPrefix``).
 
 Instances started on their own (``minimemserve instance``, any host) join a frontend given
 their addresses (``instances=``) and the cluster key: it asks each its role (``Hello``), names
@@ -59,7 +59,13 @@ from ..model.tokenizer import Tokenizer
 from ..parallel import HostStore
 from ..request import RequestMetrics, RequestOutput, TokenDelta, logprobs_fit
 from ..sampling import INT64_LIMIT, SamplingParams
-from ..scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler, Route
+from ..scheduler.global_scheduler import (
+    DEFAULT_TTL_S,
+    MOVES_PREFIXES,
+    Cost,
+    GlobalScheduler,
+    Route,
+)
 from . import rpc
 from .instance import CLOSING, DEFAULT_HEARTBEAT_S, InstanceSpec, instance_main
 
@@ -284,7 +290,8 @@ class ProcessCluster:
         self._host = host
         milestone = self.deployment.milestone
         # transfers (the recipes', or the scheduler's prefix pushes) need pools peers can reach
-        linked = self._linked = milestone.moves_kv or policy == "prompt_tree_transfer"
+        pushes = policy in MOVES_PREFIXES and milestone.entry_caches
+        linked = self._linked = milestone.moves_kv or pushes
         # the secret reaches spawned instances through the spawn pipe; off loopback every
         # socket is CURVE-encrypted with a key pair made here (or the cluster key's)
         secret = key.secret if key is not None else secrets.token_bytes(32)

@@ -12,9 +12,11 @@ request waits for and which holds up each of the ``n_p`` requests decoding on ``
 what one more sequence adds to a decode step, which the request pays beside each of the
 ``n_p`` others and they beside it while both run: for half an answer on average (a running
 request is half-way through its answer), an answer being the ``L`` tokens answers have had on
-average so far (at most the request's ``max_tokens``). ``prompt_tree_transfer`` also weighs
-letting an instance ``q`` holding more send the missing part first: ``transfer(y_q - y_p) +
-exec(x, y_q)``. The scheduler only decides; its owner submits, moves KV and reports back (first
+average so far (at most the request's ``max_tokens``). ``prompt_tree``, the paper's policy, also
+weighs moving a cache instead of recomputing it: the instance ``q`` holding most of the prompt
+sends ``p`` the part it lacks first, for ``transfer(y_q - y_p)``, and ``p`` then computes
+``exec(x, y_q)``. ``prompt_tree_local`` never moves a prefix: a prompt hits only what its
+instance holds. The scheduler only decides; its owner submits, moves KV and reports back (first
 tokens, hand-offs, ends). Not thread-safe."""
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from minimemserve.mempool.radix import RadixTree, as_tokens
 
 # Expired entries on paths no lookup walks are swept this often, so the trees stay bounded.
 SWEEP_EVERY_S = 10.0
-POLICIES = ("round_robin", "least_load", "session", "prompt_tree", "prompt_tree_transfer")
+POLICIES = ("round_robin", "least_load", "session", "prompt_tree", "prompt_tree_local")
+# The policies that may have one instance send another a cached prefix before a request.
+MOVES_PREFIXES = ("prompt_tree",)
 # How long a prompt-tree entry is trusted after its request finished (instances evict on
 # their own; a stale entry costs one misrouted request, a short one forgets useful caches).
 DEFAULT_TTL_S = 600.0
@@ -260,15 +264,15 @@ class GlobalScheduler:
         return self.cost.exec(x, cached / x)
 
     def _by_cost(self, x: int, cached: dict[str, int], max_tokens: int | None) -> Route:
+        holder = max(self.live, key=lambda q: cached[q])  # the first of those holding most
+        moves = self.policy in MOVES_PREFIXES
         options = []  # the first cheapest wins ties
         for p in self.live:
             options.append(Route(p, cached[p], self.marginal_cost(p, x, cached[p], max_tokens)))
-            if self.policy == "prompt_tree_transfer":  # or q sends p the part it lacks first
-                for q in self.live:
-                    if cached[q] > cached[p]:
-                        cost = self.cost.transfer(cached[q] - cached[p])
-                        cost += self.marginal_cost(p, x, cached[q], max_tokens)
-                        options.append(Route(p, cached[q], cost, q, cached[q]))
+            if moves and cached[holder] > cached[p]:  # or the holder sends what p lacks first
+                cost = self.cost.transfer(cached[holder] - cached[p])
+                cost += self.marginal_cost(p, x, cached[holder], max_tokens)
+                options.append(Route(p, cached[holder], cost, holder, cached[holder]))
         best = min(options, key=lambda r: r.cost)
         if best.transfer_from is not None:
             self.num_transfers += 1

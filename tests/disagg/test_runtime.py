@@ -221,7 +221,7 @@ def test_prefix_transfer_between_colocated_instances(tiny_llama_dir, sessions):
         engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
         timeout_s=10,
         start_method="forkserver",
-        policy="prompt_tree_transfer",
+        policy="prompt_tree",
     ) as cluster:
         out1 = run_one(cluster, first, "a")
         holder = next(n for n in ("C0", "C1") if cluster.scheduler.trees.cached(n, first))

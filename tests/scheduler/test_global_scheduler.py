@@ -68,8 +68,8 @@ def test_prompt_tree_goes_where_the_prefix_is_cached():
     assert s.trees.cached(other, toks(1, 2)) == 0
 
 
-def test_prompt_tree_weighs_the_queue_against_the_cache():
-    s = sched()
+def test_prompt_tree_local_weighs_the_queue_against_the_cache():
+    s = sched("prompt_tree_local")  # no prefix moves: the cache stays where it is
     submit(s, "warm", toks(1, 2))
     s.finished("warm", toks(1, 2, tail=0))
     assert s.route(toks(1, 2, 3)).instance == "A"
@@ -130,8 +130,8 @@ def test_a_cached_prompt_stays_on_its_instance_whatever_the_caps_of_the_requests
     assert s.route(list(range(5000, 7204)), max_tokens=1024).instance == "B"
 
 
-def test_prompt_tree_transfer_moves_the_prefix_to_the_idle_instance():
-    s = sched("prompt_tree_transfer")
+def test_prompt_tree_moves_the_prefix_to_the_idle_instance():
+    s = sched("prompt_tree")
     prefix = toks(*range(1, 21), tail=0)  # 20 blocks cached on A
     s.dispatched("warm", Route("A", 0, 0.0), len(prefix))
     s.finished("warm", prefix)
@@ -145,6 +145,14 @@ def test_prompt_tree_transfer_moves_the_prefix_to_the_idle_instance():
     s.finished("long")
     route = s.route(prefix + [7])
     assert route.instance == "A" and route.transfer_from is None
+    # prompt_tree_local never moves a prefix: behind the same queue it recomputes it on B
+    local = sched("prompt_tree_local")
+    local.dispatched("warm", Route("A", 0, 0.0), len(prefix))
+    local.finished("warm", prefix)
+    local.dispatched("long", Route("A", 0, 0.0), 500)
+    route = local.route(prefix + [7])
+    assert (route.instance, route.transfer_from, route.cached_tokens) == ("B", None, 0)
+    assert local.num_transfers == 0
 
 
 def test_without_caching_the_trees_are_ignored():
