@@ -6,7 +6,8 @@ Llama-2-13B, 8 x H800, TP 2 (four instances), ShareGPT with answers up to 1,024 
 Prints, per rate and policy, the cached fraction of prompt tokens, mean and P99 JCT and mean
 TTFT, and whether each prompt-tree policy (``prompt_tree``, the paper's, which may move a cached
 prefix to the instance it picks, and ``prompt_tree_local``, which never does) caches at least as
-much as ``session`` and how far its mean JCT is from the best simple policy's; writes ``routing_policies.json``."""
+much as ``session`` and how far its mean JCT is from the best simple policy's; writes
+``routing_policies.json``."""
 
 from __future__ import annotations
 
