@@ -51,7 +51,10 @@ def main() -> None:
             for rate in rates
             for policy in POLICIES
         }
-        rows = {key: f.result()[0] for key, f in futures.items()}
+        rows = {}
+        for key, f in futures.items():
+            summary, stats = f.result()
+            rows[key] = {**summary, "prefix_pushes": stats["prefix_pushes"]}
     out = []
     for rate in rates:
         best = min(rows[rate, q]["jct_mean"] for q in SIMPLE)
@@ -61,7 +64,8 @@ def main() -> None:
             print(
                 f"{rate:5g}/s {policy:17} cached {s['cached_ratio']:6.1%}  JCT mean "
                 f"{1e3 * s['jct_mean']:7.0f} ms (P99 {1e3 * s['jct_p99']:6.0f})  TTFT mean "
-                f"{1e3 * s['ttft_mean']:5.1f} ms  TPOT {1e3 * s['tpot_mean']:4.1f} ms"
+                f"{1e3 * s['ttft_mean']:5.1f} ms  TPOT {1e3 * s['tpot_mean']:4.1f} ms  "
+                f"prefix pushes {s['prefix_pushes']}"
             )
         session = rows[rate, "session"]
         for name in TREES:

@@ -230,6 +230,7 @@ def simulate(
             "steps": cluster.steps,
             "steps_per_s": cluster.steps / wall if wall else None,
             "transfers": cluster.transfers,
+            "prefix_pushes": cluster.scheduler.num_transfers,
             "prefill_share": cluster.prefill_busy_s / cluster.busy_s if cluster.busy_s else 0.0,
             "decode_stall_s": cluster.decode_stall_s / max(len(records[config]), 1),
             "instances": [f"{i.name}:{i.role}" for i in cluster.instances],

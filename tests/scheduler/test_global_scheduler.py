@@ -128,6 +128,9 @@ def test_a_cached_prompt_stays_on_its_instance_whatever_the_caps_of_the_requests
         s.dispatched(f"A{i}", Route("A", 0, 0.0), 1000, max_tokens=1024)
         s.started(f"A{i}")
     assert s.route(list(range(5000, 7204)), max_tokens=1024).instance == "B"
+    # and the cached prompt goes there too, its prefix sent over rather than recomputed
+    route = s.route(prompt, max_tokens=1024)
+    assert (route.instance, route.transfer_from, route.cached_tokens) == ("B", "A", 2144)
 
 
 def test_prompt_tree_moves_the_prefix_to_the_idle_instance():
