@@ -34,12 +34,12 @@ from minimemserve.blocks.layout import KVLayout
 from minimemserve.config import Deployment, EngineConfig, parse_config_name
 from minimemserve.disagg.recipes import decode_preference
 from minimemserve.engine import Engine, StepPlan
-from minimemserve.errors import ConfigError, InstanceDied
+from minimemserve.errors import ConfigError, InstanceDied, PoolExhausted
 from minimemserve.mempool import MemPool
 from minimemserve.model.config import ModelConfig
 from minimemserve.parallel import TPShard
 from minimemserve.request import Request, RequestOutput
-from minimemserve.scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler
+from minimemserve.scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler, Route
 
 from .profiles import Link, StepShape
 
@@ -505,6 +505,9 @@ class SimCluster:
         pushed = None
         if route.transfer_from is not None:
             pushed = self._push_prefix(prompt, route.transfer_from, route.instance)
+            if pushed is None:  # it hits what it finds there
+                cached = self.scheduler.cached_tokens(route.instance, prompt)
+                route = Route(route.instance, cached, route.cost)
         inst = self.by_name[route.instance]
         try:
             inst.engine.validate(prompt, params)
@@ -527,15 +530,19 @@ class SimCluster:
 
     def _push_prefix(self, prompt: Sequence[int], src_name: str, dst_name: str) -> Transfer | None:
         """``src`` sends its cached prefix of ``prompt`` to ``dst``: the transfer, or None when
-        nothing of it is cached there any more."""
+        nothing of it is cached there any more or ``dst`` has no room for it."""
         src, dst = self.by_name[src_name].pool, self.by_name[dst_name].pool
         blocks = src.match(prompt)
         if not blocks:
             return None
         n = len(blocks) * src.block_size
-        got = src.transfer_with_insert(dst, prompt[:n], blocks)
+        try:
+            got = src.transfer_with_insert(dst, prompt[:n], blocks)
+        except PoolExhausted:  # no room there: the request goes without it, as in the runtime
+            return None
+        finally:
+            src.free_mem(blocks)
         dst.free_mem(got)
-        src.free_mem(blocks)
         self.scheduler.record(dst_name, prompt[:n])
         return src.last
 

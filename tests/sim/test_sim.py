@@ -424,3 +424,29 @@ def test_hand_offs_spread_over_decode_instances_that_all_hold_the_shared_prefix(
     cluster.replay(sessions, 16.0, 0, progress=False)
     cluster.check_pools()
     assert set(decoded) == {"D0", "D1"} and min(decoded.values()) >= total_turns(sessions) // 4
+
+
+def test_a_prefix_push_to_a_full_instance_is_skipped_and_leaks_nothing():
+    """The scheduler may ask one instance to push a cached prefix to another that has no room
+    left for it: the request then goes without it, as in the process runtime."""
+    cluster = _setup().cluster("PD-CC")
+    src, dst = (cluster.by_name[i.name] for i in cluster.instances[:2])
+
+    def cached(inst) -> int:  # blocks of the prompt cached on inst (the match's hold released)
+        got = inst.pool.match(prompt)
+        inst.pool.free_mem(got)
+        return len(got)
+
+    prompt = list(range(1, 4 * src.pool.block_size + 1))
+    blocks = src.pool.alloc_mem(4)
+    src.pool.insert(prompt, blocks)
+    src.pool.free_mem(blocks)  # cached, unreferenced
+    held = dst.pool.alloc_mem(dst.pool.num_free())  # nothing left to receive into
+    assert cluster._push_prefix(prompt, src.name, dst.name) is None
+    assert (cached(src), cached(dst)) == (4, 0)
+    dst.pool.free_mem(held)
+    for inst in (src, dst):
+        inst.pool.check()
+        assert inst.pool.stats()["hbm"]["referenced"] == 0
+    assert cluster._push_prefix(prompt, src.name, dst.name) is not None  # room again: it lands
+    assert cached(dst) == 4
