@@ -6,8 +6,8 @@
 For each workload at the load ``sim --paper`` chose (read from its JSON), each variant prints
 disaggregation against colocated PD (JCT mean and P99), caching on top (JCT and TTFT mean),
 and colocated PD's prefill share of busy time and the time its decodes were held up by
-prefills per request: what disaggregation can remove at most. Then PD-CC's P99 TTFT under
-each routing policy. Writes ``paper_ablations.json``."""
+prefills per request: what disaggregation can remove at most, and caching's change to P99
+TTFT. Then PD-CC's P99 TTFT under each routing policy. Writes ``paper_ablations.json``."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ class Variant:
     ratio: str = ""  # "": the base ratio
     rate_factor: float = 1.0
     cap: int | None = -1  # -1: the workload's own answer lengths
+    policy: str = "prompt_tree"
 
 
 def variants(workload: str, base_ratio: str) -> list[Variant]:
@@ -40,6 +41,7 @@ def variants(workload: str, base_ratio: str) -> list[Variant]:
     out = [Variant("base"), Variant("chunked", scheduler="chunked")]
     out += [Variant(f"ratio {r}", ratio=r) for r in RATIOS if r != base_ratio]
     out += [Variant("load x0.5", rate_factor=0.5), Variant("load x2", rate_factor=2.0)]
+    out += [Variant("no prefix moves", policy="prompt_tree_local")]
     if workload == "sharegpt":
         out += [Variant("answers <= 48", cap=48), Variant("answers <= 256", cap=256)]
     return out
@@ -48,7 +50,9 @@ def variants(workload: str, base_ratio: str) -> list[Variant]:
 def submit_variant(pool, workload: str, rate: float, v: Variant, base_ratio: str, n, seed):
     """Start one variant's three runs (PD, disaggregated, with caching) on ``pool``."""
     ratio = v.ratio or base_ratio
-    setup = gpu_setup("llama2-13b", "h800", RATIOS[ratio], 2, scheduler=v.scheduler)
+    setup = gpu_setup(
+        "llama2-13b", "h800", RATIOS[ratio], 2, policy=v.policy, scheduler=v.scheduler
+    )
     cap = MAX_OUTPUT_TOKENS.get(workload) if v.cap == -1 else v.cap
     sessions = workload_sessions(setup, workload, n, seed, None, cap, None)
     configs = ["PD", ratio, f"{ratio}-CC"]
@@ -74,6 +78,7 @@ def variant_row(workload: str, v: Variant, ratio: str, rate: float, runs: dict) 
         "disagg_jct_p99": gain(ratio, "PD", "jct_p99"),
         "cc_jct_mean": gain(f"{ratio}-CC", ratio, "jct_mean"),
         "cc_ttft_mean": gain(f"{ratio}-CC", ratio, "ttft_mean"),
+        "cc_ttft_p99": gain(f"{ratio}-CC", ratio, "ttft_p99"),
         "pd_jct_mean": s["PD"]["jct_mean"],
         "pd_tpot_mean": s["PD"]["tpot_mean"],
         "disagg_tpot_mean": s[ratio]["tpot_mean"],
@@ -110,7 +115,8 @@ def main() -> None:
     t0 = time.perf_counter()
     print(
         f"{'workload':9}{'variant':16}{'rate':>6}{'ratio':>6}{'D/PD JCT':>10}{'P99':>8}"
-        f"{'CC JCT':>8}{'CC TTFT':>9}{'PD TPOT':>9}{'D TPOT':>8}{'PD prefill':>11}{'held up':>9}"
+        f"{'CC JCT':>8}{'CC TTFT':>9}{'P99':>8}{'PD TPOT':>9}{'D TPOT':>8}{'PD prefill':>11}"
+        f"{'held up':>9}"
     )
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         pending = []
@@ -127,7 +133,7 @@ def main() -> None:
             print(
                 f"{workload:9}{v.name:16}{r['rate']:>6g}{r['ratio']:>6}"
                 f"{r['disagg_jct_mean']:>+10.1%}{r['disagg_jct_p99']:>+8.1%}"
-                f"{r['cc_jct_mean']:>+8.1%}{r['cc_ttft_mean']:>+9.1%}"
+                f"{r['cc_jct_mean']:>+8.1%}{r['cc_ttft_mean']:>+9.1%}{r['cc_ttft_p99']:>+8.1%}"
                 f"{1e3 * r['pd_tpot_mean']:>7.1f}ms{1e3 * r['disagg_tpot_mean']:>6.1f}ms"
                 f"{r['pd_prefill_share']:>11.1%}{r['pd_decode_stall_s']:>8.2f}s",
                 flush=True,
@@ -140,7 +146,7 @@ def main() -> None:
                     k: s[k] for k in ("ttft_p99", "ttft_mean", "jct_mean", "cached_ratio")
                 }
                 print(
-                    f"  {workload} PD-CC {policy:12} TTFT P99 {1e3 * s['ttft_p99']:7.1f} ms, "
+                    f"  {workload} PD-CC {policy:17} TTFT P99 {1e3 * s['ttft_p99']:7.1f} ms, "
                     f"mean {1e3 * s['ttft_mean']:6.1f} ms, JCT {s['jct_mean']:.2f} s, cached "
                     f"{s['cached_ratio']:.1%}",
                     flush=True,
