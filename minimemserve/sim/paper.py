@@ -322,22 +322,28 @@ def print_table(result: dict) -> None:
 
 
 def plot_gains(result: dict, png: Path) -> None:
-    """Bars: each of the 19 changes, the paper's beside the simulated ones."""
+    """Bars: each of the 19 changes, the paper's beside the simulated ones. Bars beyond
+    +-100 % are cut there and carry their value."""
     from matplotlib.figure import Figure  # slow to import: only plots need it
 
     rows = result["rows"]
-    fig = Figure(figsize=(14, 4.5), layout="tight")
+    fig = Figure(figsize=(14, 6), layout="tight")
     ax = fig.subplots()
     series = [("paper", "paper")] + [(r, f"{r} ({RATIOS[r]} GPUs)") for r in RATIOS]
     width = 0.8 / len(series)
     for k, (key, label) in enumerate(series):
         xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(rows))]
-        ax.bar(xs, [100 * r[key] for r in rows], width, label=label)
-    labels = [f"{r['workload']}\n{r['comparison']}\n{r['metric']}" for r in rows]
-    ax.set_xticks(range(len(rows)), labels, fontsize=5)
-    ax.set_ylabel("change (%)")
+        values = [100 * r[key] for r in rows]
+        ax.bar(xs, [max(-100.0, min(v, 100.0)) for v in values], width, label=label)
+        for x, v in zip(xs, values):
+            if v > 100:
+                ax.text(x, 101, f"+{v:.0f}", rotation=90, fontsize=6, ha="center", va="bottom")
+    labels = [f"{r['workload']} {r['metric']}\n{r['comparison']}" for r in rows]
+    ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=40, ha="right")
+    ax.set_ylim(-105, 140)
+    ax.set_ylabel("change (%, cut at +100)")
     ax.axhline(0, color="black", linewidth=0.5)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left")
     ax.set_title(f"MemServe's gains, paper vs simulated ({result['setup']['scheduler']})")
     fig.savefig(png, dpi=110)
 
