@@ -740,7 +740,7 @@ class ProcessCluster:
         self.prefix_tokens_moved += moved
         if moved:
             self.scheduler.record(dst, prompt[:moved])
-        return Route(dst, self.scheduler.cached_tokens(dst, prompt), route.cost)
+        return self.scheduler.landed(route, prompt)
 
     def _submit(self, route: Route, rid: str, f: _Inflight) -> None:
         self._inflight[rid] = f

@@ -221,10 +221,15 @@ class GlobalScheduler:
     def marginal_cost(self, name: str, x: int, cached: int, max_tokens: int | None = None) -> float:
         """What one more request of ``x`` prompt tokens, ``cached`` of them held there, costs
         on ``name`` (see the module docstring)."""
+        base, n = self._load(name, x, max_tokens)
+        return base + (1 + n) * self._exec(x, cached)
+
+    def _load(self, name: str, x: int, max_tokens: int | None) -> tuple[float, int]:
+        """The part of :meth:`marginal_cost` the cache does not change (waiting prefills and
+        shared decode steps), and the requests decoding on ``name``."""
         n = self.decoding(name)
-        prefill = self._exec(x, cached)
         decode = n * self.answer_tokens(max_tokens) * self.cost.decode(x) if n else 0.0
-        return self.queued_cost(name) + (1 + n) * prefill + decode
+        return self.queued_cost(name) + decode, n
 
     def queued_requests(self, name: str) -> int:
         """Unfinished requests routed to ``name``."""
@@ -268,15 +273,21 @@ class GlobalScheduler:
         moves = self.policy in MOVES_PREFIXES
         options = []  # the first cheapest wins ties
         for p in self.live:
-            options.append(Route(p, cached[p], self.marginal_cost(p, x, cached[p], max_tokens)))
+            base, n = self._load(p, x, max_tokens)
+            options.append(Route(p, cached[p], base + (1 + n) * self._exec(x, cached[p])))
             if moves and cached[holder] > cached[p]:  # or the holder sends what p lacks first
                 cost = self.cost.transfer(cached[holder] - cached[p])
-                cost += self.marginal_cost(p, x, cached[holder], max_tokens)
+                cost += base + (1 + n) * self._exec(x, cached[holder])
                 options.append(Route(p, cached[holder], cost, holder, cached[holder]))
         best = min(options, key=lambda r: r.cost)
         if best.transfer_from is not None:
             self.num_transfers += 1
         return best
+
+    def landed(self, route: Route, tokens: Sequence[int]) -> Route:
+        """``route`` once its prefix push is over, landed or not: the hit is what the trees
+        now believe its instance holds."""
+        return Route(route.instance, self.cached_tokens(route.instance, tokens), route.cost)
 
     def dispatched(
         self, request_id: str, route: Route, num_tokens: int, max_tokens: int = 0

@@ -39,7 +39,7 @@ from minimemserve.mempool import MemPool
 from minimemserve.model.config import ModelConfig
 from minimemserve.parallel import TPShard
 from minimemserve.request import Request, RequestOutput
-from minimemserve.scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler, Route
+from minimemserve.scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler
 
 from .profiles import Link, StepShape
 
@@ -505,9 +505,7 @@ class SimCluster:
         pushed = None
         if route.transfer_from is not None:
             pushed = self._push_prefix(prompt, route.transfer_from, route.instance)
-            if pushed is None:  # it hits what it finds there
-                cached = self.scheduler.cached_tokens(route.instance, prompt)
-                route = Route(route.instance, cached, route.cost)
+            route = self.scheduler.landed(route, prompt)
         inst = self.by_name[route.instance]
         try:
             inst.engine.validate(prompt, params)
