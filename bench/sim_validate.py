@@ -7,13 +7,14 @@ disturbed) unless ``--cpu-model`` is given, then runs each configuration of the 
 benchmark for real (process runtime, one core per instance, two colocated instances,
 ``prompt_tree`` routing), all of them in turn ``--repeats`` times (default 3), with a
 calibration of the process runtime (~10 s) before the first real run and after each: its
-per-step cost beyond the forward pass (one decode-heavy request per instance) and how much
-longer a prefill takes while the other instance decodes. The machine is shared and its
-speed drifts from minute to minute, so each real run is simulated (same sessions, same
-seed, same instance layout) with the mean runtime cost of the calibrations just before and
-just after it, and the median contention of all. Prints measured against predicted mean
+per-step cost beyond the forward pass (decode batches on both instances), a lone prefill's
+time against the model's, and how much longer a prefill takes while the other instance
+decodes. The machine is shared and its speed drifts from minute to minute, so each real run
+is simulated (same sessions, same seed, same instance layout) with the mean runtime cost and
+prefill speed of the calibrations just before and just after it, and the median contention
+of all. Prints measured against predicted mean
 TTFT and mean JCT per configuration (means over the repeats), with the ranking of each and
-how far the real runs separate neighbouring configurations. About 6.5 minutes. Writes
+how far the real runs separate neighbouring configurations. 8-10 minutes. Writes
 ``sim_validate.json`` and ``sim_validate.png`` under ``--out``.
 """
 
@@ -35,7 +36,7 @@ from minimemserve.bench.presets import preset_dir
 from minimemserve.config import SCHEDULERS
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.sampling import SamplingParams
-from minimemserve.sim.profiles import FittedStepModel, StepShape, fit_cpu_steps
+from minimemserve.sim.profiles import FittedStepModel, StepShape, fit_cpu_steps, with_overhead
 from minimemserve.sim.runner import CPU_INSTANCES, DEFAULT_CONFIGS, cpu_setup, run_sim
 
 METRICS = (("ttft_mean", "TTFT mean"), ("jct_mean", "JCT mean"))
@@ -69,8 +70,9 @@ def measure_runtime_overhead(
     params = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
     ctx = OVERHEAD_PROMPT_TOKENS + OVERHEAD_OUTPUT_TOKENS // 2
     extra = []
-    with ProcessCluster(mdir, "PD", cores_per_instance=1, num_colocated=CPU_INSTANCES,
-                        policy="round_robin") as c:  # fmt: skip
+    with ProcessCluster(
+        mdir, "PD", cores_per_instance=1, num_colocated=CPU_INSTANCES, policy="round_robin"
+    ) as c:
         for b in OVERHEAD_BATCHES:
             for i in range(b * CPU_INSTANCES):
                 prompt = [
@@ -87,19 +89,21 @@ def measure_runtime_overhead(
     return max(-step, o1 - per_row * b1), per_row
 
 
-def measure_prefill_contention(model_dir: str | Path | None = None) -> float:
+def measure_prefill_contention(model_dir: str | Path | None = None) -> tuple[float, float]:
     """How many times longer a prefill takes on one of the bench's two one-core instances
-    while the other decodes than while it idles: the median time to first token of
-    :data:`CONTENTION_PREFILLS` prompts of :data:`CONTENTION_PROMPT_TOKENS` tokens each way,
-    measured side by side in one process-runtime cluster (the cores and the frontend are
-    shared, so a decoding neighbour slows a compute-bound prefill)."""
+    while the other decodes than while it idles, and its seconds while it idles: the median
+    time to first token of :data:`CONTENTION_PREFILLS` prompts of
+    :data:`CONTENTION_PROMPT_TOKENS` tokens each way, measured side by side in one
+    process-runtime cluster (the cores and the frontend are shared, so a decoding neighbour
+    slows a compute-bound prefill)."""
     mdir = Path(model_dir or preset_dir("tiny"))
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     long = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS * 4, temperature=0.0, ignore_eos=True)
     prompt = [FIRST_PROMPT_TOKEN + j % 1000 for j in range(CONTENTION_PROMPT_TOKENS)]
     ttft: dict[str, list[float]] = {"alone": [], "beside decodes": []}
-    with ProcessCluster(mdir, "PD", cores_per_instance=1, num_colocated=CPU_INSTANCES,
-                        policy="round_robin") as c:  # fmt: skip
+    with ProcessCluster(
+        mdir, "PD", cores_per_instance=1, num_colocated=CPU_INSTANCES, policy="round_robin"
+    ) as c:
         # round robin: requests alternate between the two instances, so a one-token request
         # to the other instance comes before each timed prompt
         decodes = []
@@ -122,7 +126,7 @@ def measure_prefill_contention(model_dir: str | Path | None = None) -> float:
             c.abort(rid)
         c.run_until_done()
     alone, beside = (sorted(v)[len(v) // 2] for v in ttft.values())
-    return max(1.0, beside / alone)
+    return max(1.0, beside / alone), alone
 
 
 def parse_args() -> argparse.Namespace:
@@ -176,24 +180,32 @@ def real_run(config: str, args: argparse.Namespace, out: Path) -> tuple[dict, li
 
 
 def calibrate(step_model: FittedStepModel) -> dict:
-    """The process runtime's cost beyond ``step_model`` and its prefill contention, now."""
+    """The process runtime's cost beyond ``step_model``, its prefill speed against the model's
+    (the fit is taken once, the machine drifts) and its prefill contention, now."""
     overhead = measure_runtime_overhead(step_model)
-    contention = measure_prefill_contention()
+    contention, alone = measure_prefill_contention()
+    modelled = with_overhead(step_model, *overhead).prefill_time(CONTENTION_PROMPT_TOKENS)
+    scale = alone / modelled
     print(
         f"process runtime beyond the forward pass: {overhead[0] * 1e3:.2f} ms per step + "
-        f"{overhead[1] * 1e3:.2f} ms per sequence; a prefill beside the other instance's "
-        f"decodes takes {contention:.2f}x as long"
+        f"{overhead[1] * 1e3:.2f} ms per sequence; a lone prefill takes {scale:.2f}x the "
+        f"model's time, {contention:.2f}x as long beside the other instance's decodes"
     )
-    return {"runtime_overhead_s": overhead, "prefill_contention": contention}
+    return {
+        "runtime_overhead_s": overhead,
+        "prefill_scale": scale,
+        "prefill_contention": contention,
+    }
 
 
 def bracket(before: dict, after: dict, contention: float) -> dict:
-    """The runtime's cost between two calibrations (their mean: it drifts with the machine),
-    and the prefill contention of all of them (their median: it is the cores', and one
-    measurement of five prompts each way is sometimes far off)."""
+    """The runtime's cost and prefill speed between two calibrations (their means: they drift
+    with the machine), and the prefill contention of all of them (their median: it is the
+    cores', and one measurement of five prompts each way is sometimes far off)."""
     steps = zip(before["runtime_overhead_s"], after["runtime_overhead_s"])
     return {
         "runtime_overhead_s": tuple((a + b) / 2 for a, b in steps),
+        "prefill_scale": (before["prefill_scale"] + after["prefill_scale"]) / 2,
         "prefill_contention": contention,
     }
 

@@ -22,7 +22,7 @@ import math
 import multiprocessing as mp
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -241,22 +241,29 @@ def _nonneg_lstsq(rows: list[list[float]], targets: list[float]) -> list[float]:
 @dataclass(frozen=True)
 class FittedStepModel:
     """Step seconds = ``coefs · StepShape.features()`` (see :data:`FEATURES`), fitted to
-    measured steps of this engine; ``relative_error`` is the fit's mean |error| / measured."""
+    measured steps of this engine, times ``prefill_scale`` for a step with prefill work (the
+    machine's prefill speed measured later against the fit's; 1 as fitted);
+    ``relative_error`` is the fit's mean |error| / measured."""
 
     coefs: tuple[float, ...]
     samples: int = 0
     relative_error: float = 0.0
     device: str = "cpu"
+    prefill_scale: float = 1.0
 
     def __post_init__(self) -> None:
         c = tuple(float(v) for v in self.coefs)
         if len(c) != len(FEATURES) or not all(math.isfinite(v) and v >= 0 for v in c):
             raise ConfigError(f"FittedStepModel needs {len(FEATURES)} finite coefs >= 0: {c}")
         object.__setattr__(self, "coefs", c)
+        s = self.prefill_scale
+        if not (isinstance(s, (int, float)) and math.isfinite(s) and s > 0):
+            raise ConfigError(f"prefill_scale must be a finite number > 0, got {s!r}")
 
     def step_time(self, shape: StepShape) -> float:
         """Predicted seconds of one step."""
-        return sum(c * f for c, f in zip(self.coefs, shape.features()))
+        seconds = sum(c * f for c, f in zip(self.coefs, shape.features()))
+        return seconds * self.prefill_scale if shape.prefills else seconds
 
     def prefill_time(self, new: int, cached: int = 0) -> float:
         """Predicted seconds of a lone prefill of ``new`` tokens after ``cached`` ones."""
@@ -269,9 +276,10 @@ class FittedStepModel:
         """Fit to ``(shape, seconds)`` pairs."""
         if len(measured) < len(FEATURES):
             raise ValueError(f"need at least {len(FEATURES)} measured steps, got {len(measured)}")
-        rows = [s.features() for s, _ in measured]
-        secs = [t for _, t in measured]
-        coefs = _nonneg_lstsq(rows, secs)
+        # each row divided by its measured time: the fit minimises the relative error it
+        # reports, so the long prefills do not outweigh the decode steps a run is made of
+        rows = [[f / t for f in s.features()] for s, t in measured]
+        coefs = _nonneg_lstsq(rows, [1.0] * len(measured))
         model = cls(tuple(coefs), len(measured), 0.0, device)
         err = sum(abs(model.step_time(s) - t) / t for s, t in measured) / len(measured)
         return cls(model.coefs, len(measured), err, device)
@@ -295,6 +303,7 @@ class FittedStepModel:
             d.get("samples", 0),
             d.get("relative_error", 0.0),
             d.get("device", "cpu"),
+            d.get("prefill_scale", 1.0),
         )
 
 
@@ -332,6 +341,24 @@ def _fit_shapes() -> list[StepShape]:
     return shapes
 
 
+def _time_step(eng: Engine, shape: StepShape) -> float:
+    """Seconds of one real step of ``shape`` through ``eng``'s model runner, on requests whose
+    cached tokens' KV stands in the pool (allocated for it, freed after)."""
+    reqs = []
+    for i, (c, n) in enumerate([*shape.prefills, *((ctx - 1, 1) for ctx in shape.decodes)]):
+        ids = [FIRST_TOKEN_ID + (i + j) % 997 for j in range(c + n)]
+        req = Request(f"fit-{i}", ids, SamplingParams(max_tokens=1, temperature=0.0))
+        req.blocks = eng.pool.alloc_mem(eng.pool.layout.num_blocks_for(c + n))
+        req.num_computed = c  # KV of the first c tokens stands in the pool
+        reqs.append((req, n))
+    t0 = time.perf_counter()
+    eng.runner.run(reqs, eng.generator)
+    seconds = time.perf_counter() - t0
+    for req, _ in reqs:
+        eng.pool.free_mem(req.blocks)
+    return seconds
+
+
 def time_cpu_steps(
     model_dir: str | Path, threads: int = 1, progress: bool = True
 ) -> list[tuple[StepShape, float]]:
@@ -342,24 +369,18 @@ def time_cpu_steps(
     torch.set_num_threads(threads)
     try:
         eng = Engine(model_dir, config="PD")
-        measured = []
-        for shape in tqdm(_fit_shapes(), desc="timing CPU steps", disable=not progress):
-            reqs = []
-            for i, (c, n) in enumerate([*shape.prefills, *((ctx - 1, 1) for ctx in shape.decodes)]):
-                ids = [FIRST_TOKEN_ID + (i + j) % 997 for j in range(c + n)]
-                req = Request(f"fit-{i}", ids, SamplingParams(max_tokens=1, temperature=0.0))
-                req.blocks = eng.pool.alloc_mem(eng.pool.layout.num_blocks_for(c + n))
-                req.num_computed = c  # KV of the first c tokens stands in the pool
-                reqs.append((req, n))
-            times = []
-            for _ in range(FIT_REPEATS):
-                t0 = time.perf_counter()
-                eng.runner.run(reqs, eng.generator)
-                times.append(time.perf_counter() - t0)
-            measured.append((shape, sorted(times)[FIT_REPEATS // 2]))
-            for req, _ in reqs:
-                eng.pool.free_mem(req.blocks)
+        shapes = _fit_shapes()
+        times: list[list[float]] = [[] for _ in shapes]
+        # FIT_REPEATS passes over all the shapes, each timed once per pass: a neighbour's burst
+        # then disturbs one time of several shapes, which the median drops, not all of one
+        bar = tqdm(total=FIT_REPEATS * len(shapes), desc="timing CPU steps", disable=not progress)
+        for _ in range(FIT_REPEATS):
+            for shape, t in zip(shapes, times):
+                t.append(_time_step(eng, shape))
+                bar.update()
+        bar.close()
         eng.pool.check()
+        measured = [(shape, sorted(t)[FIT_REPEATS // 2]) for shape, t in zip(shapes, times)]
     finally:
         torch.set_num_threads(old)
     return measured
@@ -387,12 +408,7 @@ def with_overhead(model: FittedStepModel, per_step: float, per_row: float = 0.0)
     """``model`` with ``per_step`` more seconds per step and ``per_row`` per sequence in it (a
     runtime's cost around the forward pass; negative ones correct an over-estimate)."""
     step, *middle, rows = model.coefs
-    return FittedStepModel(
-        (step + per_step, *middle, rows + per_row),
-        model.samples,
-        model.relative_error,
-        model.device,
-    )
+    return replace(model, coefs=(step + per_step, *middle, rows + per_row))
 
 
 # --------------------------------------------------------------------------- roofline

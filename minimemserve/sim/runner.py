@@ -15,7 +15,7 @@ import math
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -107,15 +107,17 @@ def cpu_setup(
     runtime_overhead_s: tuple[float, float] = (0.0, 0.0),
     prefill_contention: float = 1.0,
     scheduler: str = "chunked",
+    prefill_scale: float = 1.0,
 ) -> SimSetup:
     """The default ``minimemserve bench`` layout: tiny preset (or ``model_dir``), fp32, the
     bench's engine options, two one-core instances, the token-count routing cost; each step
     costs ``runtime_overhead_s`` = (per step, per sequence) more than ``step_model`` says (the
     process runtime's, measured by ``bench/sim_validate.py``), and a step with prefill work that
-    starts while the other instance computes ``prefill_contention`` times as long
-    (also measured there)."""
+    starts while the other instance computes ``prefill_contention`` times as long, and every step
+    with prefill work ``prefill_scale`` times as long as the fit says (also measured there)."""
     mdir = Path(model_dir or preset_dir("tiny"))
     step_model = with_overhead(step_model, *runtime_overhead_s)
+    step_model = replace(step_model, prefill_scale=prefill_scale)
     mc = ModelConfig.from_hf(mdir)
     cfg = EngineConfig(scheduler=scheduler)
     block_bytes = 2 * mc.num_hidden_layers * cfg.block_size * mc.num_key_value_heads * mc.head_dim
@@ -132,6 +134,7 @@ def cpu_setup(
         "step_model": asdict(step_model),
         "runtime_overhead_s": runtime_overhead_s,
         "prefill_contention": prefill_contention,
+        "prefill_scale": prefill_scale,
         "instances": CPU_INSTANCES,
         "scheduler": scheduler,
     }

@@ -30,7 +30,7 @@ from minimemserve.sim import (
     simulate,
 )
 from minimemserve.sim.cluster import scaled_deployment
-from minimemserve.sim.profiles import DATA_DIR, FEATURES
+from minimemserve.sim.profiles import DATA_DIR, FEATURES, with_overhead
 from minimemserve.sim.runner import CPU_LINK, anchor_time, anchors
 
 # A step model in the range the tiny preset measures on this CPU (seconds per feature).
@@ -289,6 +289,21 @@ def test_fitted_model_recovers_coefficients():
     fitted = FittedStepModel.fit([(s, truth.step_time(s)) for s in shapes])
     assert fitted.coefs == pytest.approx(CPU_COEFS, rel=1e-6)
     assert fitted.relative_error < 1e-9
+
+
+def test_prefill_scale_scales_steps_with_prefill_work_only_and_survives_save(tmp_path):
+    plain = FittedStepModel(CPU_COEFS)
+    scaled = FittedStepModel(CPU_COEFS, prefill_scale=1.25)
+    prefill, mixed = StepShape(((64, 128),), (), 1), StepShape(((0, 64),), (256, 512), 3)
+    decode = StepShape((), (256, 512), 2)
+    assert scaled.step_time(prefill) == pytest.approx(1.25 * plain.step_time(prefill))
+    assert scaled.step_time(mixed) == pytest.approx(1.25 * plain.step_time(mixed))
+    assert scaled.step_time(decode) == plain.step_time(decode)
+    assert FittedStepModel.load(scaled.save(tmp_path / "m.json")) == scaled
+    assert with_overhead(scaled, 0.001).prefill_scale == 1.25
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ConfigError, match="prefill_scale"):
+            FittedStepModel(CPU_COEFS, prefill_scale=bad)
 
 
 def test_calibrate_reads_gpu_steps_json(tmp_path, capsys):
