@@ -375,8 +375,11 @@ class ClusterKey:
 
     def save(self, path: str | Path) -> None:
         """Write the key to a new file ``path``, readable by its owner only."""
-        data = {"secret": self.secret.hex(), "public": self.curve[0].decode(),
-                "private": self.curve[1].decode()}  # fmt: skip
+        data = {
+            "secret": self.secret.hex(),
+            "public": self.curve[0].decode(),
+            "private": self.curve[1].decode(),
+        }
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f)
@@ -468,9 +471,18 @@ class RpcNode:
     another name than :attr:`name` (unless ``any_recipient``: a standalone instance waiting to be
     named) or not fresh are dropped unanswered. Not thread-safe."""
 
-    def __init__(self, name: str, handler: Handler, *, host: str = LOOPBACK, port: int = 0,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, on_wait: Callable[[], None] | None = None,
-                 codec: Codec, curve: tuple[bytes, bytes] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        handler: Handler,
+        *,
+        host: str = LOOPBACK,
+        port: int = 0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        on_wait: Callable[[], None] | None = None,
+        codec: Codec,
+        curve: tuple[bytes, bytes] | None = None,
+    ) -> None:
         """Bind ``host:port`` (port 0: a free one, see :attr:`address`); ``codec`` signs. A
         ``host`` other than loopback needs ``curve``, the cluster's ZeroMQ CURVE key pair
         (``zmq.curve_keypair()``): every socket is then encrypted, and a peer that does not
@@ -644,14 +656,14 @@ class RpcNode:
                 return env.msg
 
     def close(self) -> None:
-        """Close every socket and the context. Idempotent."""
-        for sock in [*(out[0] for out in self._peers.values()), self._server]:
-            sock.close(linger=0)
+        """Close every socket and the context. Idempotent. ``destroy`` also closes a socket an
+        interrupt (Ctrl-C) left unregistered half-way through a connect, on which ``term``
+        would wait forever."""
         self._peers.clear()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
 
 
 class Beacon:
@@ -659,8 +671,9 @@ class Beacon:
     thread with its own sockets (an RpcNode is not thread-safe): the targets hear from this
     process whether it is busy, blocked in a call or idle."""
 
-    def __init__(self, name: str, codec: Codec, period_s: float,
-                 curve: tuple[bytes, bytes] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, name: str, codec: Codec, period_s: float, curve: tuple[bytes, bytes] | None = None
+    ) -> None:
         """Start the thread; add targets with :meth:`add`."""
         self.name, self.codec, self.period_s, self._curve = name, codec, period_s, curve
         self._targets: dict[str, str] = {}  # peer -> address, as wanted
