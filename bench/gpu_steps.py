@@ -193,8 +193,9 @@ def run(dry: bool, backend_name: str | None, model_name: str = "7b", progress=No
     runs = [[c + n for c, n in s.prefills] + [s.context] * s.decodes for s in shapes]
     need = max(sum(layout.num_blocks_for(n) for n in r) for r in runs)
     pool = MemPool(layout, need + 16, device=device, dtype=dtype)
-    backend = make_backend(backend_name, pool.kv("hbm"), layout, cfg.num_attention_heads,
-                           cfg.head_dim**-0.5)  # fmt: skip
+    backend = make_backend(
+        backend_name, pool.kv("hbm"), layout, cfg.num_attention_heads, cfg.head_dim**-0.5
+    )
     warmup, repeats = (1, 2) if dry else (WARMUP, REPEATS)
     results: list[dict] = []
     params = sum(p.numel() for p in model.parameters())
@@ -220,20 +221,25 @@ def run(dry: bool, backend_name: str | None, model_name: str = "7b", progress=No
 
 def print_report(report: dict) -> None:
     """One line per shape."""
-    print(f"{report['device']}: {report['model_name']}, {report['parameters'] / 1e9:.2f}B "
-          f"parameters, {report['dtype']}, {report['backend']} attention")  # fmt: skip
+    print(
+        f"{report['device']}: {report['model_name']}, {report['parameters'] / 1e9:.2f}B "
+        f"parameters, {report['dtype']}, {report['backend']} attention"
+    )
     print(f"{'shape':36}{'median ms':>11}{'p99 ms':>9}{'prepare us':>12}{'tok/s':>11}")
     for r in report["steps"]:
-        print(f"{r['shape']:36}{r['step_ms_median']:>11.2f}{r['step_ms_p99']:>9.2f}"
-              f"{r['prepare_us_median']:>12.0f}{r['tokens_per_s']:>11.0f}")  # fmt: skip
+        print(
+            f"{r['shape']:36}{r['step_ms_median']:>11.2f}{r['step_ms_p99']:>9.2f}"
+            f"{r['prepare_us_median']:>12.0f}{r['tokens_per_s']:>11.0f}"
+        )
 
 
 def main() -> None:
     """Parse options, run, print and write ``gpu_steps.json`` under ``--out``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    ap.add_argument("--model", default="7b", choices=sorted(GPU_MODELS),
-                    help="Llama-2 shape (default: 7b)")  # fmt: skip
+    ap.add_argument(
+        "--model", default="7b", choices=sorted(GPU_MODELS), help="Llama-2 shape (default: 7b)"
+    )
     ap.add_argument("--dry-run", action="store_true", help="tiny model on the CPU")
     ap.add_argument("--backend", default=None, help="attention backend (default: the device's)")
     args = ap.parse_args()

@@ -186,9 +186,16 @@ def bench_decode(batch: int, ctx: int, dtype, device, heads: int, kv_heads: int)
     elem = q.element_size()
     moved = 2 * batch * ctx * kv_heads * HEAD_DIM * elem + 2 * q.numel() * elem
     del pool, kc, vc
-    return {"batch": batch, "context": ctx, "num_splits": plan.num_splits, "ms": t * 1e3,
-            "gbps": moved / t / 1e9, "sdpa_backend": sdpa_name, "sdpa_ms": t_sdpa * 1e3,
-            "sdpa_gbps": moved / t_sdpa / 1e9}  # fmt: skip
+    return {
+        "batch": batch,
+        "context": ctx,
+        "num_splits": plan.num_splits,
+        "ms": t * 1e3,
+        "gbps": moved / t / 1e9,
+        "sdpa_backend": sdpa_name,
+        "sdpa_ms": t_sdpa * 1e3,
+        "sdpa_gbps": moved / t_sdpa / 1e9,
+    }
 
 
 def copy_gbps(device) -> float:
@@ -243,11 +250,19 @@ def bench_prefill(cached: float, dtype, device, heads: int) -> dict:
     if fa is not None:  # [B, S, H, D]; causal aligned to the end of the keys (flash-attn >= 2.1)
         qf, kf, vf = (x.transpose(1, 2).contiguous() for x in (qc, kc, vc))
         t_fa = time_cuda(lambda: fa(qf, kf, vf, causal=True))
-    return {"cached": cached, "context": ctx, "new": new, "ms": t * 1e3,
-            "tflops": flops / t / 1e12, "sdpa_backend": sdpa_name, "sdpa_ms": t_sdpa * 1e3,
-            "sdpa_tflops": flops / t_sdpa / 1e12, "max_abs_err_vs_sdpa": err,
-            "flash_attn_ms": t_fa and t_fa * 1e3,
-            "flash_attn_tflops": t_fa and flops / t_fa / 1e12}  # fmt: skip
+    return {
+        "cached": cached,
+        "context": ctx,
+        "new": new,
+        "ms": t * 1e3,
+        "tflops": flops / t / 1e12,
+        "sdpa_backend": sdpa_name,
+        "sdpa_ms": t_sdpa * 1e3,
+        "sdpa_tflops": flops / t_sdpa / 1e12,
+        "max_abs_err_vs_sdpa": err,
+        "flash_attn_ms": t_fa and t_fa * 1e3,
+        "flash_attn_tflops": t_fa and flops / t_fa / 1e12,
+    }
 
 
 def run_gpu(quick: bool, device: torch.device | None = None, progress=None) -> dict:
@@ -307,14 +322,22 @@ def targets(report: dict) -> list[dict]:
     (``None`` where this run did not measure it)."""
     batch, ctx, want = DECODE_TARGET
     want_row = (batch, ctx, TARGET_DTYPE, TARGET_MODEL)
-    decode = [r["pct_copy"] for r in report["decode"]
-              if (r["batch"], r["context"], r["dtype"], r["model"]) == want_row]  # fmt: skip
+    decode = [
+        r["pct_copy"]
+        for r in report["decode"]
+        if (r["batch"], r["context"], r["dtype"], r["model"]) == want_row
+    ]
     want_row = (0.0, TARGET_DTYPE, TARGET_MODEL)
-    prefill = [r["pct_sdpa"] for r in report["prefill"]
-               if (r["cached"], r["dtype"], r["model"]) == want_row]  # fmt: skip
+    prefill = [
+        r["pct_sdpa"]
+        for r in report["prefill"]
+        if (r["cached"], r["dtype"], r["model"]) == want_row
+    ]
     out = []
-    for text, got, need in ((DECODE_TARGET_TEXT, decode, want),
-                            (PREFILL_TARGET_TEXT, prefill, PREFILL_TARGET)):  # fmt: skip
+    for text, got, need in (
+        (DECODE_TARGET_TEXT, decode, want),
+        (PREFILL_TARGET_TEXT, prefill, PREFILL_TARGET),
+    ):
         value = got[0] if got else None
         met = None if value is None else value >= need
         out.append({"target": text, "value_pct": value, "met": met})
@@ -324,25 +347,35 @@ def targets(report: dict) -> list[dict]:
 def print_gpu(report: dict) -> None:
     """Print the decode and prefill tables of a GPU report and the targets' outcome."""
     pct = lambda x: "unknown" if x is None else f"{x:5.1f}%"
-    print(f"\n{report['device']}: copy {report['copy_gbps']:.0f} GB/s (spec sheet "
-          f"{report['peak_gbps']} GB/s), peak {report['peak_tflops']} TFLOP/s; flash-attn "
-          f"{report['flash_attn']}")  # fmt: skip
+    print(
+        f"\n{report['device']}: copy {report['copy_gbps']:.0f} GB/s (spec sheet "
+        f"{report['peak_gbps']} GB/s), peak {report['peak_tflops']} TFLOP/s; flash-attn "
+        f"{report['flash_attn']}"
+    )
     print("\ndecode (paged_decode vs pinned SDPA on contiguous K/V)")
-    print(f"{'model':11}{'dtype':9}{'batch':>6}{'ctx':>7}{'splits':>7}{'ms':>9}{'GB/s':>9}"
-          f"{'of copy':>9}{'of spec':>9}{'SDPA ms':>9}{'SDPA GB/s':>11}  SDPA backend")  # fmt: skip
+    print(
+        f"{'model':11}{'dtype':9}{'batch':>6}{'ctx':>7}{'splits':>7}{'ms':>9}{'GB/s':>9}"
+        f"{'of copy':>9}{'of spec':>9}{'SDPA ms':>9}{'SDPA GB/s':>11}  SDPA backend"
+    )
     for r in report["decode"]:
-        print(f"{r['model']:11}{r['dtype']:9}{r['batch']:>6}{r['context']:>7}{r['num_splits']:>7}"
-              f"{r['ms']:>9.3f}{r['gbps']:>9.0f}{pct(r['pct_copy']):>9}{pct(r['pct_peak']):>9}"
-              f"{r['sdpa_ms']:>9.3f}{r['sdpa_gbps']:>11.0f}  {r['sdpa_backend']}")  # fmt: skip
+        print(
+            f"{r['model']:11}{r['dtype']:9}{r['batch']:>6}{r['context']:>7}{r['num_splits']:>7}"
+            f"{r['ms']:>9.3f}{r['gbps']:>9.0f}{pct(r['pct_copy']):>9}{pct(r['pct_peak']):>9}"
+            f"{r['sdpa_ms']:>9.3f}{r['sdpa_gbps']:>11.0f}  {r['sdpa_backend']}"
+        )
     print(f"\nprefix prefill ({PREFILL_BATCH} x {PREFILL_TOKENS} tokens)")
-    print(f"{'model':11}{'dtype':9}{'cached':>7}{'ms':>9}{'TFLOP/s':>9}{'of peak':>9}"
-          f"{'SDPA TF/s':>11}{'of SDPA':>9}{'FA TF/s':>9}{'max err':>9}  SDPA backend")  # fmt: skip
+    print(
+        f"{'model':11}{'dtype':9}{'cached':>7}{'ms':>9}{'TFLOP/s':>9}{'of peak':>9}"
+        f"{'SDPA TF/s':>11}{'of SDPA':>9}{'FA TF/s':>9}{'max err':>9}  SDPA backend"
+    )
     for r in report["prefill"]:
         fa = "-" if r["flash_attn_tflops"] is None else f"{r['flash_attn_tflops']:.1f}"
-        print(f"{r['model']:11}{r['dtype']:9}{r['cached']:>7.1f}{r['ms']:>9.3f}"
-              f"{r['tflops']:>9.1f}{pct(r['pct_peak']):>9}{r['sdpa_tflops']:>11.1f}"
-              f"{pct(r['pct_sdpa']):>9}{fa:>9}{r['max_abs_err_vs_sdpa']:>9.4f}"
-              f"  {r['sdpa_backend']}")  # fmt: skip
+        print(
+            f"{r['model']:11}{r['dtype']:9}{r['cached']:>7.1f}{r['ms']:>9.3f}"
+            f"{r['tflops']:>9.1f}{pct(r['pct_peak']):>9}{r['sdpa_tflops']:>11.1f}"
+            f"{pct(r['pct_sdpa']):>9}{fa:>9}{r['max_abs_err_vs_sdpa']:>9.4f}"
+            f"  {r['sdpa_backend']}"
+        )
     print(f"\ndevice-to-device copy: {report['copy_gbps']:.0f} GB/s")
     print("\ntargets:")
     for t in report["targets"]:
@@ -360,19 +393,22 @@ def run_cpu() -> dict:
     errs = []
     for b, n in enumerate(lens):
         kc, vc = contiguous(k_cache, [tables[b]], n), contiguous(v_cache, [tables[b]], n)
-        ref = F.scaled_dot_product_attention(q[b : b + 1, :, None], kc, vc, scale=0.1,
-                                             enable_gqa=True)  # fmt: skip
+        ref = F.scaled_dot_product_attention(
+            q[b : b + 1, :, None], kc, vc, scale=0.1, enable_gqa=True
+        )
         errs.append((out[b] - ref[0, :, 0]).abs().max().item())
     ctx, new = 16, 21
     pool, k_cache, v_cache, tables, bt = paged_pool([ctx + new], n_kv, gen_dtype, "cpu")
     qp, kp, vp = torch.randn(new, 8, HEAD_DIM), *torch.randn(2, new, n_kv, HEAD_DIM)
-    outp = prefix_prefill(qp, kp, vp, k_cache, v_cache, bt, torch.tensor([0, new]),
-                          torch.tensor([ctx]), 0.1)  # fmt: skip
+    outp = prefix_prefill(
+        qp, kp, vp, k_cache, v_cache, bt, torch.tensor([0, new]), torch.tensor([ctx]), 0.1
+    )
     kc = torch.cat([contiguous(k_cache, tables, ctx), kp.transpose(0, 1)[None]], 2)
     vc = torch.cat([contiguous(v_cache, tables, ctx), vp.transpose(0, 1)[None]], 2)
     mask = torch.arange(ctx + new)[None, :] <= torch.arange(ctx, ctx + new)[:, None]
-    ref = F.scaled_dot_product_attention(qp.transpose(0, 1)[None], kc, vc, attn_mask=mask,
-                                         scale=0.1, enable_gqa=True)  # fmt: skip
+    ref = F.scaled_dot_product_attention(
+        qp.transpose(0, 1)[None], kc, vc, attn_mask=mask, scale=0.1, enable_gqa=True
+    )
     errs.append((outp - ref[0].transpose(0, 1)).abs().max().item())
     ok = max(errs) < 1e-4
     print(
@@ -384,8 +420,13 @@ def run_cpu() -> dict:
         print(f"  {text}")
     if not ok:
         raise SystemExit("kernel output differs from SDPA")
-    report = {"device": "cpu", "interpreter_check_ok": ok, "max_abs_err": max(errs),
-              "decode": [], "prefill": []}  # fmt: skip
+    report = {
+        "device": "cpu",
+        "interpreter_check_ok": ok,
+        "max_abs_err": max(errs),
+        "decode": [],
+        "prefill": [],
+    }
     report["targets"] = targets(report)  # not measurable here: value and verdict None
     return report
 

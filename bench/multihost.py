@@ -37,9 +37,16 @@ def target(config: str, runtime: str, spec: TargetSpec):
     """``config`` on ``runtime`` (a key of RUNTIMES), whatever name the bench gives it."""
     cluster, transport = RUNTIMES[runtime]
     o = spec.options
-    return cluster(spec.model_dir, config, engine_config=o.engine_config(), device=o.device,
-                   dtype=o.dtype, cores_per_instance=CORES_PER_INSTANCE,
-                   num_colocated=COLOCATED_INSTANCES, transport=transport)  # fmt: skip
+    return cluster(
+        spec.model_dir,
+        config,
+        engine_config=o.engine_config(),
+        device=o.device,
+        dtype=o.dtype,
+        cores_per_instance=CORES_PER_INSTANCE,
+        num_colocated=COLOCATED_INSTANCES,
+        transport=transport,
+    )
 
 
 def sent_bytes(pool_stats: dict) -> int:
@@ -58,9 +65,14 @@ def main() -> None:
         for c in args.configs.split(",")
         for r in RUNTIMES
     }
-    res = run_bench(configs=list(factories), factories=factories, num_sessions=args.sessions,
-                    rate=args.rate, out_dir=OUT, runtime={"kind": "process vs hosts",
-                                                          "runtimes": list(RUNTIMES)})  # fmt: skip
+    res = run_bench(
+        configs=list(factories),
+        factories=factories,
+        num_sessions=args.sessions,
+        rate=args.rate,
+        out_dir=OUT,
+        runtime={"kind": "process vs hosts", "runtimes": list(RUNTIMES)},
+    )
     s, rows = res["summaries"], []
     print("\nconfig    TTFT gloo/shm   JCT gloo/shm   KV bytes shm / gloo")
     for c in args.configs.split(","):
@@ -73,8 +85,10 @@ def main() -> None:
             "bytes_gloo": sent_bytes(res["pool_stats"][f"{c} gloo"]),
         }
         rows.append(row)
-        print(f"{c:9s} {row['ttft_ratio']:13.2f}x {row['jct_ratio']:13.2f}x   "
-              f"{row['bytes_shm']:,} / {row['bytes_gloo']:,}")  # fmt: skip
+        print(
+            f"{c:9s} {row['ttft_ratio']:13.2f}x {row['jct_ratio']:13.2f}x   "
+            f"{row['bytes_shm']:,} / {row['bytes_gloo']:,}"
+        )
     (OUT / "ratios.json").write_text(json.dumps(rows, indent=1))
 
 

@@ -54,8 +54,20 @@ def prompts(tok: Tokenizer, n: int) -> list[list[int]]:
 
 
 def start_server(config: str, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "minimemserve.cli", "serve", "--config", config, "--port",
-           str(port), "--runtime", "inprocess", "--num-blocks", str(NUM_BLOCKS)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "minimemserve.cli",
+        "serve",
+        "--config",
+        config,
+        "--port",
+        str(port),
+        "--runtime",
+        "inprocess",
+        "--num-blocks",
+        str(NUM_BLOCKS),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -69,8 +81,14 @@ def start_server(config: str, port: int) -> subprocess.Popen:
     raise TimeoutError(f"the {config} server did not start")
 
 
-def drive(url: str, tok: Tokenizer, pool: list[list[int]], clients: int, duration: float,
-          params: SamplingParams) -> dict:  # fmt: skip
+def drive(
+    url: str,
+    tok: Tokenizer,
+    pool: list[list[int]],
+    clients: int,
+    duration: float,
+    params: SamplingParams,
+) -> dict:
     """Keep ``clients`` streams in flight for ``duration`` s; every request's outcome."""
     target = HttpServing(url, tok)
     submitted, outs, i = {}, [], 0
@@ -112,8 +130,9 @@ def drive(url: str, tok: Tokenizer, pool: list[list[int]], clients: int, duratio
     }
 
 
-def in_process_closed(llm: LLM, pool: list[list[int]], clients: int, duration: float,
-                      params: SamplingParams) -> float:  # fmt: skip
+def in_process_closed(
+    llm: LLM, pool: list[list[int]], clients: int, duration: float, params: SamplingParams
+) -> float:
     """Output tokens/s of the LLM's own engine driven as the clients drive the server: the
     same prompts in the same order, ``clients`` in flight for ``duration`` s, then drained."""
     eng, i, inflight, tokens = llm.engine, 0, 0, 0
@@ -143,8 +162,12 @@ def plot(rows: dict[str, dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names, x = list(rows), np.arange(len(rows))
     ax.bar(x - 0.2, [rows[c]["output_tokens_per_s"] for c in names], 0.4, label="server (HTTP)")
-    ax.bar(x + 0.2, [rows[c]["in_process_tokens_per_s"] for c in names], 0.4,
-           label="in process, as many in flight")  # fmt: skip
+    ax.bar(
+        x + 0.2,
+        [rows[c]["in_process_tokens_per_s"] for c in names],
+        0.4,
+        label="in process, as many in flight",
+    )
     ax.set_xticks(x, names)
     ax.set_ylabel("output tokens/s")
     ax.set_title("64 streaming clients vs in-process generate")
@@ -185,18 +208,31 @@ def main() -> None:
         row["generate_tokens_per_s"] = generate_rate(llm, row.pop("prompts"), params)
         row["overhead"] = 1 - row["output_tokens_per_s"] / row["in_process_tokens_per_s"]
         rows[config] = row
-    head = ("config", "done", "failed", "lost", "req/s", "tok/s", "in-proc tok/s (before, after)",
-            "LLM.generate tok/s", "overhead",
-            "TTFT p50/p99 ms", "ITL p50/p99 ms", "TPOT p50/p99 ms")  # fmt: skip
+    head = (
+        "config",
+        "done",
+        "failed",
+        "lost",
+        "req/s",
+        "tok/s",
+        "in-proc tok/s (before, after)",
+        "LLM.generate tok/s",
+        "overhead",
+        "TTFT p50/p99 ms",
+        "ITL p50/p99 ms",
+        "TPOT p50/p99 ms",
+    )
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for c, r in rows.items():
-        print(f"| {c} | {r['completed']} | {r['failed']} | {r['lost']} | {r['requests_per_s']:.2f} "
-              f"| {r['output_tokens_per_s']:.0f} | {r['in_process_tokens_per_s']:.0f} "
-              f"({', '.join(f'{v:.0f}' for v in r['in_process_runs_tokens_per_s'])}) "
-              f"| {r['generate_tokens_per_s']:.0f} "
-              f"| {100 * r['overhead']:.1f}% | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
-              f"| {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} "
-              f"| {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} |")  # fmt: skip
+        print(
+            f"| {c} | {r['completed']} | {r['failed']} | {r['lost']} | {r['requests_per_s']:.2f} "
+            f"| {r['output_tokens_per_s']:.0f} | {r['in_process_tokens_per_s']:.0f} "
+            f"({', '.join(f'{v:.0f}' for v in r['in_process_runs_tokens_per_s'])}) "
+            f"| {r['generate_tokens_per_s']:.0f} "
+            f"| {100 * r['overhead']:.1f}% | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
+            f"| {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} "
+            f"| {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} |"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     setup = {"clients": args.clients, "duration_s": args.duration, "max_tokens": args.max_tokens}

@@ -123,8 +123,12 @@ def allreduce_ms(numel: int, iters: int = 50) -> float:
 def measure(model_dir: Path, size: int, args: argparse.Namespace) -> dict:
     """Prefill and decode step times (and rank 0's collective time) at TP ``size``."""
     torch.set_num_threads(max(1, args.cores // size))
-    cfg = EngineConfig(num_blocks=NUM_BLOCKS, max_num_batched_tokens=max(args.prompt, args.batch),
-                       max_num_seqs=args.batch, tensor_parallel_size=size)  # fmt: skip
+    cfg = EngineConfig(
+        num_blocks=NUM_BLOCKS,
+        max_num_batched_tokens=max(args.prompt, args.batch),
+        max_num_seqs=args.batch,
+        tensor_parallel_size=size,
+    )
     engine = Engine(model_dir, config="PD", engine_config=cfg)
     timer = CollectiveTimer(engine.tp.comm) if size > 1 else None
     g = torch.Generator().manual_seed(0)
@@ -162,8 +166,14 @@ TRANSFER_SIZES = ((1, 1), (2, 1), (1, 2), (2, 2))  # (prefill TP, decode TP)
 def transfer_ms(model_dir: Path, p_tp: int, d_tp: int, args: argparse.Namespace) -> dict:
     """Median milliseconds and bytes of one P -> D transfer at sizes ``p_tp`` / ``d_tp``."""
     torch.set_num_threads(max(1, args.cores // max(p_tp, d_tp)))
-    llm = LLM(model_dir, config="1P1D", tensor_parallel_size=p_tp, decode_tensor_parallel_size=d_tp,
-              num_blocks=NUM_BLOCKS, max_num_batched_tokens=args.transfer_tokens)  # fmt: skip
+    llm = LLM(
+        model_dir,
+        config="1P1D",
+        tensor_parallel_size=p_tp,
+        decode_tensor_parallel_size=d_tp,
+        num_blocks=NUM_BLOCKS,
+        max_num_batched_tokens=args.transfer_tokens,
+    )
     pool, times = llm.pools[0], []
     send = pool.transfer
 
@@ -197,8 +207,10 @@ def main() -> None:
     }
     base = results[args.sizes[0]]
     print(f"prompt {args.prompt}, decode {args.batch} x {args.context} tokens, {args.cores} cores")
-    print("| TP | threads/rank | phase | step ms | speedup | rank 0 in collectives ms/step "
-          "| calls/step | all-reduce alone ms/step |")  # fmt: skip
+    print(
+        "| TP | threads/rank | phase | step ms | speedup | rank 0 in collectives ms/step "
+        "| calls/step | all-reduce alone ms/step |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for size, res in results.items():
         for phase, r in res.items():

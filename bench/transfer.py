@@ -806,8 +806,12 @@ def parse_args() -> argparse.Namespace:
         help="gloo on loopback and across a veth pair into a fresh network namespace "
         "(root; the namespace is removed on exit)",
     )
-    p.add_argument("--out", type=Path, default=None, help=f"default: {RESULTS} or, with "
-                   f"--netns, {RESULTS_NETNS}")  # fmt: skip
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"default: {RESULTS} or, with --netns, {RESULTS_NETNS}",
+    )
     a = p.parse_args()
     default_transports = ("gloo",) if a.netns else TRANSPORTS
     a.transports = [t for t in (a.transports or ",".join(default_transports)).split(",") if t]

@@ -131,8 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--listen", required=True, help="HOST:PORT peers and the frontend reach")
     i.add_argument("--key", required=True, help="cluster key file (minimemserve keygen)")
     i.add_argument("--model", default=None, help="HF checkpoint dir (default: the tiny preset)")
-    i.add_argument("--transport", default="auto", choices=TRANSPORTS,
-                   help="KV transport to peers (auto: shm on this host, else gloo)")  # fmt: skip
+    i.add_argument(
+        "--transport",
+        default="auto",
+        choices=TRANSPORTS,
+        help="KV transport to peers (auto: shm on this host, else gloo)",
+    )
     i.add_argument("--device", default="cpu")
     i.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     i.add_argument("--threads", type=int, default=1, help="torch threads")

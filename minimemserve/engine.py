@@ -182,9 +182,12 @@ class Engine:
         eng.tp, eng.runner = SingleRank(), None
         if model is not None:
             backend = make_backend(
-                cfg.attention, pool.kv("hbm"), pool.layout, model_config.num_attention_heads,
+                cfg.attention,
+                pool.kv("hbm"),
+                pool.layout,
+                model_config.num_attention_heads,
                 model_config.head_dim**-0.5,
-            )  # fmt: skip
+            )
             eng.runner = ModelRunner(model, backend, pool.device)
         return eng
 
@@ -345,8 +348,9 @@ class Engine:
         batch, failed = self.scheduler.schedule()
         return StepPlan(batch, failed, done)
 
-    def postprocess(self, plan: StepPlan, tokens: list[int | None], bad: dict[Request, str]
-                    ) -> list[RequestOutput]:  # fmt: skip
+    def postprocess(
+        self, plan: StepPlan, tokens: list[int | None], bad: dict[Request, str]
+    ) -> list[RequestOutput]:
         """Take the step's sampled ``tokens`` (None: no token for that row yet), end the
         requests in ``bad`` with their error, run stops and hooks; the finished requests."""
         batch, failed = plan.batch, plan.failed

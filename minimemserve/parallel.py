@@ -302,8 +302,9 @@ def _groups(store, rank: int, size: int, device: torch.device, timeout_s: float)
     """The control group (gloo, step metadata on the host) and the compute group. Rank 0 waits
     ``timeout_s`` in each; a worker waits for rank 0's next announcement without end."""
     timeout = timedelta(seconds=timeout_s)
-    control = _gloo(dist.PrefixStore("control", store), rank, size,
-                    timeout if rank == 0 else IDLE_TIMEOUT)  # fmt: skip
+    control = _gloo(
+        dist.PrefixStore("control", store), rank, size, timeout if rank == 0 else IDLE_TIMEOUT
+    )
     make = _COMPUTE_BACKENDS[device.type]
     return control, make(dist.PrefixStore("compute", store), rank, size, timeout)
 
@@ -320,9 +321,13 @@ class HostStore:
             sock.listen(128)
             self.port = sock.getsockname()[1]
             self.store = dist.TCPStore(
-                host, self.port, is_master=True, wait_for_workers=False,
-                timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.fileno(),
-            )  # fmt: skip
+                host,
+                self.port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=timeout_s),
+                master_listen_fd=sock.fileno(),
+            )
             sock.detach()  # the store owns the socket now, and closes it
 
     def close(self) -> None:
@@ -374,19 +379,37 @@ class TPGroup:
     that keeps rank 0 waiting ``timeout_s`` in one collective stops the group, as a dead one
     does."""
 
-    def __init__(self, model_dir, shard: TPShard, num_blocks: int, block_size: int,
-                 attention: str | None, device: torch.device, dtype: torch.dtype,
-                 dram_blocks: int, timeout_s: float):  # fmt: skip
+    def __init__(
+        self,
+        model_dir,
+        shard: TPShard,
+        num_blocks: int,
+        block_size: int,
+        attention: str | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        dram_blocks: int,
+        timeout_s: float,
+    ):
         self.size, self.device, self.dtype, self.shard = shard.size, device, dtype, shard
         self.block_size = block_size
         self.shards = [TPShard(r, shard.size, shard.cfg) for r in range(shard.size)]
         self.dead: str | None = None  # why the group stopped, once it has
         self.timeout_s = timeout_s
         self.store = HostStore(LOOPBACK, START_TIMEOUT.total_seconds())
-        spec = WorkerSpec(str(model_dir), self.size, self.store.port, num_blocks, block_size,
-                          attention, str(device), dtype,
-                          max(1, torch.get_num_threads() // self.size), dram_blocks,
-                          timeout_s)  # fmt: skip
+        spec = WorkerSpec(
+            str(model_dir),
+            self.size,
+            self.store.port,
+            num_blocks,
+            block_size,
+            attention,
+            str(device),
+            dtype,
+            max(1, torch.get_num_threads() // self.size),
+            dram_blocks,
+            timeout_s,
+        )
         ctx = mp.get_context("spawn")
         self.procs = [
             ctx.Process(target=_worker_main, args=(r, spec), daemon=True, name=f"tp-rank{r}")
@@ -527,8 +550,9 @@ class ShardedPool(MemPool):
     def _send(self, dst: MemPool, blocks: list[int], src: list[int], tier: str = HBM) -> None:
         """Gather every head of ``src`` (in ``tier``) from the ranks owning them, write it
         into ``dst``: from dram straight, each rank reading its own shard."""
-        whole = torch.empty(self._model_layout.pool_shape(len(src)), dtype=self.dtype,
-                            device=self.device)  # fmt: skip
+        whole = torch.empty(
+            self._model_layout.pool_shape(len(src)), dtype=self.dtype, device=self.device
+        )
         ids = torch.tensor(src, device=self.device)
         for rank, owned in enumerate(self._owns):
             if not owned:
@@ -591,18 +615,28 @@ class _Worker:
         self.model = build_model(weights, shard, self.comm)
         self.model.to(device=self.device, dtype=spec.dtype).eval()
         layout = shard.kv_layout(spec.block_size)
-        self.kv = torch.zeros(layout.pool_shape(spec.num_blocks), dtype=spec.dtype,
-                              device=self.device)  # fmt: skip
+        self.kv = torch.zeros(
+            layout.pool_shape(spec.num_blocks), dtype=spec.dtype, device=self.device
+        )
         # the dram tier's shard: host memory, pinned on a CUDA machine, as rank 0's pool has it
-        self.tiers = {HBM: self.kv, DRAM: torch.zeros(
-            layout.pool_shape(spec.dram_blocks), dtype=spec.dtype,
-            pin_memory=self.device.type == "cuda")}  # fmt: skip
+        self.tiers = {
+            HBM: self.kv,
+            DRAM: torch.zeros(
+                layout.pool_shape(spec.dram_blocks),
+                dtype=spec.dtype,
+                pin_memory=self.device.type == "cuda",
+            ),
+        }
         self.block_dim = layout.block_dim
         self.backend = make_backend(
             spec.attention, self.kv, layout, shard.heads, cfg.head_dim**-0.5
         )
-        self.ops = {_STEP: self._step, _SEND_KV: self._send_kv, _RECV_KV: self._recv_kv,
-                    _MOVE_KV: self._move_kv}  # fmt: skip
+        self.ops = {
+            _STEP: self._step,
+            _SEND_KV: self._send_kv,
+            _RECV_KV: self._recv_kv,
+            _MOVE_KV: self._move_kv,
+        }
 
     @torch.inference_mode()
     def serve(self) -> None:

@@ -94,8 +94,11 @@ def _log_counts(log: Path) -> dict | None:
 
 def tests(work: Path, name: str, title: str) -> list[str]:
     log = work / f"{name}.log"
-    collected = re.findall(r"(\d+(?:/\d+)? tests? collected[^\n]*)", log.read_text()) if (
-        log.exists()) else []  # fmt: skip
+    collected = (
+        re.findall(r"(\d+(?:/\d+)? tests? collected[^\n]*)", log.read_text())
+        if (log.exists())
+        else []
+    )
     counts, source = _junit(work / f"{name}.xml"), "junit XML"
     if counts is None:
         counts, source = _log_counts(log), "log (no XML: cut short?)"
@@ -117,8 +120,10 @@ def kernels(out: Path) -> list[str]:
     if k is None:
         return ["kernels: no kernels.json"]
     if k.get("device") == "cpu":
-        return [f"kernels (dry run): interpreter check ok = {k.get('interpreter_check_ok')}, "
-                f"max abs error {k.get('max_abs_err', 0):.1e}"]  # fmt: skip
+        return [
+            f"kernels (dry run): interpreter check ok = {k.get('interpreter_check_ok')}, "
+            f"max abs error {k.get('max_abs_err', 0):.1e}"
+        ]
     lines = [
         f"kernels on {k['device']}: copy ceiling {k['copy_gbps']:.0f} GB/s measured "
         f"(spec sheet {k.get('peak_gbps')}); flash-attn {k.get('flash_attn')}",
@@ -126,17 +131,23 @@ def kernels(out: Path) -> list[str]:
     ]
     for r in k.get("decode", []):
         what = f"{r['model']} {SHORT_DTYPE.get(r['dtype'], r['dtype'])} {r['batch']}x{r['context']}"
-        lines.append(f"  {what:28}{r['gbps']:>7.0f}{_pct(r['pct_copy']):>9}"
-                     f"{_pct(r.get('pct_peak')):>9}{r['sdpa_gbps']:>11.0f}"
-                     f"  {r['sdpa_backend']}")  # fmt: skip
-    lines.append(f"  {'prefill 2x4096':28}{'TF/s':>7}{'of SDPA':>9}{'SDPA TF/s':>11}"
-                 f"{'FA TF/s':>9}{'max err':>9}  SDPA backend")  # fmt: skip
+        lines.append(
+            f"  {what:28}{r['gbps']:>7.0f}{_pct(r['pct_copy']):>9}"
+            f"{_pct(r.get('pct_peak')):>9}{r['sdpa_gbps']:>11.0f}"
+            f"  {r['sdpa_backend']}"
+        )
+    lines.append(
+        f"  {'prefill 2x4096':28}{'TF/s':>7}{'of SDPA':>9}{'SDPA TF/s':>11}"
+        f"{'FA TF/s':>9}{'max err':>9}  SDPA backend"
+    )
     for r in k.get("prefill", []):
         what = f"{r['model']} {SHORT_DTYPE.get(r['dtype'], r['dtype'])} cached {r['cached']:.0%}"
         fa = r.get("flash_attn_tflops")
-        lines.append(f"  {what:28}{r['tflops']:>7.0f}{_pct(r['pct_sdpa']):>9}"
-                     f"{r['sdpa_tflops']:>11.0f}{'-' if fa is None else f'{fa:.0f}':>9}"
-                     f"{r['max_abs_err_vs_sdpa']:>9.2g}  {r['sdpa_backend']}")  # fmt: skip
+        lines.append(
+            f"  {what:28}{r['tflops']:>7.0f}{_pct(r['pct_sdpa']):>9}"
+            f"{r['sdpa_tflops']:>11.0f}{'-' if fa is None else f'{fa:.0f}':>9}"
+            f"{r['max_abs_err_vs_sdpa']:>9.2g}  {r['sdpa_backend']}"
+        )
     for t in k.get("targets", []):
         verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
         lines.append(f"  target {verdict} ({_pct(t['value_pct'])}): {t['target']}")
@@ -150,13 +161,17 @@ def steps(out: Path, work: Path) -> list[str]:
         if s is None:
             lines.append(f"model steps {m}: no gpu_steps_{m}.json")
             continue
-        lines.append(f"model steps {s.get('model_name', m)} ({s['parameters'] / 1e9:.2f}B "
-                     f"params, {s['dtype']}, {s['backend']} attention, {len(s['steps'])} "
-                     f"shapes)")  # fmt: skip
+        lines.append(
+            f"model steps {s.get('model_name', m)} ({s['parameters'] / 1e9:.2f}B "
+            f"params, {s['dtype']}, {s['backend']} attention, {len(s['steps'])} "
+            f"shapes)"
+        )
         lines.append(f"  {'shape':34}{'median ms':>10}{'p99 ms':>9}{'tokens/s':>11}")
         for r in s["steps"]:
-            lines.append(f"  {r['shape']:34}{r['step_ms_median']:>10.2f}{r['step_ms_p99']:>9.2f}"
-                         f"{r['tokens_per_s']:>11.0f}")  # fmt: skip
+            lines.append(
+                f"  {r['shape']:34}{r['step_ms_median']:>10.2f}{r['step_ms_p99']:>9.2f}"
+                f"{r['tokens_per_s']:>11.0f}"
+            )
         cal = work / f"calibrate-{m}.log"
         if cal.exists():
             lines.append(f"  sim --calibrate (H200 roofline against these steps), {cal.name}:")

@@ -24,8 +24,19 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu-check.sh"
 MAX_FILES = 8  # what comes back from the machine's $OUT
-STAGES = ("imports", "install", "env", "kernels", "steps-7b", "steps-13b", "calibrate-7b",
-          "calibrate-13b", "gpu-tests", "tp-nccl", "bench4")  # fmt: skip
+STAGES = (
+    "imports",
+    "install",
+    "env",
+    "kernels",
+    "steps-7b",
+    "steps-13b",
+    "calibrate-7b",
+    "calibrate-13b",
+    "gpu-tests",
+    "tp-nccl",
+    "bench4",
+)
 
 # Imported first by every python3 of the rehearsal: a distribution that is not on the image
 # (nor needed by this machine's versions of the image's packages) cannot be imported from
@@ -75,8 +86,11 @@ sys.meta_path.insert(0, HideOffImage())
 
 
 def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("GPU_CHECK_", "PIP_", "VIRTUAL_ENV", "PYTHON"))}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("GPU_CHECK_", "PIP_", "VIRTUAL_ENV", "PYTHON"))
+    }
     env.pop("DRY", None)
     env.pop("OUT", None)
     return env | extra
@@ -86,8 +100,14 @@ def test_no_gpu_says_so_in_one_line_and_stops(tmp_path):
     if shutil.which("nvidia-smi"):
         pytest.skip("this machine has nvidia-smi")
     began = time.monotonic()
-    res = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env=_env(OUT=str(tmp_path)),
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    res = subprocess.run(
+        ["bash", str(SCRIPT)],
+        cwd=REPO,
+        env=_env(OUT=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode != 0
     assert time.monotonic() - began < 10
     out = (res.stdout + res.stderr).strip()
@@ -98,8 +118,12 @@ def test_no_gpu_says_so_in_one_line_and_stops(tmp_path):
 def _copy_tree(dest: Path) -> None:
     """The working tree as the GPU machine receives it: tracked and untracked, not ignored."""
     try:
-        listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
-                                capture_output=True, check=True).stdout  # fmt: skip
+        listed = subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout: the tree the GPU machine receives is unknown")
     for name in filter(None, listed.decode().split("\0")):
@@ -117,16 +141,27 @@ def test_device_rehearsal_installs_the_wheels_and_runs_every_stage(tmp_path):
     _copy_tree(repo)
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     wheel_env = _env(GPU_WHEELS_PYTHON_VERSION=version, GPU_WHEELS_PIP_PYTHON=sys.executable)
-    got = subprocess.run(["bash", "scripts/gpu-wheels.sh"], cwd=repo, capture_output=True,
-                         text=True, timeout=180, env=wheel_env)  # fmt: skip
+    got = subprocess.run(
+        ["bash", "scripts/gpu-wheels.sh"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=wheel_env,
+    )
     if got.returncode != 0:
         pytest.skip(f"could not download the wheels (no network?): {got.stderr[-500:]}")
     wheels = sorted(p.name for p in (repo / ".whl").glob("*.whl"))
     assert {w.split("-")[0] for w in wheels} == {"msgspec", "pyzmq"}, wheels
     assert sum(p.stat().st_size for p in (repo / ".whl").iterdir()) < 16 * 2**20
 
-    listed = subprocess.run(["bash", "scripts/gpu-wheels.sh", "--list"], cwd=repo,
-                            capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    listed = subprocess.run(
+        ["bash", "scripts/gpu-wheels.sh", "--list"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     (image / "site").mkdir(parents=True)
     (image / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE.format(image=listed))
     (image / "bin").mkdir()
@@ -134,16 +169,29 @@ def test_device_rehearsal_installs_the_wheels_and_runs_every_stage(tmp_path):
     python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     python3.chmod(0o755)
     (tmp_path / "home").mkdir()
-    env = _env(PATH=f"{image / 'bin'}:/usr/bin:/bin", HOME=str(tmp_path / "home"),
-               PYTHONPATH=str(image / "site"), PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull,
-               PIP_DISABLE_PIP_VERSION_CHECK="1", http_proxy="http://127.0.0.1:9",
-               https_proxy="http://127.0.0.1:9")  # fmt: skip
-    hidden = subprocess.run(["python3", "-c", "import msgspec"], env=env, cwd=repo,
-                            capture_output=True, text=True)  # fmt: skip
+    env = _env(
+        PATH=f"{image / 'bin'}:/usr/bin:/bin",
+        HOME=str(tmp_path / "home"),
+        PYTHONPATH=str(image / "site"),
+        PIP_NO_INDEX="1",
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+        http_proxy="http://127.0.0.1:9",
+        https_proxy="http://127.0.0.1:9",
+    )
+    hidden = subprocess.run(
+        ["python3", "-c", "import msgspec"], env=env, cwd=repo, capture_output=True, text=True
+    )
     assert hidden.returncode != 0 and "not on the image" in hidden.stderr, hidden.stderr
 
-    res = subprocess.run(["bash", "scripts/gpu-check.sh"], cwd=repo, env=env | {"DRY": "1",
-                         "OUT": str(out)}, capture_output=True, text=True, timeout=400)  # fmt: skip
+    res = subprocess.run(
+        ["bash", "scripts/gpu-check.sh"],
+        cwd=repo,
+        env=env | {"DRY": "1", "OUT": str(out)},
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     log = res.stdout[-4000:] + res.stderr[-3000:]
     assert res.returncode == 0, log
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
@@ -151,8 +199,9 @@ def test_device_rehearsal_installs_the_wheels_and_runs_every_stage(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert summary.startswith("gpu-check: DRY RUN") and "finished" in summary, summary
     for name in STAGES:
-        assert any(line.split()[:1] == [name] and line.endswith(" ok")
-                   for line in summary.splitlines()), (name, summary)  # fmt: skip
+        assert any(
+            line.split()[:1] == [name] and line.endswith(" ok") for line in summary.splitlines()
+        ), (name, summary)
     assert "collected" in summary and "interpreter check ok = True" in summary
     for name in ("gpu_steps_7b.json", "gpu_steps_13b.json"):
         steps = json.loads((out / name).read_text())  # what `sim --calibrate` reads
@@ -172,10 +221,20 @@ def test_a_gpu_with_a_package_missing_fails_at_once(tmp_path):
     (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: Pretend GPU (UUID: GPU-0)'\n")
     (fake / "nvidia-smi").chmod(0o755)
     (fake / "sitecustomize.py").write_text("import sys\nsys.modules['msgspec'] = None\n")
-    env = _env(PATH=f"{fake}:{os.environ['PATH']}", PYTHONPATH=str(fake), OUT=str(out),
-               GPU_CHECK_PYTHON=sys.executable)  # fmt: skip
-    res = subprocess.run(["bash", "scripts/gpu-check.sh"], cwd=repo, env=env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    env = _env(
+        PATH=f"{fake}:{os.environ['PATH']}",
+        PYTHONPATH=str(fake),
+        OUT=str(out),
+        GPU_CHECK_PYTHON=sys.executable,
+    )
+    res = subprocess.run(
+        ["bash", "scripts/gpu-check.sh"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 3, res.stdout + res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and "cannot import" in res.stderr
     assert "msgspec" in res.stderr
@@ -221,14 +280,33 @@ def test_the_gpu_paths_of_the_benchmarks_and_the_summary_on_the_cpu(tmp_path, mo
         shapes = steps.gpu_shapes(100 * 2**30 // per_token)  # 100 GiB of bf16 KV
         batches = {s.decodes for s in shapes if s.name.startswith("decode")}
         assert batches == set(steps.DECODE_BATCHES), (model, [s.name for s in shapes])
-        rows = [{"shape": s.name, "step_ms_median": 1.0, "step_ms_p99": 2.0,
-                 "tokens_per_s": 1e3} for s in shapes]  # fmt: skip
-        (tmp_path / "out" / f"gpu_steps_{model}.json").write_text(json.dumps({
-            "model_name": f"llama2-{model}", "parameters": 7e9, "dtype": "bfloat16",
-            "backend": "triton", "model": sizes, "steps": rows}))  # fmt: skip
+        rows = [
+            {"shape": s.name, "step_ms_median": 1.0, "step_ms_p99": 2.0, "tokens_per_s": 1e3}
+            for s in shapes
+        ]
+        (tmp_path / "out" / f"gpu_steps_{model}.json").write_text(
+            json.dumps(
+                {
+                    "model_name": f"llama2-{model}",
+                    "parameters": 7e9,
+                    "dtype": "bfloat16",
+                    "backend": "triton",
+                    "model": sizes,
+                    "steps": rows,
+                }
+            )
+        )
     (tmp_path / "work" / "stages.tsv").write_text("kernels\tok\t40\t75\n")
-    subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check_summary.py"),
-                    tmp_path / "out", tmp_path / "work", "--final"], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "gpu_check_summary.py"),
+            tmp_path / "out",
+            tmp_path / "work",
+            "--final",
+        ],
+        check=True,
+    )
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "copy ceiling 4300 GB/s" in summary and "llama2-7b bf16 2x48" in summary
     assert "model steps llama2-13b" in summary and "decode 256x" in summary

@@ -51,7 +51,11 @@ else:
 def test_engine_works_without_the_process_runtime_packages(tiny_llama_dir, blocked, named):
     """``import minimemserve`` and ``LLM`` need neither msgspec nor pyzmq (only the process
     runtime does); ``ProcessCluster`` then says which package is missing."""
-    res = subprocess.run([sys.executable, "-c", _WITHOUT, str(tiny_llama_dir), blocked],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-c", _WITHOUT, str(tiny_llama_dir), blocked],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"needs the package {named}" in res.stdout, res.stdout

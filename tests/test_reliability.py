@@ -72,9 +72,15 @@ def test_a_failing_forward_pass_fails_its_batch_and_the_engine_lives(llm, monkey
 
 
 ANY = st.one_of(
-    st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=3),
-    st.lists(st.integers(), max_size=3), st.integers(-5, 40), st.floats(0, 2),
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(),
+    st.text(max_size=3),
+    st.lists(st.integers(), max_size=3),
+    st.integers(-5, 40),
+    st.floats(0, 2),
+)
 FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos")
 
 

@@ -55,9 +55,22 @@ class LocalInstances:
         try:
             for i, (role, host, ns) in enumerate(zip(roles, hosts, netns)):
                 port = pick_free_port(host) if ns is None else pick_free_port()
-                cmd = [sys.executable, "-m", "minimemserve.cli", "instance", "--role", role,
-                       "--listen", f"{host}:{port}", "--key", str(self.key),
-                       "--transport", transport, "--threads", str(threads)]  # fmt: skip
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "minimemserve.cli",
+                    "instance",
+                    "--role",
+                    role,
+                    "--listen",
+                    f"{host}:{port}",
+                    "--key",
+                    str(self.key),
+                    "--transport",
+                    transport,
+                    "--threads",
+                    str(threads),
+                ]
                 if model_dir is not None:
                     cmd += ["--model", str(model_dir)]
                 if ns is not None:
@@ -111,11 +124,23 @@ class HostsCluster(ProcessCluster):
         roles = [r for _, r in parse_config_name(config_name).instances(colocated=num_colocated)]
         self._dir = tempfile.TemporaryDirectory(prefix="mms-hosts-")
         key = os.path.join(self._dir.name, "cluster.key")
-        self.local = LocalInstances(roles, key, model_dir=model_dir, transport=transport,
-                                    threads=cores_per_instance, log_dir=self._dir.name)  # fmt: skip
+        self.local = LocalInstances(
+            roles,
+            key,
+            model_dir=model_dir,
+            transport=transport,
+            threads=cores_per_instance,
+            log_dir=self._dir.name,
+        )
         try:
-            super().__init__(model_dir, config_name, instances=self.local.addresses, key=key,
-                             transport=transport, **kw)  # fmt: skip
+            super().__init__(
+                model_dir,
+                config_name,
+                instances=self.local.addresses,
+                key=key,
+                transport=transport,
+                **kw,
+            )
         except BaseException:
             self.local.close()
             self._dir.cleanup()

@@ -84,8 +84,13 @@ class HttpServing:
         """Token ids of ``prompt`` (the server checks the rest when the request arrives)."""
         return self.tokenizer.prompt_ids(prompt)
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
-                    arrival_time: float | None = None) -> str:  # fmt: skip
+    def add_request(
+        self,
+        prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
         """Start streaming the request in a thread; returns its id."""
         ids = self.validate(prompt, params)
         rid = request_id or f"http-{len(self._open)}-{time.monotonic_ns()}"
@@ -93,11 +98,20 @@ class HttpServing:
             if rid in self._open:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._open[rid] = None
-        body = {"model": self.model, "prompt": ids, "max_tokens": params.max_tokens,
-                "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                "seed": params.seed, "stop_token_ids": list(params.stop_token_ids),
-                "ignore_eos": params.ignore_eos, "stream": True, "return_token_ids": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "model": self.model,
+            "prompt": ids,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "seed": params.seed,
+            "stop_token_ids": list(params.stop_token_ids),
+            "ignore_eos": params.ignore_eos,
+            "stream": True,
+            "return_token_ids": True,
+            "stream_options": {"include_usage": True},
+        }
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         args = (rid, ids, body, RequestMetrics(arrival, prompt_tokens=len(ids)))
         threading.Thread(target=self._stream, args=args, daemon=True).start()

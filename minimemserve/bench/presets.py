@@ -133,8 +133,9 @@ def synthetic_text(max_chars: int, seed: int = 0) -> list[str]:
         for _ in range(rng.randint(4, 24)):
             word = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
             r = rng.random()
-            words.append(word.capitalize() if r < 0.1 else str(rng.randint(0, 9999)) if r < 0.15
-                         else word)  # fmt: skip
+            words.append(
+                word.capitalize() if r < 0.1 else str(rng.randint(0, 9999)) if r < 0.15 else word
+            )
         lines.append(" ".join(words) + rng.choice(".,;:?!"))
         total += len(lines[-1])
     return lines

@@ -39,17 +39,31 @@ class Instance:
 class InProcessCluster:
     """The instances of ``deployment`` here, entry role first: a ``Serving`` and their ``Peers``."""
 
-    def __init__(self, model_dir: str | Path, deployment: Deployment, *,
-                 device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-                 engine_config: EngineConfig | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str | Path,
+        deployment: Deployment,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "float32",
+        engine_config: EngineConfig | None = None,
+    ):
         self.deployment = deployment
         self.instances: list[Instance] = []
         first, ecfg = None, engine_config or EngineConfig()
         for name, role in deployment.instances():
             whole = ecfg.tp_size(role) == 1  # a tensor-parallel instance loads its own shard
-            eng = Engine(model_dir, config=deployment.name, role=role, peers=self, device=device,
-                         dtype=dtype, engine_config=ecfg, instance_id=name,
-                         share_model_with=first if whole else None)  # fmt: skip
+            eng = Engine(
+                model_dir,
+                config=deployment.name,
+                role=role,
+                peers=self,
+                device=device,
+                dtype=dtype,
+                engine_config=ecfg,
+                instance_id=name,
+                share_model_with=first if whole else None,
+            )
             first = first or (eng if whole else None)  # one copy of the weights in the process
             self.instances.append(Instance(name, role, eng))
         self.by_name = {inst.name: inst for inst in self.instances}
@@ -100,8 +114,13 @@ class InProcessCluster:
             inst.engine.validate(ids, params)
         return ids
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
-                    arrival_time: float | None = None) -> str:  # fmt: skip
+    def add_request(
+        self,
+        prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
         """Route to the entry instance with the longest cached prefix (least loaded on ties)."""
         ids = self.validate(prompt, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"

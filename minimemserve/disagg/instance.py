@@ -148,9 +148,13 @@ class Link:
 
     def stats(self) -> dict[str, int | str]:
         """Bytes and messages each way, and the backend."""
-        return {"transport": self.transport.kind.value, "sent_bytes": self.sent_bytes,
-                "recv_bytes": self.recv_bytes, "sent_messages": self.sent_messages,
-                "recv_messages": self.recv_messages}  # fmt: skip
+        return {
+            "transport": self.transport.kind.value,
+            "sent_bytes": self.sent_bytes,
+            "recv_bytes": self.recv_bytes,
+            "sent_messages": self.sent_messages,
+            "recv_messages": self.recv_messages,
+        }
 
 
 class SharedMemPool(MemPool):
@@ -243,8 +247,9 @@ class RemotePool:
         """Post the blocks as one message, then have the peer receive it into ``blocks``."""
         link = self.link
         tag = next(link.tags) % (1 << 31)
-        posted = link.transport.send_blocks(src, src_ids, mode=TransferMode.PACKED, tag=tag,
-                                            wait=False)  # fmt: skip
+        posted = link.transport.send_blocks(
+            src, src_ids, mode=TransferMode.PACKED, tag=tag, wait=False
+        )
         self.node.call(self.peer, rpc.KVData(self._xfer, blocks, tag))
         posted.wait()  # the peer has it: its reply came after its receive finished
         link.sent_bytes += len(src_ids) * src[0].nbytes
@@ -551,9 +556,16 @@ class InstanceServer:
         for key, peer, rank in pending:
             prefix = torch.distributed.PrefixStore(key, self.store)
             try:
-                link = Link(GlooTransport(rank, self.spec.host, store=prefix,
-                                          device=self.engine.device, bind_host=self.spec.host,
-                                          timeout_s=self.spec.timeout_s))  # fmt: skip
+                link = Link(
+                    GlooTransport(
+                        rank,
+                        self.spec.host,
+                        store=prefix,
+                        device=self.engine.device,
+                        bind_host=self.spec.host,
+                        timeout_s=self.spec.timeout_s,
+                    )
+                )
             except TransferError as e:
                 self._peer_down(peer, f"no torch.distributed link: {e}")
                 continue
@@ -616,8 +628,14 @@ class InstanceServer:
         """Tell the frontend where this instance listens and how to map its pool."""
         shared = getattr(self.pool, "shared", None)
         handle = shared.handle.to_dict() if shared is not None else None
-        info = rpc.PeerInfo(self.name, self.spec.role, self.node.address, handle,
-                            host_identity(), self.spec.transport)  # fmt: skip
+        info = rpc.PeerInfo(
+            self.name,
+            self.spec.role,
+            self.node.address,
+            handle,
+            host_identity(),
+            self.spec.transport,
+        )
         self.node.push(FRONTEND, rpc.Ready(info, os.getpid()))
 
     def _heartbeat(self) -> None:
@@ -780,8 +798,13 @@ def _await_join(
     """Bind the listening address and answer frontends until one joins this instance; with
     ``back`` (the session a frontend gave up on), keep telling that frontend it may rejoin."""
     summary, joined = _model_summary(opts.model_dir), []
-    hello = {"role": opts.role, "host": host_identity(), "transport": opts.transport,
-             "device": opts.device, "model": summary}  # fmt: skip
+    hello = {
+        "role": opts.role,
+        "host": host_identity(),
+        "transport": opts.transport,
+        "device": opts.device,
+        "model": summary,
+    }
 
     def handle(sender: str, msg: rpc.Msg) -> rpc.Msg | None:
         if sender != FRONTEND or not isinstance(msg, rpc.Hello | rpc.Join) or joined:

@@ -163,9 +163,14 @@ def _send_back(pool, req: Request, peers: Peers) -> None:
     req.metrics.transferred_bytes += _sent_bytes(pool) - before
 
 
-OPS = {"match": _match, "insert": _insert, "free": _free, "send_back": _send_back,
-       "transfer": partial(_hand_off, with_insert=False),
-       "transfer_with_insert": partial(_hand_off, with_insert=True)}  # fmt: skip
+OPS = {
+    "match": _match,
+    "insert": _insert,
+    "free": _free,
+    "send_back": _send_back,
+    "transfer": partial(_hand_off, with_insert=False),
+    "transfer_with_insert": partial(_hand_off, with_insert=True),
+}
 TRANSFER_OPS = frozenset({"transfer", "transfer_with_insert", "send_back"})
 
 

@@ -130,8 +130,9 @@ class InstanceInfo:
 
     def peer_info(self) -> rpc.PeerInfo:
         """How its peers reach it."""
-        return rpc.PeerInfo(self.name, self.role, self.address, self.handle, self.host,
-                            self.transport)  # fmt: skip
+        return rpc.PeerInfo(
+            self.name, self.role, self.address, self.handle, self.host, self.transport
+        )
 
 
 def pair_transport(a: InstanceInfo, b: InstanceInfo, forced: str = "auto") -> str:
@@ -406,9 +407,17 @@ class ProcessCluster:
 
     def _join_message(self, name: str) -> rpc.Join:
         """What a standalone instance named ``name`` is sent to join this deployment."""
-        return rpc.Join(self.session, name, self.deployment.name, self.node.address,
-                        dataclasses.asdict(self.engine_config), self.timeout_s,
-                        self._heartbeat_s, self.heartbeat_timeout_s, self._linked)  # fmt: skip
+        return rpc.Join(
+            self.session,
+            name,
+            self.deployment.name,
+            self.node.address,
+            dataclasses.asdict(self.engine_config),
+            self.timeout_s,
+            self._heartbeat_s,
+            self.heartbeat_timeout_s,
+            self._linked,
+        )
 
     def _hello(self, name: str, address: str, timeout_s: float) -> tuple[str, dict]:
         """The role and ``Hello`` answer of the instance at ``address``. Asked again every

@@ -295,8 +295,13 @@ class Server:
         async for part in request.stream():
             raw += part
             if len(raw) > MAX_BODY_BYTES:
-                raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes",
-                               "invalid_request_error", "body", "body_too_large")  # fmt: skip
+                raise ApiError(
+                    413,
+                    f"request body over {MAX_BODY_BYTES} bytes",
+                    "invalid_request_error",
+                    "body",
+                    "body_too_large",
+                )
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
@@ -391,8 +396,13 @@ class Server:
     @staticmethod
     def _choice(c: Choice, body: dict, logprobs: dict | None, token_ids: bool) -> dict:
         extra = {"token_ids": c.tokens} if token_ids and c.finish_reason else {}
-        return {"index": c.index, **body, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                **extra}  # fmt: skip
+        return {
+            "index": c.index,
+            **body,
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason,
+            **extra,
+        }
 
     async def _sse(self, gen: Generation, chat: bool, head: dict) -> AsyncIterator[str]:
         parsed = gen.parsed
@@ -401,8 +411,13 @@ class Server:
         try:
             if chat:
                 role = {"role": "assistant", "content": ""}
-                yield send({"choices": [self._choice(c, {"delta": role}, None, False)
-                                        for c in gen.choices]})  # fmt: skip
+                yield send(
+                    {
+                        "choices": [
+                            self._choice(c, {"delta": role}, None, False) for c in gen.choices
+                        ]
+                    }
+                )
             async for c, text, lps in self.run(gen, None):
                 if not (text or lps or c.finish_reason):
                     continue
@@ -515,8 +530,13 @@ def make_server(args: argparse.Namespace) -> Server:
 
     def make() -> Serving:
         if args.runtime == "inprocess":
-            llm = LLM(model_dir, config=args.config, device=args.device, dtype=args.dtype,
-                      **dataclasses.asdict(ecfg))  # fmt: skip
+            llm = LLM(
+                model_dir,
+                config=args.config,
+                device=args.device,
+                dtype=args.dtype,
+                **dataclasses.asdict(ecfg),
+            )
             return llm.engine
         return ProcessCluster(
             model_dir,
@@ -567,6 +587,11 @@ def main(args: argparse.Namespace) -> int:
         f"http://{args.host}:{args.port}",
         flush=True,
     )
-    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level=args.log_level,
-                limit_concurrency=args.max_pending + SPARE_CONNECTIONS)  # fmt: skip
+    uvicorn.run(
+        build_app(server),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        limit_concurrency=args.max_pending + SPARE_CONNECTIONS,
+    )
     return 0

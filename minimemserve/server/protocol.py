@@ -25,8 +25,14 @@ MAX_STOP_STRINGS = 16
 DEFAULT_COMPLETION_TOKENS = 16
 CHAT_ROLES = ("system", "user", "assistant")
 # Fields of OpenAI's API this server does not implement: accepted only at their neutral value.
-_UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": "", "frequency_penalty": 0,
-                "presence_penalty": 0, "logit_bias": {}}  # fmt: skip
+_UNSUPPORTED = {
+    "echo": False,
+    "best_of": 1,
+    "suffix": "",
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "logit_bias": {},
+}
 # The checkpoint file that may hold a Jinja chat template (HF's ``chat_template`` field).
 CHAT_CONFIG = "tokenizer_config.json"
 # Llama-2's chat format, used when the checkpoint ships no chat template.
@@ -244,8 +250,11 @@ def _sampling(body: dict, chat: bool, room: int) -> SamplingParams:
     if max_tokens is None:
         max_tokens = max(room, 1) if chat else DEFAULT_COMPLETION_TOKENS
     elif isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > room:
-        raise BadField(param, f"'{param}' is {max_tokens} but the context leaves room for "
-                       f"{max(room, 0)} tokens after the prompt")  # fmt: skip
+        raise BadField(
+            param,
+            f"'{param}' is {max_tokens} but the context leaves room for "
+            f"{max(room, 0)} tokens after the prompt",
+        )
     if chat:
         logprobs = _get(body, "top_logprobs", int, 0) if _get(body, "logprobs", bool) else None
     else:

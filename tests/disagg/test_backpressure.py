@@ -59,9 +59,11 @@ def test_churn_in_process(tiny_llama_dir, reference, config, num_blocks):
 def test_churn_across_processes(tiny_llama_dir, reference, config, num_blocks):
     prompts, ref = reference
     with ProcessCluster(
-        tiny_llama_dir, config, engine_config=EngineConfig(num_blocks=num_blocks),
+        tiny_llama_dir,
+        config,
+        engine_config=EngineConfig(num_blocks=num_blocks),
         start_method="forkserver",
-    ) as cluster:  # fmt: skip
+    ) as cluster:
         rids = [cluster.add_request(p, PARAMS, request_id=f"r{i}") for i, p in enumerate(prompts)]
         outs = {o.request_id: o for o in cluster.run_until_done(timeout_s=300)}
         assert [outs[r].finish_reason for r in rids] == ["length"] * len(prompts), [

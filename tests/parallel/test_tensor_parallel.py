@@ -102,8 +102,12 @@ def test_shards_reassemble_the_weights(tiny_llama_factory, kv_heads):
     full = load_weights(path, cfg)
     parts = [shard_weights(full, TPShard(r, 2, cfg)) for r in range(2)]
     p = "model.layers.1."
-    for name, dim in [("self_attn.q_proj", 0), ("mlp.gate_proj", 0), ("self_attn.o_proj", 1),
-                      ("mlp.down_proj", 1)]:  # fmt: skip
+    for name, dim in [
+        ("self_attn.q_proj", 0),
+        ("mlp.gate_proj", 0),
+        ("self_attn.o_proj", 1),
+        ("mlp.down_proj", 1),
+    ]:
         key = f"{p}{name}.weight"
         assert torch.equal(torch.cat([s[key] for s in parts], dim), full[key])
     k = f"{p}self_attn.k_proj.weight"
@@ -158,8 +162,13 @@ def test_dead_rank_fails_requests_without_hanging(tiny_llama_dir):
 def test_stopped_rank_fails_requests_within_the_deadline(tiny_llama_dir):
     """A rank that stops answering (SIGSTOP: as a slow or cut-off one) is killed once it
     misses a collective's deadline, and its instance fails as when the rank dies."""
-    with LLM(tiny_llama_dir, config="PD-CC", tensor_parallel_size=2,
-             collective_timeout_s=STOPPED_DEADLINE_S, **ENGINE) as llm:  # fmt: skip
+    with LLM(
+        tiny_llama_dir,
+        config="PD-CC",
+        tensor_parallel_size=2,
+        collective_timeout_s=STOPPED_DEADLINE_S,
+        **ENGINE,
+    ) as llm:
         llm.generate([[5, 6, 7, 8, 9]], GREEDY)
         (worker,) = llm.engine.instances[0].engine.tp.procs
         os.kill(worker.pid, signal.SIGSTOP)
@@ -184,8 +193,13 @@ def test_collective_timeout_is_validated():
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2), (2, 2)], ids=["P2-D1", "P1-D2", "P2-D2"])
 def test_heterogeneous_disaggregation_keeps_greedy_tokens(tiny_llama_dir, config, p_tp, d_tp):
     expected = _multi_turn(LLM(tiny_llama_dir, config="PD", **ENGINE))
-    with LLM(tiny_llama_dir, config=config, tensor_parallel_size=p_tp,
-             decode_tensor_parallel_size=d_tp, **ENGINE) as llm:  # fmt: skip
+    with LLM(
+        tiny_llama_dir,
+        config=config,
+        tensor_parallel_size=p_tp,
+        decode_tensor_parallel_size=d_tp,
+        **ENGINE,
+    ) as llm:
         assert _multi_turn(llm) == expected
         llm.engine.check_pools()
         if p_tp > 1:  # P's second rank sent its heads
@@ -205,21 +219,28 @@ def test_transfer_moves_each_head_slice_between_its_ranks(tiny_llama_factory, kv
     cfg = ModelConfig.from_hf(path)
     prompt = list(range(10, 31))  # 21 tokens: 6 blocks of 4
     two = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2)  # decoded on D
-    with LLM(path, config="1P1D", tensor_parallel_size=2, decode_tensor_parallel_size=1,
-             **ENGINE) as p2, LLM(path, config="1P1D", tensor_parallel_size=1,
-             decode_tensor_parallel_size=2, **ENGINE) as d2:  # fmt: skip
+    with (
+        LLM(
+            path, config="1P1D", tensor_parallel_size=2, decode_tensor_parallel_size=1, **ENGINE
+        ) as p2,
+        LLM(
+            path, config="1P1D", tensor_parallel_size=1, decode_tensor_parallel_size=2, **ENGINE
+        ) as d2,
+    ):
         for llm in (p2, d2):
             llm.generate([prompt], two)
         per_rank = _piece_bytes(cfg, 6, 1)  # one KV head per rank (split or replicated)
         sent, received = p2.pools[0].moved, d2.pools[1].moved
         if kv_heads == 2:  # each rank sends its own head
-            assert dict(sent) == {("sent", r, k): v for r in (0, 1)
-                                  for k, v in (("pieces", 6), ("bytes", per_rank))}  # fmt: skip
+            assert dict(sent) == {
+                ("sent", r, k): v for r in (0, 1) for k, v in (("pieces", 6), ("bytes", per_rank))
+            }
         else:  # the one head is sent once, by the first rank holding it
             assert dict(sent) == {("sent", 0, "pieces"): 6, ("sent", 0, "bytes"): per_rank}
         # every rank receives the heads it holds (a replicated head goes to both)
-        assert dict(received) == {("received", r, k): v for r in (0, 1)
-                                  for k, v in (("pieces", 6), ("bytes", per_rank))}  # fmt: skip
+        assert dict(received) == {
+            ("received", r, k): v for r in (0, 1) for k, v in (("pieces", 6), ("bytes", per_rank))
+        }
         whole = _piece_bytes(cfg, 6, kv_heads)
         assert p2.pools[0].stats()["counters"]["sent_bytes"] == whole
         assert d2.pools[1].stats()["counters"]["recv_bytes"] == whole
@@ -228,8 +249,13 @@ def test_transfer_moves_each_head_slice_between_its_ranks(tiny_llama_factory, kv
 def test_caching_transfer_sends_only_missing_blocks_across_sizes(tiny_llama_dir):
     prompt = list(range(10, 31))  # 21 tokens: 6 blocks of 4
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4)
-    with LLM(tiny_llama_dir, config="1P1D-CC", tensor_parallel_size=2,
-             decode_tensor_parallel_size=1, **ENGINE) as llm:  # fmt: skip
+    with LLM(
+        tiny_llama_dir,
+        config="1P1D-CC",
+        tensor_parallel_size=2,
+        decode_tensor_parallel_size=1,
+        **ENGINE,
+    ) as llm:
         out = llm.generate([prompt], params)[0].token_ids
         sent = llm.pools[0].moved[("sent", 1, "pieces")]
         assert sent == 6
@@ -261,8 +287,9 @@ def _running(pid: int) -> bool:
 
 
 def test_workers_exit_when_rank_0_is_killed(tiny_llama_dir):
-    rank0 = subprocess.Popen([sys.executable, "-c", _RANK0, str(tiny_llama_dir)],
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", _RANK0, str(tiny_llama_dir)], stdout=subprocess.PIPE, text=True
+    )
     try:
         worker = int(rank0.stdout.readline())
         assert _running(worker)
@@ -277,8 +304,9 @@ def test_workers_exit_when_rank_0_is_killed(tiny_llama_dir):
 
 def test_every_socket_of_the_group_listens_on_loopback_only(tiny_llama_dir):
     before = listening(os.getpid())
-    engine = Engine(tiny_llama_dir, engine_config=EngineConfig(tensor_parallel_size=2,
-                                                                num_blocks=8))  # fmt: skip
+    engine = Engine(
+        tiny_llama_dir, engine_config=EngineConfig(tensor_parallel_size=2, num_blocks=8)
+    )
     try:
         rank0 = listening(os.getpid()) - before
         (worker,) = engine.tp.procs
@@ -290,8 +318,9 @@ def test_every_socket_of_the_group_listens_on_loopback_only(tiny_llama_dir):
 
 def test_process_cluster_refuses_tensor_parallel_instances(tiny_llama_dir):
     with pytest.raises(ConfigError, match="in-process"):
-        ProcessCluster(tiny_llama_dir, "1P1D", engine_config=EngineConfig(
-            decode_tensor_parallel_size=2))  # fmt: skip
+        ProcessCluster(
+            tiny_llama_dir, "1P1D", engine_config=EngineConfig(decode_tensor_parallel_size=2)
+        )
 
 
 @pytest.mark.gpu

@@ -116,13 +116,28 @@ def test_round_trip(tmp_path):
 
 def test_load_transfer_samples(tmp_path):
     rows = [
-        {"transport": "shm", "mode": "by_request_aggregated", "concurrency": 1,
-         "bytes_per_round": 1000, "ms_median": 2.0},
-        {"transport": "shm", "mode": "by_request_aggregated", "concurrency": 16,
-         "bytes_per_round": 16000, "ms_median": 9.0},
-        {"transport": "gloo", "mode": "by_request_aggregated", "concurrency": 1,
-         "bytes_per_round": 1000, "ms_median": 5.0},
-    ]  # fmt: skip
+        {
+            "transport": "shm",
+            "mode": "by_request_aggregated",
+            "concurrency": 1,
+            "bytes_per_round": 1000,
+            "ms_median": 2.0,
+        },
+        {
+            "transport": "shm",
+            "mode": "by_request_aggregated",
+            "concurrency": 16,
+            "bytes_per_round": 16000,
+            "ms_median": 9.0,
+        },
+        {
+            "transport": "gloo",
+            "mode": "by_request_aggregated",
+            "concurrency": 1,
+            "bytes_per_round": 1000,
+            "ms_median": 5.0,
+        },
+    ]
     path = tmp_path / "transfer.json"
     path.write_text(json.dumps({"rows": rows}))
     assert load_transfer_samples(path) == [(1000, 2.0e-3)]

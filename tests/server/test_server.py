@@ -54,10 +54,27 @@ class Server:
     def __init__(self, model_dir, config: str, runtime: str, *extra: str) -> None:
         self.port, self.config = _free_port(), config
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "minimemserve.cli", "serve", "--model", str(model_dir),
-               "--served-model-name", MODEL, "--config", config, "--runtime", runtime,
-               "--port", str(self.port), "--num-blocks", str(NUM_BLOCKS),
-               "--num-colocated", "1", *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "minimemserve.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            MODEL,
+            "--config",
+            config,
+            "--runtime",
+            runtime,
+            "--port",
+            str(self.port),
+            "--num-blocks",
+            str(NUM_BLOCKS),
+            "--num-colocated",
+            "1",
+            *extra,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -140,8 +157,13 @@ def test_completion_is_the_library_greedy_text(server, reference):
 def test_streaming_chat_with_usage_equals_the_whole_answer(server):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
     # 64 tokens: long enough that some arrive while the request still runs, even on a busy machine
-    kw = dict(model=MODEL, messages=messages, max_tokens=64, temperature=0,
-              extra_body={"ignore_eos": True})  # fmt: skip
+    kw = dict(
+        model=MODEL,
+        messages=messages,
+        max_tokens=64,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     whole = server.client.chat.completions.create(**kw)
     chunks = list(
         server.client.chat.completions.create(
@@ -187,8 +209,11 @@ def test_second_chat_turn_reports_the_cached_prefix(server, tiny_llama_dir):
         model=MODEL, messages=first, max_tokens=8, temperature=0
     )
     shared = a.usage.prompt_tokens_details.cached_tokens  # the system prompt, seen before
-    second = [*first, {"role": "assistant", "content": a.choices[0].message.content},
-              {"role": "user", "content": "And what should I leave at home?"}]  # fmt: skip
+    second = [
+        *first,
+        {"role": "assistant", "content": a.choices[0].message.content},
+        {"role": "user", "content": "And what should I leave at home?"},
+    ]
     server.wait_released()
     before = server.total("minimemserve:prefix_cache_hits_total", 'role="colocated"')
     b = server.client.chat.completions.create(
@@ -295,9 +320,13 @@ def test_hostile_bodies_fail_alone(server):
 
 def test_closing_a_stream_midway_frees_its_blocks(server):
     stream = server.client.completions.create(
-        model=MODEL, prompt="Once upon a time", max_tokens=400, temperature=0, stream=True,
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     got = [next(iter(stream)) for _ in range(3)]
     assert all(c.choices[0].finish_reason is None for c in got)
     assert server.total("minimemserve:kv_cache_blocks", 'state="referenced"') > 0
@@ -318,18 +347,33 @@ def test_logprobs_come_back_for_each_token(server):
     assert len(lp.token_logprobs) == 4 and all(len(t) == 3 for t in lp.top_logprobs)
     assert all(v <= 0 for v in lp.token_logprobs)
     c = server.client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-        temperature=0, logprobs=True, top_logprobs=2,
-    )  # fmt: skip
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = c.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
 
 
 def test_the_benchmark_replays_a_workload_over_http(server, tiny_llama_dir):
     factories = endpoint_targets([f"{server.config}={server.url}"])
-    res = run_bench(configs=[server.config], workload="sharegpt", num_sessions=3, rate=50.0,
-                    max_turns=2, max_output_tokens=6, max_context=400, model_dir=tiny_llama_dir,
-                    out_dir=None, factories=factories, progress=False, verbose=False)  # fmt: skip
+    res = run_bench(
+        configs=[server.config],
+        workload="sharegpt",
+        num_sessions=3,
+        rate=50.0,
+        max_turns=2,
+        max_output_tokens=6,
+        max_context=400,
+        model_dir=tiny_llama_dir,
+        out_dir=None,
+        factories=factories,
+        progress=False,
+        verbose=False,
+    )
     records = res["records"][server.config]
     assert len(records) == 6 and all(r["error"] is None for r in records), records
     assert all(r["ttft"] > 0 and r["jct"] >= r["ttft"] and r["output_tokens"] == 6 for r in records)
@@ -365,8 +409,15 @@ def test_a_tensor_parallel_server_answers_as_the_library_and_fails_a_stopped_ran
     tiny_llama_dir, reference
 ):
     deadline_s = 4.0
-    srv = Server(tiny_llama_dir, "1P1D-CC", "inprocess", "--tensor-parallel-size", "2",
-                 "--collective-timeout", str(deadline_s))  # fmt: skip
+    srv = Server(
+        tiny_llama_dir,
+        "1P1D-CC",
+        "inprocess",
+        "--tensor-parallel-size",
+        "2",
+        "--collective-timeout",
+        str(deadline_s),
+    )
     try:
         prompt = "Tensor parallel serving splits every layer"
         r = srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
@@ -387,14 +438,27 @@ def test_a_tensor_parallel_server_answers_as_the_library_and_fails_a_stopped_ran
 
 
 def test_a_server_over_instances_started_on_their_own(tiny_llama_dir, reference, tmp_path):
-    with LocalInstances(["prefill", "decode"], tmp_path / "k", model_dir=tiny_llama_dir,
-                        transport="gloo", log_dir=tmp_path) as inst:  # fmt: skip
-        srv = Server(tiny_llama_dir, "1P1D-CC", "process", "--instances", ",".join(inst.addresses),
-                     "--key", str(inst.key))  # fmt: skip
+    with LocalInstances(
+        ["prefill", "decode"],
+        tmp_path / "k",
+        model_dir=tiny_llama_dir,
+        transport="gloo",
+        log_dir=tmp_path,
+    ) as inst:
+        srv = Server(
+            tiny_llama_dir,
+            "1P1D-CC",
+            "process",
+            "--instances",
+            ",".join(inst.addresses),
+            "--key",
+            str(inst.key),
+        )
         try:
             prompt = "Two hosts share the work of one request"
-            r = srv.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
-                                              temperature=0)  # fmt: skip
+            r = srv.client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=8, temperature=0
+            )
             ref = reference.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))[0]
             assert r.choices[0].text == ref.text
             assert srv.total("minimemserve:kv_transfer_bytes_total") > 0

@@ -25,8 +25,12 @@ def test_cpu_launch_without_interpreter_is_refused_clearly():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""
     res = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+        [sys.executable, "-c", SCRIPT],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=120,
-    )  # fmt: skip
+    )
     assert res.returncode == 0, res.stderr
     assert "refused:" in res.stdout and "TRITON_INTERPRET=1" in res.stdout

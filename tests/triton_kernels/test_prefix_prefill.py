@@ -76,9 +76,15 @@ def check_prefill(block_size, ctx, new, n_kv, group, head_dim, kind, dtype):
     seed = block_size + sum(ctx) + 7 * sum(new) + head_dim
     gen = torch.Generator(DEVICE).manual_seed(seed)
     p = make_pool(
-        [c + n for c, n in zip(ctx, new)], block_size, n_kv, head_dim, dtype, kind, seed,
+        [c + n for c, n in zip(ctx, new)],
+        block_size,
+        n_kv,
+        head_dim,
+        dtype,
+        kind,
+        seed,
         valid_lens=ctx,
-    )  # fmt: skip
+    )
     num_tokens, heads = sum(new), n_kv * group
     q = torch.randn(num_tokens, heads, head_dim, generator=gen, device=DEVICE).to(dtype)
     k = _new_kv(num_tokens, n_kv, head_dim, dtype, gen)
