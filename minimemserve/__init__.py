@@ -1,7 +1,7 @@
 """minimemserve: a compact Llama-2 serving engine built on one elastic KV memory pool.
 
 Context caching and prefill/decode disaggregation are compositions of MemPool calls (the
-table in ``minimemserve.disagg.recipes``). Importing this package touches no device, and
+table in ``minimemserve.recipes``). Importing this package touches no device, and
 needs neither ``msgspec`` nor ``pyzmq``: only the process runtime (``ProcessCluster``, loaded
 on first use) does."""
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .disagg.recipes import MILESTONES, Milestone
 from .errors import ConfigError
+from .recipes import MILESTONES, Milestone
 from .scheduler.local import POLICIES as SCHEDULERS
 
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of host RAM: 64k tokens of the tiny fp32 preset

@@ -16,7 +16,6 @@ import torch
 from .attention import make_backend
 from .attention.base import SeqSlice
 from .config import EngineConfig, parse_config_name, resolve_dtype
-from .disagg.recipes import Hook, Outcome, Peers, Recipe
 from .errors import ConfigError, InvalidRequest, PoolExhausted, SamplingError
 from .mempool import MemPool, PoolAccountingError
 from .model.config import ModelConfig
@@ -24,6 +23,7 @@ from .model.llama import LlamaModel
 from .model.loader import load_weights
 from .model.tokenizer import Tokenizer
 from .parallel import SingleRank, TPGroup, TPShard
+from .recipes import Hook, Outcome, Peers, Recipe
 from .request import Request, RequestOutput, Status, TokenDelta
 from .sampling import SamplingParams, sample, token_logprobs
 from .scheduler.local import LocalScheduler

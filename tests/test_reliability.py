@@ -9,10 +9,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minimemserve import LLM, SamplingParams
+from minimemserve import LLM, SamplingParams, recipes
 from minimemserve import engine as engine_module
 from minimemserve.config import EngineConfig
-from minimemserve.disagg import recipes
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.errors import SamplingError
 

@@ -15,9 +15,9 @@ import torch
 from ..config import Deployment, EngineConfig
 from ..engine import Engine
 from ..errors import InstanceDied
+from ..recipes import decode_preference
 from ..request import Request, RequestOutput, TokenDelta
 from ..sampling import SamplingParams
-from .recipes import decode_preference
 
 
 class Instance:

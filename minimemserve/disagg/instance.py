@@ -49,9 +49,9 @@ from ..errors import InstanceDied, InvalidRequest, RemoteError, TransferError
 from ..mempool import MemPool
 from ..mempool.shared import SharedPoolTensor, attach, segment_path
 from ..model.config import ModelConfig
+from ..recipes import decode_preference
 from ..request import Request, logprobs_fit
 from . import rpc
-from .recipes import decode_preference
 from .transports import GlooTransport, TransferMode
 
 logger = logging.getLogger(__name__)

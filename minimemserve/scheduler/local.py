@@ -8,8 +8,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from ..disagg.recipes import Hook, Recipe
 from ..errors import ConfigError, PoolExhausted
+from ..recipes import Hook, Recipe
 from ..request import Request, Status
 
 # ``chunked``: decodes first, prompts fill the rest of the budget in chunks (vLLM and SGLang

@@ -32,12 +32,12 @@ from minimemserve.bench.driver import _record, greedy_params
 from minimemserve.bench.workloads import Session, build_prompt, poisson_arrivals, total_turns
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.config import Deployment, EngineConfig, parse_config_name
-from minimemserve.disagg.recipes import decode_preference
 from minimemserve.engine import Engine, StepPlan
 from minimemserve.errors import ConfigError, InstanceDied, PoolExhausted
 from minimemserve.mempool import MemPool
 from minimemserve.model.config import ModelConfig
 from minimemserve.parallel import TPShard
+from minimemserve.recipes import decode_preference
 from minimemserve.request import Request, RequestOutput
 from minimemserve.scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
-from ..errors import PoolExhausted, RemoteError, TransferError
-from ..request import Request
+from .errors import PoolExhausted, RemoteError, TransferError
+from .request import Request
 
 logger = logging.getLogger(__name__)
 
