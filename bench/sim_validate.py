@@ -7,14 +7,15 @@ disturbed) unless ``--cpu-model`` is given, then runs each configuration of the 
 benchmark for real (process runtime, one core per instance, two colocated instances,
 ``prompt_tree`` routing), all of them in turn ``--repeats`` times (default 3), with a
 calibration of the process runtime (~10 s) before the first real run and after each: its
-per-step cost beyond the forward pass (decode batches on both instances), a lone prefill's
-time against the model's, and how much longer a prefill takes while the other instance
-decodes. The machine is shared and its speed drifts from minute to minute, so each real run
-is simulated (same sessions, same seed, same instance layout) with the mean runtime cost and
-prefill speed of the calibrations just before and just after it, and the median contention
-of all. Prints measured against predicted mean
-TTFT and mean JCT per configuration (means over the repeats), with the ranking of each and
-how far the real runs separate neighbouring configurations. 8-10 minutes. Writes
+per-step cost beyond the forward pass (decode batches on one instance alone), a lone
+prefill's time against the model's, and how much longer a step takes while the other
+instance computes (timed on prefills beside decodes; the simulator slows every step that
+starts beside another's by it). The machine is shared and its speed drifts from minute to
+minute, so each real run is simulated (same sessions, same seed, same instance layout) with
+the mean runtime cost and prefill speed of the calibrations just before and just after it,
+and the median contention of all. Prints measured against predicted mean TTFT and mean JCT
+per configuration (means over the repeats), with the ranking of each and how far the real
+runs separate neighbouring configurations. 8-10 minutes. Writes
 ``sim_validate.json`` and ``sim_validate.png`` under ``--out``.
 """
 
@@ -47,7 +48,7 @@ TARGET_ERROR = 0.20  # the accuracy the simulator aims for on each mean
 OVERHEAD_PROMPT_TOKENS, OVERHEAD_OUTPUT_TOKENS = 64, 64
 # Requests decoding together on each instance while the runtime's overhead is measured.
 OVERHEAD_BATCHES = (1, 16)
-# Prefill contention: prompts timed on one instance, alone and while the other decodes.
+# Contention: prompts timed on one instance, alone and while the other decodes.
 CONTENTION_PROMPT_TOKENS, CONTENTION_PREFILLS, CONTENTION_DECODES = 384, 5, 4
 FIRST_PROMPT_TOKEN = 3  # ids 0-2 are <unk>, <s>, </s> in the presets
 # A step-model fit whose mean error exceeds this was disturbed (the machine is shared): it is
@@ -61,20 +62,19 @@ def measure_runtime_overhead(
     model_dir: str | Path | None = None,
 ) -> tuple[float, float]:
     """Seconds the process runtime adds beyond ``step_model``'s forward pass (its loop,
-    scheduling and postprocess, control plane, the frontend sharing the cores), per step and
-    per sequence in the step: decodes of ``b`` requests on each of the bench's two one-core
-    colocated instances, for each ``b`` in :data:`OVERHEAD_BATCHES`; measured TPOT less the
-    modelled step, fitted as ``per_step + per_row * b``. Either is negative where the fit
-    over-estimates those steps (it drifts between fits), down to the fit's own coefficient."""
+    scheduling and postprocess, control plane, the frontend), per step and per sequence in the
+    step, for an instance alone on the machine: decodes of ``b`` requests on one one-core
+    instance, for each ``b`` in :data:`OVERHEAD_BATCHES`; measured TPOT less the modelled step,
+    fitted as ``per_step + per_row * b``. Either is negative where the fit over-estimates those
+    steps (it is timed two at a time, and drifts), down to the fit's own coefficient. A step
+    beside the other instance's is slowed by :func:`measure_contention`'s factor."""
     mdir = Path(model_dir or preset_dir("tiny"))
     params = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
     ctx = OVERHEAD_PROMPT_TOKENS + OVERHEAD_OUTPUT_TOKENS // 2
     extra = []
-    with ProcessCluster(
-        mdir, "PD", cores_per_instance=1, num_colocated=CPU_INSTANCES, policy="round_robin"
-    ) as c:
+    with ProcessCluster(mdir, "PD", cores_per_instance=1, num_colocated=1) as c:
         for b in OVERHEAD_BATCHES:
-            for i in range(b * CPU_INSTANCES):
+            for i in range(b):
                 prompt = [
                     FIRST_PROMPT_TOKEN + (i * 7 + j) % 1000 for j in range(OVERHEAD_PROMPT_TOKENS)
                 ]
@@ -89,13 +89,14 @@ def measure_runtime_overhead(
     return max(-step, o1 - per_row * b1), per_row
 
 
-def measure_prefill_contention(model_dir: str | Path | None = None) -> tuple[float, float]:
+def measure_contention(model_dir: str | Path | None = None) -> tuple[float, float]:
     """How many times longer a prefill takes on one of the bench's two one-core instances
     while the other decodes than while it idles, and its seconds while it idles: the median
     time to first token of :data:`CONTENTION_PREFILLS` prompts of
     :data:`CONTENTION_PROMPT_TOKENS` tokens each way, measured side by side in one
-    process-runtime cluster (the cores and the frontend are shared, so a decoding neighbour
-    slows a compute-bound prefill)."""
+    process-runtime cluster (the cores, their memory and the frontend are shared, so a busy
+    neighbour slows a step; the simulator applies the factor to every step that starts while
+    another instance is in one)."""
     mdir = Path(model_dir or preset_dir("tiny"))
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     long = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS * 4, temperature=0.0, ignore_eos=True)
@@ -181,9 +182,9 @@ def real_run(config: str, args: argparse.Namespace, out: Path) -> tuple[dict, li
 
 def calibrate(step_model: FittedStepModel) -> dict:
     """The process runtime's cost beyond ``step_model``, its prefill speed against the model's
-    (the fit is taken once, the machine drifts) and its prefill contention, now."""
+    (the fit is taken once, the machine drifts) and its contention, now."""
     overhead = measure_runtime_overhead(step_model)
-    contention, alone = measure_prefill_contention()
+    contention, alone = measure_contention()
     modelled = with_overhead(step_model, *overhead).prefill_time(CONTENTION_PROMPT_TOKENS)
     scale = alone / modelled
     print(
@@ -194,19 +195,19 @@ def calibrate(step_model: FittedStepModel) -> dict:
     return {
         "runtime_overhead_s": overhead,
         "prefill_scale": scale,
-        "prefill_contention": contention,
+        "contention": contention,
     }
 
 
 def bracket(before: dict, after: dict, contention: float) -> dict:
     """The runtime's cost and prefill speed between two calibrations (their means: they drift
-    with the machine), and the prefill contention of all of them (their median: it is the
+    with the machine), and the contention of all of them (their median: it is the
     cores', and one measurement of five prompts each way is sometimes far off)."""
     steps = zip(before["runtime_overhead_s"], after["runtime_overhead_s"])
     return {
         "runtime_overhead_s": tuple((a + b) / 2 for a, b in steps),
         "prefill_scale": (before["prefill_scale"] + after["prefill_scale"]) / 2,
-        "prefill_contention": contention,
+        "contention": contention,
     }
 
 
@@ -320,7 +321,7 @@ def main() -> None:
         points.append(calibrate(fitted))
     load_after = os.getloadavg()
     print(f"load average (1, 5, 15 min) before the real runs {load_before}, after {load_after}")
-    contention = float(np.median([p["prefill_contention"] for p in points]))
+    contention = float(np.median([p["contention"] for p in points]))
     predicted = []
     for (k, c), before, after in zip(runs, points, points[1:]):
         setup = cpu_setup(fitted, **bracket(before, after, contention), scheduler=args.scheduler)

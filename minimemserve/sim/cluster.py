@@ -213,21 +213,21 @@ class Topology:
     ``calls_wait_for_steps`` a transfer's control calls (:data:`HANDOFF_CALLS`,
     :data:`RETURN_CALLS`) are each answered when the receiver is not in a step, as a
     process-runtime instance answers its socket between steps and while it waits on a call
-    itself; the sender waits for them. A step with prefill work that starts while another
-    instance is in a step takes ``prefill_contention`` times as long (instances sharing one
-    machine's cores; 1 where each has its own device)."""
+    itself; the sender waits for them. A step that starts while another instance is in a step
+    takes ``contention`` times as long as alone (instances sharing one machine's cores and
+    memory; 1 where each has its own device)."""
 
     intra: Link
     inter: Link
     gpus_per_instance: int = 1
     gpus_per_node: int = 1 << 30  # one node unless told
     calls_wait_for_steps: bool = False
-    prefill_contention: float = 1.0
+    contention: float = 1.0
 
     def __post_init__(self) -> None:
-        c = self.prefill_contention
+        c = self.contention
         if not (isinstance(c, (int, float)) and math.isfinite(c) and c >= 1.0):
-            raise ConfigError(f"prefill_contention must be a finite number >= 1, got {c!r}")
+            raise ConfigError(f"contention must be a finite number >= 1, got {c!r}")
 
     def link(self, a: int, b: int) -> Link:
         """The link between instances ``a`` and ``b``."""
@@ -442,8 +442,8 @@ class SimCluster:
         for inst, shape in started:
             self.steps += 1
             seconds = self.step_time(shape)
-            if shape.prefills and self._shares_cores(inst):
-                seconds *= self.topology.prefill_contention
+            if self._shares_cores(inst):
+                seconds *= self.topology.contention
             inst.step_ends = self.now + seconds
             self.at(inst.step_ends, self._end_step, (inst,))
             self.busy_s += seconds
@@ -460,7 +460,7 @@ class SimCluster:
 
     def _shares_cores(self, inst: SimInstance) -> bool:
         """Whether another instance is in a step while ``inst`` starts one (and it matters)."""
-        if self.topology.prefill_contention == 1.0:
+        if self.topology.contention == 1.0:
             return False
         return any(j.busy for j in self.instances if j is not inst)
 

@@ -105,16 +105,16 @@ def cpu_setup(
     model_dir: str | Path | None = None,
     policy: str = "prompt_tree",
     runtime_overhead_s: tuple[float, float] = (0.0, 0.0),
-    prefill_contention: float = 1.0,
+    contention: float = 1.0,
     scheduler: str = "chunked",
     prefill_scale: float = 1.0,
 ) -> SimSetup:
     """The default ``minimemserve bench`` layout: tiny preset (or ``model_dir``), fp32, the
     bench's engine options, two one-core instances, the token-count routing cost; each step
     costs ``runtime_overhead_s`` = (per step, per sequence) more than ``step_model`` says (the
-    process runtime's, measured by ``bench/sim_validate.py``), and a step with prefill work that
-    starts while the other instance computes ``prefill_contention`` times as long, and every step
-    with prefill work ``prefill_scale`` times as long as the fit says (also measured there)."""
+    process runtime's alone on the machine, measured by ``bench/sim_validate.py``), a step that
+    starts while the other instance computes ``contention`` times as long, and every step with
+    prefill work ``prefill_scale`` times as long as the fit says (also measured there)."""
     mdir = Path(model_dir or preset_dir("tiny"))
     step_model = with_overhead(step_model, *runtime_overhead_s)
     step_model = replace(step_model, prefill_scale=prefill_scale)
@@ -126,14 +126,14 @@ def cpu_setup(
         CPU_LINK,
         CPU_LINK,
         calls_wait_for_steps=True,
-        prefill_contention=prefill_contention,
+        contention=contention,
     )
     describe = {
         "kind": "cpu",
         "model_dir": str(mdir),
         "step_model": asdict(step_model),
         "runtime_overhead_s": runtime_overhead_s,
-        "prefill_contention": prefill_contention,
+        "contention": contention,
         "prefill_scale": prefill_scale,
         "instances": CPU_INSTANCES,
         "scheduler": scheduler,

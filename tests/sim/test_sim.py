@@ -71,7 +71,7 @@ def test_same_results_wherever_the_objects_lie():
     # addresses (with contention the order decides which step is slowed)
     tok = Tokenizer.from_dir(preset_dir("tiny"))
     sessions = make_workload("sharegpt", tok, 8, 384, seed=1, max_turns=3, max_output_tokens=8)
-    setup = cpu_setup(FittedStepModel(CPU_COEFS), prefill_contention=1.5)
+    setup = cpu_setup(FittedStepModel(CPU_COEFS), contention=1.5)
     runs, ballast = [], []
     for k in range(12):
         ballast.append([object() for _ in range(97 * k + 1)])  # moves the next allocations
@@ -92,25 +92,27 @@ def test_same_hits_and_bytes_as_a_real_run(tiny_sessions, config):
     assert any(r["cached_tokens"] for r in real)
 
 
-def test_prefill_contention_slows_only_steps_with_prefill_beside_a_busy_instance(tiny_sessions):
-    plain, slowed = _setup(), cpu_setup(FittedStepModel(CPU_COEFS), prefill_contention=1.5)
+def test_contention_slows_steps_beside_a_busy_instance(tiny_sessions):
+    plain, slowed = _setup(), cpu_setup(FittedStepModel(CPU_COEFS), contention=1.5)
     base, _ = simulate(plain, ["PD", "1P1D"], tiny_sessions, rate=8.0, seed=0, progress=False)
     more, _ = simulate(slowed, ["PD", "1P1D"], tiny_sessions, rate=8.0, seed=0, progress=False)
     for config in ("PD", "1P1D"):
         mean = lambda rs: sum(r["ttft"] for r in rs) / len(rs)
         assert mean(more[config]) > mean(base[config])
+        decoding = lambda rs: sum(r["jct"] - r["ttft"] for r in rs)  # decode steps slow too
+        assert decoding(more[config]) > decoding(base[config])
         keys = lambda rs: [(r["cached_tokens"], r["transferred_bytes"]) for r in rs]
         assert sorted(keys(more[config])) == sorted(keys(base[config]))
     # one instance alone never shares the cores: nothing changes
     plain.instances = slowed.instances = 1
     alone = [simulate(s, ["PD"], tiny_sessions, 8.0, 0, progress=False)[0] for s in (plain, slowed)]
     assert alone[0] == alone[1]
-    with pytest.raises(ConfigError, match="prefill_contention"):
-        cpu_setup(FittedStepModel(CPU_COEFS), prefill_contention=0.5)
+    with pytest.raises(ConfigError, match="contention"):
+        cpu_setup(FittedStepModel(CPU_COEFS), contention=0.5)
 
 
 def test_instances_starting_together_each_see_the_other_in_a_step():
-    setup = cpu_setup(FittedStepModel(CPU_COEFS), prefill_contention=1.5)
+    setup = cpu_setup(FittedStepModel(CPU_COEFS), contention=1.5)
     cluster = setup.cluster("PD")
     params = SamplingParams(max_tokens=2, temperature=0.0)
     for i, inst in enumerate(cluster.instances):
