@@ -276,6 +276,9 @@ class FittedStepModel:
         """Fit to ``(shape, seconds)`` pairs."""
         if len(measured) < len(FEATURES):
             raise ValueError(f"need at least {len(FEATURES)} measured steps, got {len(measured)}")
+        bad = [t for _, t in measured if not (math.isfinite(t) and t > 0)]
+        if bad:
+            raise ValueError(f"measured step times must be finite and > 0, got {bad[:3]}")
         # each row divided by its measured time: the fit minimises the relative error it
         # reports, so the long prefills do not outweigh the decode steps a run is made of
         rows = [[f / t for f in s.features()] for s, t in measured]

@@ -291,6 +291,10 @@ def test_fitted_model_recovers_coefficients():
     fitted = FittedStepModel.fit([(s, truth.step_time(s)) for s in shapes])
     assert fitted.coefs == pytest.approx(CPU_COEFS, rel=1e-6)
     assert fitted.relative_error < 1e-9
+    timed = [(s, truth.step_time(s)) for s in shapes]
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="finite and > 0"):
+            FittedStepModel.fit([*timed[:-1], (shapes[-1], bad)])
 
 
 def test_prefill_scale_scales_steps_with_prefill_work_only_and_survives_save(tmp_path):
