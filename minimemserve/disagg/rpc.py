@@ -17,6 +17,7 @@ import contextlib
 import hmac
 import itertools
 import json
+import math
 import os
 import secrets
 import stat
@@ -539,9 +540,11 @@ class RpcNode:
             old[0].close(linger=0)
 
     def serve(self, timeout_s: float = 0.0) -> int:
-        """Wait up to ``timeout_s`` for a message, then handle every queued one; the count."""
+        """Wait up to ``timeout_s`` for a message, then handle every queued one; the count.
+        A wait shorter than the poll's one-millisecond grain waits that millisecond rather
+        than spinning."""
         horizon = self._horizon()
-        if not self._server.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
+        if not self._server.poll(max(0, math.ceil(timeout_s * 1000)), zmq.POLLIN):
             self.drained_at = time.monotonic()
             return 0
         n = 0
