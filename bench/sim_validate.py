@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -89,45 +90,70 @@ def measure_runtime_overhead(
     return max(-step, o1 - per_row * b1), per_row
 
 
+def _on_first(c: ProcessCluster, prompts: list[list[int]], params, tag: str) -> list:
+    """Run ``prompts`` on the first instance of a two-instance round-robin cluster (a
+    one-token request to the other instance before each), to the end; their outputs."""
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rids = []
+    for i, ids in enumerate(prompts):
+        c.add_request([FIRST_PROMPT_TOKEN], one, request_id=f"{tag}-pad-{i}")
+        rids.append(c.add_request(ids, params, request_id=f"{tag}-{i}"))
+    outs: dict = {}
+    while not all(r in outs for r in rids):
+        outs.update((o.request_id, o) for o in c.step())
+    return [outs[r] for r in rids]
+
+
 def measure_contention(model_dir: str | Path | None = None) -> tuple[float, float]:
-    """How many times longer a prefill takes on one of the bench's two one-core instances
-    while the other decodes than while it idles, and its seconds while it idles: the median
-    time to first token of :data:`CONTENTION_PREFILLS` prompts of
-    :data:`CONTENTION_PROMPT_TOKENS` tokens each way, measured side by side in one
-    process-runtime cluster (the cores, their memory and the frontend are shared, so a busy
-    neighbour slows a step; the simulator applies the factor to every step that starts while
-    another instance is in one)."""
+    """How many times longer a step takes on one of the bench's two one-core instances while
+    the other decodes than while it idles, and a prefill's seconds while it idles. Both kinds
+    of step are timed each way, side by side in one process-runtime cluster (the cores, their
+    memory and the frontend are shared, so a busy neighbour slows a step): the median time to
+    first token of :data:`CONTENTION_PREFILLS` prompts of :data:`CONTENTION_PROMPT_TOKENS`
+    tokens, and the median time per output token of :data:`CONTENTION_DECODES` requests
+    decoding together. The factor is the geometric mean of the two ratios; the simulator
+    applies it to every step that starts while another instance is in one."""
     mdir = Path(model_dir or preset_dir("tiny"))
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    long = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS * 4, temperature=0.0, ignore_eos=True)
+    dec = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS * 8, temperature=0.0, ignore_eos=True)
     prompt = [FIRST_PROMPT_TOKEN + j % 1000 for j in range(CONTENTION_PROMPT_TOKENS)]
+    decoding = [
+        [FIRST_PROMPT_TOKEN + (i * 7 + j) % 1000 for j in range(OVERHEAD_PROMPT_TOKENS)]
+        for i in range(CONTENTION_DECODES)
+    ]
     ttft: dict[str, list[float]] = {"alone": [], "beside decodes": []}
+    tpot: dict[str, float] = {}
     with ProcessCluster(
         mdir, "PD", cores_per_instance=1, num_colocated=CPU_INSTANCES, policy="round_robin"
     ) as c:
-        # round robin: requests alternate between the two instances, so a one-token request
-        # to the other instance comes before each timed prompt
-        decodes = []
+        _on_first(c, [prompt], one, "warm-up")
+        background = []
         for phase in ttft:
             for k in range(CONTENTION_PREFILLS):
-                c.add_request([FIRST_PROMPT_TOKEN], one, request_id=f"{phase}-pad-{k}")
-                rid = c.add_request(prompt, one, request_id=f"{phase}-{k}")
-                outs = []
-                while not any(o.request_id == rid for o in outs):
-                    outs += c.step()
-                ttft[phase] += [o.metrics.ttft for o in outs if o.request_id == rid]
-                if k == 0 and phase == "alone":  # the first prompt also warmed up
-                    ttft[phase].clear()
+                out = _on_first(c, [prompt], one, f"{phase}-{k}")
+                ttft[phase].append(out[0].metrics.ttft)
+            outs = _on_first(c, decoding, dec, f"{phase}-decodes")
+            tpot[phase] = float(np.median([o.metrics.tpot for o in outs]))
             if phase == "alone":  # long decodes on the other instance for the next phase
-                for i in range(CONTENTION_DECODES):
-                    ids = [FIRST_PROMPT_TOKEN + (i * 7 + j) % 1000 for j in range(64)]
-                    decodes.append(c.add_request(ids, long, request_id=f"decode-{i}"))
-                    c.add_request([FIRST_PROMPT_TOKEN], one, request_id=f"decode-pad-{i}")
-        for rid in decodes:
+                background = _start_on_second(c, decoding, long)
+        for rid in background:
             c.abort(rid)
         c.run_until_done()
-    alone, beside = (sorted(v)[len(v) // 2] for v in ttft.values())
-    return max(1.0, beside / alone), alone
+    alone, beside = (float(np.median(v)) for v in ttft.values())
+    decode_ratio = tpot["beside decodes"] / tpot["alone"]
+    return max(1.0, math.sqrt(beside / alone * decode_ratio)), alone
+
+
+def _start_on_second(c: ProcessCluster, prompts: list[list[int]], params) -> list[str]:
+    """Add ``prompts`` to the second instance of a two-instance round-robin cluster (each
+    before a one-token request to the first) without waiting for them; their ids."""
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    started = []
+    for i, ids in enumerate(prompts):
+        started.append(c.add_request(ids, params, request_id=f"background-{i}"))
+        c.add_request([FIRST_PROMPT_TOKEN], one, request_id=f"background-pad-{i}")
+    return started
 
 
 def parse_args() -> argparse.Namespace:
