@@ -12,7 +12,7 @@ from minimemserve import server
 from minimemserve.bench import driver
 from minimemserve.disagg import rpc
 from minimemserve.disagg.instance import StandaloneOptions, standalone_main
-from minimemserve.disagg.runtime import TRANSPORTS, parse_address
+from minimemserve.disagg.launch import TRANSPORTS, parse_address
 from minimemserve.errors import ConfigError, MiniMemServeError
 from minimemserve.llm import LLM
 from minimemserve.options import add_parallel_arguments

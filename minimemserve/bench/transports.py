@@ -12,7 +12,7 @@ receiver has already allocated. Paths, fastest first:
   ``torch.distributed`` point-to-point, two-sided.
 
 The runtime picks between shared memory and torch.distributed per pair of instances, by their
-hosts' identity (``disagg.runtime.pair_transport``)."""
+hosts' identity (``disagg.launch.pair_transport``)."""
 
 from __future__ import annotations
 
