@@ -20,14 +20,12 @@ from pathlib import Path
 from minimemserve.bench.driver import (
     COLOCATED_INSTANCES,
     CORES_PER_INSTANCE,
-    DEFAULT_CONFIGS,
-    DEFAULT_RATE,
-    DEFAULT_SESSIONS,
     TargetSpec,
     run_bench,
 )
 from minimemserve.bench.hosts import HostsCluster
 from minimemserve.disagg.runtime import ProcessCluster
+from minimemserve.workloads.results import DEFAULT_CONFIGS, DEFAULT_RATE, DEFAULT_SESSIONS
 
 RUNTIMES = {"shm": (ProcessCluster, "shm"), "gloo": (HostsCluster, "gloo")}
 OUT = Path("bench/results/multihost")

@@ -28,10 +28,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from minimemserve import LLM, SamplingParams
-from minimemserve.bench.data import iter_sharegpt
 from minimemserve.bench.http_target import HttpServing
-from minimemserve.bench.presets import preset_dir
 from minimemserve.model.tokenizer import Tokenizer
+from minimemserve.presets import preset_dir
+from minimemserve.sharegpt import iter_sharegpt
 
 # Prompts are cut to this many tokens so requests stay comparable (tiny model, CPU).
 MAX_PROMPT_TOKENS = 256

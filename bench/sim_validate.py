@@ -34,12 +34,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minimemserve.bench import driver
-from minimemserve.bench.presets import preset_dir
 from minimemserve.config import SCHEDULERS
 from minimemserve.disagg.runtime import ProcessCluster
+from minimemserve.presets import preset_dir
 from minimemserve.sampling import SamplingParams
 from minimemserve.sim.profiles import FittedStepModel, StepShape, fit_cpu_steps, with_overhead
 from minimemserve.sim.runner import CPU_INSTANCES, DEFAULT_CONFIGS, cpu_setup, run_sim
+from minimemserve.workloads.results import DEFAULT_RATE, DEFAULT_SESSIONS
 
 METRICS = (("ttft_mean", "TTFT mean"), ("jct_mean", "JCT mean"))
 TARGET_ERROR = 0.20  # the accuracy the simulator aims for on each mean
@@ -161,8 +162,8 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/sim_validate")
     ap.add_argument("--cpu-model", default=None, help="fitted step model JSON (default: fit now)")
-    ap.add_argument("--sessions", type=int, default=driver.DEFAULT_SESSIONS)
-    ap.add_argument("--rate", type=float, default=driver.DEFAULT_RATE)
+    ap.add_argument("--sessions", type=int, default=DEFAULT_SESSIONS)
+    ap.add_argument("--rate", type=float, default=DEFAULT_RATE)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     ap.add_argument(

@@ -36,10 +36,10 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from minimemserve import LLM, SamplingParams
-from minimemserve.bench.data import iter_sharegpt
-from minimemserve.bench.presets import preset_dir
 from minimemserve.model.config import ModelConfig
 from minimemserve.model.tokenizer import Tokenizer
+from minimemserve.presets import preset_dir
+from minimemserve.sharegpt import iter_sharegpt
 
 # HF pads on the left with this id; the attention mask hides it, so any valid id works.
 HF_PAD_ID = 0

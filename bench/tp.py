@@ -36,11 +36,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minimemserve.bench.presets import preset_dir
 from minimemserve.config import EngineConfig
 from minimemserve.engine import Engine
 from minimemserve.llm import LLM
 from minimemserve.parallel import LOOPBACK, HostStore
+from minimemserve.presets import preset_dir
 from minimemserve.sampling import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"

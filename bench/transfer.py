@@ -197,38 +197,51 @@ class Decoder:
 
     def __call__(self, sender: str, msg: rpc.Msg) -> rpc.Msg | None:
         """Answer one message from P (``None`` replies ``Ack``)."""
-        if isinstance(msg, Setup):
-            torch.set_num_threads(msg.threads)
-            dtype = DTYPES[msg.dtype]
-            self.pools["agg"] = SharedPoolTensor.create(msg.agg_shape, dtype)
-            self.pools["per_layer"] = SharedPoolTensor.create(msg.per_layer_shape, dtype)
-            for p in self.pools.values():
-                p.tensor.zero_()  # touch every page now, not during a measurement
-            return Handles(
-                self.pools["agg"].handle.to_dict(), self.pools["per_layer"].handle.to_dict()
-            )
-        if isinstance(msg, JoinGloo):
-            self.job = ("join", msg)
-            return None
-        if isinstance(msg, Prepare):
-            pool = self.pool_for(msg.mode)
-            for ids in msg.dst_ids:
-                if msg.mode == TransferMode.BY_REQUEST.value:
-                    pool[:, :, ids] = 0
-                else:
-                    pool[ids] = 0
-            if msg.transport == "gloo" and msg.rounds > 0:
-                self.job = ("recv", msg)
-            return None
-        if isinstance(msg, rpc.Commit):
-            return None  # the data is already in our pool; a real D would keep the blocks
-        if isinstance(msg, Verify):
-            sums = piece_checksums(self.pool_for(msg.mode), msg.mode)
-            return Checksums([sums[ids].tolist() for ids in msg.dst_ids])
-        if isinstance(msg, Stop):
-            self.stop = True
-            return None
-        raise ValueError(f"unexpected message {type(msg).__name__}")
+        handler = self.HANDLERS.get(type(msg))
+        if handler is None:
+            raise ValueError(f"unexpected message {type(msg).__name__}")
+        return handler(self, msg)
+
+    def _setup(self, msg: Setup) -> Handles:
+        torch.set_num_threads(msg.threads)
+        dtype = DTYPES[msg.dtype]
+        self.pools["agg"] = SharedPoolTensor.create(msg.agg_shape, dtype)
+        self.pools["per_layer"] = SharedPoolTensor.create(msg.per_layer_shape, dtype)
+        for p in self.pools.values():
+            p.tensor.zero_()  # touch every page now, not during a measurement
+        return Handles(self.pools["agg"].handle.to_dict(), self.pools["per_layer"].handle.to_dict())
+
+    def _join(self, msg: JoinGloo) -> None:
+        self.job = ("join", msg)
+
+    def _prepare(self, msg: Prepare) -> None:
+        pool = self.pool_for(msg.mode)
+        for ids in msg.dst_ids:
+            if msg.mode == TransferMode.BY_REQUEST.value:
+                pool[:, :, ids] = 0
+            else:
+                pool[ids] = 0
+        if msg.transport == "gloo" and msg.rounds > 0:
+            self.job = ("recv", msg)
+
+    def _commit(self, msg: rpc.Commit) -> None:
+        """The data is already in our pool; a real D would keep the blocks."""
+
+    def _verify(self, msg: Verify) -> Checksums:
+        sums = piece_checksums(self.pool_for(msg.mode), msg.mode)
+        return Checksums([sums[ids].tolist() for ids in msg.dst_ids])
+
+    def _stop(self, msg: Stop) -> None:
+        self.stop = True
+
+    HANDLERS = {
+        Setup: _setup,
+        JoinGloo: _join,
+        Prepare: _prepare,
+        rpc.Commit: _commit,
+        Verify: _verify,
+        Stop: _stop,
+    }
 
     def run_job(self) -> None:
         """Run the job left after a reply: join the gloo group, or receive ``rounds`` rounds of

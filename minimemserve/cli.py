@@ -10,12 +10,13 @@ from dataclasses import fields
 
 from minimemserve import server
 from minimemserve.bench import driver
-from minimemserve.bench.presets import preset_dir
 from minimemserve.disagg import rpc
 from minimemserve.disagg.instance import StandaloneOptions, standalone_main
-from minimemserve.disagg.runtime import TRANSPORTS, parse_address
+from minimemserve.disagg.launch import TRANSPORTS, parse_address
 from minimemserve.errors import ConfigError, MiniMemServeError
 from minimemserve.llm import LLM
+from minimemserve.options import add_parallel_arguments
+from minimemserve.presets import preset_dir
 from minimemserve.sampling import SamplingParams
 from minimemserve.sim import command as sim_command
 
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--attention", default=None, choices=["torch", "triton", "flash-attn"])
-    driver.add_parallel_arguments(g)
+    add_parallel_arguments(g)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)

@@ -87,6 +87,77 @@ class ModelRunner:
         return [by_req.get(id(req)) for req, _ in batch], bad
 
 
+def _load_model(model_dir: Path, config: ModelConfig, device, dtype) -> LlamaModel:
+    """The checkpoint's model on ``device`` in ``dtype``, for inference."""
+    model = LlamaModel(config)
+    model.load_hf_weights(load_weights(model_dir, config))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _load(model_dir, cfg: EngineConfig, tp: int, device, dtype, share, pool_factory, instance_id):
+    """What an engine computes with: the checkpoint's config and tokenizer, a pool sized by
+    ``cfg``, the rank group (rank 0's shard under tensor parallelism) and the model runner.
+    ``share`` is an engine in this process whose read-only weights are reused."""
+    if share is not None:
+        model_config, tokenizer = share.model_config, share.tokenizer
+    else:
+        model_dir = Path(model_dir)
+        model_config = ModelConfig.from_hf(model_dir)
+        tokenizer = Tokenizer.from_dir(model_dir)
+    shard = TPShard(0, tp, model_config)  # rank 0's heads and KV heads: all of them at TP 1
+    layout = shard.kv_layout(cfg.block_size)
+    num_blocks = cfg.hbm_blocks(layout.block_bytes(dtype.itemsize), device)
+    if tp > 1:
+        args = (num_blocks, cfg.block_size, cfg.attention, device, dtype, cfg.dram_blocks)
+        group = TPGroup(model_dir, shard, *args, cfg.collective_timeout_s)
+        model = group.model
+    else:
+        group = SingleRank()
+        shared = share.model if share is not None else None
+        model = shared or _load_model(model_dir, model_config, device, dtype)
+    pool = group.make_pool(pool_factory or MemPool)(
+        layout,
+        num_blocks,
+        dram_blocks=cfg.dram_blocks,
+        device=device,
+        dtype=dtype,
+        instance_id=instance_id,
+    )
+    scale = model_config.head_dim**-0.5
+    backend = make_backend(cfg.attention, pool.kv("hbm"), layout, shard.heads, scale)
+    return model_config, tokenizer, pool, group, ModelRunner(model, backend, device, group)
+
+
+def check_request(
+    prompt: str | Sequence[int],
+    params: SamplingParams,
+    tokenizer,
+    vocab: int,
+    max_model_len: int,
+    pool,
+) -> list[int]:
+    """Token ids of ``prompt``, or a ``ValueError``/``PoolExhausted`` naming what is wrong with
+    the request: its parameters, a token outside the vocabulary, a prompt the context cannot
+    hold, more KV blocks than ``pool`` has in all. ``vocab`` is the model's vocabulary."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
+    ids = tokenizer.prompt_ids(prompt)
+    if bad := [t for t in ids if not 0 <= t < vocab]:
+        raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+    if len(ids) >= max_model_len:
+        raise InvalidRequest(
+            f"prompt too long: {len(ids)} tokens, the context holds {max_model_len} "
+            "(prompt plus at least one generated token)"
+        )
+    need = pool.layout.num_blocks_for(min(len(ids) + params.max_tokens, max_model_len))
+    if need > (total := pool.capacity("hbm")):
+        raise PoolExhausted(
+            f"request needs {need} KV blocks but the pool has only {total} in all; "
+            "give the engine more KV memory or ask for fewer tokens"
+        )
+    return ids
+
+
 class Engine:
     """A ``Serving`` instance over one MemPool. ``role`` picks the recipe of ``config``'s
     milestone (default: its only role); ``peers`` serve the recipe's transfer calls; ``clock``
@@ -112,51 +183,14 @@ class Engine:
     ):
         role, recipe = _role_recipe(config, role)
         cfg = engine_config or EngineConfig()
-        device, dtype = torch.device(device), resolve_dtype(dtype)
         tp = cfg.tp_size(role)
         if tp > 1 and share_model_with is not None:
             raise ConfigError(f"a tensor-parallel instance (size {tp}) loads its own shard")
-        if (s := share_model_with) is not None:  # instances in one process share read-only weights
-            model_config, tokenizer, model = s.model_config, s.tokenizer, s.model
-        else:
-            model_dir = Path(model_dir)
-            model_config = ModelConfig.from_hf(model_dir)
-            tokenizer = Tokenizer.from_dir(model_dir)
-        shard = TPShard(0, tp, model_config)  # rank 0's heads and KV heads: all of them at TP 1
-        layout = shard.kv_layout(cfg.block_size)
-        num_blocks = cfg.hbm_blocks(layout.block_bytes(dtype.itemsize), device)
-        group = SingleRank()
-        if tp > 1:
-            group = TPGroup(
-                model_dir,
-                shard,
-                num_blocks,
-                cfg.block_size,
-                cfg.attention,
-                device,
-                dtype,
-                cfg.dram_blocks,
-                cfg.collective_timeout_s,
-            )
-            model = group.model
-        elif s is None:
-            model = LlamaModel(model_config)
-            model.load_hf_weights(load_weights(model_dir, model_config))
-            model.to(device=device, dtype=dtype).eval()
-        pool = group.make_pool(pool_factory or MemPool)(
-            layout,
-            num_blocks,
-            dram_blocks=cfg.dram_blocks,
-            device=device,
-            dtype=dtype,
-            instance_id=instance_id,
-        )
-        backend = make_backend(
-            cfg.attention, pool.kv("hbm"), layout, shard.heads, model_config.head_dim**-0.5
+        device, dtype = torch.device(device), resolve_dtype(dtype)
+        model_config, tokenizer, pool, self.tp, self.runner = _load(
+            model_dir, cfg, tp, device, dtype, share_model_with, pool_factory, instance_id
         )
         self._assemble(role, recipe, peers, cfg, model_config, tokenizer, pool, clock)
-        self.tp = group
-        self.runner = ModelRunner(model, backend, device, group)
 
     @classmethod
     def from_parts(
@@ -225,25 +259,8 @@ class Engine:
 
     def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         """Token ids of ``prompt``, or a ``ValueError``/``PoolExhausted`` naming the problem."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
-        ids, vocab = self.tokenizer.prompt_ids(prompt), self.model_config.vocab_size
-        if bad := [t for t in ids if not 0 <= t < vocab]:
-            raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"prompt too long: {len(ids)} tokens, the context holds {self.max_model_len} "
-                "(prompt plus at least one generated token)"
-            )
-        need = self.pool.layout.num_blocks_for(
-            min(len(ids) + params.max_tokens, self.max_model_len)
-        )
-        if need > (total := self.pool.capacity("hbm")):
-            raise PoolExhausted(
-                f"request needs {need} KV blocks but the pool has only {total} in all; "
-                "give the engine more KV memory or ask for fewer tokens"
-            )
-        return ids
+        vocab = self.model_config.vocab_size
+        return check_request(prompt, params, self.tokenizer, vocab, self.max_model_len, self.pool)
 
     def add_request(
         self,

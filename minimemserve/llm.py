@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .bench.presets import preset_dir
 from .config import EngineConfig, parse_config_name
 from .disagg.cluster import InProcessCluster
 from .errors import InvalidRequest
+from .presets import preset_dir
 from .request import RequestOutput
 from .sampling import SamplingParams
 from .serving import Serving

@@ -55,8 +55,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def sp_tokenizer_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 512-piece sentencepiece model trained on ShareGPT text (on pseudo-words where the
     ShareGPT package is not installed), once per session."""
-    from minimemserve.bench.data import sharegpt_text
-    from minimemserve.bench.presets import synthetic_text, train_tokenizer
+    from minimemserve.presets import synthetic_text, train_tokenizer
+    from minimemserve.sharegpt import sharegpt_text
 
     out = tmp_path_factory.mktemp("sp") / "tokenizer.model"
     try:
@@ -71,7 +71,7 @@ def tiny_llama_factory(
     tmp_path_factory: pytest.TempPathFactory, sp_tokenizer_path: Path
 ) -> Callable[..., Path]:
     """Build (or reuse within the session) a tiny random Llama checkpoint directory."""
-    from minimemserve.bench.presets import write_random_llama
+    from minimemserve.presets import write_random_llama
 
     built: dict[str, Path] = {}
 

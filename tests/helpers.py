@@ -44,8 +44,8 @@ def sharegpt_user_turns(
     ``num_sessions`` conversations with at least ``num_turns`` human turns; each message is
     cut to ``max_user_tokens`` tokens so the chained prompts fit a tiny test context.
     """
-    from minimemserve.bench.data import iter_sharegpt
     from minimemserve.model.tokenizer import Tokenizer
+    from minimemserve.sharegpt import iter_sharegpt
 
     tok = Tokenizer.from_dir(model_dir)
     sessions = []

@@ -11,18 +11,12 @@ import numpy as np
 import pytest
 
 from minimemserve import cli
-from minimemserve.bench.driver import (
-    caching_ratios,
-    format_table,
-    run_bench,
-    run_workload,
-    summarize,
-    write_plots,
-)
-from minimemserve.bench.workloads import Session, Turn, poisson_arrivals
+from minimemserve.bench.driver import run_bench, run_workload
 from minimemserve.request import RequestMetrics, RequestOutput
 from minimemserve.sampling import SamplingParams
 from minimemserve.serving import Serving
+from minimemserve.workloads.results import caching_ratios, format_table, summarize, write_plots
+from minimemserve.workloads.sessions import Session, Turn, poisson_arrivals
 
 
 @dataclass

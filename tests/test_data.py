@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from minimemserve.bench.data import iter_sharegpt, read_conversations
+from minimemserve.sharegpt import iter_sharegpt, read_conversations
 
 # The DESIGN figure: about 17.6k conversations, 7.3 messages each on average.
 SHAREGPT_MIN, SHAREGPT_MAX = 17_000, 18_500

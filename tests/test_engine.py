@@ -223,8 +223,8 @@ def test_triton_backend_generates_the_same_tokens(tiny_llama_dir):
 
 def test_pd_and_pd_cc_agree_on_real_sharegpt_sessions(tiny_llama_dir):
     """Real multi-turn ShareGPT sessions: identical greedy tokens, cache hits on later turns."""
-    from minimemserve.bench.workloads import build_prompt, sharegpt_sessions
     from minimemserve.model.tokenizer import Tokenizer
+    from minimemserve.workloads.sessions import build_prompt, sharegpt_sessions
 
     tok = Tokenizer.from_dir(tiny_llama_dir)
     sessions = sharegpt_sessions(

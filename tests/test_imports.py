@@ -1,4 +1,9 @@
-"""The package's import graph: no cycles, and no project import hidden inside a function.
+"""The package's import graph: layers, no cycles, and no project import hidden inside a
+function.
+
+:data:`LAYERS` is the package's layer stack, bottom first: a unit (a top-level module or
+subpackage of ``minimemserve``, or ``triton_kernels``) imports only units of lower layers, and
+a unit missing from the table fails, so a new one is placed before it lands.
 
 A function-level import is allowed only for a module that wraps an optional heavy
 dependency (triton, flash-attn, matplotlib, ZeroMQ), marked ``# lazy: <why>`` on its line.
@@ -11,6 +16,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("minimemserve", "triton_kernels")
+
+# Bottom first. Core: errors up to the engine; runtimes: the process runtime and LLM (the
+# package root exports them); workloads and the shared command-line options; the server and
+# the simulator; benchmark code; the command line over everything.
+LAYERS = (
+    ("errors", "sharegpt", "triton_kernels"),
+    ("sampling", "blocks"),
+    ("request", "attention", "mempool"),
+    ("serving", "model", "recipes"),
+    ("scheduler", "parallel", "presets"),
+    ("config",),
+    ("engine",),
+    ("disagg",),
+    ("llm",),
+    ("minimemserve",),
+    ("workloads",),
+    ("options",),
+    ("server", "sim"),
+    ("bench",),
+    ("cli",),
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -90,6 +116,45 @@ def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
         if m not in state and (found := visit(m)):
             return found
     return None
+
+
+def _unit(module: str) -> str:
+    """The layer-table name of a module: ``minimemserve.disagg.rpc`` -> ``disagg``."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "minimemserve" and len(parts) > 1 else parts[0]
+
+
+def upward_edges(edges: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    """Every import of a unit from its own or a higher layer, and every unplaced unit."""
+    rank = {unit: i for i, names in enumerate(layers) for unit in names}
+    bad = sorted({f"{_unit(m)} is in no layer" for m in edges if _unit(m) not in rank})
+    for m, targets in sorted(edges.items()):
+        for t in sorted(targets):
+            a, b = _unit(m), _unit(t)
+            if a != b and a in rank and b in rank and rank[b] >= rank[a]:
+                bad.append(f"{m} imports {t}: layer {rank[a]} ({a}) -> {rank[b]} ({b})")
+    return bad
+
+
+def test_imports_only_go_down_the_layer_stack():
+    edges, _ = _graph()
+    assert upward_edges(edges) == []
+
+
+def test_the_layer_check_catches_a_planted_upward_edge():
+    """The real graph with one upward edge planted (the engine importing the process
+    runtime), one sideways edge, and one unplaced module: each is reported."""
+    edges, _ = _graph()
+    planted = {m: set(t) for m, t in edges.items()}
+    planted["minimemserve.engine"].add("minimemserve.disagg.runtime")
+    planted["minimemserve.server.app"].add("minimemserve.sim.runner")
+    planted["minimemserve.extra"] = {"minimemserve.engine"}
+    assert upward_edges(planted) == [
+        "extra is in no layer",
+        "minimemserve.engine imports minimemserve.disagg.runtime: layer 6 (engine) -> 7 "
+        "(disagg)",
+        "minimemserve.server.app imports minimemserve.sim.runner: layer 12 (server) -> 12 (sim)",
+    ]
 
 
 def test_no_import_cycles():

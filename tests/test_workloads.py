@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from minimemserve.bench.workloads import (
+from minimemserve.workloads.sessions import (
     LOOGLE_DOC_FRACTION,
     REACT_MAX_OUTPUT_TOKENS,
     REACT_MAX_STEPS,

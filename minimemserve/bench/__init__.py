@@ -1,6 +1,7 @@
-"""Benchmark code: workloads, the ShareGPT reader, preset checkpoints, the benchmark driver,
-the cost-model profiler and the transports the transfer benchmark compares.
+"""Benchmark code: the benchmark driver (``minimemserve bench``), the multi-host launcher and
+the HTTP client it replays through, the cost-model profiler and the transports the transfer
+benchmark compares.
 
-The engine never imports this subpackage; only the command line, ``LLM(None)`` (the tiny
-preset) and the scripts under ``bench/`` do.
+The top of the package's layer stack below the command line: nothing else in the package
+imports it (``tests/test_imports.py`` checks it); the scripts under ``bench/`` do.
 """

@@ -21,19 +21,38 @@ import functools
 import json
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from minimemserve.bench.hosts import HostsCluster
 from minimemserve.bench.http_target import endpoint_factory
-from minimemserve.bench.presets import preset_dir
-from minimemserve.bench.workloads import (
-    WORKLOADS,
+from minimemserve.config import EngineConfig, parse_config_name
+from minimemserve.disagg.runtime import ProcessCluster
+from minimemserve.llm import LLM
+from minimemserve.model.tokenizer import Tokenizer
+from minimemserve.options import add_parallel_arguments, add_workload_arguments
+from minimemserve.presets import preset_dir
+from minimemserve.request import RequestOutput
+from minimemserve.sampling import SamplingParams
+from minimemserve.scheduler.cost_model import CostModel
+from minimemserve.serving import Serving
+from minimemserve.workloads.results import (
+    DEFAULT_CONFIGS,
+    DEFAULT_RATE,
+    DEFAULT_SESSIONS,
+    DEFAULT_WORKLOAD,
+    caching_ratios,
+    format_table,
+    greedy_params,
+    record,
+    summarize,
+    write_plots,
+)
+from minimemserve.workloads.sessions import (
     Session,
     TokenizerLike,
     Turn,
@@ -42,24 +61,7 @@ from minimemserve.bench.workloads import (
     poisson_arrivals,
     total_turns,
 )
-from minimemserve.config import SCHEDULERS, EngineConfig, parse_config_name
-from minimemserve.disagg.runtime import ProcessCluster
-from minimemserve.llm import LLM
-from minimemserve.model.tokenizer import Tokenizer
-from minimemserve.request import RequestMetrics, RequestOutput
-from minimemserve.sampling import SamplingParams
-from minimemserve.scheduler.cost_model import CostModel
-from minimemserve.scheduler.global_scheduler import POLICIES
-from minimemserve.serving import Serving
 
-# Defaults of `minimemserve bench`, sized so both in-process configs finish in a few
-# minutes on a 2-core CPU with the tiny preset model.
-DEFAULT_CONFIGS = ("PD", "PD-CC", "1P1D", "1P1D-CC")
-DEFAULT_WORKLOAD = "sharegpt"
-DEFAULT_SESSIONS = 16
-PAPER_SESSIONS = 600  # sim --paper: enough sessions to load 4 Llama-2-13B instances past their knee
-DEFAULT_RATE = 1.0  # sessions per second
-DEFAULT_OUT_DIR = "bench/results"
 # Equal resources under the process runtime: one core per instance, and two colocated
 # instances, as many as 1P1D has.
 CORES_PER_INSTANCE = 1
@@ -68,13 +70,8 @@ COLOCATED_INSTANCES = 2
 WARMUP_REQUESTS = 2
 WARMUP_PROMPT_TOKENS = 64
 WARMUP_OUTPUT_TOKENS = 8
-# Percentile reported beside the mean.
-TAIL_PERCENTILE = 99.0
 # Longest idle sleep while waiting for the next arrival, so progress stays responsive.
 MAX_IDLE_SLEEP_S = 0.05
-# A config is compared with its context-caching variant named "<config>-CC".
-CACHING_SUFFIX = "-CC"
-_METRICS = ("ttft", "jct", "tpot")
 
 
 @dataclass(frozen=True)
@@ -173,42 +170,63 @@ def resolve_factory(
 # --------------------------------------------------------------------------- driver
 
 
-def greedy_params(turn: Turn) -> SamplingParams:
-    """Sampling parameters of a benchmark turn: greedy, exactly ``turn.max_tokens`` tokens."""
-    return SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True)
+class _Replay:
+    """One replay of sessions against a ``Serving``: what is in flight and what is recorded."""
 
+    def __init__(self, serving, sessions, config, params_for, bar) -> None:
+        self.serving = serving
+        self.sessions = sessions
+        self.config = config
+        self.params_for = params_for
+        self.bar = bar
+        self.records: list[dict] = []
+        self.inflight: dict[str, tuple[int, int, float]] = {}  # id -> (session, turn, arrival)
+        self.t0 = time.perf_counter()
 
-def _record(
-    config: str,
-    session: Session,
-    turn: int,
-    arrival: float,
-    out: RequestOutput | None,
-    prompt_tokens: int = 0,
-    error: str | None = None,
-) -> dict:
-    """One row of the results: a finished turn, or (``out`` None) one the engine rejected."""
-    m = out.metrics if out else RequestMetrics(arrival_time=arrival)  # rejected: nothing measured
-    if out is not None:
-        prompt_tokens = len(out.prompt_token_ids)
-        if out.finish_reason == "error":
-            error = out.error or "failed"
-    return {
-        "config": config,
-        "session": session.id,
-        "turn": turn,
-        "arrival": arrival,
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": len(out.token_ids) if out else 0,
-        "cached_tokens": m.cached_tokens,
-        "ttft": m.ttft,
-        "jct": m.latency,
-        "tpot": m.tpot,
-        "transferred_bytes": m.transferred_bytes,
-        "preemptions": m.preemptions,
-        "finish_reason": out.finish_reason if out else "error",
-        "error": error,
-    }
+    def submit(self, si: int, k: int, history: Sequence[int], arrival: float) -> None:
+        """Turn ``k`` of session ``si``, after ``history``; a rejected turn ends its session."""
+        session = self.sessions[si]
+        prompt = build_prompt(session, k, history)
+        rid = f"{session.id}/{k}"
+        try:
+            self.serving.add_request(
+                prompt, self.params_for(session.turns[k]), request_id=rid, arrival_time=arrival
+            )
+        except ValueError as exc:
+            rejected = f"rejected: {exc}"
+            rec = record(self.config, session, k, arrival - self.t0, None, len(prompt), rejected)
+            self.records.append(rec)
+            self.bar.update(len(session.turns) - k)
+            return
+        self.inflight[rid] = (si, k, arrival)
+
+    def collect(self, out: RequestOutput) -> None:
+        """Record a finished turn and submit its session's next one."""
+        si, k, arrival = self.inflight.pop(out.request_id)
+        session = self.sessions[si]
+        rec = record(self.config, session, k, arrival - self.t0, out)
+        self.records.append(rec)
+        self.bar.update(1)
+        if rec["error"] is not None:
+            self.bar.update(len(session.turns) - k - 1)
+        elif k + 1 < len(session.turns):
+            history = [*out.prompt_token_ids, *out.token_ids]
+            self.submit(si, k + 1, history, time.perf_counter())
+
+    def step(self, next_arrival: float | None) -> None:
+        """Step the serving and collect our outputs, or wait for the next arrival."""
+        if self.serving.has_unfinished():
+            for out in self.serving.step():
+                if out.request_id in self.inflight:  # else not ours (added by someone else)
+                    self.collect(out)
+        elif self.inflight:
+            raise RuntimeError(
+                f"the engine reports no unfinished requests but "
+                f"{len(self.inflight)} submitted turns never finished"
+            )
+        elif next_arrival is not None:  # nothing in flight: wait for the next arrival
+            wait = next_arrival - time.perf_counter()
+            time.sleep(min(max(wait, 0.0), MAX_IDLE_SLEEP_S))
 
 
 def run_workload(
@@ -231,62 +249,19 @@ def run_workload(
     cached_tokens, ttft, jct, tpot, transferred_bytes, preemptions, finish_reason, error.
     """
     arrivals = poisson_arrivals(rate, len(sessions), seed)
-    records: list[dict] = []
-    inflight: dict[str, tuple[int, int, float]] = {}  # request id -> (session, turn, arrival)
-    bar = tqdm(
-        total=total_turns(sessions),
-        disable=not progress,
-        unit="req",
-        desc=f"{config or 'bench'} turns",
-    )
-    t0 = time.perf_counter()
-
-    def submit(si: int, k: int, history: Sequence[int], arrival: float) -> None:
-        session = sessions[si]
-        prompt = build_prompt(session, k, history)
-        rid = f"{session.id}/{k}"
-        try:
-            serving.add_request(
-                prompt, params_for(session.turns[k]), request_id=rid, arrival_time=arrival
-            )
-        except ValueError as exc:
-            rec = _record(config, session, k, arrival - t0, None, len(prompt), f"rejected: {exc}")
-            records.append(rec)
-            bar.update(len(session.turns) - k)
-            return
-        inflight[rid] = (si, k, arrival)
-
-    def collect(out: RequestOutput) -> None:
-        si, k, arrival = inflight.pop(out.request_id)
-        session = sessions[si]
-        rec = _record(config, session, k, arrival - t0, out)
-        records.append(rec)
-        bar.update(1)
-        if rec["error"] is not None:
-            bar.update(len(session.turns) - k - 1)
-        elif k + 1 < len(session.turns):
-            submit(si, k + 1, [*out.prompt_token_ids, *out.token_ids], time.perf_counter())
-
-    next_session = 0
-    with bar:
-        while next_session < len(sessions) or inflight:
+    desc = f"{config or 'bench'} turns"
+    total = total_turns(sessions)
+    with tqdm(total=total, disable=not progress, unit="req", desc=desc) as bar:
+        replay = _Replay(serving, sessions, config, params_for, bar)
+        due = [replay.t0 + a for a in arrivals]
+        started = 0
+        while started < len(sessions) or replay.inflight:
             now = time.perf_counter()
-            while next_session < len(sessions) and t0 + arrivals[next_session] <= now:
-                submit(next_session, 0, (), t0 + arrivals[next_session])
-                next_session += 1
-            if serving.has_unfinished():
-                for out in serving.step():
-                    if out.request_id in inflight:  # else not ours (added by someone else)
-                        collect(out)
-            elif inflight:
-                raise RuntimeError(
-                    f"the engine reports no unfinished requests but "
-                    f"{len(inflight)} submitted turns never finished"
-                )
-            else:  # nothing in flight: wait for the next arrival
-                wait = t0 + arrivals[next_session] - time.perf_counter()
-                time.sleep(min(max(wait, 0.0), MAX_IDLE_SLEEP_S))
-    return records
+            while started < len(sessions) and due[started] <= now:
+                replay.submit(started, 0, (), due[started])
+                started += 1
+            replay.step(due[started] if started < len(sessions) else None)
+    return replay.records
 
 
 def warm_up(
@@ -304,150 +279,6 @@ def warm_up(
         serving.step()
 
 
-# --------------------------------------------------------------------------- statistics
-
-
-def _mean(values: Sequence[float]) -> float | None:
-    return float(np.mean(values)) if values else None
-
-
-def _tail(values: Sequence[float]) -> float | None:
-    return float(np.percentile(values, TAIL_PERCENTILE)) if values else None
-
-
-def summarize(records: Iterable[dict]) -> dict[str, Any]:
-    """Mean and P99 of TTFT, JCT and TPOT, overall and for turns after the first.
-
-    Keys: ``requests``, ``errors``, ``{ttft,jct,tpot}_{mean,p99}`` and the same with a
-    ``_later`` suffix (turn > 0), ``cached_ratio`` (cached / prompt tokens, also
-    ``cached_ratio_later``), ``prompt_tokens``, ``output_tokens``, ``cached_tokens``,
-    ``transferred_bytes``. Failed requests count only in ``errors``; a statistic over no
-    values is None.
-    """
-    records = list(records)
-    ok = [r for r in records if r.get("error") is None]
-    later = [r for r in ok if r["turn"] > 0]
-    out: dict[str, Any] = {"requests": len(records), "errors": len(records) - len(ok)}
-    for suffix, group in (("", ok), ("_later", later)):
-        for metric in _METRICS:
-            values = [r[metric] for r in group if r.get(metric) is not None]
-            out[f"{metric}_mean{suffix}"] = _mean(values)
-            out[f"{metric}_p99{suffix}"] = _tail(values)
-        prompt = sum(r["prompt_tokens"] for r in group)
-        cached = sum(r["cached_tokens"] for r in group)
-        out[f"cached_ratio{suffix}"] = cached / prompt if prompt else None
-    out["prompt_tokens"] = sum(r["prompt_tokens"] for r in ok)
-    out["output_tokens"] = sum(r["output_tokens"] for r in ok)
-    out["cached_tokens"] = sum(r["cached_tokens"] for r in ok)
-    out["transferred_bytes"] = sum(r["transferred_bytes"] for r in ok)
-    return out
-
-
-def caching_ratios(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
-    """``{"X/X-CC": mean TTFT of later turns under X / under X-CC}`` for every such pair."""
-    ratios: dict[str, float | None] = {}
-    for name, base in summaries.items():
-        cc = summaries.get(name + CACHING_SUFFIX)
-        if cc is None:
-            continue
-        a, b = base.get("ttft_mean_later"), cc.get("ttft_mean_later")
-        ratios[f"{name}/{name}{CACHING_SUFFIX}"] = a / b if a and b else None
-    return ratios
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1e3:.1f}"
-
-
-def format_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
-    """A plain-text table of the per-config summaries (times in milliseconds)."""
-    header = (
-        "config",
-        "TTFT mean",
-        "TTFT P99",
-        "TTFT mean t>1",
-        "JCT mean",
-        "JCT P99",
-        "TPOT mean",
-        "cached",
-        "bytes",
-        "errors",
-    )
-    rows = [header]
-    for name, s in summaries.items():
-        ratio = s.get("cached_ratio")
-        rows.append(
-            (
-                name,
-                _ms(s["ttft_mean"]),
-                _ms(s["ttft_p99"]),
-                _ms(s["ttft_mean_later"]),
-                _ms(s["jct_mean"]),
-                _ms(s["jct_p99"]),
-                _ms(s["tpot_mean"]),
-                "-" if ratio is None else f"{ratio:.1%}",
-                f"{s['transferred_bytes']:,}",
-                str(s["errors"]),
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = [
-        " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-        for r in rows
-    ]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "(times in ms)\n" + "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- plots
-
-
-def write_plots(
-    records_by_config: Mapping[str, list[dict]],
-    summaries: Mapping[str, Mapping[str, Any]],
-    prefix: Path,
-    title: str = "",
-) -> list[Path]:
-    """Bars of mean/P99 TTFT and JCT per config, and CDFs of TTFT and JCT; returns the paths."""
-    from matplotlib.figure import Figure  # optional and slow to import: only plots need it
-
-    names = list(summaries)
-    bars = Figure(figsize=(10, 4), layout="tight")
-    x = np.arange(len(names))  # [configs]
-    width = 0.38
-    for ax, metric, name in zip(bars.subplots(1, 2), ("ttft", "jct"), ("TTFT", "JCT")):
-        for j, (stat, label) in enumerate((("mean", "mean"), ("p99", "P99"))):
-            vals = [(summaries[n][f"{metric}_{stat}"] or 0.0) for n in names]
-            ax.bar(x + (j - 0.5) * width, vals, width, label=label)
-        ax.set_xticks(x, names)
-        ax.set_ylabel("seconds")
-        ax.set_title(name)
-        ax.legend()
-    cdfs = Figure(figsize=(10, 4), layout="tight")
-    for ax, metric, name in zip(cdfs.subplots(1, 2), ("ttft", "jct"), ("TTFT", "JCT")):
-        for n in names:
-            vals = np.sort(
-                [
-                    r[metric]
-                    for r in records_by_config[n]
-                    if r.get("error") is None and r.get(metric) is not None
-                ]
-            )
-            if len(vals):
-                ax.step(vals, np.arange(1, len(vals) + 1) / len(vals), where="post", label=n)
-        ax.set_xlabel(f"{name} (s)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title(f"CDF of {name}")
-        ax.legend()
-    if title:
-        bars.suptitle(title)
-        cdfs.suptitle(title)
-    paths = [prefix.with_name(f"{prefix.name}_{kind}.png") for kind in ("bars", "cdf")]
-    bars.savefig(paths[0], dpi=100)
-    cdfs.savefig(paths[1], dpi=100)
-    return paths
-
-
 # --------------------------------------------------------------------------- run_bench
 
 
@@ -456,26 +287,64 @@ def _model_context(model_dir: Path) -> int:
     return int(config["max_position_embeddings"])
 
 
+def _sessions(
+    setup: dict[str, Any],
+    model_dir: Path,
+    num_sessions: int,
+    max_context: int | None,
+    verbose: bool,
+) -> tuple[Tokenizer, list[Session]]:
+    """The tokenizer and the sessions of ``setup``'s workload; adds their counts and the
+    context to ``setup``."""
+    context = int(min(max_context or math.inf, _model_context(model_dir)))
+    tokenizer = Tokenizer.from_dir(model_dir)
+    workload, turns, out = setup["workload"], setup["max_turns"], setup["max_output_tokens"]
+    sessions = make_workload(
+        workload,
+        tokenizer,
+        num_sessions,
+        context,
+        setup["seed"],
+        max_turns=turns,
+        max_output_tokens=out,
+    )
+    setup.update(sessions=len(sessions), turns=total_turns(sessions), max_context=context)
+    if verbose:
+        print(
+            f"workload {workload}: {len(sessions)} sessions, {setup['turns']} turns, "
+            f"rate {setup['rate']}/s, context {context}, model {model_dir}"
+        )
+    return tokenizer, sessions
+
+
 def _measure(
-    config: str,
-    serving: Serving,
+    factory: TargetFactory,
+    spec: TargetSpec,
     tokenizer: Tokenizer,
     sessions: Sequence[Session],
-    rate: float,
-    seed: int,
+    arrivals: tuple[float, int],
     progress: bool,
+    verbose: bool,
 ) -> tuple[list[dict], dict[str, Any]]:
-    """Warm up, replay the workload, audit the pools; returns the records and
-    ``{"wall_s", "pool"}``."""
-    warm_up(serving, tokenizer)
-    start = time.perf_counter()
-    records = run_workload(serving, sessions, rate, seed, progress=progress, config=config)
-    wall = time.perf_counter() - start
+    """Build the config's ``Serving``, warm up, replay the workload at ``arrivals`` (rate,
+    seed), audit the pools, close; returns the records and ``{"wall_s", "pool"}``."""
+    config = spec.config
+    serving = factory(spec)
     try:
-        serving.check_pools(require_idle=True)
-    except Exception as exc:
-        raise RuntimeError(f"KV pool balance check failed after the {config} run") from exc
-    return records, {"wall_s": wall, "pool": serving.pool_stats()}
+        warm_up(serving, tokenizer)
+        start = time.perf_counter()
+        records = run_workload(serving, sessions, *arrivals, progress=progress, config=config)
+        wall = time.perf_counter() - start
+        try:
+            serving.check_pools(require_idle=True)
+        except Exception as exc:
+            raise RuntimeError(f"KV pool balance check failed after the {config} run") from exc
+        stats = {"wall_s": wall, "pool": serving.pool_stats()}
+    finally:
+        serving.close()
+    if verbose:
+        print(f"{config}: {len(records)} requests in {wall:.1f} s, pool balanced")
+    return records, stats
 
 
 def run_bench(
@@ -485,7 +354,7 @@ def run_bench(
     rate: float = DEFAULT_RATE,
     max_turns: int | None = None,
     model_dir: str | Path | None = None,
-    out_dir: str | Path | None = DEFAULT_OUT_DIR,
+    out_dir: str | Path | None = None,
     seed: int = 0,
     max_output_tokens: int | None = None,
     max_context: int | None = None,
@@ -499,68 +368,50 @@ def run_bench(
 
     ``model_dir`` None uses the tiny preset. ``max_context`` None is the model's context.
     ``max_turns`` and ``max_output_tokens`` None take the workload's defaults (see
-    :func:`minimemserve.bench.workloads.make_workload`).
+    :func:`minimemserve.workloads.sessions.make_workload`).
     ``factories`` maps config names to :data:`TargetFactory`; other names run as an
-    in-process ``LLM`` (see :func:`resolve_factory`). ``runtime`` describes how the
-    factories run the configs (process runtime, routing policy) for the JSON. Each config
-    gets a fresh ``Serving``, a warm-up (excluded), the workload, a pool audit and
-    ``close()``. Prints a table when ``verbose``; with ``out_dir`` writes
-    ``e2e_<workload>.json`` and ``e2e_<workload>_{bars,cdf}.png`` there. Returns
-    ``{"summaries", "ttft_later_ratio", "records", "pool_stats", "setup", "files"}``.
+    in-process ``LLM`` (see :func:`resolve_factory`). ``runtime`` (for the JSON) describes how
+    the factories run the configs. Each config gets a fresh ``Serving``, a warm-up
+    (excluded), the workload, a pool audit and ``close()``. Prints a table when ``verbose``;
+    with ``out_dir`` writes ``e2e_<workload>.json`` and ``e2e_<workload>_{bars,cdf}.png``
+    there. Returns ``{"summaries", "ttft_later_ratio", "records", "pool_stats", "setup",
+    "files"}``.
     """
     if not configs:
         raise ValueError("no configs to benchmark")
     known = {c: resolve_factory(c, factories) for c in configs}
-    model_dir = Path(preset_dir("tiny") if model_dir is None else model_dir)
-    options = options or EngineOptions(seed=seed)
-    context = min(max_context or math.inf, _model_context(model_dir))
-    tokenizer = Tokenizer.from_dir(model_dir)
-    sessions = make_workload(
-        workload,
-        tokenizer,
-        num_sessions,
-        int(context),
-        seed,
-        max_turns=max_turns,
-        max_output_tokens=max_output_tokens,
-    )
+    model_dir, options = Path(model_dir or preset_dir("tiny")), options or EngineOptions(seed=seed)
     setup = {
         "workload": workload,
-        "sessions": len(sessions),
-        "turns": total_turns(sessions),
         "rate": rate,
         "seed": seed,
         "max_turns": max_turns,
-        "max_context": int(context),
         "max_output_tokens": max_output_tokens,
         "model_dir": str(model_dir),
         "configs": list(configs),
         "options": asdict(options),
         "runtime": dict(runtime or {"kind": "inline"}),
     }
-    if verbose:
-        print(
-            f"workload {workload}: {len(sessions)} sessions, {setup['turns']} turns, "
-            f"rate {rate}/s, context {int(context)}, model {model_dir}"
-        )
+    tokenizer, sessions = _sessions(setup, model_dir, num_sessions, max_context, verbose)
 
     records: dict[str, list[dict]] = {}
     pool_stats: dict[str, Any] = {}
     for config in configs:
-        serving = known[config](TargetSpec(config, model_dir, options))
-        try:
-            records[config], pool_stats[config] = _measure(
-                config, serving, tokenizer, sessions, rate, seed, progress
-            )
-        finally:
-            serving.close()
-        if verbose:
-            print(
-                f"{config}: {len(records[config])} requests in "
-                f"{pool_stats[config]['wall_s']:.1f} s, pool balanced"
-            )
+        spec = TargetSpec(config, model_dir, options)
+        records[config], pool_stats[config] = _measure(
+            known[config], spec, tokenizer, sessions, (rate, seed), progress, verbose
+        )
+    result = _compare(setup, records, pool_stats, verbose)
+    if out_dir is not None:
+        _write(result, Path(out_dir), model_dir.name, verbose)
+    return result
 
-    summaries = {c: summarize(records[c]) for c in configs}
+
+def _compare(
+    setup: dict[str, Any], records: dict[str, list[dict]], pool_stats: dict, verbose: bool
+) -> dict[str, Any]:
+    """The summaries of each config's records side by side (printed when ``verbose``)."""
+    summaries = {c: summarize(records[c]) for c in records}
     ratios = caching_ratios(summaries)
     result: dict[str, Any] = {
         "setup": setup,
@@ -575,20 +426,25 @@ def run_bench(
         for pair, ratio in ratios.items():
             shown = "-" if ratio is None else f"{ratio:.2f}x"
             print(f"mean TTFT of turns after the first, {pair}: {shown}")
-    if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        json_path = out / f"e2e_{workload}.json"
-        title = (
-            f"{workload}: {len(sessions)} sessions, {setup['turns']} requests, "
-            f"{rate} sessions/s, {model_dir.name}"
-        )
-        pngs = write_plots(records, summaries, out / f"e2e_{workload}", title=title)
-        result["files"] = [str(json_path), *map(str, pngs)]
-        json_path.write_text(json.dumps(result, indent=1))
-        if verbose:
-            print("wrote " + ", ".join(result["files"]))
     return result
+
+
+def _write(result: dict[str, Any], out: Path, model_name: str, verbose: bool) -> None:
+    """Write a run's JSON and plots under ``out``; lists them in ``result["files"]``."""
+    setup = result["setup"]
+    workload = setup["workload"]
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / f"e2e_{workload}.json"
+    title = (
+        f"{workload}: {setup['sessions']} sessions, {setup['turns']} requests, "
+        f"{setup['rate']} sessions/s, {model_name}"
+    )
+    records, summaries = result["records"], result["summaries"]
+    pngs = write_plots(records, summaries, out / f"e2e_{workload}", title=title)
+    result["files"] = [str(json_path), *map(str, pngs)]
+    json_path.write_text(json.dumps(result, indent=1))
+    if verbose:
+        print("wrote " + ", ".join(result["files"]))
 
 
 # --------------------------------------------------------------------------- CLI
@@ -597,75 +453,6 @@ DESCRIPTION = (
     "Replay a multi-turn workload under several configurations and compare TTFT, JCT and "
     "TPOT (mean and P99)."
 )
-
-
-def add_workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The options ``minimemserve bench`` and ``minimemserve sim`` share: configs, workload,
-    sessions, rate, turns and lengths, seed, output folder, routing policy, progress."""
-    p.add_argument(
-        "--configs",
-        default=",".join(DEFAULT_CONFIGS),
-        help="comma-separated configurations (default: %(default)s)",
-    )
-    p.add_argument("--workload", choices=WORKLOADS, default=DEFAULT_WORKLOAD)
-    p.add_argument(
-        "--sessions",
-        type=int,
-        default=None,
-        help="sessions (ShareGPT conversations, LooGLE documents, ReAct questions; default "
-        f"{DEFAULT_SESSIONS}, sim --paper {PAPER_SESSIONS})",
-    )
-    p.add_argument("--rate", type=float, default=DEFAULT_RATE, help="session arrivals per second")
-    p.add_argument(
-        "--max-turns",
-        type=int,
-        default=None,
-        help="turns per ShareGPT session (default 6), questions per LooGLE "
-        "document (8) or steps per ReAct question (7)",
-    )
-    p.add_argument(
-        "--max-output-tokens",
-        type=int,
-        default=None,
-        help="cap on output tokens per turn (defaults: sharegpt 48, loogle 32, react 100)",
-    )
-    p.add_argument(
-        "--max-context",
-        type=int,
-        default=None,
-        help="cap on prompt + output per request (default: the model's context)",
-    )
-    p.add_argument("--out", default=DEFAULT_OUT_DIR, help="where JSON and plots go")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--policy",
-        choices=POLICIES,
-        default="prompt_tree",
-        help="global scheduler policy (default: %(default)s)",
-    )
-    p.add_argument(
-        "--scheduler",
-        choices=SCHEDULERS,
-        default=None,
-        help="local step policy: chunked prefill beside decodes (the default), or "
-        "prefill_first (whole prompts in steps of their own, vLLM 0.4.0's; the default of "
-        "sim --paper)",
-    )
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    return p
-
-
-def add_parallel_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``--tensor-parallel-size`` and ``--decode-tensor-parallel-size`` (instances in one
-    process: ``bench --runtime inline``, ``serve --runtime inprocess``, ``generate``)."""
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks per instance")
-    p.add_argument(
-        "--decode-tensor-parallel-size",
-        type=int,
-        default=None,
-        help="ranks per decode instance (default: --tensor-parallel-size)",
-    )
-    return p
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

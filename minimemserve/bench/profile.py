@@ -8,6 +8,7 @@ prediction error.
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
 import statistics
@@ -168,6 +169,31 @@ def _check_engine(engine: Engine, lengths: list[int], fractions: list[float], re
             )
 
 
+def _measure_prefill(engine: Engine, clock: _OpClock, gen, x: int, f: float) -> OpSample:
+    """Time one prefill of ``x`` random tokens with a cached fraction ``f`` (whole blocks)."""
+    ids = torch.randint(FIRST_PROMPT_TOKEN, engine.model_config.vocab_size, (x,), generator=gen)
+    ids = ids.tolist()
+    prefix = round(x * f) // engine.pool.block_size * engine.pool.block_size
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    try:
+        if prefix:
+            _run_to_end(engine, ids[:prefix], params)
+        rid = engine.add_request(ids, params)
+        clock.reset()
+        clock.sync()
+        t0 = time.perf_counter()
+        outs = engine.step()
+        clock.sync()
+        total = time.perf_counter() - t0
+        if [o.request_id for o in outs] != [rid] or engine.has_unfinished():
+            raise RuntimeError(f"the prefill of {x} tokens did not finish in one step")
+        cached = outs[0].metrics.cached_tokens
+    finally:
+        engine.pool.delete(ids)
+    linear, attention = clock.linear, clock.attention
+    return OpSample(x, cached / x, linear, attention, total - linear - attention, total)
+
+
 def profile(
     engine: Engine,
     lengths: Sequence[int] = (64, 128, 256, 512, 1024),
@@ -195,35 +221,12 @@ def profile(
     lengths = [operator.index(x) for x in lengths]
     fractions = [float(f) for f in fractions]
     _check_engine(engine, lengths, fractions, repeats)
-    pool = engine.pool
-    bs = pool.block_size
     vocab = engine.model_config.vocab_size
     if vocab <= FIRST_PROMPT_TOKEN:
         raise ValueError(f"vocabulary of {vocab} tokens is too small for random prompts")
     gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     clock = _OpClock(engine.device)
-
-    def measure(x: int, f: float) -> OpSample:
-        ids = torch.randint(FIRST_PROMPT_TOKEN, vocab, (x,), generator=gen).tolist()
-        prefix = round(x * f) // bs * bs
-        try:
-            if prefix:
-                _run_to_end(engine, ids[:prefix], params)
-            rid = engine.add_request(ids, params)
-            clock.reset()
-            clock.sync()
-            t0 = time.perf_counter()
-            outs = engine.step()
-            clock.sync()
-            total = time.perf_counter() - t0
-            if [o.request_id for o in outs] != [rid] or engine.has_unfinished():
-                raise RuntimeError(f"the prefill of {x} tokens did not finish in one step")
-            cached = outs[0].metrics.cached_tokens
-        finally:
-            pool.delete(ids)
-        linear, attention = clock.linear, clock.attention
-        return OpSample(x, cached / x, linear, attention, total - linear - attention, total)
+    measure = functools.partial(_measure_prefill, engine, clock, gen)
 
     samples = []
     with _timed_operators(engine, clock):

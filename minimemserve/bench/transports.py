@@ -12,7 +12,7 @@ receiver has already allocated. Paths, fastest first:
   ``torch.distributed`` point-to-point, two-sided.
 
 The runtime picks between shared memory and torch.distributed per pair of instances, by their
-hosts' identity (``disagg.runtime.pair_transport``)."""
+hosts' identity (``disagg.launch.pair_transport``)."""
 
 from __future__ import annotations
 
@@ -164,21 +164,31 @@ def copy_blocks(
     _check_pair(src, dst, s_ids, d_ids, block_dim)
     if not s_ids:
         return 0
-    if mode is TransferMode.AGGREGATED:
-        for s, d in zip(s_ids, d_ids):
-            dst[d].copy_(src[s])  # one [L, 2, bs, h, d] block
-        return len(s_ids)
-    if mode is TransferMode.BY_REQUEST:
-        num_layers = src.shape[0]
-        for s, d in zip(s_ids, d_ids):
-            for layer in range(num_layers):
-                for kv in range(2):
-                    dst[layer, kv, d].copy_(src[layer, kv, s])  # one [bs, h, d] piece
-        return 2 * num_layers * len(s_ids)
-    if mode is TransferMode.BY_LAYER:
-        for layer in range(src.shape[1]):
-            copy_layer(dst, src, layer, s_ids, d_ids, staging)
-        return src.shape[1]
+    return _COPIERS[mode](dst, src, s_ids, d_ids, staging)
+
+
+def _copy_aggregated(dst, src, s_ids: list[int], d_ids: list[int], staging) -> int:
+    for s, d in zip(s_ids, d_ids):
+        dst[d].copy_(src[s])  # one [L, 2, bs, h, d] block
+    return len(s_ids)
+
+
+def _copy_by_request(dst, src, s_ids: list[int], d_ids: list[int], staging) -> int:
+    num_layers = src.shape[0]
+    for s, d in zip(s_ids, d_ids):
+        for layer in range(num_layers):
+            for kv in range(2):
+                dst[layer, kv, d].copy_(src[layer, kv, s])  # one [bs, h, d] piece
+    return 2 * num_layers * len(s_ids)
+
+
+def _copy_by_layer(dst, src, s_ids: list[int], d_ids: list[int], staging) -> int:
+    for layer in range(src.shape[1]):
+        copy_layer(dst, src, layer, s_ids, d_ids, staging)
+    return src.shape[1]
+
+
+def _copy_packed(dst, src, s_ids: list[int], d_ids: list[int], staging) -> int:
     staging = staging or Staging()
     s_idx = as_index(s_ids, src.device)
     if is_run(d_ids):
@@ -188,6 +198,14 @@ def copy_blocks(
         torch.index_select(src, 0, s_idx, out=packed)  # [n, L, 2, bs, h, d]
         dst.index_copy_(0, as_index(d_ids, dst.device), packed.to(dst.device))
     return 1
+
+
+_COPIERS = {
+    TransferMode.AGGREGATED: _copy_aggregated,
+    TransferMode.BY_REQUEST: _copy_by_request,
+    TransferMode.BY_LAYER: _copy_by_layer,
+    TransferMode.PACKED: _copy_packed,
+}
 
 
 def copy_layer(

@@ -4,10 +4,11 @@
 its role's recipe, puts the hbm pool tensor in shared memory so peers on this host can
 write KV into it one-sided, reports ``Ready`` to the frontend, and then loops: answer
 control messages, step the engine while it has work, push finished outputs (and
-hand-offs) to the frontend, send heartbeats. :class:`RemotePool` is a peer's MemPool as a
-transfer sees it, so ``MemPool.transfer(remote, ...)`` works across processes unchanged.
+hand-offs) to the frontend, send heartbeats. Its peers (:mod:`~.peering`) are reached as
+``RemotePool`` proxies, a peer's MemPool as a transfer sees it, so
+``MemPool.transfer(remote, ...)`` works across processes unchanged.
 
-What each instance holds for a peer is tracked (``grants``: blocks it allocated for the
+What each instance holds for a peer is tracked (``Grants``: blocks it allocated for the
 peer's transfers and references the peer has not returned yet), so when the frontend
 reports the peer dead, every such block is released and nothing leaks.
 
@@ -24,8 +25,6 @@ and then waits for the next one."""
 from __future__ import annotations
 
 import contextlib
-import datetime
-import itertools
 import logging
 import os
 import re
@@ -33,30 +32,27 @@ import signal
 import socket
 import sys
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 import torch
 import zmq
 
-from ..blocks.copy import check_pool_tensor, move_blocks
 from ..config import EngineConfig, parse_config_name
 from ..engine import Engine
 from ..errors import InstanceDied, InvalidRequest, RemoteError, TransferError
 from ..mempool import MemPool
-from ..mempool.shared import SharedPoolTensor, attach, segment_path
+from ..mempool.shared import SharedPoolTensor
 from ..model.config import ModelConfig
 from ..recipes import decode_preference
 from ..request import Request, logprobs_fit
 from . import rpc
-from .transports import GlooTransport, TransferMode
+from .peering import Grants, PeerLinks, RemotePool, request_of
 
 logger = logging.getLogger(__name__)
 
-FRONTEND = "frontend"
 PEER = "peer"  # any instance the frontend announced
 # How long an idle instance blocks on its socket before checking its parent and heartbeat.
 IDLE_POLL_S = 0.02
@@ -135,28 +131,6 @@ def process_gone(pid: int) -> bool:
     return False
 
 
-@dataclass
-class Link:
-    """A two-rank torch.distributed group with one peer, and what moved over it."""
-
-    transport: GlooTransport
-    tags: itertools.count = field(default_factory=itertools.count)
-    sent_bytes: int = 0
-    recv_bytes: int = 0
-    sent_messages: int = 0
-    recv_messages: int = 0
-
-    def stats(self) -> dict[str, int | str]:
-        """Bytes and messages each way, and the backend."""
-        return {
-            "transport": self.transport.kind.value,
-            "sent_bytes": self.sent_bytes,
-            "recv_bytes": self.recv_bytes,
-            "sent_messages": self.sent_messages,
-            "recv_messages": self.recv_messages,
-        }
-
-
 class SharedMemPool(MemPool):
     """A MemPool whose hbm tier tensor lives in shared memory (CPU) or is IPC-exported (CUDA;
     dram stays private). :attr:`shared` is the segment; publish ``shared.handle.to_dict()``."""
@@ -173,131 +147,9 @@ class SharedMemPool(MemPool):
         super().__init__(layout, num_blocks, tensor_factory=factory, **kw)
 
 
-def state_of(req: Request) -> rpc.RequestState:
-    """What travels with a handed-off request."""
-    fields = {f: getattr(req, f) for f in rpc.RequestState.__struct_fields__}
-    return rpc.RequestState(**fields | {"tokens": req.tokens.tolist(), "blocks": list(req.blocks)})
-
-
-def request_of(s: rpc.RequestState) -> Request:
-    """Rebuild a prefilled request from its state."""
-    req = Request(s.request_id, s.tokens, s.params, s.arrival_time)
-    fields = ("num_prompt", "blocks", "num_computed", "max_total_tokens", "prefill_instance")
-    for f in fields:
-        setattr(req, f, getattr(s, f))
-    if req.params.logprobs is not None:
-        req.logprobs = list(s.logprobs or ())
-    req.metrics, req.prefilled = s.metrics, True
-    return req
-
-
-class RemotePool:
-    """A peer instance as a transfer and a recipe see it from here: its MemPool (``recv_*`` and
-    ``free_mem`` are requests to the peer, ``recv_copy`` a one-sided write into ``kv``, this
-    process's mapping of its hbm pool tensor) and ``accept`` to hand it a request. Blocks it took
-    for a failed transfer are released there (``recv_abort``, best effort)."""
-
-    def __init__(
-        self,
-        node: rpc.RpcNode,
-        info: rpc.PeerInfo,
-        kv: torch.Tensor | None,
-        pool: MemPool,
-        link: Link | None = None,
-    ) -> None:
-        """Proxy ``info``, whose hbm tensor is mapped here as ``kv`` (same host) or reached over
-        ``link`` (any host); its layout is ``pool``'s."""
-        self.node, self.name, self.role, self.kv, self.link = node, info.name, info.role, kv, link
-        self.peer = self.instance_id = info.name
-        self.layout, self.dtype, self.block_size = pool.layout, pool.dtype, pool.block_size
-        self.model_layout = pool.model_layout  # the layout transfers agree on
-        self.pool = self  # as a ``Peer``: the pool to transfer into is this proxy
-        self._xfers, self._xfer = itertools.count(), ""  # transfer ids; the one in progress
-
-    def recv_alloc(self, tokens: Sequence[int] | None, num_blocks: int) -> tuple[list, list]:
-        """Step 1 on the peer: match ``tokens`` (if given) and allocate the rest."""
-        self._xfer = f"{self.node.name}>{self.peer}#{next(self._xfers)}"
-        toks = None if tokens is None else list(tokens)
-        try:
-            rep = self.node.call(self.peer, rpc.AllocRequest(self._xfer, toks, num_blocks))
-            if not isinstance(rep, rpc.AllocReply) or len(rep.matched) + len(rep.new) != num_blocks:
-                raise TransferError(f"{self.peer} answered AllocRequest with {rep!r:.200}")
-        except TransferError:
-            # the peer may have allocated before its answer got lost or came wrong: let it go
-            self.node.try_push(self.peer, rpc.Abort(self._xfer, []))
-            raise
-        return rep.matched, rep.new
-
-    def recv_copy(self, blocks: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
-        """Step 2: blocks ``src_ids`` of this process's pool tensor ``src`` go straight into
-        the peer's ``blocks`` (one-sided; one pass when ``blocks`` is one run)."""
-        check_pool_tensor(self.layout, self.dtype, src, "recv_copy")
-        if not blocks:
-            return
-        if self.peer in self.node.dead:
-            raise InstanceDied(f"instance {self.peer} died before the write")
-        if self.link is not None:
-            self._send_over_link(list(blocks), src, list(src_ids))
-            return
-        move_blocks(self.kv, list(blocks), src, list(src_ids), self.layout.block_dim)
-        if self.kv.is_cuda:
-            torch.cuda.current_stream(self.kv.device).synchronize()  # land before Commit
-
-    def _send_over_link(self, blocks: list[int], src: torch.Tensor, src_ids: list[int]) -> None:
-        """Post the blocks as one message, then have the peer receive it into ``blocks``."""
-        link = self.link
-        tag = next(link.tags) % (1 << 31)
-        posted = link.transport.send_blocks(
-            src, src_ids, mode=TransferMode.PACKED, tag=tag, wait=False
-        )
-        self.node.call(self.peer, rpc.KVData(self._xfer, blocks, tag))
-        posted.wait()  # the peer has it: its reply came after its receive finished
-        link.sent_bytes += len(src_ids) * src[0].nbytes
-        link.sent_messages += 1
-
-    def recv_commit(self, tokens: Sequence[int] | None, blocks: Sequence[int]) -> None:
-        """Step 3 on the peer: keep ``blocks`` (indexing ``tokens`` when given)."""
-        toks = None if tokens is None else list(tokens)
-        self.node.call(self.peer, rpc.Commit(self._xfer, toks, list(blocks)))
-
-    def recv_abort(self, blocks: Sequence[int]) -> None:
-        """On failure: the peer releases every block it took for this transfer (best effort)."""
-        self.node.try_push(self.peer, rpc.Abort(self._xfer, list(blocks)))
-
-    def free_mem(self, blocks: Sequence[int], tier: str = "hbm") -> None:
-        """Drop one of this process's references on the peer's hbm ``blocks``."""
-        self.node.call(self.peer, rpc.FreeMem(list(blocks)))
-
-    def probe(self, tokens: Sequence[int], blocks: int = 0) -> rpc.ProbeReply:
-        """The peer's cached prefix of ``tokens``, its load, and its room for ``blocks`` blocks."""
-        rep = self.node.call(self.peer, rpc.Probe(list(tokens), blocks))
-        if not isinstance(rep, rpc.ProbeReply):
-            raise TransferError(f"{self.peer} answered Probe with {type(rep).__name__}")
-        return rep
-
-    def accept(self, req: Request) -> None:
-        """Pass ``req`` (its ``blocks`` already ids in the peer's pool) to the peer; when it
-        cannot take it, the peer drops the blocks and ``TransferError`` is raised."""
-        req.decode_instance = self.name
-        try:
-            self.node.call(self.name, rpc.Accept(state_of(req)))
-        except TransferError:
-            self.node.try_push(self.name, rpc.FreeMem(list(req.blocks)))
-            raise
-
-
 class SessionOver(Exception):
     """A standalone instance's frontend went silent: the session ends, the instance waits for
     the next frontend."""
-
-
-def _store_client(host: str, port: int, timeout_s: float) -> Any:
-    """A client of the frontend's TCPStore, where pairs meet to form their groups."""
-    try:
-        timeout = datetime.timedelta(seconds=timeout_s)
-        return torch.distributed.TCPStore(host, port, is_master=False, timeout=timeout)
-    except (RuntimeError, TimeoutError, ValueError) as e:
-        raise TransferError(f"cannot reach the frontend's store at {host}:{port}: {e}") from e
 
 
 class InstanceServer:
@@ -311,13 +163,6 @@ class InstanceServer:
         # A step makes calls to peers and serves messages while it waits: an abort arriving
         # then would run a request's hooks a second time, so it waits for the step to end.
         self.stepping, self.deferred_aborts = False, []
-        self.grants: dict[str, Counter[int]] = {}
-        self.xfers: dict[tuple[str, str], tuple] = {}  # (peer, transfer) -> (blocks, tokens)
-        self.remotes: dict[str, RemotePool] = {}
-        self.links: dict[str, Link] = {}  # peers reached over torch.distributed
-        self.pending_links: list[tuple[str, str, int]] = []  # (store key, peer, our rank)
-        self.peer_infos: dict[str, rpc.PeerInfo] = {}
-        self.store: Any = None  # the frontend's TCPStore, while pairs form links
         self.last_frontend = time.monotonic()  # when the frontend was last heard
         # recent hand-offs (request id -> decode instance), so the frontend can find the
         # requests a dead decode instance held even if our Handoff notice is still in flight
@@ -353,31 +198,37 @@ class InstanceServer:
         node.any_recipient = False  # named now: frames for another name are not for us
         node.on_wait = self._heartbeat
         self.node = node
-        self.node.connect(FRONTEND, spec.frontend)
-        self.peer_names: set[str] = set()  # the other instances, as the frontend announced
-        self.handlers = {  # message type -> (who may send it, handler)
-            rpc.AllocRequest: (PEER, self._on_alloc),
-            rpc.Commit: (PEER, self._on_commit),
-            rpc.Abort: (PEER, self._on_abort),
-            rpc.FreeMem: (PEER, lambda s, m: self.pool.free_mem(self._ungrant(s, m.blocks))),
+        self.node.connect(rpc.FRONTEND, spec.frontend)
+        self.peers = PeerLinks(spec, node, self.pool, self._peer_down)
+        vocab = self.engine.model_config.vocab_size
+        self.grants = Grants(spec.name, self.pool, vocab, self.peers.links)
+        self.handlers = self._handler_table()
+
+    def _handler_table(self) -> dict:
+        """Message type -> (who may send it, handler)."""
+        return {
+            rpc.AllocRequest: (PEER, self.grants.on_alloc),
+            rpc.Commit: (PEER, self.grants.on_commit),
+            rpc.Abort: (PEER, self.grants.on_abort),
+            rpc.FreeMem: (PEER, self.grants.on_free),
             rpc.Accept: (PEER, self._on_accept),
             rpc.Probe: (PEER, self._on_probe),
-            rpc.Submit: (FRONTEND, self._on_submit),
-            rpc.Query: (FRONTEND, self._on_query),
-            rpc.Peers: (FRONTEND, self._on_peers),
-            rpc.PushPrefix: (FRONTEND, self._on_push_prefix),
-            rpc.PeerDown: (FRONTEND, self._on_peer_down),
-            rpc.PeerUp: (FRONTEND, self._on_peer_up),
-            rpc.AbortRequest: (FRONTEND, self._on_abort_request),
-            rpc.Shutdown: (FRONTEND, self._on_shutdown),
-            rpc.Heartbeat: (FRONTEND, lambda s, m: None),
-            rpc.KVData: (PEER, self._on_kv_data),
+            rpc.Submit: (rpc.FRONTEND, self._on_submit),
+            rpc.Query: (rpc.FRONTEND, self._on_query),
+            rpc.Peers: (rpc.FRONTEND, self.peers.on_peers),
+            rpc.PushPrefix: (rpc.FRONTEND, self._on_push_prefix),
+            rpc.PeerDown: (rpc.FRONTEND, self._on_peer_down),
+            rpc.PeerUp: (rpc.FRONTEND, self.peers.on_peer_up),
+            rpc.AbortRequest: (rpc.FRONTEND, self._on_abort_request),
+            rpc.Shutdown: (rpc.FRONTEND, self._on_shutdown),
+            rpc.Heartbeat: (rpc.FRONTEND, lambda s, m: None),
+            rpc.KVData: (PEER, self.grants.on_kv_data),
         }
 
     # ---- what recipes need (``Peers``) -------------------------------------------------------
     def pick_decode(self, req: Request, exclude: Sequence[str]) -> RemotePool | None:
         """The live decode peer with room for ``req`` by ``decode_preference``, or None."""
-        decodes = [n for n, p in self.remotes.items() if p.role == "decode"]
+        decodes = [n for n, p in self.peers.remotes.items() if p.role == "decode"]
         if not (live := [d for d in decodes if d not in self.node.dead and d not in exclude]):
             gone = ", ".join(f"{d}: {self.node.dead.get(d, 'refused')}" for d in decodes)
             raise InstanceDied(f"no live decode instance to continue the request ({gone})")
@@ -385,14 +236,14 @@ class InstanceServer:
         scores = {}
         for d in live:
             with contextlib.suppress(TransferError):
-                rep = self.remotes[d].probe(req.tokens[: req.num_computed], blocks)
+                rep = self.peers.remotes[d].probe(req.tokens[: req.num_computed], blocks)
                 if rep.room:
                     scores[d] = decode_preference(rep.load, rep.cached)
-        return self.remotes[max(scores, key=scores.__getitem__)] if scores else None
+        return self.peers.remotes[max(scores, key=scores.__getitem__)] if scores else None
 
     def prefill_pool(self, req: Request) -> RemotePool:
         """The pool of the instance that prefilled ``req``."""
-        if (peer := self.remotes.get(req.prefill_instance)) is None:
+        if (peer := self.peers.remotes.get(req.prefill_instance)) is None:
             raise InstanceDied(f"prefill instance {req.prefill_instance!r} is unknown here")
         return peer
 
@@ -404,10 +255,10 @@ class InstanceServer:
     # ---- control messages -----------------------------------------------------------------
     def _handle(self, sender: str, msg: rpc.Msg) -> rpc.Msg | None:
         who, handler = self.handlers.get(type(msg), (None, None))
-        allowed = sender == FRONTEND if who == FRONTEND else sender in self.peer_names
+        allowed = sender == rpc.FRONTEND if who == rpc.FRONTEND else sender in self.peers.names
         if who is None or not allowed or sender in self.node.dead:
             raise PermissionError(f"{self.name} takes no {type(msg).__name__} from {sender!r}")
-        if sender == FRONTEND:
+        if sender == rpc.FRONTEND:
             self.last_frontend = time.monotonic()
         return handler(sender, msg)
 
@@ -416,47 +267,11 @@ class InstanceServer:
         load = len(sched.waiting) + len(sched.running) + len(self.inbox)
         return rpc.ProbeReply(self.pool.cached_prefix_len(m.tokens), load, room)
 
-    def _on_alloc(self, sender: str, m: rpc.AllocRequest) -> rpc.AllocReply:
-        n, layout, toks = m.num_blocks, self.pool.layout, m.tokens
-        if n > self.pool.capacity() or (
-            toks is not None
-            and (
-                not len(toks) // layout.block_size <= n <= layout.num_blocks_for(len(toks))
-                or max(toks, default=0) >= self.engine.model_config.vocab_size
-            )
-        ):
-            raise ValueError(f"{n} blocks for {len(toks or ())} tokens cannot be received here")
-        matched, new = self.pool.recv_alloc(toks, n)
-        self.grants.setdefault(sender, Counter()).update(matched + new)
-        self.xfers[(sender, m.xfer)] = (matched + new, toks)
-        return rpc.AllocReply(matched, new)
-
-    def _on_commit(self, sender: str, m: rpc.Commit) -> None:
-        if self.xfers.get((sender, m.xfer)) != (m.blocks, m.tokens):
-            raise ValueError(f"{sender} commits what was not allocated for transfer {m.xfer!r}")
-        del self.xfers[(sender, m.xfer)]
-        self.pool.recv_commit(m.tokens, m.blocks)
-
-    def _on_kv_data(self, sender: str, m: rpc.KVData) -> None:
-        """Receive the blocks a peer posted over our link into blocks it was granted."""
-        granted, _ = self.xfers.get((sender, m.xfer), ((), None))
-        if (link := self.links.get(sender)) is None:
-            raise ValueError(f"{self.name} has no torch.distributed link with {sender}")
-        if not m.blocks or len(set(m.blocks)) != len(m.blocks) or not set(m.blocks) <= set(granted):
-            raise ValueError(f"{sender} sends KV into blocks not allocated for {m.xfer!r}")
-        link.transport.recv_blocks(self.pool.kv(), m.blocks, TransferMode.PACKED, tag=m.tag)
-        link.recv_bytes += len(m.blocks) * self.pool.kv()[0].nbytes
-        link.recv_messages += 1
-
-    def _on_abort(self, sender: str, m: rpc.Abort) -> None:
-        blocks, _ = self.xfers.pop((sender, m.xfer), (m.blocks, None))
-        self.pool.recv_abort(self._ungrant(sender, blocks))
-
     def _on_accept(self, sender: str, m: rpc.Accept) -> None:
         self._check_state(m.state)
         req = request_of(m.state)
         req.decode_instance = self.name
-        held = self._ungrant(sender, req.blocks)
+        held = self.grants.ungrant(sender, req.blocks)
         if len(held) != len(req.blocks):
             self.pool.free_mem(held)
             raise ValueError(f"request {req.request_id} arrived with blocks not sent here")
@@ -472,7 +287,7 @@ class InstanceServer:
             or s.max_total_tokens > self.engine.max_model_len,
             "blocks do not cover the computed tokens": len(s.blocks)
             != self.pool.layout.num_blocks_for(s.num_computed),
-            "the prefill instance is unknown": s.prefill_instance not in self.peer_names,
+            "the prefill instance is unknown": s.prefill_instance not in self.peers.names,
             "the request id is in use": s.request_id in self.engine.requests,
             "logprobs do not match the tokens": not logprobs_fit(
                 s.logprobs, n - s.num_prompt, s.params.logprobs, vocab
@@ -502,76 +317,20 @@ class InstanceServer:
                 ok, error = False, str(e)
             return rpc.Info({"ok": ok, "error": error, "pool": self.pool.stats()})
         if m.what == "links":  # answered once every pair group of this instance formed
-            if self.pending_links:
-                self._form_links()
-            return rpc.Info({p: link.stats() for p, link in self.links.items()})
+            if self.peers.pending:
+                self.peers.form()
+            return rpc.Info({p: link.stats() for p, link in self.peers.links.items()})
         stats = {
-            "links": {p: link.stats() for p, link in self.links.items()},
+            "links": {p: link.stats() for p, link in self.peers.links.items()},
             "pool": self.pool.stats(),
             "requests": len(self.engine.requests) + len(self.inbox),
             "load": self.engine.load()[self.name],
-            "grants": {p: sum(c.values()) for p, c in self.grants.items()},
+            "grants": self.grants.totals(),
             "dead_peers": dict(self.node.dead),
             "rejected": self.node.rejected,
             "replayed": self.node.replayed,
         }
         return rpc.Info(stats)
-
-    def _on_peers(self, sender: str, m: rpc.Peers) -> None:
-        if self.peer_names:
-            raise PermissionError("the peers of an instance are announced once")
-        self.peer_names = {p.name for p in m.peers} - {self.name, FRONTEND}
-        for p in (p for p in m.peers if p.name in self.peer_names):
-            self._reach(p, m.store, m.scope)
-
-    def _reach(self, p: rpc.PeerInfo, store: str, scope: str) -> None:
-        """Connect to peer ``p``: map its pool, or queue the pair group the loop forms."""
-        self.node.connect(p.name, p.address)
-        self.peer_infos[p.name] = p
-        if p.transport in ("gloo", "nccl"):  # formed by the loop, in the pairs' order
-            pair = tuple(sorted((self.name, p.name)))
-            key = f"{self.spec.session}/{scope}/{'|'.join(pair)}"
-            self.pending_links.append((key, p.name, pair.index(self.name)))
-            self.pending_links.sort(key=lambda x: x[0].rpartition("/")[2])
-            if self.store is None:
-                host, _, port = store.rpartition(":")
-                self.store = _store_client(host, int(port), self.spec.timeout_s)
-        elif p.handle is not None:
-            segment_path(p.handle)  # only the project's own segments are mapped
-            self.remotes[p.name] = RemotePool(self.node, p, attach(p.handle), self.pool)
-
-    def _on_peer_up(self, sender: str, m: rpc.PeerUp) -> None:
-        if m.info.name not in self.peer_names or m.info.name not in self.node.dead:
-            raise PermissionError(f"{m.info.name!r} is not a peer that died")
-        del self.node.dead[m.info.name]
-        self.links.pop(m.info.name, None)
-        self.remotes.pop(m.info.name, None)
-        self._reach(m.info, m.store, m.scope)
-
-    def _form_links(self) -> None:
-        """Join every pending pair group, in the order of the pairs' names everywhere (so two
-        instances never wait on each other's second pair): each call blocks until the peer
-        joins too."""
-        pending, self.pending_links = self.pending_links, []
-        for key, peer, rank in pending:
-            prefix = torch.distributed.PrefixStore(key, self.store)
-            try:
-                link = Link(
-                    GlooTransport(
-                        rank,
-                        self.spec.host,
-                        store=prefix,
-                        device=self.engine.device,
-                        bind_host=self.spec.host,
-                        timeout_s=self.spec.timeout_s,
-                    )
-                )
-            except TransferError as e:
-                self._peer_down(peer, f"no torch.distributed link: {e}")
-                continue
-            self.links[peer] = link
-            self.remotes[peer] = RemotePool(self.node, self.peer_infos[peer], None, self.pool, link)
-        self.store = None  # the groups are formed; the store is not needed any more
 
     def _on_peer_down(self, sender: str, m: rpc.PeerDown) -> rpc.Info:
         self._peer_down(m.name, m.reason)
@@ -597,7 +356,7 @@ class InstanceServer:
 
     def _on_push_prefix(self, sender: str, m: rpc.PushPrefix) -> rpc.Info:
         """Send the cached prefix of ``m.tokens`` to ``m.to`` (indexed there); reply its length."""
-        peer = self.remotes.get(m.to)
+        peer = self.peers.remotes.get(m.to)
         if peer is None or m.to in self.node.dead:
             raise InstanceDied(f"{self.name} has no live peer {m.to!r} to send a prefix to")
         got = self.pool.send_cached(peer, m.tokens)  # from hbm or dram, as cached
@@ -605,23 +364,11 @@ class InstanceServer:
             peer.free_mem(got)  # the peer's index keeps its own reference
         return rpc.Info({"tokens": len(got) * self.pool.block_size})
 
-    def _ungrant(self, peer: str, blocks: list[int]) -> list[int]:
-        """Remove ``blocks`` from what ``peer`` holds here; returns those it really held."""
-        held = self.grants.get(peer, Counter())
-        out = []
-        for b in blocks:
-            if held[b] > 0:
-                held[b] -= 1
-                out.append(b)
-        return out
-
     def _peer_down(self, name: str, reason: str) -> None:
         self.node.dead.setdefault(name, reason)
-        if (link := self.links.get(name)) is not None:
+        if (link := self.peers.links.get(name)) is not None:
             link.transport.close()  # keeps its counters; nothing more moves over it
-        self.xfers = {k: v for k, v in self.xfers.items() if k[0] != name}
-        if blocks := list(self.grants.pop(name, Counter()).elements()):
-            self.pool.free_mem(blocks)
+        self.grants.drop(name)
 
     # ---- the loop -------------------------------------------------------------------------
     def announce(self) -> None:
@@ -636,7 +383,7 @@ class InstanceServer:
             host_identity(),
             self.spec.transport,
         )
-        self.node.push(FRONTEND, rpc.Ready(info, os.getpid()))
+        self.node.push(rpc.FRONTEND, rpc.Ready(info, os.getpid()))
 
     def _heartbeat(self) -> None:
         """Runs between steps and while waiting on a call: beat, and quit if orphaned."""
@@ -645,30 +392,30 @@ class InstanceServer:
         now = time.monotonic()
         if now - self._last_beat >= self.spec.heartbeat_s:
             self._last_beat = now
-            self.node.try_push(FRONTEND, rpc.Heartbeat())
+            self.node.try_push(rpc.FRONTEND, rpc.Heartbeat())
 
     def _flush(self, outputs=()) -> None:
         if self.cache_events:  # first: the frontend reads them before the outputs they follow
             events = [(added, toks.tolist()) for added, toks in self.cache_events]
-            self.node.try_push(FRONTEND, rpc.CacheEvents(events))
+            self.node.try_push(rpc.FRONTEND, rpc.CacheEvents(events))
             self.cache_events.clear()
         if deltas := self.engine.take_deltas():  # before the outputs and hand-offs they precede
-            self.node.try_push(FRONTEND, rpc.Tokens(deltas))
+            self.node.try_push(rpc.FRONTEND, rpc.Tokens(deltas))
         for out in outputs:
-            self.node.try_push(FRONTEND, rpc.Output(out))
+            self.node.try_push(rpc.FRONTEND, rpc.Output(out))
         for req in self.engine.handoffs:
             self.handed[req.request_id] = req.decode_instance
             if len(self.handed) > HANDOFF_MEMORY:
                 self.handed.popitem(last=False)
-            self.node.try_push(FRONTEND, rpc.Handoff(req.request_id, req.decode_instance))
+            self.node.try_push(rpc.FRONTEND, rpc.Handoff(req.request_id, req.decode_instance))
         self.engine.handoffs.clear()
 
     def run(self) -> None:
         """Serve until told to stop, or until the launching process is gone."""
         while not self.stopping:
             self._heartbeat()
-            if self.pending_links:
-                self._form_links()
+            if self.peers.pending:
+                self.peers.form()
             busy = bool(self.inbox) or self.engine.has_unfinished()
             self.node.serve(0.0 if busy else IDLE_POLL_S)
             if self.stopping:
@@ -699,7 +446,7 @@ class InstanceServer:
 
     def close(self) -> None:
         """Release sockets and links, and unlink the shared pool segment."""
-        for link in self.links.values():
+        for link in self.peers.links.values():
             link.transport.close()
         self.node.close()
         if (shared := getattr(self.pool, "shared", None)) is not None:
@@ -758,7 +505,7 @@ def _check_join(m: rpc.Join, opts: StandaloneOptions) -> InstanceSpec:
     milestone = parse_config_name(m.config).milestone
     if opts.role not in milestone.roles:
         raise ValueError(f"{m.config} has no {opts.role} instances (roles {milestone.roles})")
-    if not _NAME.fullmatch(m.name) or m.name == FRONTEND:
+    if not _NAME.fullmatch(m.name) or m.name == rpc.FRONTEND:
         raise ValueError(f"bad instance name {m.name!r}")
     if not m.frontend.startswith("tcp://") or not _NAME.fullmatch(m.session):
         raise ValueError(f"bad frontend address {m.frontend!r} or session {m.session!r}")
@@ -807,7 +554,7 @@ def _await_join(
     }
 
     def handle(sender: str, msg: rpc.Msg) -> rpc.Msg | None:
-        if sender != FRONTEND or not isinstance(msg, rpc.Hello | rpc.Join) or joined:
+        if sender != rpc.FRONTEND or not isinstance(msg, rpc.Hello | rpc.Join) or joined:
             raise PermissionError(f"a waiting instance takes no {type(msg).__name__}")
         if isinstance(msg, rpc.Hello):
             return rpc.Info(hello)
@@ -826,7 +573,7 @@ def _await_join(
     logger.info("instance (%s) waiting for a frontend at %s", opts.role, node.address)
     if back is not None:
         node.name = back.name  # the name the frontend knows, to rejoin under
-        node.connect(FRONTEND, back.frontend)
+        node.connect(rpc.FRONTEND, back.frontend)
     try:
         last = 0.0
         while not joined:
@@ -834,7 +581,7 @@ def _await_join(
             if back is not None and time.monotonic() - last > REJOIN_EVERY_S:
                 if opts.parent_pid and process_gone(opts.parent_pid):
                     raise SystemExit(f"{back.name}: the launching process is gone")
-                node.try_push(FRONTEND, rpc.Rejoin())
+                node.try_push(rpc.FRONTEND, rpc.Rejoin())
                 last = time.monotonic()
     except BaseException:
         node.close()

@@ -38,6 +38,8 @@ from ..sampling import SamplingParams
 
 LOOPBACK = "127.0.0.1"
 LOOPBACK_HOSTS = frozenset({LOOPBACK, "localhost", "::1"})
+# The frontend's name on the control plane (instances are named by role: p0, d0, c0, ...).
+FRONTEND = "frontend"
 DEFAULT_TIMEOUT_S = 30.0  # a loopback round trip takes < 1 ms: a peer this late is dead or stuck
 WAIT_SLICE_S = 0.05  # longest poll while awaiting a reply, so heartbeats and dead peers are seen
 SEND_HWM = 10_000  # messages queued towards one peer before sends fail fast

@@ -25,6 +25,7 @@ import torch
 from ..blocks.copy import check_pool_tensor, move_blocks
 from ..blocks.layout import KVLayout
 from ..errors import ConfigError, PoolExhausted
+from .audit import audit
 from .radix import RadixTree, as_tokens
 from .tiers import DRAM, HBM, TIERS, PoolAccountingError, PoolNode, Tier, TierMixin
 
@@ -432,87 +433,8 @@ class MemPool(TierMixin):
 
     def check(self) -> None:
         """Audit the bookkeeping by a full scan; raise ``PoolAccountingError`` if it is off."""
-        errors: list[str] = []
-        held = self._check_tree(errors)
-        count = dict.fromkeys(self._tiers, 0)  # evictable blocks, recounted
-        whole: dict[PoolNode, bool] = {}  # the subtree holds cached-only blocks only
-        for node in reversed(list(self._tree.nodes())):  # children before parents
-            if (t := self._tiers.get(node.tier)) is None:
-                continue
-            rc, values = t.alloc.refcounts(), node.values
-            i = len(values)
-            while i and rc[values[i - 1]] == 1:
-                i -= 1
-            kids_whole = all(whole.get(c, False) for c in node.children.values())
-            whole[node] = kids_whole and i == 0
-            count[node.tier] += (len(values) - i) if kids_whole else 0
-        for name, t in self._tiers.items():
-            self._check_tier(t, held[name], errors)
-            if t.evictable != count[name]:
-                errors.append(f"{name}: {t.evictable} blocks counted evictable, {count[name]} are")
-            queued = {id(n) for *_, n in t.lru}
-            for node in self._tree.nodes():  # eviction must find every leaf it may take
-                leaf = all(c.tier != name for c in node.children.values())
-                if node.tier == name and node.evictable and leaf and id(node) not in queued:
-                    errors.append(f"{name}: an evictable leaf is missing from the LRU heap")
-                    break
-        if errors:
+        if errors := audit(self._tiers, self._tree, self.block_size):
             raise PoolAccountingError("MemPool accounting: " + "; ".join(errors[:20]))
-
-    def _check_tree(self, errors: list[str]) -> dict[str, set[int]]:
-        """Check the shape of the index; return the blocks it lists per tier."""
-        bs = self.block_size
-        held: dict[str, set[int]] = {name: set() for name in self._tiers}
-        num_values = 0
-        for node in self._tree.nodes():
-            where, tier, parent = f"node {node!r}", node.tier, node.parent
-            if tier not in self._tiers:
-                errors.append(f"{where} has tier {tier!r}")
-                continue
-            if not node.values or len(node.tokens) != len(node.values) * bs:
-                errors.append(f"{where}: {len(node.tokens)} tokens, {len(node.values)} blocks")
-            if node.key != node.tokens[:bs].tobytes():
-                errors.append(f"{where}: key does not match its first block")
-            if parent is None or parent.children.get(node.key) is not node:
-                errors.append(f"{where} is not its parent's child")
-            elif parent.tier == DRAM and tier == HBM:
-                errors.append(f"{where} is in hbm below a dram node")
-            t = self._tiers[tier]
-            num_values += len(node.values)
-            for b in node.values:
-                if not 0 <= b < t.alloc.num_blocks:
-                    errors.append(f"{where} lists {tier} block {b}, out of range")
-                    continue
-                if b in held[tier]:
-                    errors.append(f"{tier} block {b} is cached twice")
-                if t.node_of[b] is not node:
-                    errors.append(f"{tier} block {b} is mapped to another node")
-                held[tier].add(b)
-        if num_values != self._tree.num_blocks:
-            errors.append(f"index counts {self._tree.num_blocks} blocks but lists {num_values}")
-        return held
-
-    @staticmethod
-    def _check_tier(t: Tier, held: set[int], errors: list[str]) -> None:
-        """Check that each block of ``t`` is in one state: free, cached-only or referenced."""
-        name, rc = t.name, t.alloc.refcounts()
-        free_list = t.alloc.free_blocks()  # each free block once, in queue order
-        free = set(free_list)
-        counts = {"free": 0, "cached_only": 0, "referenced": 0}
-        for b in range(t.alloc.num_blocks):
-            r, cached, listed = rc[b], b in held, b in free
-            if t.indexed[b] != cached:
-                errors.append(f"{name} block {b}: index flag {t.indexed[b]}, in tree {cached}")
-            if r < 0 or (r == 0) != listed:
-                where = "in" if listed else "not in"
-                errors.append(f"{name} block {b} has refcount {r} and is {where} the free list")
-            if cached and r == 0:
-                errors.append(f"{name} block {b} is cached without a reference")
-            elif cached and r > 1 and name == DRAM:
-                errors.append(f"dram block {b} is cached and held elsewhere too")
-            counts["free" if r == 0 else "cached_only" if cached and r == 1 else "referenced"] += 1
-        if sum(counts.values()) != t.alloc.num_blocks or counts["free"] != len(free_list):
-            errors.append(f"{name}: states {counts} do not add up to {t.alloc.num_blocks}")
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{n}={t.alloc.num_blocks}" for n, t in self._tiers.items())

@@ -5,22 +5,17 @@ from __future__ import annotations
 
 import argparse
 
-from ..bench.driver import add_parallel_arguments
 from ..config import EngineConfig
 from ..disagg.rpc import LOOPBACK
+from ..options import add_parallel_arguments
 
 # Choices in flight at once; more is "overloaded" (503), not an unbounded queue, and one
 # request asking for more than this could never start (400).
 DEFAULT_MAX_PENDING = 1024
 
 
-def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The options of ``minimemserve serve``."""
-    p.add_argument("--model", default=None, help="HF checkpoint dir (default: the tiny preset)")
-    p.add_argument("--served-model-name", default=None, help="model id (default: the dir name)")
-    p.add_argument("--config", default="PD-CC", help="PD, PD-CC, 1P1D, 1P1D-CC, xPyD[-CC...]")
-    p.add_argument("--host", default=LOOPBACK, help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """How the deployment's instances run: routing, runtime, joining, transport."""
     p.add_argument(
         "--policy", default="prompt_tree", help="global scheduler policy (process runtime)"
     )
@@ -49,6 +44,16 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=["auto", "shm", "gloo"],
         help="KV transport between instances (auto: shared memory within a host, else gloo)",
     )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of ``minimemserve serve``."""
+    p.add_argument("--model", default=None, help="HF checkpoint dir (default: the tiny preset)")
+    p.add_argument("--served-model-name", default=None, help="model id (default: the dir name)")
+    p.add_argument("--config", default="PD-CC", help="PD, PD-CC, 1P1D, 1P1D-CC, xPyD[-CC...]")
+    p.add_argument("--host", default=LOOPBACK, help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    _add_cluster_arguments(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--block-size", type=int, default=16)

@@ -30,7 +30,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..bench.presets import preset_dir
 from ..config import EngineConfig, parse_config_name
 from ..disagg.rpc import LOOPBACK_HOSTS
 from ..disagg.runtime import ProcessCluster
@@ -44,6 +43,7 @@ from ..errors import (
 from ..llm import LLM
 from ..model.config import ModelConfig
 from ..model.tokenizer import Tokenizer
+from ..presets import preset_dir
 from ..request import RequestOutput, TokenDelta
 from ..sampling import INT64_LIMIT, SamplingParams
 from ..serving import Serving
@@ -142,6 +142,57 @@ class Generation:
     choices: list[Choice]
     events: asyncio.Queue
     t0: float  # when the request arrived
+
+
+def usage(parsed: protocol.Parsed, choices: list[Choice]) -> dict:
+    """OpenAI's usage object; ``cached_tokens`` is the prefix-cache hit of each prompt."""
+    prompt = sum(map(len, parsed.prompts))
+    done = sum(len(c.tokens) for c in choices)
+    cached = sum(c.out.metrics.cached_tokens for c in choices if c.sibling == 0 and c.out)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": done,
+        "total_tokens": prompt + done,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def logprobs(chat: bool, c: Choice, lps: list, offset: int = 0) -> dict | None:
+    """The logprobs object of some tokens of a choice, as OpenAI shapes it."""
+    if c.out is None and not lps and not c.logprobs:
+        return None
+    toks = c.tokens[offset : offset + len(lps)]
+    piece = c.detok.piece
+    if chat:
+
+        def entry(t: int, lp: float) -> dict:
+            s = piece(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+        return {
+            "content": [
+                entry(t, lp) | {"top_logprobs": [entry(a, b) for a, b in alts]}
+                for t, (lp, alts) in zip(toks, lps)
+            ]
+        }
+    return {
+        "tokens": [piece(t) for t in toks],
+        "token_logprobs": [lp for lp, _ in lps],
+        "top_logprobs": [{piece(a): b for a, b in alts} for _, alts in lps],
+        "text_offset": list(itertools.accumulate((len(piece(t)) for t in toks), initial=0))[:-1],
+    }
+
+
+def choice_body(c: Choice, body: dict, lp: dict | None, token_ids: bool) -> dict:
+    """One entry of a response's ``choices``."""
+    extra = {"token_ids": c.tokens} if token_ids and c.finish_reason else {}
+    return {
+        "index": c.index,
+        **body,
+        "logprobs": lp,
+        "finish_reason": c.finish_reason,
+        **extra,
+    }
 
 
 class Server:
@@ -330,45 +381,6 @@ class Server:
             )
         return parsed
 
-    def usage(self, parsed: protocol.Parsed, choices: list[Choice]) -> dict:
-        """OpenAI's usage object; ``cached_tokens`` is the prefix-cache hit of each prompt."""
-        prompt = sum(map(len, parsed.prompts))
-        done = sum(len(c.tokens) for c in choices)
-        cached = sum(c.out.metrics.cached_tokens for c in choices if c.sibling == 0 and c.out)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": done,
-            "total_tokens": prompt + done,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-
-    def logprobs(self, chat: bool, c: Choice, lps: list, offset: int = 0) -> dict | None:
-        """The logprobs object of some tokens of a choice, as OpenAI shapes it."""
-        if c.out is None and not lps and not c.logprobs:
-            return None
-        toks = c.tokens[offset : offset + len(lps)]
-        piece = c.detok.piece
-        if chat:
-
-            def entry(t: int, lp: float) -> dict:
-                s = piece(t)
-                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-
-            return {
-                "content": [
-                    entry(t, lp) | {"top_logprobs": [entry(a, b) for a, b in alts]}
-                    for t, (lp, alts) in zip(toks, lps)
-                ]
-            }
-        return {
-            "tokens": [piece(t) for t in toks],
-            "token_logprobs": [lp for lp, _ in lps],
-            "top_logprobs": [{piece(a): b for a, b in alts} for _, alts in lps],
-            "text_offset": list(itertools.accumulate((len(piece(t)) for t in toks), initial=0))[
-                :-1
-            ],
-        }
-
     async def complete(self, request: Request, chat: bool) -> Response:
         """``/v1/completions`` and ``/v1/chat/completions``."""
         t0 = time.perf_counter()
@@ -389,20 +401,9 @@ class Server:
         for c in gen.choices:
             text = "".join(texts[c.index])
             body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-            lp = self.logprobs(chat, c, c.logprobs) if parsed.params.logprobs is not None else None
-            out.append(self._choice(c, body, lp, parsed.return_token_ids))
-        return JSONResponse(head | {"choices": out, "usage": self.usage(parsed, gen.choices)})
-
-    @staticmethod
-    def _choice(c: Choice, body: dict, logprobs: dict | None, token_ids: bool) -> dict:
-        extra = {"token_ids": c.tokens} if token_ids and c.finish_reason else {}
-        return {
-            "index": c.index,
-            **body,
-            "logprobs": logprobs,
-            "finish_reason": c.finish_reason,
-            **extra,
-        }
+            lp = logprobs(chat, c, c.logprobs) if parsed.params.logprobs is not None else None
+            out.append(choice_body(c, body, lp, parsed.return_token_ids))
+        return JSONResponse(head | {"choices": out, "usage": usage(parsed, gen.choices)})
 
     async def _sse(self, gen: Generation, chat: bool, head: dict) -> AsyncIterator[str]:
         parsed = gen.parsed
@@ -412,20 +413,16 @@ class Server:
             if chat:
                 role = {"role": "assistant", "content": ""}
                 yield send(
-                    {
-                        "choices": [
-                            self._choice(c, {"delta": role}, None, False) for c in gen.choices
-                        ]
-                    }
+                    {"choices": [choice_body(c, {"delta": role}, None, False) for c in gen.choices]}
                 )
             async for c, text, lps in self.run(gen, None):
                 if not (text or lps or c.finish_reason):
                     continue
-                lp = self.logprobs(chat, c, lps, len(c.logprobs) - len(lps)) if lps else None
+                lp = logprobs(chat, c, lps, len(c.logprobs) - len(lps)) if lps else None
                 body = {"delta": {"content": text} if text else {}} if chat else {"text": text}
-                yield send({"choices": [self._choice(c, body, lp, parsed.return_token_ids)]})
+                yield send({"choices": [choice_body(c, body, lp, parsed.return_token_ids)]})
             if parsed.include_usage:
-                yield send({"choices": [], "usage": self.usage(parsed, gen.choices)})
+                yield send({"choices": [], "usage": usage(parsed, gen.choices)})
         except Exception as e:  # after the 200 went out: the error is the last event
             yield f"data: {json.dumps(api_error(e).body())}\n\n"
         yield "data: [DONE]\n\n"

@@ -28,8 +28,6 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from minimemserve.bench.driver import _record, greedy_params
-from minimemserve.bench.workloads import Session, build_prompt, poisson_arrivals, total_turns
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.config import Deployment, EngineConfig, parse_config_name
 from minimemserve.engine import Engine, StepPlan
@@ -40,6 +38,8 @@ from minimemserve.parallel import TPShard
 from minimemserve.recipes import decode_preference
 from minimemserve.request import Request, RequestOutput
 from minimemserve.scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler
+from minimemserve.workloads.results import greedy_params, record
+from minimemserve.workloads.sessions import Session, build_prompt, poisson_arrivals, total_turns
 
 from .profiles import Link, StepShape
 
@@ -248,6 +248,83 @@ def scaled_deployment(config: str, instances: int) -> tuple[Deployment, int]:
     return Deployment(d.name, d.milestone, tuple(c * k for c in d.counts)), instances
 
 
+class Network:
+    """The paths between a simulated deployment's instances: each transfer's control calls
+    (answered between the receiver's steps when the topology says so) and its copies, one at
+    a time per directed link, at the topology's link speeds in ``transfer_mode``."""
+
+    def __init__(self, cluster: SimCluster, topology: Topology, transfer_mode: str) -> None:
+        self.cluster = cluster
+        self.topology = topology
+        self.transfer_mode = transfer_mode
+        self.links: dict[tuple[int, int], float] = {}  # (src, dst) -> busy until
+        self.transfers = 0
+
+    def send(self, src: SimPool, dst: MemPool, blocks: int) -> Transfer:
+        """Book a transfer of ``blocks`` blocks from ``src`` to ``dst`` and start it (or queue
+        it behind the transfers its sender waits for)."""
+        a, b = self.cluster.by_pool[id(src)], self.cluster.by_pool[id(dst)]
+        link = self.topology.link(a.index, b.index)
+        layout = src.layout
+        nbytes = blocks * layout.block_bytes(src.dtype.itemsize) / self.topology.gpus_per_instance
+        copies = link.calls(self.transfer_mode, blocks, layout.num_layers) if blocks else 1
+        calls = (0, 0)
+        if self.topology.calls_wait_for_steps:
+            calls = HANDOFF_CALLS if b.role == "decode" else RETURN_CALLS
+        tail = None
+        if self.transfer_mode == "by_layer" and a.step_ends == self.cluster.now:
+            tail = link.seconds(nbytes / layout.num_layers, 1)
+        t = Transfer(a, b, link.seconds(nbytes, copies), calls, tail)
+        self.transfers += 1
+        if not (link.sender_blocks or any(calls)):
+            self.advance(t)
+            return t
+        a.sending.append(t)  # the engine waits, one transfer at a time
+        if len(a.sending) == 1:
+            self.advance(t)
+        return t
+
+    def advance(self, t: Transfer) -> None:
+        """Run ``t``'s next steps: a call is answered now unless the receiver is in a step (then
+        at its end); the copy takes its time once the link is free."""
+        while t.steps:
+            if t.steps[0] is Transfer.CALL:
+                if t.dst.busy:
+                    t.dst.asked.append(t)
+                    return
+                t.steps.popleft()
+                continue
+            key = (t.src.index, t.dst.index)
+            copy, free = t.steps.popleft(), self.links.get(key, 0.0)
+            if t.streamed_tail_s is None:
+                end = max(self.cluster.now, free) + copy
+            else:
+                end = max(max(t.src.step_began, free) + copy, self.cluster.now + t.streamed_tail_s)
+            self.links[key] = end
+            self.cluster.at(end, self.advance, (t,))
+            return
+        for fn in t.done:
+            fn()
+        if t.src.sending and t.src.sending[0] is t:
+            t.src.sending.popleft()
+            if t.src.sending:
+                self.advance(t.src.sending[0])
+            else:
+                self.cluster.dirty[t.src] = None
+
+    def answer(self, inst: SimInstance) -> None:
+        """``inst``'s step ended: it answers one waiting call of each transfer. A transfer that
+        completes lands before ``inst`` steps again; one with calls left asks again once it has
+        (a receiver with work is in its next step by then)."""
+        asked, inst.asked = inst.asked, []
+        for t in asked:
+            t.steps.popleft()
+            if t.steps and t.steps[0] is Transfer.CALL:
+                self.cluster.at(self.cluster.now, self.advance, (t,))
+            else:
+                self.advance(t)
+
+
 class SimCluster:
     """Every instance of one deployment in virtual time (see the module docstring).
     ``step_time(shape)`` prices a step; ``topology`` prices transfers in ``transfer_mode``;
@@ -271,17 +348,18 @@ class SimCluster:
         transfer_mode: str = "by_request_aggregated",
     ) -> None:
         self.deployment, colocated = scaled_deployment(config, instances)
-        self.step_time, self.topology, self.transfer_mode = step_time, topology, transfer_mode
+        self.step_time = step_time
+        self.topology = topology
+        self.net = Network(self, topology, transfer_mode)
         self.now, self._seq, self._events = 0.0, itertools.count(), []
-        self.links: dict[tuple[int, int], float] = {}  # (src, dst) -> busy until
-        self.steps = self.transfers = 0
+        self.steps = 0
         # instance-seconds in steps, in steps with prefill work, and decode-seconds held up
         self.busy_s = self.prefill_busy_s = self.decode_stall_s = 0.0
         self.route_calls, self.route_wall_s = 0, 0.0
         self.instances: list[SimInstance] = []
         layout = TPShard(0, 1, model_config).kv_layout(engine_config.block_size)
         for i, (name, role) in enumerate(self.deployment.instances(colocated=colocated)):
-            pool = SimPool(layout, num_blocks, on_send=self._on_send, dtype=dtype, instance_id=name)
+            pool = SimPool(layout, num_blocks, on_send=self.net.send, dtype=dtype, instance_id=name)
             eng = SimEngine.from_parts(
                 pool,
                 model_config,
@@ -294,7 +372,7 @@ class SimCluster:
             )
             self.instances.append(SimInstance(name, role, eng, self, i))
         self.by_name = {i.name: i for i in self.instances}
-        self._by_pool = {id(i.pool): i for i in self.instances}
+        self.by_pool = {id(i.pool): i for i in self.instances}
         milestone = self.deployment.milestone
         self.entry = [i for i in self.instances if i.role == milestone.roles[0]]
         self.scheduler = GlobalScheduler(
@@ -310,7 +388,7 @@ class SimCluster:
             inst.pool.on_change = self._cache_event(inst.name)
         # instances to try to start, and those parked behind full decode instances: dicts, so
         # they are taken in a fixed order (a set of objects would follow memory addresses)
-        self._dirty: dict[SimInstance, None] = {}
+        self.dirty: dict[SimInstance, None] = {}
         self._blocked: dict[SimInstance, None] = {}
 
     def _cache_event(self, name: str):
@@ -354,82 +432,18 @@ class SimCluster:
             fn(*args)
             self._kick()
 
-    def _on_send(self, src: SimPool, dst: MemPool, blocks: int) -> Transfer:
-        """Book a transfer of ``blocks`` blocks from ``src`` to ``dst`` and start it (or queue
-        it behind the transfers its sender waits for)."""
-        a, b = self._by_pool[id(src)], self._by_pool[id(dst)]
-        link = self.topology.link(a.index, b.index)
-        layout = src.layout
-        nbytes = blocks * layout.block_bytes(src.dtype.itemsize) / self.topology.gpus_per_instance
-        copies = link.calls(self.transfer_mode, blocks, layout.num_layers) if blocks else 1
-        calls = (0, 0)
-        if self.topology.calls_wait_for_steps:
-            calls = HANDOFF_CALLS if b.role == "decode" else RETURN_CALLS
-        tail = None
-        if self.transfer_mode == "by_layer" and a.step_ends == self.now:
-            tail = link.seconds(nbytes / layout.num_layers, 1)
-        t = Transfer(a, b, link.seconds(nbytes, copies), calls, tail)
-        self.transfers += 1
-        if not (link.sender_blocks or any(calls)):
-            self._advance(t)
-            return t
-        a.sending.append(t)  # the engine waits, one transfer at a time
-        if len(a.sending) == 1:
-            self._advance(t)
-        return t
-
-    def _advance(self, t: Transfer) -> None:
-        """Run ``t``'s next steps: a call is answered now unless the receiver is in a step (then
-        at its end); the copy takes its time once the link is free."""
-        while t.steps:
-            if t.steps[0] is Transfer.CALL:
-                if t.dst.busy:
-                    t.dst.asked.append(t)
-                    return
-                t.steps.popleft()
-                continue
-            key = (t.src.index, t.dst.index)
-            copy, free = t.steps.popleft(), self.links.get(key, 0.0)
-            if t.streamed_tail_s is None:
-                end = max(self.now, free) + copy
-            else:
-                end = max(max(t.src.step_began, free) + copy, self.now + t.streamed_tail_s)
-            self.links[key] = end
-            self.at(end, self._advance, (t,))
-            return
-        for fn in t.done:
-            fn()
-        if t.src.sending and t.src.sending[0] is t:
-            t.src.sending.popleft()
-            if t.src.sending:
-                self._advance(t.src.sending[0])
-            else:
-                self._dirty[t.src] = None
-
-    def _answer(self, inst: SimInstance) -> None:
-        """``inst``'s step ended: it answers one waiting call of each transfer. A transfer that
-        completes lands before ``inst`` steps again; one with calls left asks again once it has
-        (a receiver with work is in its next step by then)."""
-        asked, inst.asked = inst.asked, []
-        for t in asked:
-            t.steps.popleft()
-            if t.steps and t.steps[0] is Transfer.CALL:
-                self.at(self.now, self._advance, (t,))
-            else:
-                self._advance(t)
-
     def _deliver(self, inst: SimInstance, req: Request) -> None:
         inst.incoming.remove(req)
         inst.engine.add_prefilled(req)
-        self._dirty[inst] = None
+        self.dirty[inst] = None
 
     def _kick(self) -> None:
         """Start a step on every idle instance that has work. Steps are priced once all that
         start at this instant have begun, so each sees the others in a step."""
         started = []
-        while self._dirty:
-            inst = next(iter(self._dirty))
-            del self._dirty[inst]
+        while self.dirty:
+            inst = next(iter(self.dirty))
+            del self.dirty[inst]
             if inst.busy or inst.sending or not inst.engine.has_unfinished():
                 continue
             inst.busy, inst.step_began = True, self.now
@@ -510,7 +524,7 @@ class SimCluster:
         try:
             inst.engine.validate(prompt, params)
         except ValueError as exc:
-            rec = _record(self._config, session, k, self.now, None, len(prompt), f"rejected: {exc}")
+            rec = record(self._config, session, k, self.now, None, len(prompt), f"rejected: {exc}")
             self._records.append(rec)
             self._bar.update(len(session.turns) - k)
             return
@@ -524,7 +538,7 @@ class SimCluster:
 
     def _enqueue(self, inst: SimInstance, prompt, params, rid: str, arrival: float) -> None:
         inst.engine.add_request(prompt, params, rid, arrival)
-        self._dirty[inst] = None
+        self.dirty[inst] = None
 
     def _push_prefix(self, prompt: Sequence[int], src_name: str, dst_name: str) -> Transfer | None:
         """``src`` sends its cached prefix of ``prompt`` to ``dst``: the transfer, or None when
@@ -551,8 +565,8 @@ class SimCluster:
             self.scheduler.started(rid)
         handoffs = [req.request_id for req in inst.engine.handoffs]
         inst.engine.handoffs.clear()
-        self._answer(inst)
-        self._dirty[inst] = None
+        self.net.answer(inst)
+        self.dirty[inst] = None
         report = functools.partial(self._report, outs, handoffs)
         if inst.sending:  # the step's transfers go first (the runtime reports after its step)
             inst.sending[-1].done.append(report)
@@ -564,7 +578,7 @@ class SimCluster:
         for rid in handoffs:
             self.scheduler.prefilled(rid)
         if outs and self._blocked:
-            self._dirty |= self._blocked
+            self.dirty |= self._blocked
             self._blocked.clear()
         for out in outs:  # the frontend takes a step's outputs together, then sends next turns
             answered = out.finish_reason in ("stop", "length")
@@ -575,7 +589,7 @@ class SimCluster:
     def _collect(self, out: RequestOutput) -> None:
         si, k, arrival = self._inflight.pop(out.request_id)
         session = self._sessions[si]
-        rec = _record(self._config, session, k, arrival, out)
+        rec = record(self._config, session, k, arrival, out)
         self._records.append(rec)
         self._bar.update(1)
         if rec["error"] is not None:

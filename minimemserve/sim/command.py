@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from minimemserve.bench.driver import DEFAULT_SESSIONS, PAPER_SESSIONS, add_workload_arguments
-from minimemserve.bench.presets import preset_dir
-from minimemserve.bench.workloads import WORKLOADS
 from minimemserve.errors import ConfigError
+from minimemserve.options import add_workload_arguments
+from minimemserve.presets import preset_dir
+from minimemserve.workloads.results import DEFAULT_SESSIONS, PAPER_SESSIONS
+from minimemserve.workloads.sessions import WORKLOADS
 
 from . import paper
 from .profiles import TRANSFER_MODES, FittedStepModel, fit_cpu_steps

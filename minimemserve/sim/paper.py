@@ -19,9 +19,9 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from minimemserve.bench.driver import PAPER_SESSIONS, summarize
-from minimemserve.bench.workloads import build_prompt
 from minimemserve.mempool.radix import RadixTree
+from minimemserve.workloads.results import PAPER_SESSIONS, summarize
+from minimemserve.workloads.sessions import build_prompt
 
 from .runner import SimSetup, gpu_setup, simulate, workload_sessions
 
@@ -216,15 +216,15 @@ def reproduce(
     num_sessions: int = PAPER_SESSIONS,
     seed: int = 0,
     rates: dict[str, float] | None = None,
-    out_dir: str | Path = "sim_paper",
+    out_dir: str | Path | None = None,
     progress: bool = True,
     jobs: int | None = None,
 ) -> dict:
     """Simulate the paper's evaluation under the local ``scheduler`` policy (the paper's base,
     vLLM 0.4.0, is ``prefill_first``) at ``rates`` per workload (default: the load rule);
-    prints the table, writes ``sim_paper.json``, ``sim_paper.png`` and ``sim_paper_fig8.png``
-    under ``out_dir``; returns what it wrote. Configurations run ``jobs`` at a time (default:
-    one per core), each in its own process."""
+    prints the table; with ``out_dir``, writes ``sim_paper.json``, ``sim_paper.png`` and
+    ``sim_paper_fig8.png`` there; returns the result. Configurations run ``jobs`` at a time
+    (default: one per core), each in its own process."""
     t0 = time.perf_counter()
     setups = {}
     for gpus in sorted(set(RATIOS.values())):
@@ -248,6 +248,9 @@ def reproduce(
     result["best_ratio"] = best_ratio(disagg)
     result["wall_s"] = time.perf_counter() - t0
     print_table(result)
+    result["files"] = []
+    if out_dir is None:
+        return result
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "sim_paper.json", out / "sim_paper.png", out / "sim_paper_fig8.png"]

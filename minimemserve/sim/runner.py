@@ -21,21 +21,20 @@ from typing import Any
 
 import torch
 
-from minimemserve.bench.driver import (
+from minimemserve.config import EngineConfig, parse_config_name
+from minimemserve.errors import ConfigError
+from minimemserve.model.config import ModelConfig
+from minimemserve.model.tokenizer import Tokenizer
+from minimemserve.presets import preset_dir
+from minimemserve.scheduler.global_scheduler import Cost
+from minimemserve.workloads.results import (
     DEFAULT_CONFIGS,
-    DEFAULT_OUT_DIR,
     caching_ratios,
     format_table,
     summarize,
     write_plots,
 )
-from minimemserve.bench.presets import preset_dir
-from minimemserve.bench.workloads import make_workload, total_turns
-from minimemserve.config import EngineConfig, parse_config_name
-from minimemserve.errors import ConfigError
-from minimemserve.model.config import ModelConfig
-from minimemserve.model.tokenizer import Tokenizer
-from minimemserve.scheduler.global_scheduler import Cost
+from minimemserve.workloads.sessions import make_workload, total_turns
 
 from .cluster import SimCluster, Topology
 from .profiles import (
@@ -232,7 +231,7 @@ def simulate(
             "simulated_s": max(ends, default=0.0),
             "steps": cluster.steps,
             "steps_per_s": cluster.steps / wall if wall else None,
-            "transfers": cluster.transfers,
+            "transfers": cluster.net.transfers,
             "prefix_pushes": cluster.scheduler.num_transfers,
             "prefill_share": cluster.prefill_busy_s / cluster.busy_s if cluster.busy_s else 0.0,
             "decode_stall_s": cluster.decode_stall_s / max(len(records[config]), 1),
@@ -252,13 +251,14 @@ def run_sim(
     max_turns=None,
     max_output_tokens=None,
     max_context=None,
-    out_dir: str | Path | None = DEFAULT_OUT_DIR,
+    out_dir: str | Path | None = None,
     progress: bool = True,
     verbose: bool = True,
     tag: str = "sim",
 ) -> dict:
     """Simulate ``workload`` under ``configs`` and compare them as ``minimemserve bench`` does:
-    prints the table, writes ``<tag>_<workload>.json`` and its bar and CDF plots."""
+    prints the table; with ``out_dir``, writes ``<tag>_<workload>.json`` and its bar and CDF
+    plots there."""
     for c in configs:
         parse_config_name(c)
     sessions = workload_sessions(
@@ -309,11 +309,12 @@ def sweep(
     num_sessions: int,
     rates: Sequence[float],
     seed: int = 0,
-    out_dir: str | Path = DEFAULT_OUT_DIR,
+    out_dir: str | Path | None = None,
     progress: bool = True,
     **workload_kw,
 ) -> dict:
-    """Mean and P99 JCT and TTFT of each config against the request rate (one plot)."""
+    """Mean and P99 JCT and TTFT of each config against the request rate; with ``out_dir``,
+    writes them (JSON) and one plot there."""
     sessions = workload_sessions(
         setup,
         workload,
@@ -350,6 +351,8 @@ def sweep(
                     f"rate {rate:g}/s {c}: JCT mean {s['jct_mean']:.3f} s, "
                     f"TTFT mean {s['ttft_mean']:.3f} s"
                 )
+    if out_dir is None:
+        return {"rows": rows, "files": []}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     png = out / f"sim_{workload}_sweep.png"

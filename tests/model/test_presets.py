@@ -9,19 +9,19 @@ import threading
 import pytest
 import torch
 
-from minimemserve.bench import presets
-from minimemserve.bench.data import sharegpt_text
-from minimemserve.bench.presets import (
+from minimemserve import presets
+from minimemserve.errors import ConfigError
+from minimemserve.model.config import ModelConfig
+from minimemserve.model.loader import load_weights
+from minimemserve.model.tokenizer import Tokenizer
+from minimemserve.presets import (
     PRESETS,
     Preset,
     preset_dir,
     train_tokenizer,
     write_random_llama,
 )
-from minimemserve.errors import ConfigError
-from minimemserve.model.config import ModelConfig
-from minimemserve.model.loader import load_weights
-from minimemserve.model.tokenizer import Tokenizer
+from minimemserve.sharegpt import sharegpt_text
 
 SMALL = Preset(
     name="test-small",
@@ -173,3 +173,16 @@ def test_synthetic_preset_needs_no_dataset(tmp_path, monkeypatch):
     )
     path = preset_dir(small, cache_dir=tmp_path)
     assert Tokenizer.from_dir(path).vocab_size == small.vocab_size
+
+
+@pytest.mark.parametrize("key", sorted(presets.SHIPPED_TOKENIZERS))
+def test_a_shipped_tokenizer_is_what_its_preset_trains(tmp_path, key):
+    """The tokenizer file in the package is byte for byte what training on the preset's text
+    gives, so shipping it changes no preset."""
+    text, vocab, chars = key
+    preset = dataclasses.replace(
+        PRESETS["tiny"], vocab_size=vocab, tokenizer_chars=chars, tokenizer_text=text
+    )
+    trained = train_tokenizer(tmp_path / "t.model", vocab, presets.training_text(preset))
+    shipped = presets.DATA_DIR / presets.SHIPPED_TOKENIZERS[key]
+    assert trained.read_bytes() == shipped.read_bytes()

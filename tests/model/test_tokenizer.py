@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from minimemserve.bench.data import iter_sharegpt
 from minimemserve.errors import CheckpointError, InvalidRequest
 from minimemserve.model.tokenizer import Tokenizer
+from minimemserve.sharegpt import iter_sharegpt
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from minimemserve.bench.driver import run_workload
-from minimemserve.bench.presets import preset_dir
-from minimemserve.bench.workloads import make_workload, total_turns
 from minimemserve.cli import build_parser
 from minimemserve.errors import ConfigError
 from minimemserve.llm import LLM
 from minimemserve.model.tokenizer import Tokenizer
+from minimemserve.presets import preset_dir
 from minimemserve.sampling import SamplingParams
 from minimemserve.sim import (
     FittedStepModel,
@@ -32,6 +31,7 @@ from minimemserve.sim import (
 from minimemserve.sim.cluster import scaled_deployment
 from minimemserve.sim.profiles import DATA_DIR, FEATURES, with_overhead
 from minimemserve.sim.runner import CPU_LINK, anchor_time, anchors
+from minimemserve.workloads.sessions import make_workload, total_turns
 
 # A step model in the range the tiny preset measures on this CPU (seconds per feature).
 CPU_COEFS = (8e-3, 5e-4, 2e-7, 2e-6, 2.5e-4)
@@ -241,7 +241,7 @@ def test_control_calls_wait_for_the_receivers_steps():
     ended = []
     for when, again in ((0.005, True), (0.010, False)):  # d ends a step, maybe starts another
         cluster.now, d.busy = when, False
-        cluster._answer(d)
+        cluster.net.answer(d)
         d.busy = again
         ended.append(len(t.steps))
         cluster.settle()

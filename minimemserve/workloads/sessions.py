@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from minimemserve.bench.data import iter_sharegpt
+from minimemserve.sharegpt import iter_sharegpt
 
 # ShareGPT conversations read before the seeded shuffle; the qualifying sessions are drawn
 # from these, so a different seed gives a different sample of the same (fast to read) head.
@@ -221,7 +221,7 @@ def sharegpt_sessions(
     gpt reply, capped at ``max_output_tokens``. A session stops at ``max_turns`` turns or
     before the turn whose prompt + output would exceed ``max_context``.
     ``conversations`` replaces the dataset (for tests); by default it is read with
-    :func:`minimemserve.bench.data.iter_sharegpt`.
+    :func:`minimemserve.sharegpt.iter_sharegpt`.
     """
     _check_positive(
         num_sessions=num_sessions,

