@@ -14,16 +14,12 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
-import importlib.abc, sys
-BLOCKED = set(sys.argv[1].split(","))
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            raise ImportError(f"{name} is an optional extra")
-sys.meta_path.insert(0, Block())
+import sys
+for name in sys.argv[1].split(","):
+    sys.modules[name] = None  # as if not installed: importing it raises ImportError
 from minimemserve import LLM, SamplingParams
 out = LLM(None).generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0.0))
-print(len(out[0].token_ids), sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED))
+print(len(out[0].token_ids))
 """
 
 
@@ -54,5 +50,5 @@ def test_llm_none_runs_without_any_extra(tmp_path):
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split()[:2] == ["4", "[]"]
+    assert run.stdout.split() == ["4"]
     assert [p.name.split("-")[0] for p in tmp_path.iterdir() if p.is_dir()] == ["tiny"]
