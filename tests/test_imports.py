@@ -151,8 +151,7 @@ def test_the_layer_check_catches_a_planted_upward_edge():
     planted["minimemserve.extra"] = {"minimemserve.engine"}
     assert upward_edges(planted) == [
         "extra is in no layer",
-        "minimemserve.engine imports minimemserve.disagg.runtime: layer 6 (engine) -> 7 "
-        "(disagg)",
+        "minimemserve.engine imports minimemserve.disagg.runtime: layer 6 (engine) -> 7 (disagg)",
         "minimemserve.server.app imports minimemserve.sim.runner: layer 12 (server) -> 12 (sim)",
     ]
 
