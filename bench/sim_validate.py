@@ -50,7 +50,8 @@ TARGET_ERROR = 0.20  # the accuracy the simulator aims for on each mean
 OVERHEAD_PROMPT_TOKENS, OVERHEAD_OUTPUT_TOKENS = 64, 64
 # Requests decoding together on each instance while the runtime's overhead is measured.
 OVERHEAD_BATCHES = (1, 16)
-# Contention: prompts timed on one instance, alone and while the other decodes.
+# Contention: prompts timed on one instance, alone and while the other decodes, and decodes
+# of that many tokens of context (about the bench's mean prompt).
 CONTENTION_PROMPT_TOKENS, CONTENTION_PREFILLS, CONTENTION_DECODES = 384, 5, 4
 FIRST_PROMPT_TOKEN = 3  # ids 0-2 are <unk>, <s>, </s> in the presets
 # A step-model fit whose mean error exceeds this was disturbed (the machine is shared): it is
@@ -111,16 +112,16 @@ def measure_contention(model_dir: str | Path | None = None) -> tuple[float, floa
     of step are timed each way, side by side in one process-runtime cluster (the cores, their
     memory and the frontend are shared, so a busy neighbour slows a step): the median time to
     first token of :data:`CONTENTION_PREFILLS` prompts of :data:`CONTENTION_PROMPT_TOKENS`
-    tokens, and the median time per output token of :data:`CONTENTION_DECODES` requests
-    decoding together. The factor is the geometric mean of the two ratios; the simulator
-    applies it to every step that starts while another instance is in one."""
+    tokens, and the median time per output token of :data:`CONTENTION_DECODES` requests with
+    prompts that long decoding together. The factor is the geometric mean of the two ratios;
+    the simulator applies it to every step that starts while another instance is in one."""
     mdir = Path(model_dir or preset_dir("tiny"))
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     dec = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
     long = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS * 8, temperature=0.0, ignore_eos=True)
     prompt = [FIRST_PROMPT_TOKEN + j % 1000 for j in range(CONTENTION_PROMPT_TOKENS)]
     decoding = [
-        [FIRST_PROMPT_TOKEN + (i * 7 + j) % 1000 for j in range(OVERHEAD_PROMPT_TOKENS)]
+        [FIRST_PROMPT_TOKEN + (i * 7 + j) % 1000 for j in range(CONTENTION_PROMPT_TOKENS)]
         for i in range(CONTENTION_DECODES)
     ]
     ttft: dict[str, list[float]] = {"alone": [], "beside decodes": []}
