@@ -523,7 +523,7 @@ class ShardedPool(MemPool):
         self._model_layout = dataclasses.replace(
             layout, num_kv_heads=group.shard.cfg.num_key_value_heads
         )
-        self._block_bytes = self._model_layout.block_bytes(self.dtype.itemsize)
+        self.block_bytes = self._model_layout.block_bytes(self.dtype.itemsize)
         self.moved: Counter = Counter()
         # each KV head is sent from the first rank holding it; every rank holding it receives it
         heads = [(s.kv_start, s.kv_start + s.kv_heads) for s in group.shards]
@@ -542,12 +542,12 @@ class ShardedPool(MemPool):
         self.moved[(what, rank, "pieces")] += piece.shape[0]
         self.moved[(what, rank, "bytes")] += piece.numel() * piece.element_size()
 
-    def _copy_tier(self, dst: str, dst_ids: list[int], src: str, src_ids: list[int]) -> None:
+    def copy_tier(self, dst: str, dst_ids: list[int], src: str, src_ids: list[int]) -> None:
         """Offload or onload: rank 0 copies its shard, and every worker the same blocks of its."""
-        super()._copy_tier(dst, dst_ids, src, src_ids)
+        super().copy_tier(dst, dst_ids, src, src_ids)
         self.group.move_kv(dst, dst_ids, src, src_ids)
 
-    def _send(self, dst: MemPool, blocks: list[int], src: list[int], tier: str = HBM) -> None:
+    def send_blocks(self, dst: MemPool, blocks: list[int], src: list[int], tier: str = HBM) -> None:
         """Gather every head of ``src`` (in ``tier``) from the ranks owning them, write it
         into ``dst``: from dram straight, each rank reading its own shard."""
         whole = torch.empty(
@@ -572,7 +572,7 @@ class ShardedPool(MemPool):
         """Blocks ``src_ids`` of a whole-model pool tensor ``src`` into ``blocks``: each
         rank's heads go to that rank."""
         check_pool_tensor(self._model_layout, self.dtype, src, "recv_copy")
-        blocks = self._not_free(blocks, "recv_copy into")
+        blocks = self.held_blocks(blocks, "recv_copy into")
         whole = src.index_select(0, torch.tensor(list(src_ids), device=src.device))
         whole = whole.to(self.device)
         for rank, (lo, hi) in enumerate(self._holds):
@@ -582,8 +582,8 @@ class ShardedPool(MemPool):
             else:
                 self.group.push_kv(rank, blocks, piece)
             self._count("received", rank, piece)
-        self._counters["recv_blocks"] += len(blocks)
-        self._counters["recv_bytes"] += len(blocks) * self._block_bytes
+        self.counters["recv_blocks"] += len(blocks)
+        self.counters["recv_bytes"] += len(blocks) * self.block_bytes
 
 
 def _reap(procs) -> None:

@@ -97,3 +97,19 @@ def _check_tier(t: Tier, held: set[int], errors: list[str]) -> None:
         counts["free" if r == 0 else "cached_only" if cached and r == 1 else "referenced"] += 1
     if sum(counts.values()) != t.alloc.num_blocks or counts["free"] != len(free_list):
         errors.append(f"{name}: states {counts} do not add up to {t.alloc.num_blocks}")
+
+
+def tier_states(tiers: dict[str, Tier]) -> dict[str, dict[str, int]]:
+    """Per tier, blocks in each state: ``{"total", "free", "referenced", "cached_only"}``."""
+    out = {}
+    for name, t in tiers.items():
+        rc, total, free = t.alloc.refcounts(), t.alloc.num_blocks, t.alloc.num_free
+        cached_only = sum(1 for b, i in enumerate(t.indexed) if i and rc[b] == 1)
+        referenced = total - free - cached_only
+        out[name] = dict(total=total, free=free, referenced=referenced, cached_only=cached_only)
+    return out
+
+
+def tree_counts(tree: RadixTree) -> dict[str, dict[str, int]]:
+    """The index's size: ``{"index": {"blocks", "nodes"}}``."""
+    return {"index": {"blocks": tree.num_blocks, "nodes": tree.num_nodes}}

@@ -15,7 +15,6 @@ this class. Bookkeeping is plain Python, torch only moves data; one owner calls 
 
 from __future__ import annotations
 
-import itertools
 from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,7 +24,8 @@ import torch
 from ..blocks.copy import check_pool_tensor, move_blocks
 from ..blocks.layout import KVLayout
 from ..errors import ConfigError, PoolExhausted
-from .audit import audit
+from . import transfer
+from .audit import audit, tier_states, tree_counts
 from .radix import RadixTree, as_tokens
 from .tiers import DRAM, HBM, TIERS, PoolAccountingError, PoolNode, Tier, TierMixin
 
@@ -67,7 +67,7 @@ class MemPool(TierMixin):
             raise ConfigError("pin_memory=True needs CUDA, which is not available")
         self.layout, self.block_size, self.dtype = layout, layout.block_size, dtype
         self.device, self.instance_id = torch.device(device), str(instance_id)
-        self._block_dim, self._block_bytes = layout.block_dim, layout.block_bytes(dtype.itemsize)
+        self._block_dim, self.block_bytes = layout.block_dim, layout.block_bytes(dtype.itemsize)
 
         def tier(name: str, n: int, where: torch.device, pinned: bool) -> Tier:
             shape = layout.pool_shape(n)
@@ -80,7 +80,7 @@ class MemPool(TierMixin):
             self._tiers[DRAM] = tier(DRAM, dram_blocks, torch.device("cpu"), pin)
         self._tree = RadixTree(self.block_size, node_type=PoolNode)
         self._clock = 0  # logical time: one tick per call, so LRU order is deterministic
-        self._counters = dict.fromkeys(COUNTERS, 0)
+        self.counters = dict.fromkeys(COUNTERS, 0)
         # told (True, tokens) when tokens are newly cached, (False, path) when the subtree
         # whose token path ends with path's last block is evicted; in the order they happen
         self.on_change: Callable[[bool, array], None] | None = None
@@ -159,7 +159,7 @@ class MemPool(TierMixin):
         if len(blocks) < nb:
             raise ValueError(f"{len(toks)} tokens fill {nb} blocks but {len(blocks)} were given")
         hbm = self._tiers[HBM]
-        self._check_held(hbm, blocks[:nb])
+        _check_held(hbm, blocks[:nb])
         if nb == 0:
             return 0
         if len(toks) != nb * bs:
@@ -176,7 +176,7 @@ class MemPool(TierMixin):
         # the index takes the caller's blocks where the prefix is in dram, and the new tail
         taken = [b for n, p, c in spans if n.tier != HBM for b in blocks[p : p + c]]
         taken += blocks[matched:nb]
-        self._check_new(hbm, taken)
+        _check_new(hbm, taken)
         parent = self._tree.root
         for node, p, c in spans:
             if c < len(node.values):  # the match ends inside this node: cut it there
@@ -191,28 +191,10 @@ class MemPool(TierMixin):
         if matched < nb:
             new = parent.children[toks[matched * bs : (matched + 1) * bs].tobytes()]
             self._index(hbm, new, adopt=True)
-        self._counters["inserted_blocks"] += len(taken)
+        self.counters["inserted_blocks"] += len(taken)
         if matched < nb and self.on_change is not None:
             self.on_change(True, toks)
         return len(taken)
-
-    @staticmethod
-    def _check_new(hbm: Tier, taken: list[int]) -> None:
-        """Blocks the index is about to take: distinct, and cached nowhere yet."""
-        if len(set(taken)) != len(taken):
-            raise ValueError("insert got the same block id twice")
-        for b in taken:
-            if hbm.indexed[b]:
-                raise ValueError(f"block {b} is already cached under another prefix")
-
-    @staticmethod
-    def _check_held(hbm: Tier, blocks: list[int]) -> None:
-        rc, indexed, capacity = hbm.alloc.refcounts(), hbm.indexed, hbm.alloc.num_blocks
-        for b in blocks:
-            if type(b) is not int or not 0 <= b < capacity:
-                hbm.alloc.check_id(b)
-            if rc[b] - indexed[b] < 1:
-                raise ValueError(f"block {b} is not held by the caller (refcount {rc[b]})")
 
     def match(self, tokens: Sequence[int]) -> list[int]:
         """Longest cached prefix of ``tokens`` in whole blocks, as hbm block ids the caller
@@ -227,7 +209,7 @@ class MemPool(TierMixin):
         nodes, blocks = self._hbm_prefix(match)
         if blocks:
             self._hold(self._tiers[HBM], nodes, blocks)
-        c = self._counters
+        c = self.counters
         c["match_calls"] += 1
         c["query_tokens"] += len(toks) - len(toks) % self.block_size
         c["hit_tokens"] += len(blocks) * self.block_size
@@ -257,7 +239,7 @@ class MemPool(TierMixin):
             parent.below -= 1
             self._restate(parent)
         self._candidate(parent)  # perhaps a leaf of its tier now
-        self._counters["deleted_blocks"] += dropped
+        self.counters["deleted_blocks"] += dropped
         return dropped
 
     def recv_alloc(
@@ -265,54 +247,31 @@ class MemPool(TierMixin):
     ) -> tuple[list[int], list[int]]:
         """Receiving side, step 1: ``(matched, allocated)``, ``num_blocks`` held blocks in all
         (a cached prefix of ``tokens`` is matched first; the rest is one run if possible)."""
-        if not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
-        if tokens is None:
-            return [], self.alloc_mem(num_blocks, contiguous=True)
-        toks = as_tokens(tokens)
-        # every block missing from hbm costs one hbm block, onloaded or allocated: fail
-        # before matching, so a refused transfer leaves the pool as it was
-        in_hbm, _, room = self._match_room(toks)
-        if num_blocks - in_hbm > room:
-            raise PoolExhausted(
-                f"instance {self.instance_id}: receiving {num_blocks} blocks needs "
-                f"{num_blocks - in_hbm} hbm blocks beyond the {in_hbm} cached there, "
-                f"but only {room} are free or evictable"
-            )
-        matched = self.match(toks)
-        if len(matched) > num_blocks:
-            self.free_mem(matched[num_blocks:])
-            matched = matched[:num_blocks]
-        try:
-            new = self.alloc_mem(num_blocks - len(matched), contiguous=True)
-        except BaseException:
-            self.free_mem(matched)
-            raise
-        return matched, new
+        return transfer.receive_alloc(self, tokens, num_blocks)
 
     def recv_copy(self, blocks: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
         """Receiving side, step 2, when the sender's pool tensor ``src`` is in this process:
         copy its blocks ``src_ids`` straight into ``blocks`` (one pass when they are a run)."""
         check_pool_tensor(self.layout, self.dtype, src, "recv_copy")
-        blocks = self._not_free(blocks, "recv_copy into")
+        blocks = self.held_blocks(blocks, "recv_copy into")
         move_blocks(self._tiers[HBM].kv, blocks, src, src_ids, self._block_dim)
-        self._counters["recv_blocks"] += len(blocks)
-        self._counters["recv_bytes"] += len(blocks) * self._block_bytes
+        self.counters["recv_blocks"] += len(blocks)
+        self.counters["recv_bytes"] += len(blocks) * self.block_bytes
 
     def recv_commit(self, tokens: Sequence[int] | None, blocks: Sequence[int]) -> None:
         """Receiving side, step 3: index ``tokens -> blocks`` when tokens are given."""
         if tokens is not None:
             self.insert(tokens, blocks)
-        self._counters["transfers_recv"] += 1
+        self.counters["transfers_recv"] += 1
 
     def recv_abort(self, blocks: Sequence[int]) -> None:
         """Receiving side, on failure: release every block taken for this transfer."""
         self.free_mem(blocks)
-        self._counters["transfers_aborted"] += 1
+        self.counters["transfers_aborted"] += 1
 
     def transfer(self, dst: MemPool, src_blocks: Sequence[int]) -> list[int]:
         """Send hbm blocks to ``dst``, which allocates them; return its ids, held by the caller."""
-        return self._transfer(dst, None, src_blocks)
+        return transfer.transfer(self, dst, None, src_blocks)
 
     def transfer_with_insert(
         self, dst: MemPool, tokens: Sequence[int], src_blocks: Sequence[int]
@@ -323,9 +282,10 @@ class MemPool(TierMixin):
         lo, hi = len(toks) // self.block_size, self.layout.num_blocks_for(len(toks))
         if not lo <= n <= hi:
             raise ValueError(f"{len(toks)} tokens need {hi} blocks (or {lo} whole ones), got {n}")
-        return self._transfer(dst, toks, src_blocks)
+        return transfer.transfer(self, dst, toks, src_blocks)
 
-    def _not_free(self, blocks: Sequence[int], what: str) -> list[int]:
+    def held_blocks(self, blocks: Sequence[int], what: str) -> list[int]:
+        """``blocks`` as a list, each checked to be held by someone (``what`` names the use)."""
         alloc, blocks = self._tiers[HBM].alloc, list(blocks)
         for b in blocks:
             if alloc.refcount(b) < 1:
@@ -338,8 +298,9 @@ class MemPool(TierMixin):
         tensor-parallel pool's own tensor holds one rank's heads of it."""
         return self.layout
 
-    def _send(self, dst: MemPool, blocks: list[int], src: list[int], tier: str = HBM) -> None:
-        """Move this pool's ``tier`` blocks ``src`` into ``dst``'s (hbm) ``blocks``."""
+    def send_blocks(self, dst: MemPool, blocks: list[int], src: list[int], tier: str = HBM) -> None:
+        """The data movement of a send: this pool's ``tier`` blocks ``src`` into ``dst``'s
+        (hbm) ``blocks`` (a hook: a tensor-parallel pool gathers its ranks' shards)."""
         dst.recv_copy(blocks, self._tiers[tier].kv, src)
 
     def send_cached(self, dst: MemPool, tokens: Sequence[int]) -> list[int]:
@@ -347,89 +308,16 @@ class MemPool(TierMixin):
         block read from the tier that holds it: a block cached in dram goes to ``dst`` without
         being onloaded to hbm first (``dram_sent_blocks`` counts those). Only what ``dst``
         lacks moves; returns ``dst``'s blocks, held by the caller."""
-        toks, bs = as_tokens(tokens), self.block_size
-        self._clock += 1
-        match = self._tree.match_prefix(toks, now=self._clock)
-        spans: list[tuple[str, list, list[int]]] = []  # runs of nodes in one tier, in order
-        pos = 0
-        for node in match.nodes:
-            c = min(len(node.values), len(match.values) - pos)
-            if not spans or spans[-1][0] != node.tier:
-                spans.append((node.tier, [], []))
-            spans[-1][1].append(node)
-            spans[-1][2].extend(match.values[pos : pos + c])
-            pos += c
-        if not spans:
-            return []
-        for tier, nodes, blocks in spans:  # pinned: a peer's call may evict while we send
-            self._hold(self._tiers[tier], nodes, blocks)
-        try:
-            return self._send_spans(dst, toks[: len(match.values) * bs], spans)
-        finally:
-            for tier, _, blocks in spans:
-                self._unhold(self._tiers[tier], blocks)
-
-    def _send_spans(self, dst: MemPool, toks, spans) -> list[int]:
-        if dst.model_layout != self.model_layout or dst.dtype != self.dtype:
-            raise ValueError("cannot send between pools of different layout or dtype")
-        pairs = [(tier, b) for tier, _, blocks in spans for b in blocks]
-        matched, new = dst.recv_alloc(toks, len(pairs))
-        todo, at = pairs[len(matched) :], 0
-        try:
-            for tier, run in itertools.groupby(todo, key=lambda p: p[0]):
-                src = [b for _, b in run]
-                self._send(dst, new[at : at + len(src)], src, tier)
-                at += len(src)
-                if tier != HBM:
-                    self._counters["dram_sent_blocks"] += len(src)
-            dst.recv_commit(toks, matched + new)
-        except BaseException:
-            dst.recv_abort(matched + new)
-            raise
-        c = self._counters
-        c["sent_blocks"] += len(todo)
-        c["sent_bytes"] += len(todo) * self._block_bytes
-        c["transfers_sent"] += 1
-        return matched + new
-
-    def _transfer(self, dst: MemPool, toks, src_blocks: Sequence[int]) -> list[int]:
-        """dst allocates what it lacks, this pool's tensor is read straight into dst's blocks
-        (here, or one-sided into a peer's mapping), dst commits; or dst releases it all."""
-        if dst.model_layout != self.model_layout or dst.dtype != self.dtype:
-            raise ValueError(
-                f"cannot transfer between pools of different layout or dtype: "
-                f"{self.model_layout}/{self.dtype} -> {dst.model_layout}/{dst.dtype}"
-            )
-        src = self._not_free(src_blocks, "cannot send")
-        matched, new = dst.recv_alloc(toks, len(src))
-        src = src[len(matched) :]
-        try:
-            if src:
-                self._send(dst, new, src)
-                self._counters["sent_blocks"] += len(src)
-                self._counters["sent_bytes"] += len(src) * self._block_bytes
-            dst.recv_commit(toks, matched + new)
-        except BaseException:
-            dst.recv_abort(matched + new)
-            raise
-        self._counters["transfers_sent"] += 1
-        return matched + new
+        return transfer.send_cached(self, dst, tokens)
 
     def counter(self, name: str) -> int:
         """One of the :data:`COUNTERS` (what :meth:`stats` reports, without its block scan)."""
-        return self._counters[name]
+        return self.counters[name]
 
     def stats(self) -> dict[str, Any]:
         """Per tier ``{"total", "free", "referenced", "cached_only"}``; index size; counters."""
-        out: dict[str, Any] = {}
-        for name, t in self._tiers.items():
-            rc, total, free = t.alloc.refcounts(), t.alloc.num_blocks, t.alloc.num_free
-            cached_only = sum(1 for b, i in enumerate(t.indexed) if i and rc[b] == 1)
-            referenced = total - free - cached_only
-            out[name] = dict(total=total, free=free, referenced=referenced, cached_only=cached_only)
-        out["index"] = {"blocks": self._tree.num_blocks, "nodes": self._tree.num_nodes}
-        out["counters"] = dict(self._counters)
-        return out
+        counters = {"counters": dict(self.counters)}
+        return tier_states(self._tiers) | tree_counts(self._tree) | counters
 
     def check(self) -> None:
         """Audit the bookkeeping by a full scan; raise ``PoolAccountingError`` if it is off."""
@@ -439,3 +327,21 @@ class MemPool(TierMixin):
     def __repr__(self) -> str:
         sizes = ", ".join(f"{n}={t.alloc.num_blocks}" for n, t in self._tiers.items())
         return f"MemPool(instance={self.instance_id!r}, {sizes}, block_size={self.block_size})"
+
+
+def _check_new(hbm: Tier, taken: list[int]) -> None:
+    """Blocks the index is about to take: distinct, and cached nowhere yet."""
+    if len(set(taken)) != len(taken):
+        raise ValueError("insert got the same block id twice")
+    for b in taken:
+        if hbm.indexed[b]:
+            raise ValueError(f"block {b} is already cached under another prefix")
+
+
+def _check_held(hbm: Tier, blocks: list[int]) -> None:
+    rc, indexed, capacity = hbm.alloc.refcounts(), hbm.indexed, hbm.alloc.num_blocks
+    for b in blocks:
+        if type(b) is not int or not 0 <= b < capacity:
+            hbm.alloc.check_id(b)
+        if rc[b] - indexed[b] < 1:
+            raise ValueError(f"block {b} is not held by the caller (refcount {rc[b]})")

@@ -59,7 +59,7 @@ class TierMixin:
 
     _tiers: dict[str, Tier]
     _tree: RadixTree
-    _counters: dict[str, int]
+    counters: dict[str, int]
     _block_dim: int
 
     def _index(self, t: Tier, node: PoolNode, adopt: bool) -> None:
@@ -240,7 +240,7 @@ class TierMixin:
                 path, up = up.tokens + path, up.parent
             self.on_change(False, path)
         if cut:
-            self._counters["evicted_blocks"] += self._drop(self._tree.truncate(node, cut))
+            self.counters["evicted_blocks"] += self._drop(self._tree.truncate(node, cut))
             if node.parent is not None:
                 node.run -= cut
                 self._restate(node)
@@ -248,9 +248,9 @@ class TierMixin:
             if moved < len(node.values):
                 self._split(node, len(node.values) - moved)  # node keeps the tail
             self._move(node, t, dram, dram.alloc.alloc(moved, contiguous=True))
-            self._counters["offloaded_blocks"] += moved
+            self.counters["offloaded_blocks"] += moved
 
-    def _copy_tier(self, dst: str, dst_ids: list[int], src: str, src_ids: list[int]) -> None:
+    def copy_tier(self, dst: str, dst_ids: list[int], src: str, src_ids: list[int]) -> None:
         """Copy blocks between this pool's tiers (a tensor-parallel pool has its ranks copy
         their shards too)."""
         t = self._tiers
@@ -258,7 +258,7 @@ class TierMixin:
 
     def _move(self, node: PoolNode, src: Tier, dst: Tier, new: list[int]) -> None:
         """Move ``node``'s blocks to ``new`` blocks of ``dst``; the index's references go along."""
-        self._copy_tier(dst.name, new, src.name, node.values)
+        self.copy_tier(dst.name, new, src.name, node.values)
         self._unindex(src, node.values)
         self._uncount(node)
         node.values, node.tier = new, dst.name
@@ -285,7 +285,7 @@ class TierMixin:
                     if j < len(node.values):
                         node = self._split(node, j)
                     self._move(node, dram, hbm, new)
-                    self._counters["onloaded_blocks"] += j
+                    self.counters["onloaded_blocks"] += j
             finally:
                 self._unhold(hbm, held)
                 self._unhold(dram, pinned)

@@ -84,11 +84,11 @@ class SimPool(MemPool):
         self.last: Transfer | None = None  # the transfer sent from here last
 
     def _sent(self, dst: MemPool, before: int) -> None:
-        self.last = self.on_send(self, dst, self._counters["sent_blocks"] - before)
+        self.last = self.on_send(self, dst, self.counters["sent_blocks"] - before)
 
     def transfer(self, dst: MemPool, src_blocks: Sequence[int]) -> list[int]:
         """``MemPool.transfer``, its link time booked."""
-        before = self._counters["sent_blocks"]
+        before = self.counters["sent_blocks"]
         got = super().transfer(dst, src_blocks)
         self._sent(dst, before)
         return got
@@ -97,7 +97,7 @@ class SimPool(MemPool):
         self, dst: MemPool, tokens: Sequence[int], src_blocks: Sequence[int]
     ) -> list[int]:
         """``MemPool.transfer_with_insert``, its link time booked."""
-        before = self._counters["sent_blocks"]
+        before = self.counters["sent_blocks"]
         got = super().transfer_with_insert(dst, tokens, src_blocks)
         self._sent(dst, before)
         return got

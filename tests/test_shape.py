@@ -1,0 +1,40 @@
+"""The package's shape: no class over 300 lines and no function over 60 in ``minimemserve/``
+(complexity is ruff's C901, at most 10, in CI's ``ruff check``)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_CLASS_LINES = 300
+MAX_FUNCTION_LINES = 60
+
+
+def oversized(root: Path) -> list[str]:
+    """Every class and function under ``root`` longer than its limit, with its length."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                limit = MAX_CLASS_LINES
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                limit = MAX_FUNCTION_LINES
+            else:
+                continue
+            lines = node.end_lineno - node.lineno + 1
+            if lines > limit:
+                where = path.relative_to(root.parent)
+                found.append(f"{where}:{node.lineno} {node.name}: {lines} lines")
+    return found
+
+
+def test_no_class_or_function_is_oversized():
+    assert oversized(ROOT / "minimemserve") == []
+
+
+def test_the_shape_check_sees_a_long_function(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text(f"def f():\n{body}\n\n\ndef g():\n    pass\n")
+    assert oversized(tmp_path / "pkg") == [f"pkg/m.py:1 f: {MAX_FUNCTION_LINES + 1} lines"]
