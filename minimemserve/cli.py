@@ -17,6 +17,7 @@ from minimemserve.errors import ConfigError, MiniMemServeError
 from minimemserve.llm import LLM
 from minimemserve.options import add_parallel_arguments
 from minimemserve.presets import preset_dir
+from minimemserve.recipes import Role
 from minimemserve.sampling import SamplingParams
 from minimemserve.sim import command as sim_command
 
@@ -128,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(fn=_generate)
     i = sub.add_parser("instance", help="start one instance that waits for a frontend (any host)")
-    i.add_argument("--role", required=True, choices=["colocated", "prefill", "decode"])
+    i.add_argument("--role", required=True, choices=[r.value for r in Role])
     i.add_argument("--listen", required=True, help="HOST:PORT peers and the frontend reach")
     i.add_argument("--key", required=True, help="cluster key file (minimemserve keygen)")
     i.add_argument("--model", default=None, help="HF checkpoint dir (default: the tiny preset)")

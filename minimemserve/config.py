@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ConfigError
-from .recipes import MILESTONES, Milestone
+from .recipes import MILESTONES, Milestone, Role
 from .scheduler.local import POLICIES as SCHEDULERS
 
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of host RAM: 64k tokens of the tiny fp32 preset
@@ -20,7 +20,7 @@ _DISAGG_MILESTONES = {"": "PD-Basic", "CC": "PD-Caching-3"} | {
     f"CC{i}": f"PD-Caching-{i}" for i in "123"
 }
 _COLOCATED = ("PD", "PD-CC")  # config names that are their milestone's name
-NAME_PREFIX = {"colocated": "C", "prefill": "P", "decode": "D"}  # instance names: P0, D1, ...
+NAME_PREFIX = {Role.COLOCATED: "C", Role.PREFILL: "P", Role.DECODE: "D"}  # names: P0, D1, ...
 # EngineConfig size field -> its smallest valid value
 _MINIMUM = {
     **dict.fromkeys(["num_blocks", "kv_memory_bytes", "max_num_seqs", "max_num_batched_tokens"], 1),
@@ -43,7 +43,7 @@ class Deployment:
     def instances(self, colocated: int = 1) -> list[tuple[str, str]]:
         """``(name, role)`` of every instance, entry role first."""
         roles = self.milestone.roles
-        counts = [colocated if r == "colocated" else n for r, n in zip(roles, self.counts)]
+        counts = [colocated if r == Role.COLOCATED else n for r, n in zip(roles, self.counts)]
         return [(f"{NAME_PREFIX[r]}{i}", r) for r, n in zip(roles, counts) for i in range(n)]
 
 
@@ -114,7 +114,7 @@ class EngineConfig:
 
     def tp_size(self, role: str) -> int:
         """The tensor-parallel size of an instance of ``role``."""
-        if role == "decode" and self.decode_tensor_parallel_size is not None:
+        if role == Role.DECODE and self.decode_tensor_parallel_size is not None:
             return self.decode_tensor_parallel_size
         return self.tensor_parallel_size
 

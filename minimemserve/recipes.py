@@ -36,6 +36,17 @@ from .request import Request
 logger = logging.getLogger(__name__)
 
 
+class Role(str, enum.Enum):
+    """An instance's job in a deployment: both phases of a request (colocated), or one."""
+
+    COLOCATED = "colocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class Hook(str, enum.Enum):
     """The points of a request's life where a recipe runs pool calls."""
 
@@ -241,11 +252,11 @@ _D_CC3 = Recipe(("match",), (), ("send_back", *_CACHED), _CACHED)
 MILESTONES = {
     m.name: m
     for m in (
-        Milestone("PD", {"colocated": Recipe()}),
-        Milestone("PD-CC", {"colocated": _CACHING}),
-        Milestone("PD-Basic", {"prefill": Recipe((), ("transfer",)), "decode": Recipe()}),
-        Milestone("PD-Caching-1", {"prefill": _P_CC1, "decode": Recipe()}),
-        Milestone("PD-Caching-2", {"prefill": _P_CC2, "decode": _CACHING}),
-        Milestone("PD-Caching-3", {"prefill": _P_CC2, "decode": _D_CC3}),
+        Milestone("PD", {Role.COLOCATED: Recipe()}),
+        Milestone("PD-CC", {Role.COLOCATED: _CACHING}),
+        Milestone("PD-Basic", {Role.PREFILL: Recipe((), ("transfer",)), Role.DECODE: Recipe()}),
+        Milestone("PD-Caching-1", {Role.PREFILL: _P_CC1, Role.DECODE: Recipe()}),
+        Milestone("PD-Caching-2", {Role.PREFILL: _P_CC2, Role.DECODE: _CACHING}),
+        Milestone("PD-Caching-3", {Role.PREFILL: _P_CC2, Role.DECODE: _D_CC3}),
     )
 }

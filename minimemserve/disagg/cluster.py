@@ -15,7 +15,7 @@ import torch
 from ..config import Deployment, EngineConfig
 from ..engine import Engine
 from ..errors import InstanceDied
-from ..recipes import decode_preference
+from ..recipes import Role, decode_preference
 from ..request import Request, RequestOutput, TokenDelta
 from ..sampling import SamplingParams
 
@@ -92,7 +92,7 @@ class InProcessCluster:
     def pick_decode(self, req: Request, exclude: Sequence[str]) -> Instance | None:
         """The decode instance with room for ``req`` by ``decode_preference``; None if all are
         full."""
-        if not (live := [i for i in self.role("decode") if i.name not in exclude]):
+        if not (live := [i for i in self.role(Role.DECODE) if i.name not in exclude]):
             raise InstanceDied(f"no decode instance left to continue the request ({exclude})")
         blocks = self.pool.layout.num_blocks_for(req.max_total_tokens)
         roomy = [i for i in live if i.engine.has_room(blocks)]

@@ -46,7 +46,7 @@ from ..errors import InstanceDied, InvalidRequest, RemoteError, TransferError
 from ..mempool import MemPool
 from ..mempool.shared import SharedPoolTensor
 from ..model.config import ModelConfig
-from ..recipes import decode_preference
+from ..recipes import Role, decode_preference
 from ..request import Request, logprobs_fit
 from . import rpc
 from .peering import Grants, PeerLinks, RemotePool, request_of
@@ -228,7 +228,7 @@ class InstanceServer:
     # ---- what recipes need (``Peers``) -------------------------------------------------------
     def pick_decode(self, req: Request, exclude: Sequence[str]) -> RemotePool | None:
         """The live decode peer with room for ``req`` by ``decode_preference``, or None."""
-        decodes = [n for n, p in self.peers.remotes.items() if p.role == "decode"]
+        decodes = [n for n, p in self.peers.remotes.items() if p.role == Role.DECODE]
         if not (live := [d for d in decodes if d not in self.node.dead and d not in exclude]):
             gone = ", ".join(f"{d}: {self.node.dead.get(d, 'refused')}" for d in decodes)
             raise InstanceDied(f"no live decode instance to continue the request ({gone})")

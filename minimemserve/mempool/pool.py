@@ -15,6 +15,7 @@ this class. Bookkeeping is plain Python, torch only moves data; one owner calls 
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,7 +28,7 @@ from ..errors import ConfigError, PoolExhausted
 from . import transfer
 from .audit import audit, tier_states, tree_counts
 from .radix import RadixTree, as_tokens
-from .tiers import DRAM, HBM, TIERS, PoolAccountingError, PoolNode, Tier, TierMixin
+from .tiers import DRAM, HBM, TIERS, PoolAccountingError, Tier, TierStore
 
 # match: calls, whole-block tokens asked, tokens hit; blocks newly inserted, deleted, evicted,
 # offloaded to dram, onloaded back by match; transfers: blocks and bytes each way, calls
@@ -38,7 +39,7 @@ COUNTERS = (
 ).split()
 
 
-class MemPool(TierMixin):
+class MemPool:
     """Elastic KV memory pool of one instance: tiers, refcounted blocks, a radix index. Block ids
     are per tier. Every call that hands out blocks (``alloc_mem``, ``match``, ``transfer*``) gives
     the caller one reference per block, released with ``free_mem``. When given,
@@ -68,22 +69,29 @@ class MemPool(TierMixin):
         self.layout, self.block_size, self.dtype = layout, layout.block_size, dtype
         self.device, self.instance_id = torch.device(device), str(instance_id)
         self._block_dim, self.block_bytes = layout.block_dim, layout.block_bytes(dtype.itemsize)
-
-        def tier(name: str, n: int, where: torch.device, pinned: bool) -> Tier:
-            shape = layout.pool_shape(n)
-            if tensor_factory is not None:
-                return Tier(name, tensor_factory(shape, dtype, where), n)
-            return Tier(name, torch.zeros(shape, dtype=dtype, device=where, pin_memory=pinned), n)
-
-        self._tiers = {HBM: tier(HBM, num_blocks, self.device, False)}
+        make = functools.partial(_make_tier, layout=layout, dtype=dtype, factory=tensor_factory)
+        self._tiers = {HBM: make(HBM, num_blocks, self.device, False)}
         if dram_blocks:
-            self._tiers[DRAM] = tier(DRAM, dram_blocks, torch.device("cpu"), pin)
-        self._tree = RadixTree(self.block_size, node_type=PoolNode)
+            self._tiers[DRAM] = make(DRAM, dram_blocks, torch.device("cpu"), pin)
         self._clock = 0  # logical time: one tick per call, so LRU order is deterministic
         self.counters = dict.fromkeys(COUNTERS, 0)
-        # told (True, tokens) when tokens are newly cached, (False, path) when the subtree
-        # whose token path ends with path's last block is evicted; in the order they happen
-        self.on_change: Callable[[bool, array], None] | None = None
+        self._store = TierStore(self._tiers, self.block_size, self.counters, self.copy_tier)
+        self._tree = self._store.tree
+
+    @property
+    def on_change(self) -> Callable[[bool, array], None] | None:
+        """Told ``(True, tokens)`` when tokens are newly cached, ``(False, path)`` when the
+        subtree whose token path ends with path's last block is evicted (in order)."""
+        return self._store.on_change
+
+    @on_change.setter
+    def on_change(self, fn: Callable[[bool, array], None] | None) -> None:
+        self._store.on_change = fn
+
+    def copy_tier(self, dst: str, dst_ids: list[int], src: str, src_ids: list[int]) -> None:
+        """Copy blocks between tiers (a hook: a tensor-parallel pool's ranks copy theirs too)."""
+        t = self._tiers
+        move_blocks(t[dst].kv, dst_ids, t[src].kv, src_ids, self._block_dim)
 
     @property
     def tiers(self) -> tuple[str, ...]:
@@ -143,12 +151,12 @@ class MemPool(TierMixin):
                 f"{free} are free and {t.evictable} cached blocks are evictable "
                 f"({total} in total, {total - free - t.evictable} in use)"
             )
-        return self._take(t, n, contiguous)
+        return self._store.take(t, n, contiguous)
 
     def free_mem(self, blocks: Sequence[int], tier: str = HBM) -> None:
         """Drop one of the caller's references on each block (never the index's own)."""
         t = self._tier(tier)
-        self._unhold(t, list(blocks), t.indexed)
+        self._store.unhold(t, list(blocks), t.indexed)
 
     def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> int:
         """Index the whole blocks of ``tokens`` (``blocks[i]`` holds block ``i``), taking the
@@ -180,17 +188,17 @@ class MemPool(TierMixin):
         parent = self._tree.root
         for node, p, c in spans:
             if c < len(node.values):  # the match ends inside this node: cut it there
-                node = self._split(node, c)
+                node = self._store.split(node, c)
             if node.tier != HBM:
-                self._unindex(self._tiers[node.tier], node.values)
-                self._uncount(node)
+                self._store.unindex(self._tiers[node.tier], node.values)
+                self._store.uncount(node)
                 node.values, node.tier, node.holder = blocks[p : p + c], HBM, self.instance_id
-                self._index(hbm, node, adopt=True)
+                self._store.index(hbm, node, adopt=True)
             parent = node
         self._tree.insert(toks, blocks[:nb], now=now, tier=HBM, holder=self.instance_id)
         if matched < nb:
             new = parent.children[toks[matched * bs : (matched + 1) * bs].tobytes()]
-            self._index(hbm, new, adopt=True)
+            self._store.index(hbm, new, adopt=True)
         self.counters["inserted_blocks"] += len(taken)
         if matched < nb and self.on_change is not None:
             self.on_change(True, toks)
@@ -204,11 +212,11 @@ class MemPool(TierMixin):
         now = self._clock
         match = self._tree.match_prefix(toks, now=now)
         if match.nodes and match.nodes[-1].tier != HBM:
-            self._onload(toks, now)
+            self._store.onload(toks, now)
             match = self._tree.match_prefix(toks, now=now)
-        nodes, blocks = self._hbm_prefix(match)
+        nodes, blocks = self._store.hbm_prefix(match)
         if blocks:
-            self._hold(self._tiers[HBM], nodes, blocks)
+            self._store.hold(self._tiers[HBM], nodes, blocks)
         c = self.counters
         c["match_calls"] += 1
         c["query_tokens"] += len(toks) - len(toks) % self.block_size
@@ -217,7 +225,7 @@ class MemPool(TierMixin):
 
     def cached_prefix_len(self, tokens: Sequence[int]) -> int:
         """Tokens ``match(tokens)`` would return now, taking no references."""
-        in_hbm, in_dram, room = self._match_room(as_tokens(tokens))
+        in_hbm, in_dram, room = self._store.match_room(as_tokens(tokens))
         return (in_hbm + min(in_dram, room)) * self.block_size
 
     def delete(self, tokens: Sequence[int]) -> int:
@@ -234,11 +242,11 @@ class MemPool(TierMixin):
         forks = [i for i in range(1, len(path)) if len(path[i - 1].children) > 1]
         cut = path[forks[-1] if forks else 0]
         parent, blocked = cut.parent, cut.blocked
-        dropped = self._drop(self._tree.remove(cut))
+        dropped = self._store.drop(self._tree.remove(cut))
         if blocked:
             parent.below -= 1
-            self._restate(parent)
-        self._candidate(parent)  # perhaps a leaf of its tier now
+            self._store.restate(parent)
+        self._store.candidate(parent)  # perhaps a leaf of its tier now
         self.counters["deleted_blocks"] += dropped
         return dropped
 
@@ -345,3 +353,11 @@ def _check_held(hbm: Tier, blocks: list[int]) -> None:
             hbm.alloc.check_id(b)
         if rc[b] - indexed[b] < 1:
             raise ValueError(f"block {b} is not held by the caller (refcount {rc[b]})")
+
+
+def _make_tier(name: str, n: int, where: torch.device, pinned: bool, *, layout, dtype, factory):
+    """A tier of ``n`` zero-filled blocks on ``where`` (made by ``factory`` when given)."""
+    shape = layout.pool_shape(n)
+    if factory is not None:
+        return Tier(name, factory(shape, dtype, where), n)
+    return Tier(name, torch.zeros(shape, dtype=dtype, device=where, pin_memory=pinned), n)

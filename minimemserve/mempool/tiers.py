@@ -1,4 +1,5 @@
-"""MemPool's tiers: per-tier bookkeeping, the evictable counts, eviction, offload, onload.
+"""MemPool's tiers (:class:`TierStore`, which a pool composes): per-tier bookkeeping, the
+evictable counts, eviction, offload, onload.
 
 A cached block is evictable when it and every block below it in the index (later in its
 node, and in all descendants of any tier) are cached-only. Each tier keeps that count up
@@ -8,11 +9,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from array import array
+from collections.abc import Callable
 
 import torch
 
 from minimemserve.blocks.allocator import BlockAllocator
-from minimemserve.blocks.copy import move_blocks
 from minimemserve.mempool.radix import Match, RadixNode, RadixTree
 
 HBM = "hbm"
@@ -53,16 +55,30 @@ class Tier:
         self.order = itertools.count()
 
 
-class TierMixin:
-    """MemPool's tier half. Along every path of the index, ``hbm`` nodes come before
-    ``dram`` ones: eviction takes ``hbm`` nodes with no ``hbm`` child; onload goes top-down."""
+class TierStore:
+    """A MemPool's tiers and index, and what keeps them consistent: the evictable counts,
+    eviction, offload to dram and onload back. Along every path of the index, ``hbm`` nodes
+    come before ``dram`` ones: eviction takes ``hbm`` nodes with no ``hbm`` child; onload
+    goes top-down. ``copy_tier(dst, dst_ids, src, src_ids)`` moves block data between tiers
+    (the pool's hook); ``on_change`` is told what eviction drops from the index."""
 
-    _tiers: dict[str, Tier]
-    _tree: RadixTree
-    counters: dict[str, int]
-    _block_dim: int
+    def __init__(
+        self,
+        tiers: dict[str, Tier],
+        block_size: int,
+        counters: dict[str, int],
+        copy_tier: Callable[[str, list[int], str, list[int]], None],
+    ) -> None:
+        self.tiers = tiers
+        self.tree = RadixTree(block_size, node_type=PoolNode)
+        self.block_size = block_size
+        self.counters = counters
+        self.copy_tier = copy_tier
+        # told (True, tokens) when tokens are newly cached, (False, path) when the subtree
+        # whose token path ends with path's last block is evicted; in the order they happen
+        self.on_change: Callable[[bool, array], None] | None = None
 
-    def _index(self, t: Tier, node: PoolNode, adopt: bool) -> None:
+    def index(self, t: Tier, node: PoolNode, adopt: bool) -> None:
         """List ``node``'s blocks: with ``adopt`` blocks the caller holds (so pinned), which
         the index takes a reference on; else blocks whose references are the index's."""
         for b in node.values:
@@ -71,25 +87,25 @@ class TierMixin:
         if adopt:
             t.alloc.incref(node.values)
             node.run = 0
-            self._restate(node)
+            self.restate(node)
         else:
-            self._settle(node, fresh=True)
+            self.settle(node, fresh=True)
 
-    def _unindex(self, t: Tier, values: list[int]) -> None:
+    def unindex(self, t: Tier, values: list[int]) -> None:
         for b in values:
             t.indexed[b] = 0
             t.node_of[b] = None
         t.alloc.decref(values)
 
-    def _restate(self, node: PoolNode) -> None:
+    def restate(self, node: PoolNode) -> None:
         """Bring the tier counts and the ancestors' ``below`` in line with ``node``'s state."""
-        root = self._tree.root
+        root = self.tree.root
         while node is not root:
             ev = 0 if node.below else node.run
             if ev != node.evictable:
-                self._tiers[node.tier].evictable += ev - node.evictable
+                self.tiers[node.tier].evictable += ev - node.evictable
                 node.evictable = ev
-                self._candidate(node)
+                self.candidate(node)
             blocked = node.below > 0 or node.run < len(node.values)
             if blocked == node.blocked:
                 return
@@ -97,30 +113,30 @@ class TierMixin:
             node = node.parent
             node.below += 1 if blocked else -1
 
-    def _settle(self, node: PoolNode, fresh: bool = False) -> None:
+    def settle(self, node: PoolNode, fresh: bool = False) -> None:
         """Recount ``node.run`` (all of it when ``fresh``, else past where it ended) and restate."""
-        rc, values = self._tiers[node.tier].alloc.refcounts(), node.values
+        rc, values = self.tiers[node.tier].alloc.refcounts(), node.values
         i = len(values) - (0 if fresh else node.run)
         while i and rc[values[i - 1]] == 1:
             i -= 1
         node.run = len(values) - i
-        self._restate(node)
+        self.restate(node)
 
-    def _candidate(self, node: PoolNode) -> None:
+    def candidate(self, node: PoolNode) -> None:
         """Give ``node`` an entry in its tier's eviction heap if it has evictable blocks (it may
         have just become a leaf of its tier, or evictable)."""
         if node.parent is not None and node.evictable:
-            t = self._tiers[node.tier]
+            t = self.tiers[node.tier]
             heapq.heappush(t.lru, (node.last_access, next(t.order), node))
-            if len(t.lru) > 2 * self._tree.num_nodes + LRU_SLACK:  # mostly stale: renew
-                self._renew_lru(t)
+            if len(t.lru) > 2 * self.tree.num_nodes + LRU_SLACK:  # mostly stale: renew
+                self.renew_lru(t)
 
-    def _uncount(self, node: PoolNode) -> None:
+    def uncount(self, node: PoolNode) -> None:
         """Take ``node`` out of its tier's count before it changes tier or leaves."""
-        self._tiers[node.tier].evictable -= node.evictable
+        self.tiers[node.tier].evictable -= node.evictable
         node.evictable = 0
 
-    def _hold(self, t: Tier, nodes: list[PoolNode], blocks: list[int]) -> None:
+    def hold(self, t: Tier, nodes: list[PoolNode], blocks: list[int]) -> None:
         """Take a reference on ``blocks``, the first blocks along ``nodes``, and pin them."""
         t.alloc.share(blocks)
         left = len(blocks)
@@ -130,21 +146,21 @@ class TierMixin:
             left -= c
             if node.run > n - c:
                 node.run = n - c
-                self._restate(node)
+                self.restate(node)
 
-    def _unhold(self, t: Tier, blocks: list[int], floor: bytearray | None = None) -> None:
+    def unhold(self, t: Tier, blocks: list[int], floor: bytearray | None = None) -> None:
         """Drop a reference on each of ``blocks`` and settle the nodes that list them."""
         t.alloc.decref(blocks, floor)
         nodes = set(map(t.node_of.__getitem__, blocks))
         nodes.discard(None)
         for node in nodes:
-            self._settle(node)
+            self.settle(node)
 
-    def _match_room(self, toks) -> tuple[int, int, int]:
+    def match_room(self, toks) -> tuple[int, int, int]:
         """Cached blocks of ``toks`` in hbm, then in dram, and hbm room with the first held."""
-        match = self._tree.match_prefix(toks, touch=False)
-        nodes, blocks = self._hbm_prefix(match)
-        hbm, left = self._tiers[HBM], len(blocks)
+        match = self.tree.match_prefix(toks, touch=False)
+        nodes, blocks = self.hbm_prefix(match)
+        hbm, left = self.tiers[HBM], len(blocks)
         room = hbm.alloc.num_free + hbm.evictable
         for node in nodes:
             n = len(node.values)
@@ -153,10 +169,10 @@ class TierMixin:
             room -= node.evictable - (0 if node.below else min(node.run, n - c))
         return len(blocks), len(match.values) - len(blocks), room
 
-    def _split(self, node: PoolNode, k: int) -> PoolNode:
+    def split(self, node: PoolNode, k: int) -> PoolNode:
         """``RadixTree.split`` keeping the state: returns the head (the first ``k`` blocks)."""
-        head = self._tree.split(node, k)
-        node_of = self._tiers[node.tier].node_of
+        head = self.tree.split(node, k)
+        node_of = self.tiers[node.tier].node_of
         for b in head.values:
             node_of[b] = head
         # the head takes the node's place under its parent; the node is the head's child
@@ -164,20 +180,20 @@ class TierMixin:
         tail = len(node.values)
         whole_tail = node.run >= tail
         head.run, node.run = (node.run - tail, tail) if whole_tail else (0, node.run)
-        self._restate(node)
-        self._settle(head, fresh=not whole_tail)
+        self.restate(node)
+        self.settle(head, fresh=not whole_tail)
         return head
 
-    def _drop(self, dropped: list[tuple[PoolNode, list[int]]]) -> int:
+    def drop(self, dropped: list[tuple[PoolNode, list[int]]]) -> int:
         """Release values cut from the tree, uncounting the nodes that left it; count them."""
         for node, values in dropped:
             if node.parent is None:
-                self._uncount(node)
-            self._unindex(self._tiers[node.tier], values)
+                self.uncount(node)
+            self.unindex(self.tiers[node.tier], values)
         return sum(len(values) for _, values in dropped)
 
     @staticmethod
-    def _hbm_prefix(match: Match) -> tuple[list[PoolNode], list[int]]:
+    def hbm_prefix(match: Match) -> tuple[list[PoolNode], list[int]]:
         """The nodes and values of a match up to its first non-hbm node."""
         nodes, k = match.nodes, len(match.nodes)
         while k and nodes[k - 1].tier != HBM:
@@ -186,23 +202,23 @@ class TierMixin:
             return nodes, match.values
         return nodes[:k], match.values[: sum(len(n.values) for n in nodes[:k])]
 
-    def _take(self, t: Tier, n: int, contiguous: bool) -> list[int]:
+    def take(self, t: Tier, n: int, contiguous: bool) -> list[int]:
         if n > t.alloc.num_free:
-            self._evict(t, n - t.alloc.num_free)
+            self.evict(t, n - t.alloc.num_free)
         return t.alloc.alloc(n, contiguous)
 
-    def _evict(self, t: Tier, need: int) -> None:
+    def evict(self, t: Tier, need: int) -> None:
         """Free ``need`` blocks of ``t``: cached-only ones, LRU first; hbm ones go to dram."""
-        dram = self._tiers.get(DRAM) if t.name == HBM else None
+        dram = self.tiers.get(DRAM) if t.name == HBM else None
         if dram is not None and dram.alloc.num_free < need and dram.evictable:  # room there first
-            self._evict(dram, min(need - dram.alloc.num_free, dram.evictable))
+            self.evict(dram, min(need - dram.alloc.num_free, dram.evictable))
         name, heap = t.name, t.lru
         renewed = False
         while need > 0:
             if not heap:
                 if renewed:
                     raise PoolAccountingError(f"eviction of {name} fell {need} blocks short")
-                self._renew_lru(t)
+                self.renew_lru(t)
                 renewed = True
                 continue
             key, _, node = heapq.heappop(heap)
@@ -215,79 +231,73 @@ class TierMixin:
                 continue
             k, parent = min(node.evictable, need), node.parent
             gone = k == len(node.values)
-            self._evict_tail(t, node, k, dram)
+            self.evict_tail(t, node, k, dram)
             need -= k
             if gone:
-                self._candidate(parent)  # perhaps a leaf of its tier now
+                self.candidate(parent)  # perhaps a leaf of its tier now
 
-    def _renew_lru(self, t: Tier) -> None:
+    def renew_lru(self, t: Tier) -> None:
         """Rebuild ``t``'s eviction heap from a walk of the index: every node of the tier with
         evictable blocks (which includes all its evictable leaves)."""
         t.lru[:] = [  # in place: an eviction in progress holds the list
             (n.last_access, next(t.order), n)
-            for n in self._tree.nodes()
+            for n in self.tree.nodes()
             if n.tier == t.name and n.evictable
         ]
         heapq.heapify(t.lru)
 
-    def _evict_tail(self, t: Tier, node: PoolNode, k: int, dram: Tier | None) -> None:
+    def evict_tail(self, t: Tier, node: PoolNode, k: int, dram: Tier | None) -> None:
         """Evict ``node``'s last ``k`` blocks: to dram while it has free blocks, else dropped."""
         moved = min(k, dram.alloc.num_free) if dram is not None else 0
         cut = k - moved
         if cut and self.on_change is not None:  # the token path through the first evicted block
             path, up = node.tokens[: (len(node.values) - cut + 1) * self.block_size], node.parent
-            while up is not self._tree.root:
+            while up is not self.tree.root:
                 path, up = up.tokens + path, up.parent
             self.on_change(False, path)
         if cut:
-            self.counters["evicted_blocks"] += self._drop(self._tree.truncate(node, cut))
+            self.counters["evicted_blocks"] += self.drop(self.tree.truncate(node, cut))
             if node.parent is not None:
                 node.run -= cut
-                self._restate(node)
+                self.restate(node)
         if moved:
             if moved < len(node.values):
-                self._split(node, len(node.values) - moved)  # node keeps the tail
-            self._move(node, t, dram, dram.alloc.alloc(moved, contiguous=True))
+                self.split(node, len(node.values) - moved)  # node keeps the tail
+            self.move(node, t, dram, dram.alloc.alloc(moved, contiguous=True))
             self.counters["offloaded_blocks"] += moved
 
-    def copy_tier(self, dst: str, dst_ids: list[int], src: str, src_ids: list[int]) -> None:
-        """Copy blocks between this pool's tiers (a tensor-parallel pool has its ranks copy
-        their shards too)."""
-        t = self._tiers
-        move_blocks(t[dst].kv, dst_ids, t[src].kv, src_ids, self._block_dim)
-
-    def _move(self, node: PoolNode, src: Tier, dst: Tier, new: list[int]) -> None:
+    def move(self, node: PoolNode, src: Tier, dst: Tier, new: list[int]) -> None:
         """Move ``node``'s blocks to ``new`` blocks of ``dst``; the index's references go along."""
         self.copy_tier(dst.name, new, src.name, node.values)
-        self._unindex(src, node.values)
-        self._uncount(node)
+        self.unindex(src, node.values)
+        self.uncount(node)
         node.values, node.tier = new, dst.name
-        self._index(dst, node, adopt=False)
+        self.index(dst, node, adopt=False)
 
-    def _onload(self, toks, now: int) -> None:
+    def onload(self, toks, now: int) -> None:
         """Bring the dram part of ``toks``' cached path to hbm, top-down, while hbm has room."""
-        hbm, dram = self._tiers[HBM], self._tiers[DRAM]
+        hbm, dram = self.tiers[HBM], self.tiers[DRAM]
         while True:
-            match = self._tree.match_prefix(toks, now=now)
-            nodes, held = self._hbm_prefix(match)
+            match = self.tree.match_prefix(toks, now=now)
+            nodes, held = self.hbm_prefix(match)
             if len(held) == len(match.values):
                 return
             node = match.nodes[len(nodes)]
             want = min(len(match.values) - len(held), len(node.values))
             pinned = node.values[:want]
             # pin the path so making room in hbm (and then dram) cannot evict it
-            self._hold(hbm, nodes, held)
-            self._hold(dram, [node], pinned)
+            self.hold(hbm, nodes, held)
+            self.hold(dram, [node], pinned)
             try:
                 j = min(want, hbm.alloc.num_free + hbm.evictable)
                 if j:
-                    new = self._take(hbm, j, contiguous=True)
+                    new = self.take(hbm, j, contiguous=True)
                     if j < len(node.values):
-                        node = self._split(node, j)
-                    self._move(node, dram, hbm, new)
+                        node = self.split(node, j)
+                    self.move(node, dram, hbm, new)
                     self.counters["onloaded_blocks"] += j
             finally:
-                self._unhold(hbm, held)
-                self._unhold(dram, pinned)
+                self.unhold(hbm, held)
+                self.unhold(dram, pinned)
             if j < want or not j:
                 return

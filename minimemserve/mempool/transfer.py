@@ -32,12 +32,12 @@ def send_cached(pool, dst, tokens: Sequence[int]) -> list[int]:
     if not spans:
         return []
     for tier, nodes, blocks in spans:  # pinned: a peer's call may evict while we send
-        pool._hold(pool._tiers[tier], nodes, blocks)
+        pool._store.hold(pool._tiers[tier], nodes, blocks)
     try:
         return _send_spans(pool, dst, toks[: len(match.values) * bs], spans)
     finally:
         for tier, _, blocks in spans:
-            pool._unhold(pool._tiers[tier], blocks)
+            pool._store.unhold(pool._tiers[tier], blocks)
 
 
 def _send_spans(pool, dst, toks, spans) -> list[int]:

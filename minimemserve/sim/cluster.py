@@ -35,7 +35,7 @@ from minimemserve.errors import ConfigError, InstanceDied, PoolExhausted
 from minimemserve.mempool import MemPool
 from minimemserve.model.config import ModelConfig
 from minimemserve.parallel import TPShard
-from minimemserve.recipes import decode_preference
+from minimemserve.recipes import Role, decode_preference
 from minimemserve.request import Request, RequestOutput
 from minimemserve.scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler
 from minimemserve.workloads.results import greedy_params, record
@@ -239,7 +239,7 @@ def scaled_deployment(config: str, instances: int) -> tuple[Deployment, int]:
     """``config``'s deployment on ``instances`` instances and its colocated count: colocated
     configs take all, ``xPyD`` ones are repeated to fill them (e.g. 1P1D on 4 = 2P2D)."""
     d = parse_config_name(config)
-    if d.milestone.roles == ("colocated",):
+    if d.milestone.roles == (Role.COLOCATED,):
         return d, instances
     per = sum(d.counts)
     if instances % per:
@@ -270,7 +270,7 @@ class Network:
         copies = link.calls(self.transfer_mode, blocks, layout.num_layers) if blocks else 1
         calls = (0, 0)
         if self.topology.calls_wait_for_steps:
-            calls = HANDOFF_CALLS if b.role == "decode" else RETURN_CALLS
+            calls = HANDOFF_CALLS if b.role == Role.DECODE else RETURN_CALLS
         tail = None
         if self.transfer_mode == "by_layer" and a.step_ends == self.cluster.now:
             tail = link.seconds(nbytes / layout.num_layers, 1)
@@ -400,7 +400,7 @@ class SimCluster:
     # ---- what recipes need (Peers) -----------------------------------------------------------
     def pick_decode(self, req: Request, exclude: Sequence[str]) -> SimInstance | None:
         """The decode instance with room for ``req`` by ``decode_preference``, or None."""
-        live = [i for i in self.instances if i.role == "decode" and i.name not in exclude]
+        live = [i for i in self.instances if i.role == Role.DECODE and i.name not in exclude]
         if not live:
             raise InstanceDied(f"no decode instance left to continue the request ({exclude})")
         blocks = self.instances[0].pool.layout.num_blocks_for(req.max_total_tokens)
