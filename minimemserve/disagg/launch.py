@@ -260,7 +260,7 @@ class Launcher:
                 or any(getattr(model_config, str(k), None) != v for k, v in model.items())
             ):
                 raise ConfigError(f"the instance at {address} serves another model: {model}")
-        if missing := [r for r in roles if r not in {role for _, role, _ in found}]:
+        if missing := [str(r) for r in roles if r not in {role for _, role, _ in found}]:
             raise ConfigError(f"{self.spec.deployment.name} needs {missing} instances too")
         counts: dict[str, int] = {}
         for address, role, _ in found:

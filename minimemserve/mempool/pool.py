@@ -25,10 +25,10 @@ import torch
 from ..blocks.copy import check_pool_tensor, move_blocks
 from ..blocks.layout import KVLayout
 from ..errors import ConfigError, PoolExhausted
-from . import transfer
 from .audit import audit, tier_states, tree_counts
 from .radix import RadixTree, as_tokens
 from .tiers import DRAM, HBM, TIERS, PoolAccountingError, Tier, TierStore
+from .transfer import receive_alloc, send, send_cached_path
 
 # match: calls, whole-block tokens asked, tokens hit; blocks newly inserted, deleted, evicted,
 # offloaded to dram, onloaded back by match; transfers: blocks and bytes each way, calls
@@ -255,7 +255,7 @@ class MemPool:
     ) -> tuple[list[int], list[int]]:
         """Receiving side, step 1: ``(matched, allocated)``, ``num_blocks`` held blocks in all
         (a cached prefix of ``tokens`` is matched first; the rest is one run if possible)."""
-        return transfer.receive_alloc(self, tokens, num_blocks)
+        return receive_alloc(self, tokens, num_blocks)
 
     def recv_copy(self, blocks: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
         """Receiving side, step 2, when the sender's pool tensor ``src`` is in this process:
@@ -279,7 +279,7 @@ class MemPool:
 
     def transfer(self, dst: MemPool, src_blocks: Sequence[int]) -> list[int]:
         """Send hbm blocks to ``dst``, which allocates them; return its ids, held by the caller."""
-        return transfer.transfer(self, dst, None, src_blocks)
+        return send(self, dst, None, src_blocks)
 
     def transfer_with_insert(
         self, dst: MemPool, tokens: Sequence[int], src_blocks: Sequence[int]
@@ -290,7 +290,7 @@ class MemPool:
         lo, hi = len(toks) // self.block_size, self.layout.num_blocks_for(len(toks))
         if not lo <= n <= hi:
             raise ValueError(f"{len(toks)} tokens need {hi} blocks (or {lo} whole ones), got {n}")
-        return transfer.transfer(self, dst, toks, src_blocks)
+        return send(self, dst, toks, src_blocks)
 
     def held_blocks(self, blocks: Sequence[int], what: str) -> list[int]:
         """``blocks`` as a list, each checked to be held by someone (``what`` names the use)."""
@@ -316,7 +316,7 @@ class MemPool:
         block read from the tier that holds it: a block cached in dram goes to ``dst`` without
         being onloaded to hbm first (``dram_sent_blocks`` counts those). Only what ``dst``
         lacks moves; returns ``dst``'s blocks, held by the caller."""
-        return transfer.send_cached(self, dst, tokens)
+        return send_cached_path(self, dst, tokens)
 
     def counter(self, name: str) -> int:
         """One of the :data:`COUNTERS` (what :meth:`stats` reports, without its block scan)."""

@@ -14,7 +14,7 @@ from .radix import as_tokens
 from .tiers import HBM
 
 
-def send_cached(pool, dst, tokens: Sequence[int]) -> list[int]:
+def send_cached_path(pool, dst, tokens: Sequence[int]) -> list[int]:
     """``pool.send_cached(dst, tokens)``: the spans of the cached path, one tier each, are
     pinned while they are sent."""
     toks, bs = as_tokens(tokens), pool.block_size
@@ -64,7 +64,7 @@ def _send_spans(pool, dst, toks, spans) -> list[int]:
     return matched + new
 
 
-def transfer(pool, dst, toks, src_blocks: Sequence[int]) -> list[int]:
+def send(pool, dst, toks, src_blocks: Sequence[int]) -> list[int]:
     """dst allocates what it lacks, this pool's tensor is read straight into dst's blocks
     (here, or one-sided into a peer's mapping), dst commits; or dst releases it all."""
     if dst.model_layout != pool.model_layout or dst.dtype != pool.dtype:
@@ -98,7 +98,7 @@ def receive_alloc(pool, tokens, num_blocks: int) -> tuple[list[int], list[int]]:
     toks = as_tokens(tokens)
     # every block missing from hbm costs one hbm block, onloaded or allocated: fail
     # before matching, so a refused transfer leaves the pool as it was
-    in_hbm, _, room = pool._match_room(toks)
+    in_hbm, _, room = pool._store.match_room(toks)
     if num_blocks - in_hbm > room:
         raise PoolExhausted(
             f"instance {pool.instance_id}: receiving {num_blocks} blocks needs "
