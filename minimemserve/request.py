@@ -117,7 +117,7 @@ class Request:
         arrival_time: float | None = None,
     ) -> None:
         self.request_id, self.params = request_id, params
-        self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
         self.tokens = array("q", prompt_token_ids)
         self.num_prompt = len(self.tokens)
         self.blocks: list[int] = []
@@ -126,10 +126,31 @@ class Request:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.prefilled = False  # the first token has been sampled (the prefilled hook ran)
-        self.prefill_instance = ""  # the instance that computed the prompt
-        self.decode_instance = ""  # the instance it was handed to, if any
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
-        self.metrics = RequestMetrics(self.arrival_time, prompt_tokens=self.num_prompt)
+        self.metrics = RequestMetrics(arrival, prompt_tokens=self.num_prompt)
+
+    @property
+    def arrival_time(self) -> float:
+        """When the request arrived (its metrics hold it)."""
+        return self.metrics.arrival_time
+
+    @property
+    def prefill_instance(self) -> str:
+        """The instance that computed the prompt (its metrics hold it)."""
+        return self.metrics.prefill_instance
+
+    @prefill_instance.setter
+    def prefill_instance(self, name: str) -> None:
+        self.metrics.prefill_instance = name
+
+    @property
+    def decode_instance(self) -> str:
+        """The instance it was handed to for decoding, if any (its metrics hold it)."""
+        return self.metrics.decode_instance
+
+    @decode_instance.setter
+    def decode_instance(self, name: str) -> None:
+        self.metrics.decode_instance = name
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -158,8 +179,6 @@ class Request:
 
     def to_output(self, text: str | None) -> RequestOutput:
         """Freeze into a ``RequestOutput``."""
-        self.metrics.prefill_instance = self.prefill_instance
-        self.metrics.decode_instance = self.decode_instance
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,

@@ -287,7 +287,7 @@ class InstanceServer:
             or s.max_total_tokens > self.engine.max_model_len,
             "blocks do not cover the computed tokens": len(s.blocks)
             != self.pool.layout.num_blocks_for(s.num_computed),
-            "the prefill instance is unknown": s.prefill_instance not in self.peers.names,
+            "the prefill instance is unknown": s.metrics.prefill_instance not in self.peers.names,
             "the request id is in use": s.request_id in self.engine.requests,
             "logprobs do not match the tokens": not logprobs_fit(
                 s.logprobs, n - s.num_prompt, s.params.logprobs, vocab

@@ -45,21 +45,25 @@ class Link:
         }
 
 
+# Request attributes its constructor sets from the state; the others are copied by name.
+_BUILT = ("request_id", "tokens", "params")
+
+
 def state_of(req: Request) -> rpc.RequestState:
-    """What travels with a handed-off request."""
+    """What travels with a handed-off request: its attributes named by the state's fields."""
     fields = {f: getattr(req, f) for f in rpc.RequestState.__struct_fields__}
     return rpc.RequestState(**fields | {"tokens": req.tokens.tolist(), "blocks": list(req.blocks)})
 
 
 def request_of(s: rpc.RequestState) -> Request:
-    """Rebuild a prefilled request from its state."""
-    req = Request(s.request_id, s.tokens, s.params, s.arrival_time)
-    fields = ("num_prompt", "blocks", "num_computed", "max_total_tokens", "prefill_instance")
-    for f in fields:
-        setattr(req, f, getattr(s, f))
+    """Rebuild a prefilled request from its state (the inverse of :func:`state_of`)."""
+    req = Request(s.request_id, s.tokens, s.params, s.metrics.arrival_time)
+    for f in rpc.RequestState.__struct_fields__:
+        if f not in _BUILT:
+            setattr(req, f, getattr(s, f))
     if req.params.logprobs is not None:
         req.logprobs = list(s.logprobs or ())
-    req.metrics, req.prefilled = s.metrics, True
+    req.prefilled = True
     return req
 
 

@@ -198,17 +198,17 @@ class Submit(Msg):
 
 
 class RequestState(msgspec.Struct, forbid_unknown_fields=True):
-    """Everything a receiving instance needs to continue a request (its KV already moved)."""
+    """Everything a receiving instance needs to continue a request (its KV already moved):
+    the ``Request`` attributes of the same names (arrival and the prefill instance travel in
+    its metrics)."""
 
     request_id: str
     tokens: Ids
     num_prompt: Count
     params: SamplingParams
-    arrival_time: float
     blocks: Ids
     num_computed: Count
     max_total_tokens: Count
-    prefill_instance: str
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] | None = None
 

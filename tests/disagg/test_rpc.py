@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from minimemserve.disagg import rpc
+from minimemserve.disagg.peering import request_of, state_of
 from minimemserve.disagg.rpc import (
     Abort,
     Ack,
@@ -31,6 +32,7 @@ from minimemserve.disagg.rpc import (
     Shutdown,
 )
 from minimemserve.errors import InstanceDied, TransferError
+from minimemserve.request import Request
 from minimemserve.sampling import SamplingParams
 
 JOIN_S = 30
@@ -364,3 +366,19 @@ def test_replayed_stale_and_misaddressed_frames_are_dropped_and_counted() -> Non
         raw.close()
         ctx.term()
         server.close()
+
+
+def test_a_handed_off_request_round_trips_through_its_wire_state() -> None:
+    """``state_of`` and ``request_of`` invert each other over the wire: every attribute the
+    state names comes back, the arrival and the prefill instance inside the metrics."""
+    req = Request("r1", [5, 6, 7, 8], SamplingParams(max_tokens=4, logprobs=2), 12.5)
+    req.tokens.append(9)
+    req.blocks, req.num_computed, req.max_total_tokens = [3], 4, 8
+    req.prefill_instance = "P0"
+    req.logprobs = [(-0.5, [(9, -0.5), (4, -1.0)])]
+    wire = msgspec.msgpack.encode(state_of(req))
+    back = request_of(msgspec.msgpack.decode(wire, type=rpc.RequestState))
+    for f in rpc.RequestState.__struct_fields__:
+        assert getattr(back, f) == getattr(req, f), f
+    assert (back.arrival_time, back.prefill_instance, back.prefilled) == (12.5, "P0", True)
+    assert back.prompt_token_ids == [5, 6, 7, 8] and back.output_token_ids == [9]

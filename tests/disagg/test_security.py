@@ -41,7 +41,8 @@ def forged_messages(victim_file: str) -> list[tuple[str, rpc.Msg]]:
         nbytes=4,
     )
     fake = rpc.PeerInfo("D0", "decode", "tcp://127.0.0.1:9", handle)
-    state = rpc.RequestState("evil", [10**6], 1, PARAMS, 0.0, [0], 1, 9, "P0", RequestMetrics(0.0))
+    metrics = RequestMetrics(0.0, prefill_instance="P0")
+    state = rpc.RequestState("evil", [10**6], 1, PARAMS, [0], 1, 9, metrics)
     out = RequestOutput("r-victim", [1], [66, 66], "forged", "stop", RequestMetrics(0.0))
     return [
         ("P0", rpc.Peers([fake])),  # attach a "segment" at an arbitrary path, reroute hand-offs
