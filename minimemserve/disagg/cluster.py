@@ -1,8 +1,10 @@
 """Every instance of a deployment in one process, stepped in turn.
 
 KV moves between instances only through the recipes' MemPool calls (a plain tensor copy
-here). A new request goes to the entry-role instance holding the longest cached prefix of its
-prompt (least loaded on a tie), a prefilled one to the decode instance holding the most of it."""
+here). A new request goes where the ``GlobalScheduler`` routes it among the entry-role
+instances, as in the process runtime and the simulator (its prompt trees follow what each
+entry pool caches; under ``prompt_tree`` the instance holding most of the prompt may first
+send it over); a prefilled one goes to the decode instance holding the most of it."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ import torch
 
 from ..config import Deployment, EngineConfig
 from ..engine import Engine
-from ..errors import InstanceDied
+from ..errors import InstanceDied, PoolExhausted
 from ..recipes import Role, decode_preference
 from ..request import Request, RequestOutput, TokenDelta
 from ..sampling import SamplingParams
+from ..scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler, Route
 
 
 class Instance:
@@ -37,7 +40,8 @@ class Instance:
 
 
 class InProcessCluster:
-    """The instances of ``deployment`` here, entry role first: a ``Serving`` and their ``Peers``."""
+    """The instances of ``deployment`` here, entry role first: a ``Serving`` and their
+    ``Peers``. ``policy``, ``cost_model`` and ``ttl_s`` configure the ``GlobalScheduler``."""
 
     def __init__(
         self,
@@ -47,6 +51,9 @@ class InProcessCluster:
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
         engine_config: EngineConfig | None = None,
+        policy: str = "prompt_tree",
+        cost_model: Cost | None = None,
+        ttl_s: float = DEFAULT_TTL_S,
     ):
         self.deployment = deployment
         self.instances: list[Instance] = []
@@ -70,6 +77,22 @@ class InProcessCluster:
         self.entry = self.role(deployment.milestone.roles[0])
         self.tokenizer, self._ids = self.instances[0].engine.tokenizer, itertools.count()
         self._deltas: dict[str, TokenDelta] = {}  # of requests still in flight
+        self.scheduler = GlobalScheduler(
+            [i.name for i in self.entry],
+            policy=policy,
+            block_size=ecfg.block_size,
+            cost_model=cost_model,
+            ttl_s=ttl_s,
+            caching=deployment.milestone.entry_caches,
+        )
+        for inst in self.entry:  # the prompt trees follow what entry instances cache
+            inst.pool.on_change = self._cache_event(inst.name)
+
+    def _cache_event(self, name: str):
+        def on_change(added: bool, tokens) -> None:
+            (self.scheduler.record if added else self.scheduler.trees.forget)(name, tokens)
+
+        return on_change
 
     def role(self, role: str) -> list[Instance]:
         """The instances of ``role``."""
@@ -84,10 +107,6 @@ class InProcessCluster:
     def pools(self) -> list:
         """Every instance's MemPool, entry role first."""
         return [i.pool for i in self.instances]
-
-    @staticmethod
-    def _best(instances: list[Instance], tokens: Sequence[int]) -> Instance:
-        return max(instances, key=lambda i: (i.pool.cached_prefix_len(tokens), -i.load()))
 
     def pick_decode(self, req: Request, exclude: Sequence[str]) -> Instance | None:
         """The decode instance with room for ``req`` by ``decode_preference``; None if all are
@@ -121,12 +140,29 @@ class InProcessCluster:
         request_id: str | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Route to the entry instance with the longest cached prefix (least loaded on ties)."""
+        """Route by the global scheduler (after the prefix push it may ask for) and queue."""
         ids = self.validate(prompt, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if any(rid in i.engine.requests for i in self.instances):
             raise ValueError(f"request id {rid!r} is already in use")
-        return self._best(self.entry, ids).engine.add_request(ids, params, rid, arrival_time)
+        route = self.scheduler.route(ids, params.max_tokens)
+        if route.transfer_from is not None:
+            route = self._push_prefix(ids, route)
+        self.scheduler.dispatched(rid, route, len(ids), params.max_tokens)
+        return self.by_name[route.instance].engine.add_request(ids, params, rid, arrival_time)
+
+    def _push_prefix(self, ids: list[int], route: Route) -> Route:
+        """``route.transfer_from`` sends its cached prefix of ``ids`` to the routed instance
+        (indexed there); without room there, the request goes without it."""
+        src, dst = self.by_name[route.transfer_from].pool, self.by_name[route.instance].pool
+        try:
+            got = src.send_cached(dst, ids)
+        except PoolExhausted:
+            got = []
+        dst.free_mem(got)  # its index keeps its own reference
+        if got:
+            self.scheduler.record(route.instance, ids[: len(got) * src.block_size])
+        return self.scheduler.landed(route, ids)
 
     def step(self) -> list[RequestOutput]:
         """Step every instance with work once; handed-off requests are already queued on D."""
@@ -134,8 +170,12 @@ class InProcessCluster:
         for inst in self.instances:
             if inst.engine.has_unfinished():
                 done.extend(inst.engine.step())
-            inst.engine.handoffs.clear()  # the recipe already passed them on
+            for req in inst.engine.handoffs:  # the recipe already passed them on
+                self.scheduler.prefilled(req.request_id)
+            inst.engine.handoffs.clear()
             for d in inst.engine.take_deltas():  # in order: P's first token, then D's
+                if d.start == 0:
+                    self.scheduler.started(d.request_id)
                 if (have := self._deltas.get(d.request_id)) is None:
                     self._deltas[d.request_id] = d
                 else:
@@ -144,6 +184,8 @@ class InProcessCluster:
                         have.logprobs += d.logprobs
         for out in done:  # its output carries every token
             self._deltas.pop(out.request_id, None)
+            answered = out.finish_reason in ("stop", "length")
+            self.scheduler.finished(out.request_id, None, len(out.token_ids) if answered else None)
         return done
 
     def take_deltas(self) -> list[TokenDelta]:
@@ -158,6 +200,7 @@ class InProcessCluster:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort ``request_id`` on whichever instance holds it."""
         self._deltas.pop(request_id, None)
+        self.scheduler.finished(request_id)
         for inst in self.instances:
             if (out := inst.engine.abort(request_id)) is not None:
                 return out

@@ -94,3 +94,24 @@ def test_cc3_prefill_hit_covers_previous_answer(results):
         for s3, s2 in zip(outs3, outs2)
         for k in range(1, len(s3))
     )
+
+
+def test_in_process_routing_is_the_global_schedulers(tiny_llama_dir):
+    """Two caching prefill instances in one process: every request is routed by the
+    ``GlobalScheduler`` (as in the process runtime and the simulator), and a turn goes where
+    its prompt tree says the previous turn left its prefix cached."""
+    sessions = sharegpt_user_turns(tiny_llama_dir, num_sessions=3, num_turns=3, max_user_tokens=40)
+    with LLM(tiny_llama_dir, config="2P1D-CC1", num_blocks=128) as llm:
+        outs = run_sessions(llm, sessions)
+        sched = llm.engine.scheduler
+        assert sum(sched.dispatches.values()) == 9 and set(sched.dispatches) <= {"P0", "P1"}
+        followed = 0
+        for session in outs:  # a turn after one that left a whole block cached follows it
+            for prev, o in zip(session, session[1:]):
+                if len(prev.prompt_token_ids) >= BS:
+                    assert o.metrics.prefill_instance == prev.metrics.prefill_instance
+                    assert o.metrics.cached_tokens >= BS
+                    followed += 1
+        assert followed >= 4
+        for pool in llm.pools:
+            assert_pool_clean(pool)
