@@ -8,6 +8,7 @@ send it over); a prefilled one goes to the decode instance holding the most of i
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
@@ -86,13 +87,7 @@ class InProcessCluster:
             caching=deployment.milestone.entry_caches,
         )
         for inst in self.entry:  # the prompt trees follow what entry instances cache
-            inst.pool.on_change = self._cache_event(inst.name)
-
-    def _cache_event(self, name: str):
-        def on_change(added: bool, tokens) -> None:
-            (self.scheduler.record if added else self.scheduler.trees.forget)(name, tokens)
-
-        return on_change
+            inst.pool.on_change = functools.partial(self.scheduler.cache_changed, inst.name)
 
     def role(self, role: str) -> list[Instance]:
         """The instances of ``role``."""

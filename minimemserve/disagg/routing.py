@@ -87,4 +87,4 @@ class Router:
         """An entry instance's index gained or lost prefixes: its prompt tree follows, in
         order."""
         for added, tokens in msg.events:
-            (self.scheduler.record if added else self.scheduler.trees.forget)(sender, tokens)
+            self.scheduler.cache_changed(sender, added, tokens)

@@ -326,6 +326,12 @@ class GlobalScheduler:
         if q is not None and cached_tokens is not None:
             self.record(q.instance, cached_tokens)
 
+    def cache_changed(self, instance: str, added: bool, tokens: Sequence[int]) -> None:
+        """``instance``'s index gained ``tokens`` (``added``) or lost the subtree whose path
+        ends with them: its prompt tree follows (a pool's ``on_change``, or the events an
+        instance process reports)."""
+        (self.record if added else self.trees.forget)(instance, tokens)
+
     def record(self, instance: str, tokens: Sequence[int]) -> None:
         """``tokens`` are now cached on ``instance`` (e.g. after a prefix transfer)."""
         if self.caching:

@@ -385,17 +385,11 @@ class SimCluster:
             clock=self.clock,
         )
         for inst in self.entry:  # the prompt trees follow what entry instances cache
-            inst.pool.on_change = self._cache_event(inst.name)
+            inst.pool.on_change = functools.partial(self.scheduler.cache_changed, inst.name)
         # instances to try to start, and those parked behind full decode instances: dicts, so
         # they are taken in a fixed order (a set of objects would follow memory addresses)
         self.dirty: dict[SimInstance, None] = {}
         self._blocked: dict[SimInstance, None] = {}
-
-    def _cache_event(self, name: str):
-        def on_change(added: bool, tokens) -> None:
-            (self.scheduler.record if added else self.scheduler.trees.forget)(name, tokens)
-
-        return on_change
 
     # ---- what recipes need (Peers) -----------------------------------------------------------
     def pick_decode(self, req: Request, exclude: Sequence[str]) -> SimInstance | None:
