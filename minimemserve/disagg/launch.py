@@ -109,6 +109,7 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def unlink_segment(handle: dict | None) -> None:
+    """Remove a spawned instance's shared pool segment, if it is still there."""
     with contextlib.suppress(TransferError, OSError):  # OSError: already gone
         if handle is not None and (path := segment_path(handle)) is not None:
             os.unlink(path)
@@ -332,9 +333,11 @@ class Launcher:
         return out
 
     def store_address(self) -> str:
+        """``host:port`` of the store pair groups form through, or "" when none is hosted."""
         return f"{self.spec.host}:{self.store.port}" if self.store is not None else ""
 
     def wait_ready(self, timeout_s: float) -> None:
+        """Serve until every instance reported ``Ready`` (a spawned one that exits fails it)."""
         deadline = time.monotonic() + timeout_s
         while any(not i.ready for i in self.instances.values()):
             self.node.serve(0.05)
@@ -349,6 +352,7 @@ class Launcher:
                 raise TimeoutError(f"instances {late} not ready within {timeout_s:g} s")
 
     def on_ready(self, sender: str, msg: rpc.Ready) -> None:
+        """An instance reports where it listens and how to map its pool; it is heartbeaten."""
         inst, info = self.instances[sender], msg.info
         if inst.ready or (info.name, info.role) != (sender, inst.role):
             raise PermissionError(f"{sender} cannot report ready as {info.name} ({info.role})")

@@ -101,6 +101,7 @@ class Ledger:
                 self.recover(rid, f, error)
 
     def on_output(self, sender: str, msg: rpc.Output) -> None:
+        """A request ended on an instance: it joins :attr:`done`, or ends an abort waiting on it."""
         out = msg.output
         if out.request_id in self.abort_later:  # the end of an abort that waited for a step
             self.abort_later[out.request_id] = out
@@ -144,6 +145,8 @@ class Ledger:
         return out
 
     def on_handoff(self, sender: str, msg: rpc.Handoff) -> None:
+        """An instance handed a request on: the ledger follows it (or re-runs it if its new
+        instance is already dead), and a pending abort follows it too."""
         if msg.request_id in self.abort_later and msg.to in self.names:
             self.late_aborts.append((msg.request_id, msg.to))
         f = self.inflight.get(msg.request_id)

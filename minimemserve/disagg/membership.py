@@ -77,6 +77,7 @@ class Membership:
         return self.dead
 
     def on_rejoin(self, sender: str, msg: rpc.Rejoin) -> None:
+        """A standalone instance declared dead is waiting again: ``monitor`` asks it back."""
         if sender in self.gone:
             self.gone.discard(sender)
             self.back.add(sender)  # monitor() asks it to join (a handler must not call)

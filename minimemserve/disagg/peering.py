@@ -186,6 +186,7 @@ class Grants:
         self.xfers: dict[tuple[str, str], tuple] = {}  # (peer, transfer) -> (blocks, tokens)
 
     def on_alloc(self, sender: str, m: rpc.AllocRequest) -> rpc.AllocReply:
+        """A peer asks for blocks to transfer into: granted to it, after checking the sizes."""
         n, layout, toks = m.num_blocks, self.pool.layout, m.tokens
         if n > self.pool.capacity() or (
             toks is not None
@@ -201,6 +202,7 @@ class Grants:
         return rpc.AllocReply(matched, new)
 
     def on_commit(self, sender: str, m: rpc.Commit) -> None:
+        """A peer commits what it wrote into the blocks granted for that transfer."""
         if self.xfers.get((sender, m.xfer)) != (m.blocks, m.tokens):
             raise ValueError(f"{sender} commits what was not allocated for transfer {m.xfer!r}")
         del self.xfers[(sender, m.xfer)]
@@ -218,6 +220,7 @@ class Grants:
         link.recv_messages += 1
 
     def on_abort(self, sender: str, m: rpc.Abort) -> None:
+        """A peer's transfer failed: every block granted to it goes back."""
         blocks, _ = self.xfers.pop((sender, m.xfer), (m.blocks, None))
         self.pool.recv_abort(self.ungrant(sender, blocks))
 
@@ -266,6 +269,7 @@ class PeerLinks:
         self.store: Any = None  # the frontend's TCPStore, while pairs form links
 
     def on_peers(self, sender: str, m: rpc.Peers) -> None:
+        """The frontend announces the other instances (once): each is reached."""
         if self.names:
             raise PermissionError("the peers of an instance are announced once")
         self.names = {p.name for p in m.peers} - {self.name, rpc.FRONTEND}
@@ -289,6 +293,7 @@ class PeerLinks:
             self.remotes[p.name] = RemotePool(self.node, p, attach(p.handle), self.pool)
 
     def on_peer_up(self, sender: str, m: rpc.PeerUp) -> None:
+        """A peer that died rejoined: it is reached again, with a new link if it needs one."""
         if m.info.name not in self.names or m.info.name not in self.node.dead:
             raise PermissionError(f"{m.info.name!r} is not a peer that died")
         del self.node.dead[m.info.name]

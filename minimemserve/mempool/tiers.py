@@ -92,6 +92,7 @@ class TierStore:
             self.settle(node, fresh=True)
 
     def unindex(self, t: Tier, values: list[int]) -> None:
+        """Unlist ``values`` of tier ``t`` and drop the index's reference on each."""
         for b in values:
             t.indexed[b] = 0
             t.node_of[b] = None
@@ -203,6 +204,7 @@ class TierStore:
         return nodes[:k], match.values[: sum(len(n.values) for n in nodes[:k])]
 
     def take(self, t: Tier, n: int, contiguous: bool) -> list[int]:
+        """``n`` blocks of ``t`` for a caller, evicting cached-only ones first if needed."""
         if n > t.alloc.num_free:
             self.evict(t, n - t.alloc.num_free)
         return t.alloc.alloc(n, contiguous)
