@@ -15,20 +15,23 @@ from minimemserve.disagg.instance import StandaloneOptions, standalone_main
 from minimemserve.disagg.launch import TRANSPORTS, parse_address
 from minimemserve.errors import ConfigError, MiniMemServeError
 from minimemserve.llm import LLM
-from minimemserve.options import add_parallel_arguments
+from minimemserve.options import (
+    PARALLEL_FLAGS,
+    add_engine_arguments,
+    engine_options,
+)
 from minimemserve.presets import preset_dir
 from minimemserve.recipes import Role
 from minimemserve.sampling import SamplingParams
 from minimemserve.sim import command as sim_command
 
-# generate's options that go to LLM
-_LLM_OPTIONS = (
-    "config device dtype block_size attention tensor_parallel_size decode_tensor_parallel_size"
-).split()
+# The EngineConfig fields ``generate`` takes as options.
+GENERATE_ENGINE_FLAGS = ("block_size", "attention", *PARALLEL_FLAGS)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    llm = LLM(args.model, **{k: getattr(args, k) for k in _LLM_OPTIONS})
+    engine = engine_options(args, GENERATE_ENGINE_FLAGS)
+    llm = LLM(args.model, config=args.config, device=args.device, dtype=args.dtype, **engine)
     sampling = {f.name for f in fields(SamplingParams)}  # the options named like its fields
     params = SamplingParams(**{k: v for k, v in vars(args).items() if k in sampling})
     with llm:
@@ -118,9 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--config", default="PD", help="PD, PD-CC, 1P1D, 1P1D-CC, ...")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--attention", default=None, choices=["torch", "triton", "flash-attn"])
-    add_parallel_arguments(g)
+    add_engine_arguments(g, GENERATE_ENGINE_FLAGS)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)

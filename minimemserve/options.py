@@ -5,8 +5,10 @@ each group is added by one function, so the commands spell an option one way.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from collections.abc import Sequence
 
-from minimemserve.config import SCHEDULERS
+from minimemserve.config import SCHEDULERS, EngineConfig
 from minimemserve.scheduler.global_scheduler import POLICIES
 from minimemserve.workloads.results import (
     DEFAULT_CONFIGS,
@@ -20,6 +22,29 @@ from minimemserve.workloads.sessions import WORKLOADS
 # Where the commands write their JSON and plots unless ``--out`` says otherwise (relative to
 # the working directory).
 DEFAULT_OUT_DIR = "bench/results"
+# EngineConfig field -> (its option, help, choices): the commands take these from it.
+ENGINE_FLAGS = {
+    "block_size": ("--block-size", "tokens per KV block", None),
+    "num_blocks": ("--num-blocks", "KV blocks per instance (default: as memory allows)", None),
+    "max_num_seqs": ("--max-num-seqs", "requests running at once per instance", None),
+    "max_model_len": ("--max-model-len", "prompt plus output cap (default: the model's)", None),
+    "attention": ("--attention", "attention backend", ["torch", "triton", "flash-attn"]),
+    "tensor_parallel_size": ("--tensor-parallel-size", "ranks per instance", None),
+    "decode_tensor_parallel_size": (
+        "--decode-tensor-parallel-size",
+        "ranks per decode instance (default: --tensor-parallel-size)",
+        None,
+    ),
+    "collective_timeout_s": (
+        "--collective-timeout",
+        "seconds rank 0 waits for the other ranks in one collective before the instance "
+        "fails (tensor parallelism)",
+        None,
+    ),
+}
+# Tensor parallelism (instances in one process: ``bench --runtime inline``, ``serve --runtime
+# inprocess``, ``generate``).
+PARALLEL_FLAGS = ("tensor_parallel_size", "decode_tensor_parallel_size")
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -78,14 +103,22 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParse
     return p
 
 
-def add_parallel_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``--tensor-parallel-size`` and ``--decode-tensor-parallel-size`` (instances in one
-    process: ``bench --runtime inline``, ``serve --runtime inprocess``, ``generate``)."""
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks per instance")
-    p.add_argument(
-        "--decode-tensor-parallel-size",
-        type=int,
-        default=None,
-        help="ranks per decode instance (default: --tensor-parallel-size)",
-    )
+def add_engine_arguments(
+    p: argparse.ArgumentParser, names: Sequence[str]
+) -> argparse.ArgumentParser:
+    """One option per named :class:`EngineConfig` field, typed and defaulted from the field:
+    ``block_size`` is ``--block-size`` (see :data:`ENGINE_FLAGS`); :func:`engine_options`
+    reads them back."""
+    defaults = EngineConfig()
+    kinds = {f.name: f.type for f in dataclasses.fields(EngineConfig)}
+    for name in names:
+        flag, help_text, choices = ENGINE_FLAGS[name]
+        kind = int if "int" in kinds[name] else float if "float" in kinds[name] else str
+        default = getattr(defaults, name)
+        p.add_argument(flag, dest=name, type=kind, default=default, help=help_text, choices=choices)
     return p
+
+
+def engine_options(args: argparse.Namespace, names: Sequence[str]) -> dict:
+    """The :class:`EngineConfig` fields ``names`` as parsed (``add_engine_arguments``)."""
+    return {name: getattr(args, name) for name in names}

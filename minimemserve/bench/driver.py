@@ -34,7 +34,7 @@ from minimemserve.config import EngineConfig, parse_config_name
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.llm import LLM
 from minimemserve.model.tokenizer import Tokenizer
-from minimemserve.options import add_parallel_arguments, add_workload_arguments
+from minimemserve.options import PARALLEL_FLAGS, add_engine_arguments, add_workload_arguments
 from minimemserve.presets import preset_dir
 from minimemserve.request import RequestOutput
 from minimemserve.sampling import SamplingParams
@@ -462,7 +462,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per instance")
-    add_parallel_arguments(p)
+    add_engine_arguments(p, PARALLEL_FLAGS)
     p.add_argument(
         "--runtime",
         choices=("process", "hosts", "inline"),

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import EngineConfig
 from ..disagg.rpc import LOOPBACK
-from ..options import add_parallel_arguments
+from ..options import ENGINE_FLAGS, add_engine_arguments
+
+# The EngineConfig fields ``serve`` takes as options.
+SERVE_ENGINE_FLAGS = tuple(f for f in ENGINE_FLAGS if f != "attention")
 
 # Choices in flight at once; more is "overloaded" (503), not an unbounded queue, and one
 # request asking for more than this could never start (400).
@@ -56,19 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_cluster_arguments(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per instance")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=None)
-    add_parallel_arguments(p)  # tensor parallelism: with --runtime inprocess
-    p.add_argument(
-        "--collective-timeout",
-        type=float,
-        default=EngineConfig.collective_timeout_s,
-        dest="collective_timeout_s",
-        help="seconds rank 0 waits for the other ranks in one collective before the instance "
-        "fails (tensor parallelism)",
-    )
+    add_engine_arguments(p, SERVE_ENGINE_FLAGS)  # tensor parallelism: with --runtime inprocess
     p.add_argument(
         "--max-pending",
         type=int,

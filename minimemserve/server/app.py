@@ -43,11 +43,12 @@ from ..errors import (
 from ..llm import LLM
 from ..model.config import ModelConfig
 from ..model.tokenizer import Tokenizer
+from ..options import engine_options
 from ..presets import preset_dir
 from ..request import RequestOutput, TokenDelta
 from ..sampling import INT64_LIMIT, SamplingParams
 from ..serving import Serving
-from . import DEFAULT_MAX_PENDING, protocol
+from . import DEFAULT_MAX_PENDING, SERVE_ENGINE_FLAGS, protocol
 from .engine_loop import EngineLoop
 from .metrics import ServerMetrics, Snapshot
 
@@ -515,15 +516,7 @@ def make_server(args: argparse.Namespace) -> Server:
     """Start the engine (loading the model) and wrap it as a :class:`Server`."""
     model_dir = Path(preset_dir("tiny") if args.model is None else args.model)
     deployment = parse_config_name(args.config)
-    ecfg = EngineConfig(
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        tensor_parallel_size=args.tensor_parallel_size,
-        decode_tensor_parallel_size=args.decode_tensor_parallel_size,
-        collective_timeout_s=args.collective_timeout_s,
-    )
+    ecfg = EngineConfig(**engine_options(args, SERVE_ENGINE_FLAGS))
 
     def make() -> Serving:
         if args.runtime == "inprocess":
