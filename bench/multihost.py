@@ -38,7 +38,7 @@ def target(config: str, runtime: str, spec: TargetSpec):
     return cluster(
         spec.model_dir,
         config,
-        engine_config=o.engine_config(),
+        engine_config=o.engine,
         device=o.device,
         dtype=o.dtype,
         cores_per_instance=CORES_PER_INSTANCE,

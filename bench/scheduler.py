@@ -30,6 +30,7 @@ from minimemserve.bench.driver import (
     process_target,
     run_bench,
 )
+from minimemserve.config import EngineConfig
 from minimemserve.scheduler.cost_model import CostModel
 from minimemserve.scheduler.global_scheduler import POLICIES
 
@@ -60,7 +61,7 @@ def run_policy(args: argparse.Namespace, workload: str, policy: str, cost_model)
         max_output_tokens=args.max_output_tokens,
         out_dir=None,
         seed=args.seed,
-        options=EngineOptions(seed=args.seed),
+        options=EngineOptions(engine=EngineConfig(seed=args.seed)),
         factories={CONFIG: factory},
         progress=not args.no_progress,
         verbose=False,

@@ -34,7 +34,12 @@ from minimemserve.config import EngineConfig, parse_config_name
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.llm import LLM
 from minimemserve.model.tokenizer import Tokenizer
-from minimemserve.options import PARALLEL_FLAGS, add_engine_arguments, add_workload_arguments
+from minimemserve.options import (
+    PARALLEL_FLAGS,
+    add_engine_arguments,
+    add_workload_arguments,
+    engine_options,
+)
 from minimemserve.presets import preset_dir
 from minimemserve.request import RequestOutput
 from minimemserve.sampling import SamplingParams
@@ -62,6 +67,8 @@ from minimemserve.workloads.sessions import (
     total_turns,
 )
 
+# The EngineConfig fields ``bench`` takes as options (seed and scheduler are workload options).
+BENCH_ENGINE_FLAGS = ("num_blocks", *PARALLEL_FLAGS)
 # Equal resources under the process runtime: one core per instance, and two colocated
 # instances, as many as 1P1D has.
 CORES_PER_INSTANCE = 1
@@ -76,31 +83,12 @@ MAX_IDLE_SLEEP_S = 0.05
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """Engine settings shared by every configuration of a run (equal resources)."""
+    """Engine settings shared by every configuration of a run (equal resources): the device,
+    the dtype and every instance's ``EngineConfig``."""
 
     device: str = "cpu"
     dtype: str = "float32"
-    block_size: int = 16
-    num_blocks: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    decode_tensor_parallel_size: int | None = None
-    scheduler: str = "chunked"
-
-    def engine_config(self) -> EngineConfig:
-        """These options as the ``EngineConfig`` of every instance (device and dtype aside)."""
-        return EngineConfig(
-            block_size=self.block_size,
-            num_blocks=self.num_blocks,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            seed=self.seed,
-            tensor_parallel_size=self.tensor_parallel_size,
-            decode_tensor_parallel_size=self.decode_tensor_parallel_size,
-            scheduler=self.scheduler,
-        )
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 @dataclass(frozen=True)
@@ -123,7 +111,7 @@ def in_process_target(spec: TargetSpec) -> Serving:
         config=spec.config,
         device=o.device,
         dtype=o.dtype,
-        **asdict(o.engine_config()),  # LLM takes EngineConfig's fields by name
+        **asdict(o.engine),  # LLM takes EngineConfig's fields by name
     )
     return llm.engine
 
@@ -138,7 +126,7 @@ def process_target(
     return cluster(
         spec.model_dir,
         spec.config,
-        engine_config=o.engine_config(),
+        engine_config=o.engine,
         device=o.device,
         dtype=o.dtype,
         **cluster_kw,
@@ -380,7 +368,8 @@ def run_bench(
     if not configs:
         raise ValueError("no configs to benchmark")
     known = {c: resolve_factory(c, factories) for c in configs}
-    model_dir, options = Path(model_dir or preset_dir("tiny")), options or EngineOptions(seed=seed)
+    model_dir = Path(model_dir or preset_dir("tiny"))
+    options = options or EngineOptions(engine=EngineConfig(seed=seed))
     setup = {
         "workload": workload,
         "rate": rate,
@@ -461,8 +450,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="HF Llama checkpoint dir (default: tiny preset)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per instance")
-    add_engine_arguments(p, PARALLEL_FLAGS)
+    add_engine_arguments(p, BENCH_ENGINE_FLAGS)
     p.add_argument(
         "--runtime",
         choices=("process", "hosts", "inline"),
@@ -506,6 +494,13 @@ def endpoint_targets(specs: Sequence[str]) -> dict[str, TargetFactory]:
     return out
 
 
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    """Every instance's ``EngineConfig`` from ``bench``'s options (``--scheduler`` defaults
+    to ``chunked`` here)."""
+    engine = engine_options(args, BENCH_ENGINE_FLAGS)
+    return EngineConfig(**engine, seed=args.seed, scheduler=args.scheduler or "chunked")
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``minimemserve bench`` with parsed ``args`` (see :func:`add_arguments`); returns
     the exit status."""
@@ -544,15 +539,7 @@ def main(args: argparse.Namespace) -> int:
         model_dir=args.model,
         out_dir=args.out,
         seed=args.seed,
-        options=EngineOptions(
-            device=args.device,
-            dtype=args.dtype,
-            num_blocks=args.num_blocks,
-            seed=args.seed,
-            tensor_parallel_size=args.tensor_parallel_size,
-            decode_tensor_parallel_size=args.decode_tensor_parallel_size,
-            scheduler=args.scheduler or "chunked",
-        ),
+        options=EngineOptions(args.device, args.dtype, _engine_config(args)),
         progress=not args.no_progress,
         factories=factories,
         runtime=runtime,

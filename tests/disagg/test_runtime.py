@@ -333,7 +333,7 @@ def test_benchmark_runs_configs_across_processes(tiny_llama_dir):
         max_turns=2,
         model_dir=tiny_llama_dir,
         out_dir=None,
-        options=EngineOptions(num_blocks=NUM_BLOCKS),
+        options=EngineOptions(engine=EngineConfig(num_blocks=NUM_BLOCKS)),
         max_output_tokens=6,
         factories=process_factories(configs, start_method="forkserver"),
         progress=False,
