@@ -46,13 +46,14 @@ METRICS = (("ttft_mean", "TTFT mean"), ("jct_mean", "JCT mean"))
 TARGET_ERROR = 0.20  # the accuracy the simulator aims for on each mean
 
 
-# The request that measures the process runtime's per-step cost beyond the forward pass.
-OVERHEAD_PROMPT_TOKENS, OVERHEAD_OUTPUT_TOKENS = 64, 64
-# Requests decoding together on each instance while the runtime's overhead is measured.
-OVERHEAD_BATCHES = (1, 16)
-# Contention: prompts timed on one instance, alone and while the other decodes, and decodes
-# of that many tokens of context (about the bench's mean prompt).
-CONTENTION_PROMPT_TOKENS, CONTENTION_PREFILLS, CONTENTION_DECODES = 384, 5, 4
+# Prompt length of every calibration request: about the bench's mean prompt, so the steps
+# timed work on the bench's sizes of context.
+CALIBRATION_PROMPT_TOKENS = 384
+# Output tokens of the requests that measure the process runtime's per-step cost beyond the
+# forward pass, and how many decode together on each instance while it is measured.
+OVERHEAD_OUTPUT_TOKENS, OVERHEAD_BATCHES = 64, (1, 16)
+# Contention: prompts timed on one instance, alone and while the other decodes, and decodes.
+CONTENTION_PREFILLS, CONTENTION_DECODES = 5, 4
 FIRST_PROMPT_TOKEN = 3  # ids 0-2 are <unk>, <s>, </s> in the presets
 # A step-model fit whose mean error exceeds this was disturbed (the machine is shared): it is
 # retaken, up to FIT_TRIES fits in all, and the best one kept.
@@ -73,14 +74,13 @@ def measure_runtime_overhead(
     beside the other instance's is slowed by :func:`measure_contention`'s factor."""
     mdir = Path(model_dir or preset_dir("tiny"))
     params = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
-    ctx = OVERHEAD_PROMPT_TOKENS + OVERHEAD_OUTPUT_TOKENS // 2
+    n = CALIBRATION_PROMPT_TOKENS
+    ctx = n + OVERHEAD_OUTPUT_TOKENS // 2  # the mean context while decoding
     extra = []
     with ProcessCluster(mdir, "PD", cores_per_instance=1, num_colocated=1) as c:
         for b in OVERHEAD_BATCHES:
             for i in range(b):
-                prompt = [
-                    FIRST_PROMPT_TOKEN + (i * 7 + j) % 1000 for j in range(OVERHEAD_PROMPT_TOKENS)
-                ]
+                prompt = [FIRST_PROMPT_TOKEN + (i * 7 + j) % 1000 for j in range(n)]
                 c.add_request(prompt, params, request_id=f"overhead-{b}-{i}")
             tpots = sorted(o.metrics.tpot for o in c.run_until_done())
             modelled = step_model.step_time(StepShape((), (ctx,) * b, b))
@@ -111,7 +111,7 @@ def measure_contention(model_dir: str | Path | None = None) -> tuple[float, floa
     the other decodes than while it idles, and a prefill's seconds while it idles. Both kinds
     of step are timed each way, side by side in one process-runtime cluster (the cores, their
     memory and the frontend are shared, so a busy neighbour slows a step): the median time to
-    first token of :data:`CONTENTION_PREFILLS` prompts of :data:`CONTENTION_PROMPT_TOKENS`
+    first token of :data:`CONTENTION_PREFILLS` prompts of :data:`CALIBRATION_PROMPT_TOKENS`
     tokens, and the median time per output token of :data:`CONTENTION_DECODES` requests with
     prompts that long decoding together. The factor is the geometric mean of the two ratios;
     the simulator applies it to every step that starts while another instance is in one."""
@@ -119,9 +119,9 @@ def measure_contention(model_dir: str | Path | None = None) -> tuple[float, floa
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     dec = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
     long = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS * 8, temperature=0.0, ignore_eos=True)
-    prompt = [FIRST_PROMPT_TOKEN + j % 1000 for j in range(CONTENTION_PROMPT_TOKENS)]
+    prompt = [FIRST_PROMPT_TOKEN + j % 1000 for j in range(CALIBRATION_PROMPT_TOKENS)]
     decoding = [
-        [FIRST_PROMPT_TOKEN + (i * 7 + j) % 1000 for j in range(CONTENTION_PROMPT_TOKENS)]
+        [FIRST_PROMPT_TOKEN + (i * 7 + j) % 1000 for j in range(CALIBRATION_PROMPT_TOKENS)]
         for i in range(CONTENTION_DECODES)
     ]
     ttft: dict[str, list[float]] = {"alone": [], "beside decodes": []}
@@ -213,7 +213,7 @@ def calibrate(step_model: FittedStepModel) -> dict:
     (the fit is taken once, the machine drifts) and its contention, now."""
     overhead = measure_runtime_overhead(step_model)
     contention, alone = measure_contention()
-    modelled = with_overhead(step_model, *overhead).prefill_time(CONTENTION_PROMPT_TOKENS)
+    modelled = with_overhead(step_model, *overhead).prefill_time(CALIBRATION_PROMPT_TOKENS)
     scale = alone / modelled
     print(
         f"process runtime beyond the forward pass: {overhead[0] * 1e3:.2f} ms per step + "
