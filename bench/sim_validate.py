@@ -9,24 +9,25 @@ benchmark for real (process runtime, one core per instance, two colocated instan
 calibration of the process runtime (~10 s) before the first real run and after each: its
 per-step cost beyond the forward pass (decode batches on one instance alone), a lone
 prefill's time against the model's, and how much longer a step takes while the other
-instance computes (timed on prefills beside decodes; the simulator slows every step that
-starts beside another's by it). The machine is shared and its speed drifts from minute to
-minute, so each real run is simulated (same sessions, same seed, same instance layout) with
-the mean runtime cost and prefill speed of the calibrations just before and just after it,
-and the median contention of all. Prints measured against predicted mean TTFT and mean JCT
+instance computes (a prefill and a decode step, each timed beside the other's decodes and
+beside its prefills; the simulator slows a step that starts beside another's by the factor
+of the two steps' kinds). The machine is shared and its speed drifts from minute to minute,
+so each real run is simulated (same sessions, same seed, same instance layout) with the mean
+runtime cost and prefill speed of the calibrations just before and just after it, and the
+median contention factors of all. Prints measured against predicted mean TTFT and mean JCT
 per configuration (means over the repeats), with the ranking of each and how far the real
-runs separate neighbouring configurations. 8-10 minutes. Writes
-``sim_validate.json`` and ``sim_validate.png`` under ``--out``.
+runs separate neighbouring configurations. 10-12 minutes. Writes ``sim_validate.json`` and
+``sim_validate.png`` under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,7 @@ from minimemserve.config import SCHEDULERS, EngineConfig
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.presets import preset_dir
 from minimemserve.sampling import SamplingParams
+from minimemserve.sim.cluster import Contention
 from minimemserve.sim.profiles import FittedStepModel, StepShape, fit_cpu_steps, with_overhead
 from minimemserve.sim.runner import CPU_INSTANCES, DEFAULT_CONFIGS, cpu_setup, run_sim
 from minimemserve.workloads.results import DEFAULT_RATE, DEFAULT_SESSIONS
@@ -52,8 +54,9 @@ CALIBRATION_PROMPT_TOKENS = 384
 # Output tokens of the requests that measure the process runtime's per-step cost beyond the
 # forward pass, and how many decode together on each instance while it is measured.
 OVERHEAD_OUTPUT_TOKENS, OVERHEAD_BATCHES = 64, (1, 16)
-# Contention: prompts timed on one instance, alone and while the other decodes, and decodes.
-CONTENTION_PREFILLS, CONTENTION_DECODES = 5, 4
+# Contention: prompts timed on one instance, alone and while the other decodes or prefills,
+# requests decoding together there, and prompts queued on the other to keep it prefilling.
+CONTENTION_PREFILLS, CONTENTION_DECODES, CONTENTION_BACKGROUND_PREFILLS = 5, 4, 24
 FIRST_PROMPT_TOKEN = 3  # ids 0-2 are <unk>, <s>, </s> in the presets
 # A step-model fit whose mean error exceeds this was disturbed (the machine is shared): it is
 # retaken, up to FIT_TRIES fits in all, and the best one kept.
@@ -71,7 +74,7 @@ def measure_runtime_overhead(
     instance, for each ``b`` in :data:`OVERHEAD_BATCHES`; measured TPOT less the modelled step,
     fitted as ``per_step + per_row * b``. Either is negative where the fit over-estimates those
     steps (it is timed two at a time, and drifts), down to the fit's own coefficient. A step
-    beside the other instance's is slowed by :func:`measure_contention`'s factor."""
+    beside the other instance's is slowed by :func:`measure_contention`'s factors."""
     mdir = Path(model_dir or preset_dir("tiny"))
     params = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
     n = CALIBRATION_PROMPT_TOKENS
@@ -106,15 +109,16 @@ def _on_first(c: ProcessCluster, prompts: list[list[int]], params, tag: str) -> 
     return [outs[r] for r in rids]
 
 
-def measure_contention(model_dir: str | Path | None = None) -> tuple[float, float]:
+def measure_contention(model_dir: str | Path | None = None) -> tuple[Contention, float]:
     """How many times longer a step takes on one of the bench's two one-core instances while
-    the other decodes than while it idles, and a prefill's seconds while it idles. Both kinds
-    of step are timed each way, side by side in one process-runtime cluster (the cores, their
-    memory and the frontend are shared, so a busy neighbour slows a step): the median time to
-    first token of :data:`CONTENTION_PREFILLS` prompts of :data:`CALIBRATION_PROMPT_TOKENS`
-    tokens, and the median time per output token of :data:`CONTENTION_DECODES` requests with
-    prompts that long decoding together. The factor is the geometric mean of the two ratios;
-    the simulator applies it to every step that starts while another instance is in one."""
+    the other is in a step than while it idles, for each kind of step beside each kind (a
+    :class:`Contention`), and a prefill's seconds while it idles. Timed side by side in one
+    process-runtime cluster (the cores, their memory and the frontend are shared): on the
+    first instance, the median time to first token of :data:`CONTENTION_PREFILLS` prompts of
+    :data:`CALIBRATION_PROMPT_TOKENS` tokens and the median time per output token of
+    :data:`CONTENTION_DECODES` requests with prompts that long decoding together, alone, then
+    while the second decodes that many such requests, then while it prefills a queue of such
+    prompts."""
     mdir = Path(model_dir or preset_dir("tiny"))
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     dec = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
@@ -124,38 +128,54 @@ def measure_contention(model_dir: str | Path | None = None) -> tuple[float, floa
         [FIRST_PROMPT_TOKEN + (i * 7 + j) % 1000 for j in range(CALIBRATION_PROMPT_TOKENS)]
         for i in range(CONTENTION_DECODES)
     ]
-    ttft: dict[str, list[float]] = {"alone": [], "beside decodes": []}
-    tpot: dict[str, float] = {}
+    prefilling = [  # distinct prompts: none is cached
+        [FIRST_PROMPT_TOKEN + (i * 11 + j) % 1000 for j in range(CALIBRATION_PROMPT_TOKENS)]
+        for i in range(CONTENTION_BACKGROUND_PREFILLS)
+    ]
+    backgrounds = {"alone": None, "decode": (decoding, long), "prefill": (prefilling, one)}
+    ttft, tpot = {}, {}
     with ProcessCluster(
         mdir, "PD", cores_per_instance=1, num_colocated=CPU_INSTANCES, policy="round_robin"
     ) as c:
         _on_first(c, [prompt], one, "warm-up")
-        background = []
-        for phase in ttft:
-            for k in range(CONTENTION_PREFILLS):
-                out = _on_first(c, [prompt], one, f"{phase}-{k}")
-                ttft[phase].append(out[0].metrics.ttft)
+        for phase, background in backgrounds.items():
+            started = _start_on_second(c, *background, phase) if background else []
+            ttft[phase] = float(
+                np.median(
+                    [
+                        _on_first(c, [prompt], one, f"{phase}-{k}")[0].metrics.ttft
+                        for k in range(CONTENTION_PREFILLS)
+                    ]
+                )
+            )
             outs = _on_first(c, decoding, dec, f"{phase}-decodes")
             tpot[phase] = float(np.median([o.metrics.tpot for o in outs]))
-            if phase == "alone":  # long decodes on the other instance for the next phase
-                background = _start_on_second(c, decoding, long)
-        for rid in background:
-            c.abort(rid)
-        c.run_until_done()
-    alone, beside = (float(np.median(v)) for v in ttft.values())
-    decode_ratio = tpot["beside decodes"] / tpot["alone"]
-    return max(1.0, math.sqrt(beside / alone * decode_ratio)), alone
+            for rid in started:
+                c.abort(rid)
+            c.run_until_done()
+    ratio = lambda times, beside: max(1.0, times[beside] / times["alone"])
+    contention = Contention(
+        decode_beside_decode=ratio(tpot, "decode"),
+        prefill_beside_decode=ratio(ttft, "decode"),
+        decode_beside_prefill=ratio(tpot, "prefill"),
+        prefill_beside_prefill=ratio(ttft, "prefill"),
+    )
+    return contention, ttft["alone"]
 
 
-def _start_on_second(c: ProcessCluster, prompts: list[list[int]], params) -> list[str]:
+def _start_on_second(c: ProcessCluster, prompts: list[list[int]], params, tag: str) -> list[str]:
     """Add ``prompts`` to the second instance of a two-instance round-robin cluster (each
-    before a one-token request to the first) without waiting for them; their ids."""
+    before a one-token request to the first, run to the end here) without waiting for them;
+    their ids."""
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    started = []
+    started, pads = [], []
     for i, ids in enumerate(prompts):
-        started.append(c.add_request(ids, params, request_id=f"background-{i}"))
-        c.add_request([FIRST_PROMPT_TOKEN], one, request_id=f"background-pad-{i}")
-    return started
+        started.append(c.add_request(ids, params, request_id=f"background-{tag}-{i}"))
+        pads.append(c.add_request([FIRST_PROMPT_TOKEN], one, request_id=f"pad-{tag}-{i}"))
+    done: set[str] = set()
+    while not done.issuperset(pads):
+        done.update(o.request_id for o in c.step())
+    return [rid for rid in started if rid not in done]
 
 
 def parse_args() -> argparse.Namespace:
@@ -215,22 +235,23 @@ def calibrate(step_model: FittedStepModel) -> dict:
     contention, alone = measure_contention()
     modelled = with_overhead(step_model, *overhead).prefill_time(CALIBRATION_PROMPT_TOKENS)
     scale = alone / modelled
+    factors = ", ".join(f"{k.replace('_', ' ')} {v:.2f}x" for k, v in asdict(contention).items())
     print(
         f"process runtime beyond the forward pass: {overhead[0] * 1e3:.2f} ms per step + "
         f"{overhead[1] * 1e3:.2f} ms per sequence; a lone prefill takes {scale:.2f}x the "
-        f"model's time, {contention:.2f}x as long beside the other instance's decodes"
+        f"model's time; contention: {factors}"
     )
     return {
         "runtime_overhead_s": overhead,
         "prefill_scale": scale,
-        "contention": contention,
+        "contention": asdict(contention),
     }
 
 
-def bracket(before: dict, after: dict, contention: float) -> dict:
+def bracket(before: dict, after: dict, contention: Contention) -> dict:
     """The runtime's cost and prefill speed between two calibrations (their means: they drift
-    with the machine), and the contention of all of them (their median: it is the
-    cores', and one measurement of five prompts each way is sometimes far off)."""
+    with the machine), and ``contention``, that of all calibrations (each factor's median: it
+    is the cores', and one measurement of a few steps each way is sometimes far off)."""
     steps = zip(before["runtime_overhead_s"], after["runtime_overhead_s"])
     return {
         "runtime_overhead_s": tuple((a + b) / 2 for a, b in steps),
@@ -349,7 +370,8 @@ def main() -> None:
         points.append(calibrate(fitted))
     load_after = os.getloadavg()
     print(f"load average (1, 5, 15 min) before the real runs {load_before}, after {load_after}")
-    contention = float(np.median([p["contention"] for p in points]))
+    factors = [p["contention"] for p in points]
+    contention = Contention(**{k: float(np.median([f[k] for f in factors])) for k in factors[0]})
     predicted = []
     for (k, c), before, after in zip(runs, points, points[1:]):
         setup = cpu_setup(fitted, **bracket(before, after, contention), scheduler=args.scheduler)

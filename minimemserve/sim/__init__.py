@@ -1,7 +1,7 @@
 """A cluster simulator that runs the engine's own scheduling, MemPool and recipes in virtual
 time, replacing only the model forward and the data movement by modelled durations."""
 
-from .cluster import SimCluster, SimEngine, SimPool, Topology
+from .cluster import Contention, SimCluster, SimEngine, SimPool, Topology
 from .profiles import (
     FittedStepModel,
     HardwareProfile,
@@ -14,6 +14,7 @@ from .profiles import (
 from .runner import calibrate, cpu_setup, gpu_setup, run_sim, simulate, sweep
 
 __all__ = [
+    "Contention",
     "FittedStepModel",
     "HardwareProfile",
     "Link",

@@ -23,7 +23,7 @@ import math
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -184,6 +184,7 @@ class SimInstance:
     cluster: SimCluster
     index: int
     busy: bool = False  # a step is under way (control calls wait for its end)
+    prefilling: bool = False  # that step has prefill work
     step_began: float = 0.0
     step_ends: float = 0.0
 
@@ -207,6 +208,39 @@ class SimInstance:
 
 
 @dataclass(frozen=True)
+class Contention:
+    """How many times longer a step takes while another instance is in a step than alone, by
+    the kind of each (decodes only, or with prefill work): instances sharing one machine's
+    cores and memory. All 1 where each instance has its own device."""
+
+    decode_beside_decode: float = 1.0
+    prefill_beside_decode: float = 1.0
+    decode_beside_prefill: float = 1.0
+    prefill_beside_prefill: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, c in asdict(self).items():
+            if not (isinstance(c, (int, float)) and math.isfinite(c) and c >= 1.0):
+                raise ConfigError(f"contention {name} must be a finite number >= 1, got {c!r}")
+
+    @classmethod
+    def uniform(cls, factor: float) -> Contention:
+        """The same factor for every pair of kinds."""
+        return cls(factor, factor, factor, factor)
+
+    def factor(self, prefilling: bool, beside_prefilling: bool) -> float:
+        """The factor of a step (with prefill work or not) beside one (with it or not)."""
+        mine = "prefill" if prefilling else "decode"
+        theirs = "prefill" if beside_prefilling else "decode"
+        return getattr(self, f"{mine}_beside_{theirs}")
+
+    @property
+    def any(self) -> bool:
+        """Whether any pair of kinds slows down."""
+        return any(c != 1.0 for c in asdict(self).values())
+
+
+@dataclass(frozen=True)
 class Topology:
     """Where instances sit: ``gpus_per_instance`` (TP) GPUs each, ``gpus_per_node`` per node;
     ``link(a, b)`` is the link between instance indices ``a`` and ``b``. With
@@ -214,20 +248,19 @@ class Topology:
     :data:`RETURN_CALLS`) are each answered when the receiver is not in a step, as a
     process-runtime instance answers its socket between steps and while it waits on a call
     itself; the sender waits for them. A step that starts while another instance is in a step
-    takes ``contention`` times as long as alone (instances sharing one machine's cores and
-    memory; 1 where each has its own device)."""
+    takes longer by ``contention`` (a :class:`Contention`, or one factor for every kind of
+    step): instances sharing one machine's cores and memory."""
 
     intra: Link
     inter: Link
     gpus_per_instance: int = 1
     gpus_per_node: int = 1 << 30  # one node unless told
     calls_wait_for_steps: bool = False
-    contention: float = 1.0
+    contention: Contention | float = Contention()
 
     def __post_init__(self) -> None:
-        c = self.contention
-        if not (isinstance(c, (int, float)) and math.isfinite(c) and c >= 1.0):
-            raise ConfigError(f"contention must be a finite number >= 1, got {c!r}")
+        if not isinstance(self.contention, Contention):
+            object.__setattr__(self, "contention", Contention.uniform(self.contention))
 
     def link(self, a: int, b: int) -> Link:
         """The link between instances ``a`` and ``b``."""
@@ -442,6 +475,7 @@ class SimCluster:
                 continue
             inst.busy, inst.step_began = True, self.now
             shape = inst.engine.begin_step()
+            inst.prefilling = bool(shape and shape.prefills)
             if shape is None:  # parked behind full decode instances: wait for one to free
                 inst.busy = False
                 self._blocked[inst] = None
@@ -449,9 +483,7 @@ class SimCluster:
             started.append((inst, shape))
         for inst, shape in started:
             self.steps += 1
-            seconds = self.step_time(shape)
-            if self._shares_cores(inst):
-                seconds *= self.topology.contention
+            seconds = self.step_time(shape) * self._slowdown(inst)
             inst.step_ends = self.now + seconds
             self.at(inst.step_ends, self._end_step, (inst,))
             self.busy_s += seconds
@@ -466,11 +498,13 @@ class SimCluster:
         alone = self.step_time(StepShape((), shape.decodes, len(shape.decodes)))
         self.decode_stall_s += decoding * (seconds - (alone if shape.decodes else 0.0))
 
-    def _shares_cores(self, inst: SimInstance) -> bool:
-        """Whether another instance is in a step while ``inst`` starts one (and it matters)."""
-        if self.topology.contention == 1.0:
-            return False
-        return any(j.busy for j in self.instances if j is not inst)
+    def _slowdown(self, inst: SimInstance) -> float:
+        """How many times longer the step ``inst`` starts takes than alone: by the contention
+        of its kind beside the others in a step (beside prefill work if any has it)."""
+        others = [j for j in self.instances if j is not inst and j.busy]
+        if not others or not self.topology.contention.any:
+            return 1.0
+        return self.topology.contention.factor(inst.prefilling, any(j.prefilling for j in others))
 
     # ---- the workload ---------------------------------------------------------------------
     def replay(

@@ -39,13 +39,13 @@ DATA_DIR = Path(__file__).resolve().parent / "data"
 GB = 1e9  # profiles give bandwidths in GB/s (decimal, as datasheets do)
 TRANSFER_MODES = ("by_layer", "by_request", "by_request_aggregated")
 # Feature names of FittedStepModel, in coefficient order.
-FEATURES = ("step", "tokens", "prefill_pairs", "decode_kv_tokens", "rows")
+FEATURES = ("step", "tokens", "prefill_pairs", "decode_kv_tokens", "prefill_rows", "rows")
 # Elementwise work per token per layer (RMSNorm x2, rotary, SiLU-mul, two residual adds):
 # about ten reads or writes of the hidden state.
 ELEMENTWISE_PASSES = 10
 # Two all-reduces per layer under tensor parallelism (after attention, after the MLP).
 ALLREDUCES_PER_LAYER = 2
-_FIT_FORMAT = "minimemserve.sim.fitted_steps/1"
+_FIT_FORMAT = "minimemserve.sim.fitted_steps/2"
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -215,7 +215,7 @@ class StepShape:
     def features(self) -> list[float]:
         """The :data:`FEATURES` of this step."""
         rows = len(self.prefills) + len(self.decodes)
-        return [1.0, self.tokens, self.prefill_pairs, sum(self.decodes), rows]
+        return [1.0, self.tokens, self.prefill_pairs, sum(self.decodes), len(self.prefills), rows]
 
 
 # --------------------------------------------------------------------------- CPU fit
@@ -333,6 +333,15 @@ FIT_MIXED = (
     ((1024, 256), 16, 1024),
     ((256, 448), 12, 384),
 )
+# Several prompts prefilled in one step (as a prefill instance batches what waits): each
+# prompt costs more than a decode row (its own attention, its own sampled position).
+FIT_BATCHED = (
+    ((0, 32),) * 3,
+    ((0, 150),) * 2,
+    ((0, 100),) * 3,
+    ((0, 60),) * 5,
+    ((256, 128), (0, 200)),
+)
 FIT_REPEATS = 5
 FIRST_TOKEN_ID = 3  # ids 0-2 are <unk>, <s>, </s> in the presets
 
@@ -341,6 +350,7 @@ def _fit_shapes() -> list[StepShape]:
     shapes = [StepShape(((c, n),), (), 1) for n, c in FIT_PREFILLS]
     shapes += [StepShape((), (ctx,) * b, b) for b, ctx in FIT_DECODES]
     shapes += [StepShape((p,), (ctx,) * b, b + 1) for p, b, ctx in FIT_MIXED]
+    shapes += [StepShape(chunks, (), len(chunks)) for chunks in FIT_BATCHED]
     return shapes
 
 

@@ -36,7 +36,7 @@ from minimemserve.workloads.results import (
 )
 from minimemserve.workloads.sessions import make_workload, total_turns
 
-from .cluster import SimCluster, Topology
+from .cluster import Contention, SimCluster, Topology
 from .profiles import (
     DATA_DIR,
     FittedStepModel,
@@ -104,7 +104,7 @@ def cpu_setup(
     model_dir: str | Path | None = None,
     policy: str = "prompt_tree",
     runtime_overhead_s: tuple[float, float] = (0.0, 0.0),
-    contention: float = 1.0,
+    contention: Contention | float = 1.0,
     scheduler: str = "chunked",
     prefill_scale: float = 1.0,
 ) -> SimSetup:
@@ -112,8 +112,9 @@ def cpu_setup(
     bench's engine options, two one-core instances, the token-count routing cost; each step
     costs ``runtime_overhead_s`` = (per step, per sequence) more than ``step_model`` says (the
     process runtime's alone on the machine, measured by ``bench/sim_validate.py``), a step that
-    starts while the other instance computes ``contention`` times as long, and every step with
-    prefill work ``prefill_scale`` times as long as the fit says (also measured there)."""
+    starts while the other instance computes longer by ``contention`` (a :class:`Contention`
+    by the kinds of the two steps, or one factor), and every step with prefill work
+    ``prefill_scale`` times as long as the fit says (all measured there too)."""
     mdir = Path(model_dir or preset_dir("tiny"))
     step_model = with_overhead(step_model, *runtime_overhead_s)
     step_model = replace(step_model, prefill_scale=prefill_scale)
@@ -132,7 +133,7 @@ def cpu_setup(
         "model_dir": str(mdir),
         "step_model": asdict(step_model),
         "runtime_overhead_s": runtime_overhead_s,
-        "contention": contention,
+        "contention": asdict(topo.contention),
         "prefill_scale": prefill_scale,
         "instances": CPU_INSTANCES,
         "scheduler": scheduler,

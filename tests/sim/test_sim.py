@@ -34,7 +34,7 @@ from minimemserve.sim.runner import CPU_LINK, anchor_time, anchors
 from minimemserve.workloads.sessions import make_workload, total_turns
 
 # A step model in the range the tiny preset measures on this CPU (seconds per feature).
-CPU_COEFS = (8e-3, 5e-4, 2e-7, 2e-6, 2.5e-4)
+CPU_COEFS = (8e-3, 5e-4, 2e-7, 2e-6, 3e-4, 2.5e-4)
 CONFIGS = ("PD", "PD-CC", "1P1D", "1P1D-CC")
 
 
@@ -287,6 +287,7 @@ def test_clear_errors(tmp_path, tiny_sessions):
 def test_fitted_model_recovers_coefficients():
     shapes = [StepShape(((c, n),), (), 1) for n in (16, 64, 256) for c in (0, 512)]
     shapes += [StepShape((), (ctx,) * b, b) for b in (1, 8, 32) for ctx in (128, 1024)]
+    shapes += [StepShape(((0, 64),) * k, (), k) for k in (2, 3)]  # several prompts in a step
     truth = FittedStepModel(CPU_COEFS)
     fitted = FittedStepModel.fit([(s, truth.step_time(s)) for s in shapes])
     assert fitted.coefs == pytest.approx(CPU_COEFS, rel=1e-6)
