@@ -49,7 +49,7 @@ from ..model.config import ModelConfig
 from ..recipes import Role, decode_preference
 from ..request import Request, logprobs_fit
 from . import rpc
-from .peering import Grants, PeerLinks, RemotePool, request_of
+from .peering import Grants, PeerLinks, RemotePool
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ IDLE_POLL_S = 0.02
 PARENT_CHECK_S = 0.5
 # Hand-offs remembered per prefill instance; far more than can be in flight at once.
 HANDOFF_MEMORY = 65_536
+# What the frontend asks that waits for the end of the instance's step (see InstanceServer).
+BETWEEN_STEPS = frozenset({rpc.Query, rpc.PushPrefix, rpc.AbortRequest, rpc.Peers, rpc.PeerUp})
 # Default heartbeat period; the frontend declares an instance dead after many missed beats.
 DEFAULT_HEARTBEAT_S = 0.5
 # How long a standalone instance waits between polls for a frontend.
@@ -160,9 +162,6 @@ class InstanceServer:
         instance's, already bound); does not announce itself yet."""
         self.spec, self.name, self.stopping, self.stop_reason = spec, spec.name, False, ""
         self.inbox: list[Request] = []
-        # A step makes calls to peers and serves messages while it waits: an abort arriving
-        # then would run a request's hooks a second time, so it waits for the step to end.
-        self.stepping, self.deferred_aborts = False, []
         self.last_frontend = time.monotonic()  # when the frontend was last heard
         # recent hand-offs (request id -> decode instance), so the frontend can find the
         # requests a dead decode instance held even if our Handoff notice is still in flight
@@ -203,6 +202,10 @@ class InstanceServer:
         vocab = self.engine.model_config.vocab_size
         self.grants = Grants(spec.name, self.pool, vocab, self.peers.links)
         self.handlers = self._handler_table()
+        # A step calls peers and serves their messages while it waits: what the frontend asks
+        # of the engine waits for the step's end (an abort then would run a request's hooks
+        # a second time, a prefix push would call from inside a call)
+        node.deferred = BETWEEN_STEPS
 
     def _handler_table(self) -> dict:
         """Message type -> (who may send it, handler)."""
@@ -269,7 +272,8 @@ class InstanceServer:
 
     def _on_accept(self, sender: str, m: rpc.Accept) -> None:
         self._check_state(m.state)
-        req = request_of(m.state)
+        req = m.state.request()
+        req.prefilled = True
         req.decode_instance = self.name
         held = self.grants.ungrant(sender, req.blocks)
         if len(held) != len(req.blocks):
@@ -297,12 +301,15 @@ class InstanceServer:
             raise ValueError(f"request {s.request_id!r} refused: {'; '.join(bad)}")
 
     def _on_submit(self, sender: str, m: rpc.Submit) -> None:
-        ids = self.engine.validate(m.prompt, m.params)
-        rid = m.request_id
+        s = m.state
+        if not s.is_new:
+            raise InvalidRequest(f"request {s.request_id!r} is not new: it carries KV or output")
+        ids = self.engine.validate(s.tokens, s.params)
+        rid = s.request_id
         if rid in self.engine.requests or any(r.request_id == rid for r in self.inbox):
             raise InvalidRequest(f"request id {rid!r} is already in use on {self.name}")
-        req = Request(rid, ids, m.params, m.arrival_time)
-        req.max_total_tokens = min(len(ids) + m.params.max_tokens, self.engine.max_model_len)
+        req = Request(rid, ids, s.params, s.metrics.arrival_time)
+        req.max_total_tokens = min(len(ids) + s.params.max_tokens, self.engine.max_model_len)
         req.prefill_instance = self.name
         self.inbox.append(req)
 
@@ -337,11 +344,12 @@ class InstanceServer:
         return rpc.Info({"handed": [r for r, d in self.handed.items() if d == m.name]})
 
     def _on_abort_request(self, sender: str, m: rpc.AbortRequest) -> rpc.Msg | None:
-        if self.stepping:  # the request may be inside a hook right now: after the step
-            self.deferred_aborts.append(m.request_id)
-            return rpc.Info({"deferred": True})
-        out = self._abort(m.request_id)
-        return None if out is None else rpc.Output(out)
+        """Between steps: the request's partial output, where it was handed on to, or nothing."""
+        if (out := self._abort(m.request_id)) is not None:
+            return rpc.Output(out)
+        if (to := self.handed.get(m.request_id)) is not None:
+            return rpc.Info({"handed_to": to})
+        return None
 
     def _abort(self, request_id: str):
         for i, req in enumerate(self.inbox):
@@ -426,14 +434,7 @@ class InstanceServer:
             inbox, self.inbox = self.inbox, []
             for req in inbox:
                 self.engine.add_prefilled(req)
-            self.stepping = True
-            try:
-                outputs = self.engine.step() if self.engine.has_unfinished() else []
-            finally:
-                self.stepping = False
-            aborts, self.deferred_aborts = self.deferred_aborts, []
-            outputs += [out for rid in aborts if (out := self._abort(rid)) is not None]
-            self._flush(outputs)
+            self._flush(self.engine.step() if self.engine.has_unfinished() else [])
 
     def _parent_alive(self) -> bool:
         """Whether the launching process still runs: it has not exited (a zombie nobody reaped

@@ -1,21 +1,19 @@
 """The frontend's ledger of a process deployment's requests: each one in flight (where it
 runs, its streamed tokens, its reruns) until its output arrives, hand-offs between
-instances, requests lost with an instance (re-run or ended), and aborts, including those
-that wait for an instance's step."""
+instances, requests lost with an instance (re-run or ended), and aborts (an instance answers
+one between its steps, with the request's output or where it handed it on)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import MiniMemServeError, TransferError
-from ..request import RequestMetrics, RequestOutput, TokenDelta, logprobs_fit
-from ..sampling import SamplingParams
+from ..request import Request, RequestOutput, TokenDelta, logprobs_fit
 from ..scheduler.global_scheduler import GlobalScheduler
 from . import rpc
 
@@ -23,36 +21,31 @@ logger = logging.getLogger(__name__)
 
 # A request is re-run at most this many times after instances died under it.
 MAX_RERUNS = 2
-# Aborts remembered until the instance that deferred them hands the request on.
-ABORT_MEMORY = 4096
-# How long abort() blocks on the socket per wait for an instance to finish its step.
-ABORT_POLL_S = 0.002
 
 
 @dataclass
 class Inflight:
-    """What the frontend remembers of a request until its output arrives."""
+    """A request the frontend sent (as submitted: the instances hold its progress), where it
+    is, and what of it was streamed, until its output arrives."""
 
-    prompt: list[int]
-    params: SamplingParams
-    arrival_time: float
-    where: str
+    req: Request
+    where: str = ""
     reruns: int = 0
     streamed: int = 0  # output tokens taken by take_deltas() so far
     pending: dict[int, tuple[int, Any]] = field(default_factory=dict)  # position -> (token, lp)
 
-    def end(self, rid: str, reason: str, error: str | None = None) -> RequestOutput:
-        """The output of a request ended here, with no token from an instance."""
-        m = RequestMetrics(self.arrival_time, finish_time=time.perf_counter())
-        m.prompt_tokens = len(self.prompt)
-        return RequestOutput(rid, list(self.prompt), [], None, reason, m, error)
+    def end(self, reason: str, error: str | None = None) -> RequestOutput:
+        """The output of the request ended here, with no token from an instance."""
+        self.req.finish_reason, self.req.error = reason, error
+        self.req.metrics.finish_time = time.perf_counter()
+        return self.req.to_output(None)
 
 
 class Ledger:
     """Requests in flight through one frontend's ``node``. ``names`` lists the deployment's
     instances and ``dead`` those that died (name -> why, kept by the membership);
-    ``resubmit(rid, f)`` routes and sends a request again (returns where), ``poll(seconds)``
-    serves the frontend while an abort waits. Outputs are taken with :meth:`take_done`."""
+    ``resubmit(rid, f)`` routes and sends a request again (returns where). Outputs are taken
+    with :meth:`take_done`."""
 
     def __init__(
         self,
@@ -61,27 +54,19 @@ class Ledger:
         names: Iterable[str],
         dead: dict[str, str],
         vocab_size: int,
-        timeout_s: float,
         rerun_on_failure: bool,
         resubmit: Callable[[str, Inflight], str],
-        poll: Callable[[float], None],
     ) -> None:
         self.node = node
         self.scheduler = scheduler
         self.names = list(names)
         self.vocab_size = vocab_size  # to check what arrives
-        self.timeout_s = timeout_s
         self.rerun_on_failure = rerun_on_failure
         self.resubmit = resubmit
-        self.poll = poll
         self.dead = dead  # instance name -> why it died (the membership's)
         self.inflight: dict[str, Inflight] = {}
         self.done: list[RequestOutput] = []
         self.num_reruns = 0  # requests re-run after the instance holding them died
-        # aborted while an instance was stepping: it aborts after its step (its Output lands
-        # here), or hands the request on and the abort follows (request id -> its output)
-        self.abort_later: OrderedDict[str, RequestOutput | None] = OrderedDict()
-        self.late_aborts: list[tuple[str, str]] = []
 
     def take_done(self) -> list[RequestOutput]:
         """The requests that ended since the last call."""
@@ -101,11 +86,9 @@ class Ledger:
                 self.recover(rid, f, error)
 
     def on_output(self, sender: str, msg: rpc.Output) -> None:
-        """A request ended on an instance: it joins :attr:`done`, or ends an abort waiting on it."""
+        """A request ended on an instance: it joins :attr:`done`."""
         out = msg.output
-        if out.request_id in self.abort_later:  # the end of an abort that waited for a step
-            self.abort_later[out.request_id] = out
-        elif self.inflight.pop(out.request_id, None) is not None:
+        if self.inflight.pop(out.request_id, None) is not None:
             self.done.append(out)
             answered = out.finish_reason in ("stop", "length")
             self.scheduler.finished(out.request_id, None, len(out.token_ids) if answered else None)
@@ -119,9 +102,9 @@ class Ledger:
             n = len(d.token_ids)
             if not (
                 0 <= d.start
-                and d.start + n <= f.params.max_tokens
+                and d.start + n <= f.req.params.max_tokens
                 and all(0 <= t < self.vocab_size for t in d.token_ids)
-                and logprobs_fit(d.logprobs, n, f.params.logprobs, self.vocab_size)
+                and logprobs_fit(d.logprobs, n, f.req.params.logprobs, self.vocab_size)
             ):
                 raise ValueError(f"{sender} sent tokens that do not fit {d.request_id!r}")
             if d.start == 0:
@@ -139,16 +122,14 @@ class Ledger:
             while (item := f.pending.pop(f.streamed + len(run), None)) is not None:
                 run.append(item)
             if run:
-                lps = None if f.params.logprobs is None else [lp for _, lp in run]
+                lps = None if f.req.params.logprobs is None else [lp for _, lp in run]
                 out.append(TokenDelta(rid, f.streamed, [t for t, _ in run], lps))
                 f.streamed += len(run)
         return out
 
     def on_handoff(self, sender: str, msg: rpc.Handoff) -> None:
         """An instance handed a request on: the ledger follows it (or re-runs it if its new
-        instance is already dead), and a pending abort follows it too."""
-        if msg.request_id in self.abort_later and msg.to in self.names:
-            self.late_aborts.append((msg.request_id, msg.to))
+        instance is already dead)."""
         f = self.inflight.get(msg.request_id)
         if f is None or f.where != sender or msg.to not in self.names:
             return
@@ -170,44 +151,28 @@ class Ledger:
                 return
         self.inflight.pop(rid, None)
         self.scheduler.finished(rid)
-        self.done.append(f.end(rid, "error", error))
-
-    def abort_handed_on(self) -> None:
-        """Abort requests that were handed on while their first abort waited for a step."""
-        late, self.late_aborts = self.late_aborts, []
-        for rid, name in late:
-            if name not in self.dead:
-                with contextlib.suppress(TransferError):
-                    rep = self.node.call(name, rpc.AbortRequest(rid))
-                    if isinstance(rep, rpc.Output) and rid in self.abort_later:
-                        self.abort_later[rid] = rep.output
+        self.done.append(f.end("error", error))
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request wherever it is (asking the instance the frontend believes holds it
-        first, then the others) and return its partial output; None if unknown or done. An
-        instance in the middle of a step aborts after it (or hands the request on, and the
-        abort follows it there); this waits for that output, up to ``timeout_s``."""
+        """Stop a request wherever it is and return its partial output; None if unknown or
+        done. The instance the frontend believes holds it is asked first (it answers between
+        its steps, and follows its hand-off when it passed the request on), then the others."""
         if (f := self.inflight.pop(request_id, None)) is None:
             return None
         self.scheduler.finished(request_id)
         order = [f.where] + [n for n in self.names if n != f.where]
-        for name in (n for n in order if n not in self.dead):
+        asked: set[str] = set()
+        while order:
+            if (name := order.pop(0)) in asked or name in self.dead:
+                continue
+            asked.add(name)
             with contextlib.suppress(TransferError):
                 rep = self.node.call(name, rpc.AbortRequest(request_id))
                 if isinstance(rep, rpc.Output):
                     return rep.output
-                if isinstance(rep, rpc.Info) and rep.data.get("deferred"):
-                    return self._await_abort(request_id) or f.end(request_id, "abort")
-        return f.end(request_id, "abort")
-
-    def _await_abort(self, request_id: str) -> RequestOutput | None:
-        self.abort_later[request_id] = None
-        while len(self.abort_later) > ABORT_MEMORY:
-            self.abort_later.popitem(last=False)
-        deadline = time.monotonic() + self.timeout_s
-        while self.abort_later.get(request_id, 0) is None and time.monotonic() < deadline:
-            self.poll(ABORT_POLL_S)
-        return self.abort_later.pop(request_id, None)
+                if isinstance(rep, rpc.Info) and rep.data.get("handed_to") in self.names:
+                    order.insert(0, rep.data["handed_to"])
+        return f.end("abort")
 
     def location(self, request_id: str) -> str | None:
         """The instance a request is on now (as far as the frontend knows); None once done."""

@@ -1,7 +1,7 @@
 """An instance's peers: how it reaches each one (:class:`PeerLinks`: a mapped shared pool
 or a torch.distributed pair group, behind a :class:`RemotePool` proxy) and the blocks it
 granted to their transfers into it (:class:`Grants`). A request handed to a peer travels as
-its state (:func:`state_of`, :func:`request_of`)."""
+its state (:class:`rpc.RequestState`)."""
 
 from __future__ import annotations
 
@@ -43,28 +43,6 @@ class Link:
             "sent_messages": self.sent_messages,
             "recv_messages": self.recv_messages,
         }
-
-
-# Request attributes its constructor sets from the state; the others are copied by name.
-_BUILT = ("request_id", "tokens", "params")
-
-
-def state_of(req: Request) -> rpc.RequestState:
-    """What travels with a handed-off request: its attributes named by the state's fields."""
-    fields = {f: getattr(req, f) for f in rpc.RequestState.__struct_fields__}
-    return rpc.RequestState(**fields | {"tokens": req.tokens.tolist(), "blocks": list(req.blocks)})
-
-
-def request_of(s: rpc.RequestState) -> Request:
-    """Rebuild a prefilled request from its state (the inverse of :func:`state_of`)."""
-    req = Request(s.request_id, s.tokens, s.params, s.metrics.arrival_time)
-    for f in rpc.RequestState.__struct_fields__:
-        if f not in _BUILT:
-            setattr(req, f, getattr(s, f))
-    if req.params.logprobs is not None:
-        req.logprobs = list(s.logprobs or ())
-    req.prefilled = True
-    return req
 
 
 class RemotePool:
@@ -156,7 +134,7 @@ class RemotePool:
         cannot take it, the peer drops the blocks and ``TransferError`` is raised."""
         req.decode_instance = self.name
         try:
-            self.node.call(self.name, rpc.Accept(state_of(req)))
+            self.node.call(self.name, rpc.Accept(rpc.RequestState.of(req)))
         except TransferError:
             self.node.try_push(self.name, rpc.FreeMem(list(req.blocks)))
             raise

@@ -67,11 +67,9 @@ class Router:
         self.ledger.inflight[rid] = f
         f.where = route.instance
         # before the call: its output may be handled while the call waits for the reply
-        self.scheduler.dispatched(rid, route, len(f.prompt), f.params.max_tokens)
+        self.scheduler.dispatched(rid, route, f.req.num_prompt, f.req.params.max_tokens)
         try:
-            self.node.call(
-                route.instance, rpc.Submit(rid, list(f.prompt), f.params, f.arrival_time)
-            )
+            self.node.call(route.instance, rpc.Submit(rpc.RequestState.of(f.req)))
         except BaseException:
             self.ledger.inflight.pop(rid, None)
             self.scheduler.finished(rid)
@@ -79,7 +77,7 @@ class Router:
 
     def resubmit(self, rid: str, f: Inflight) -> str:
         """Route and send a request again; the instance it went to."""
-        route = self.route(f.prompt, f.params.max_tokens)
+        route = self.route(f.req.prompt_token_ids, f.req.params.max_tokens)
         self.submit(route, rid, f)
         return route.instance
 

@@ -23,7 +23,7 @@ import secrets
 import stat
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_type_hints
@@ -33,7 +33,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from ..errors import InstanceDied, RemoteError, TransferError
-from ..request import RequestMetrics, RequestOutput, TokenDelta, TokenLogprob
+from ..request import Request, RequestMetrics, RequestOutput, TokenDelta, TokenLogprob
 from ..sampling import SamplingParams
 
 LOOPBACK = "127.0.0.1"
@@ -188,19 +188,11 @@ class KVData(Msg):
     tag: Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 
 
-class Submit(Msg):
-    """A new request for the receiving instance."""
-
-    request_id: str
-    prompt: Ids
-    params: SamplingParams
-    arrival_time: float
-
-
 class RequestState(msgspec.Struct, forbid_unknown_fields=True):
-    """Everything a receiving instance needs to continue a request (its KV already moved):
-    the ``Request`` attributes of the same names (arrival and the prefill instance travel in
-    its metrics)."""
+    """A :class:`Request` on the wire: its attributes of the same names (arrival and the
+    prefill instance travel in its metrics), derived by :meth:`of` and rebuilt by
+    :meth:`request`. A new request travels so to its entry instance (no KV, no output yet);
+    a handed-off one with everything its receiver needs to continue (its KV already moved)."""
 
     request_id: str
     tokens: Ids
@@ -211,6 +203,42 @@ class RequestState(msgspec.Struct, forbid_unknown_fields=True):
     max_total_tokens: Count
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] | None = None
+
+    @classmethod
+    def of(cls, req: Request) -> RequestState:
+        """``req``'s state: its attributes named by the fields."""
+        fields = {f: getattr(req, f) for f in cls.__struct_fields__}
+        return cls(**fields | {"tokens": req.tokens.tolist(), "blocks": list(req.blocks)})
+
+    def request(self) -> Request:
+        """The request again (the inverse of :meth:`of`)."""
+        req = Request(self.request_id, self.tokens, self.params, self.metrics.arrival_time)
+        for f in self.__struct_fields__:
+            if f not in _BUILT:
+                setattr(req, f, getattr(self, f))
+        if req.params.logprobs is not None:
+            req.logprobs = list(self.logprobs or ())
+        return req
+
+    @property
+    def is_new(self) -> bool:
+        """Whether this is a request no instance has computed anything of."""
+        return (
+            not self.blocks
+            and self.num_computed == 0
+            and len(self.tokens) == self.num_prompt
+            and not self.logprobs
+        )
+
+
+# Request attributes its constructor sets from the state; the others are copied by name.
+_BUILT = ("request_id", "tokens", "params")
+
+
+class Submit(Msg):
+    """A new request for the receiving instance, as its state (:attr:`RequestState.is_new`)."""
+
+    state: RequestState
 
 
 class Accept(Msg):
@@ -470,9 +498,12 @@ Handler = Callable[[str, Msg], "Msg | None"]
 class RpcNode:
     """One process's end: a ROUTER socket peers send to, a DEALER socket per peer it sends to.
     ``handler(sender, msg)`` answers every request and push (a ``None`` reply is sent as
-    :class:`Ack`, an exception as :class:`Error`); it must not :meth:`call`. Frames addressed to
-    another name than :attr:`name` (unless ``any_recipient``: a standalone instance waiting to be
-    named) or not fresh are dropped unanswered. Not thread-safe."""
+    :class:`Ack`, an exception as :class:`Error`). A message whose type is in :attr:`deferred`
+    that arrives while this node waits on a :meth:`call` is queued, and handled (and answered)
+    by the next :meth:`serve` made outside a call: its handler may call, and never runs inside
+    another handler's or the owner's call; the others are handled at once and must not call.
+    Frames addressed to another name than :attr:`name` (unless ``any_recipient``: a standalone
+    instance waiting to be named) or not fresh are dropped unanswered. Not thread-safe."""
 
     def __init__(
         self,
@@ -502,6 +533,9 @@ class RpcNode:
         self.any_recipient = False
         self.drained_at = time.monotonic()  # when every frame sent to us before was read
         self.dead: dict[str, str] = {}  # peer name -> why it is considered dead
+        self.deferred: frozenset[type[Msg]] = frozenset()  # handled outside calls only
+        self._queued: deque[tuple[bytes, Envelope]] = deque()
+        self._calls = 0  # calls this node is waiting on (nested through handlers)
         self._fresh = Freshness()
         self._peers: dict[str, tuple[zmq.Socket, Stream]] = {}
         self._replies = Stream()  # what the ROUTER socket sends
@@ -546,10 +580,15 @@ class RpcNode:
         A wait shorter than the poll's one-millisecond grain waits that millisecond rather
         than spinning."""
         horizon = self._horizon()
+        n = 0
+        while self._queued and not self._calls:  # what arrived while the owner waited
+            self._dispatch(*self._queued.popleft())
+            n += 1
+        if n:
+            timeout_s = 0.0
         if not self._server.poll(max(0, math.ceil(timeout_s * 1000)), zmq.POLLIN):
             self.drained_at = time.monotonic()
-            return 0
-        n = 0
+            return n
         while True:
             try:
                 frames = self._server.recv_multipart(zmq.NOBLOCK)
@@ -581,6 +620,12 @@ class RpcNode:
             return
         if not self._admit(env, horizon):
             return
+        if self._calls and type(env.msg) in self.deferred:
+            self._queued.append((ident, env))
+        else:
+            self._dispatch(ident, env)
+
+    def _dispatch(self, ident: bytes, env: Envelope) -> None:
         try:
             reply = self.handler(env.sender, env.msg)
         except Exception as e:  # every handler failure goes back to the caller
@@ -620,12 +665,20 @@ class RpcNode:
         return True
 
     def call(self, peer: str, msg: Msg, timeout_s: float | None = None) -> Msg:
-        """Send a request to ``peer`` and return its reply, serving incoming messages and running
-        ``on_wait`` meanwhile. Raises ``InstanceDied`` when the peer is or becomes known dead,
-        ``TransferError`` when it does not answer in ``timeout_s``, ``RemoteError`` if it failed."""
+        """Send a request to ``peer`` and return its reply, serving incoming messages (queueing
+        the :attr:`deferred` ones) and running ``on_wait`` meanwhile. Raises ``InstanceDied``
+        when the peer is or becomes known dead, ``TransferError`` when it does not answer in
+        ``timeout_s``, ``RemoteError`` if it failed."""
         op = type(msg).__name__
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         sock = self._send(peer, "req", seq := next(self._seq), msg)
+        self._calls += 1
+        try:
+            return self._await_reply(peer, op, sock, seq, timeout_s)
+        finally:
+            self._calls -= 1
+
+    def _await_reply(self, peer: str, op: str, sock: zmq.Socket, seq: int, timeout_s: float) -> Msg:
         poller = zmq.Poller()
         poller.register(self._server, zmq.POLLIN)
         poller.register(sock, zmq.POLLIN)

@@ -46,7 +46,7 @@ from ..errors import (
 from ..mempool import TIERS, PoolAccountingError
 from ..model.config import ModelConfig
 from ..model.tokenizer import Tokenizer
-from ..request import RequestOutput, TokenDelta
+from ..request import Request, RequestOutput, TokenDelta
 from ..sampling import INT64_LIMIT, SamplingParams
 from ..scheduler.global_scheduler import (
     DEFAULT_TTL_S,
@@ -180,10 +180,8 @@ class ProcessCluster:
             self.instances,
             self.dead,
             model_config.vocab_size,
-            self.timeout_s,
             self.rerun_on_failure,
             lambda rid, f: self.router.resubmit(rid, f),
-            self._poll,
         )
         self.router = Router(
             self.node, self.scheduler, self.ledger, self.instances, milestone.roles
@@ -197,6 +195,9 @@ class ProcessCluster:
         self.launcher.wait_ready(startup_timeout_s)
         self.membership = Membership(self.launcher, self.scheduler, self.ledger, entry)
         self._handlers[rpc.Rejoin] = self.membership.on_rejoin
+        # what instances report about requests and membership is handled between the
+        # frontend's own calls, never inside one (a call waits for its reply and heartbeats)
+        self.node.deferred = frozenset(self._handlers) - {rpc.Ready, rpc.Heartbeat}
         for inst in self.instances.values():
             self.node.connect(inst.name, inst.address)
         if self.launcher.spec.linked:
@@ -268,12 +269,6 @@ class ProcessCluster:
         """Instances taken back after they were declared dead."""
         return self.membership.num_rejoins if self.membership is not None else 0
 
-    def _poll(self, seconds: float) -> None:
-        """Serve the frontend for up to ``seconds`` while an abort waits."""
-        self.node.serve(seconds)
-        self.monitor()
-        self.ledger.abort_handed_on()
-
     @property
     def prefix_tokens_moved(self) -> int:
         """Tokens of KV moved by the scheduler's prefix transfers."""
@@ -310,7 +305,7 @@ class ProcessCluster:
         if rid in self.ledger.inflight:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         self.monitor()
-        f = Inflight(ids, params, arrival_time or time.perf_counter(), "")
+        f = Inflight(Request(rid, ids, params, arrival_time or time.perf_counter()))
         try:
             self.router.submit(self.router.route(ids, params.max_tokens), rid, f)
         except RemoteError as e:
@@ -325,7 +320,6 @@ class ProcessCluster:
         if not self._closed:
             self.node.serve(0.0)
             self.monitor()
-            self.ledger.abort_handed_on()
         return self.ledger.take_done()
 
     def abort(self, request_id: str) -> RequestOutput | None:

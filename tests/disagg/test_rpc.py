@@ -14,7 +14,6 @@ import pytest
 import zmq
 
 from minimemserve.disagg import rpc
-from minimemserve.disagg.peering import request_of, state_of
 from minimemserve.disagg.rpc import (
     Abort,
     Ack,
@@ -102,7 +101,11 @@ def test_every_message_round_trips_as_plain_msgpack() -> None:
         AllocReply([0], [7, 8]),
         Commit("x1", None, [0, 7, 8]),
         Abort("x1", [7]),
-        rpc.Submit("r1", [5, 6], SamplingParams(max_tokens=3, stop_token_ids=(2,)), 1.5),
+        rpc.Submit(
+            rpc.RequestState.of(
+                Request("r1", [5, 6], SamplingParams(max_tokens=3, stop_token_ids=(2,)), 1.5)
+            )
+        ),
         Ack(),
         Heartbeat(),
         Error("PoolExhausted", "no blocks"),
@@ -128,10 +131,16 @@ def test_every_message_round_trips_as_plain_msgpack() -> None:
         (
             {
                 "type": "Submit",
-                "request_id": "r",
-                "prompt": [1],
-                "arrival_time": 0.0,
-                "params": {"max_tokens": 0},
+                "state": {
+                    "request_id": "r",
+                    "tokens": [1],
+                    "num_prompt": 1,
+                    "params": {"max_tokens": 0},
+                    "blocks": [],
+                    "num_computed": 0,
+                    "max_total_tokens": 0,
+                    "metrics": {"arrival_time": 0.0},
+                },
             },
             "max_tokens",
         ),
@@ -309,6 +318,53 @@ def test_calls_in_both_directions_at_once_do_not_deadlock():
         b.close()
 
 
+def test_deferred_messages_wait_for_the_end_of_a_call_and_are_answered_then():
+    """A waits on B; C's Query (deferred by A) is queued and handled after the call, by
+    A's next serve, while C's Probe (not deferred) is handled during the wait."""
+    handled: list[tuple[str, int]] = []
+
+    def a_handler(sender, msg):
+        handled.append((type(msg).__name__, a._calls))
+        return Info({"calls": a._calls}) if isinstance(msg, rpc.Query) else None
+
+    def b_handler(sender, msg):
+        time.sleep(0.5)  # B is slow to answer: A waits
+        return ProbeReply(0, 0)
+
+    a, b, c = node("A", a_handler, timeout_s=5), node("B", b_handler), node("C", lambda s, m: None)
+    a.deferred = frozenset({rpc.Query})
+    a.connect("B", b.address)
+    c.connect("A", a.address)
+    stop, answers = threading.Event(), []
+
+    def serve_b():
+        while not stop.is_set():
+            b.serve(0.02)
+
+    def from_c():
+        time.sleep(0.1)  # A is waiting on B by now
+        c.push("A", Probe([]))
+        answers.append(c.call("A", rpc.Query("stats"), timeout_s=5))
+
+    threads = [threading.Thread(target=serve_b), threading.Thread(target=from_c)]
+    try:
+        for t in threads:
+            t.start()
+        assert a.call("B", Probe([])) == ProbeReply(0, 0)
+        assert handled == [("Probe", 1)]  # the Query waited
+        deadline = time.monotonic() + 5
+        while not answers and time.monotonic() < deadline:
+            a.serve(0.02)
+        assert handled == [("Probe", 1), ("Query", 0)]
+        assert answers == [Info({"calls": 0})]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        for n in (a, b, c):
+            n.close()
+
+
 def test_an_oversized_frame_is_dropped_and_the_node_keeps_serving(monkeypatch) -> None:
     monkeypatch.setattr(rpc, "MAX_MESSAGE_BYTES", 4096)  # read when the node is made
     receiver = _Receiver()
@@ -369,16 +425,17 @@ def test_replayed_stale_and_misaddressed_frames_are_dropped_and_counted() -> Non
 
 
 def test_a_handed_off_request_round_trips_through_its_wire_state() -> None:
-    """``state_of`` and ``request_of`` invert each other over the wire: every attribute the
-    state names comes back, the arrival and the prefill instance inside the metrics."""
+    """``RequestState.of`` and ``RequestState.request`` invert each other over the wire: every
+    attribute the state names comes back, the arrival and the prefill instance inside the
+    metrics."""
     req = Request("r1", [5, 6, 7, 8], SamplingParams(max_tokens=4, logprobs=2), 12.5)
     req.tokens.append(9)
     req.blocks, req.num_computed, req.max_total_tokens = [3], 4, 8
     req.prefill_instance = "P0"
     req.logprobs = [(-0.5, [(9, -0.5), (4, -1.0)])]
-    wire = msgspec.msgpack.encode(state_of(req))
-    back = request_of(msgspec.msgpack.decode(wire, type=rpc.RequestState))
+    wire = msgspec.msgpack.encode(rpc.RequestState.of(req))
+    back = msgspec.msgpack.decode(wire, type=rpc.RequestState).request()
     for f in rpc.RequestState.__struct_fields__:
         assert getattr(back, f) == getattr(req, f), f
-    assert (back.arrival_time, back.prefill_instance, back.prefilled) == (12.5, "P0", True)
+    assert (back.arrival_time, back.prefill_instance) == (12.5, "P0")
     assert back.prompt_token_ids == [5, 6, 7, 8] and back.output_token_ids == [9]

@@ -17,7 +17,7 @@ from minimemserve import LLM, SamplingParams
 from minimemserve.config import EngineConfig
 from minimemserve.disagg import rpc
 from minimemserve.disagg.runtime import ProcessCluster
-from minimemserve.request import RequestMetrics, RequestOutput, TokenDelta
+from minimemserve.request import Request, RequestMetrics, RequestOutput, TokenDelta
 
 NUM_BLOCKS = 64
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -111,12 +111,20 @@ def test_a_members_invalid_messages_are_refused_at_once(cluster):
         "not allocated for transfer": ("D0", rpc.Commit("never", None, [1, 2])),
         "takes no Shutdown": ("P0", rpc.Shutdown("not from the frontend")),
     }
+    # a new request must carry no KV and no output: its blocks would be another's
+    carried = Request("r-kv", prompt(5), PARAMS, 0.0)
+    carried.blocks, carried.num_computed = [0], 4
+    front = rpc.RpcNode("frontend", lambda s, m: None, timeout_s=5, codec=cluster.node.codec)
+    front.connect("P0", cluster.instances["P0"].address)
     try:
         for match, (target, msg) in bad.items():
             with pytest.raises(rpc.RemoteError, match=match):
                 node.call(target, msg)
+        with pytest.raises(rpc.RemoteError, match="is not new: it carries KV or output"):
+            front.call("P0", rpc.Submit(rpc.RequestState.of(carried)))
     finally:
         node.close()
+        front.close()
     cluster.add_request(prompt(3), PARAMS)
     assert [o.finish_reason for o in cluster.run_until_done(timeout_s=60)] == ["length"]
     cluster.check_pools(require_idle=True)
