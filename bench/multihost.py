@@ -15,15 +15,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+from dataclasses import replace
 from pathlib import Path
 
-from minimemserve.bench.driver import (
-    COLOCATED_INSTANCES,
-    CORES_PER_INSTANCE,
-    TargetSpec,
-    run_bench,
-)
+from minimemserve.bench.driver import COLOCATED_INSTANCES, CORES_PER_INSTANCE, run_bench
 from minimemserve.bench.hosts import HostsCluster
+from minimemserve.deployment import DeploymentSpec
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.workloads.results import DEFAULT_CONFIGS, DEFAULT_RATE, DEFAULT_SESSIONS
 
@@ -31,20 +28,18 @@ RUNTIMES = {"shm": (ProcessCluster, "shm"), "gloo": (HostsCluster, "gloo")}
 OUT = Path("bench/results/multihost")
 
 
-def target(config: str, runtime: str, spec: TargetSpec):
+def target(config: str, runtime: str, spec: DeploymentSpec):
     """``config`` on ``runtime`` (a key of RUNTIMES), whatever name the bench gives it."""
     cluster, transport = RUNTIMES[runtime]
-    o = spec.options
-    return cluster(
-        spec.model_dir,
-        config,
-        engine_config=o.engine,
-        device=o.device,
-        dtype=o.dtype,
+    spec = replace(
+        spec,
+        config=config,
+        runtime="process",
         cores_per_instance=CORES_PER_INSTANCE,
         num_colocated=COLOCATED_INSTANCES,
         transport=transport,
     )
+    return spec.build(cluster)
 
 
 def sent_bytes(pool_stats: dict) -> int:

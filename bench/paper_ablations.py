@@ -95,7 +95,7 @@ def submit_routing(pool, workload: str, rate: float, n: int, seed: int) -> dict:
     )
     return {
         policy: pool.submit(
-            simulate_one, dataclasses.replace(base, policy=policy), "PD-CC", sessions, rate, seed
+            simulate_one, base.with_deployment(policy=policy), "PD-CC", sessions, rate, seed
         )
         for policy in ("prompt_tree", "prompt_tree_local", "session", "least_load", "round_robin")
     }

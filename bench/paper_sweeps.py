@@ -38,7 +38,7 @@ def sweep(ratio: str, num_sessions: int, rates: list[float], seed: int, jobs: in
             sessions = workload_sessions(base, workload, num_sessions, seed, None, cap, None)
             for scheduler in SCHEDULERS:
                 cfg = dataclasses.replace(base.engine_config, scheduler=scheduler)
-                setup = dataclasses.replace(base, engine_config=cfg)
+                setup = base.with_deployment(engine=cfg)
                 for rate in rates:
                     for c in configs:
                         f = pool.submit(simulate_one, setup, c, sessions, rate, seed)

@@ -12,7 +12,6 @@ much as ``session`` and how far its mean JCT is from the best simple policy's; w
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import multiprocessing
 import os
@@ -46,7 +45,7 @@ def main() -> None:
     with ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
         futures = {
             (rate, policy): pool.submit(
-                simulate_one, dataclasses.replace(base, policy=policy), "PD-CC", sessions, rate, 0
+                simulate_one, base.with_deployment(policy=policy), "PD-CC", sessions, rate, 0
             )
             for rate in rates
             for policy in POLICIES

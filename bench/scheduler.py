@@ -26,11 +26,11 @@ from pathlib import Path
 from minimemserve.bench.driver import (
     COLOCATED_INSTANCES,
     CORES_PER_INSTANCE,
-    EngineOptions,
-    process_target,
+    process_factories,
     run_bench,
 )
 from minimemserve.config import EngineConfig
+from minimemserve.deployment import DeploymentSpec
 from minimemserve.scheduler.cost_model import CostModel
 from minimemserve.scheduler.global_scheduler import POLICIES
 
@@ -43,14 +43,16 @@ def run_policy(args: argparse.Namespace, workload: str, policy: str, cost_model)
     """One workload under one policy; returns its summary row."""
     seen: dict = {}
 
+    process = process_factories(
+        [CONFIG],
+        cores_per_instance=CORES_PER_INSTANCE,
+        num_colocated=COLOCATED_INSTANCES,
+        policy=policy,
+        cost_model=cost_model,
+    )[CONFIG]
+
     def factory(spec):
-        seen["cluster"] = process_target(
-            spec,
-            cores_per_instance=CORES_PER_INSTANCE,
-            num_colocated=COLOCATED_INSTANCES,
-            policy=policy,
-            cost_model=cost_model,
-        )
+        seen["cluster"] = process(spec)
         return seen["cluster"]
 
     result = run_bench(
@@ -61,7 +63,7 @@ def run_policy(args: argparse.Namespace, workload: str, policy: str, cost_model)
         max_output_tokens=args.max_output_tokens,
         out_dir=None,
         seed=args.seed,
-        options=EngineOptions(engine=EngineConfig(seed=args.seed)),
+        options=DeploymentSpec(engine=EngineConfig(seed=args.seed)),
         factories={CONFIG: factory},
         progress=not args.no_progress,
         verbose=False,

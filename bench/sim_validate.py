@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minimemserve.bench import driver
 from minimemserve.config import SCHEDULERS, EngineConfig
+from minimemserve.deployment import DeploymentSpec
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.presets import preset_dir
 from minimemserve.sampling import SamplingParams
@@ -221,7 +222,7 @@ def real_run(config: str, args: argparse.Namespace, out: Path) -> tuple[dict, li
         rate=args.rate,
         seed=args.seed,
         out_dir=out,
-        options=driver.EngineOptions(engine=EngineConfig(seed=args.seed, scheduler=args.scheduler)),
+        options=DeploymentSpec(engine=EngineConfig(seed=args.seed, scheduler=args.scheduler)),
         factories=factories,
         runtime={"kind": "process", "policy": "prompt_tree"},
     )

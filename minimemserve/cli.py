@@ -10,6 +10,7 @@ from dataclasses import fields
 
 from minimemserve import server
 from minimemserve.bench import driver
+from minimemserve.config import EngineConfig
 from minimemserve.disagg import rpc
 from minimemserve.disagg.instance import StandaloneOptions, standalone_main
 from minimemserve.disagg.launch import TRANSPORTS, parse_address
@@ -17,7 +18,9 @@ from minimemserve.errors import ConfigError, MiniMemServeError
 from minimemserve.llm import LLM
 from minimemserve.options import (
     PARALLEL_FLAGS,
+    add_deployment_arguments,
     add_engine_arguments,
+    deployment_options,
     engine_options,
 )
 from minimemserve.presets import preset_dir
@@ -25,13 +28,14 @@ from minimemserve.recipes import Role
 from minimemserve.sampling import SamplingParams
 from minimemserve.sim import command as sim_command
 
-# The EngineConfig fields ``generate`` takes as options.
+# The DeploymentSpec and EngineConfig fields ``generate`` takes as options.
+GENERATE_FIELDS = ("model", "config", "device", "dtype")
 GENERATE_ENGINE_FLAGS = ("block_size", "attention", *PARALLEL_FLAGS)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    engine = engine_options(args, GENERATE_ENGINE_FLAGS)
-    llm = LLM(args.model, config=args.config, device=args.device, dtype=args.dtype, **engine)
+    engine = EngineConfig(**engine_options(args, GENERATE_ENGINE_FLAGS))
+    llm = LLM.from_spec(deployment_options(args, GENERATE_FIELDS, engine))
     sampling = {f.name for f in fields(SamplingParams)}  # the options named like its fields
     params = SamplingParams(**{k: v for k, v in vars(args).items() if k in sampling})
     with llm:
@@ -116,11 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("serve", help="serve the OpenAI HTTP API (needs the serve extra)")
     server.add_arguments(v).set_defaults(fn=_serve)
     g = sub.add_parser("generate", help="generate text for one or more prompts")
-    g.add_argument("--model", default=None, help="HF checkpoint dir (default: the tiny preset)")
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
-    g.add_argument("--config", default="PD", help="PD, PD-CC, 1P1D, 1P1D-CC, ...")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    add_deployment_arguments(g, GENERATE_FIELDS)
     add_engine_arguments(g, GENERATE_ENGINE_FLAGS)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)

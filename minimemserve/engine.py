@@ -43,7 +43,9 @@ class ModelRunner:
     """Turns a scheduled batch into one forward pass and the sampled tokens."""
 
     def __init__(self, model: LlamaModel, backend, device: torch.device, group=None):
-        self.model, self.backend, self.device = model, backend, device
+        self.model = model
+        self.backend = backend
+        self.device = device
         self.group = group or SingleRank()  # tensor-parallel ranks that run each step too
 
     @torch.inference_mode()
@@ -87,10 +89,10 @@ class ModelRunner:
         return [by_req.get(id(req)) for req, _ in batch], bad
 
 
-def _load_model(model_dir: Path, config: ModelConfig, device, dtype) -> LlamaModel:
+def _load_model(model_dir: Path, model_config: ModelConfig, device, dtype) -> LlamaModel:
     """The checkpoint's model on ``device`` in ``dtype``, for inference."""
-    model = LlamaModel(config)
-    model.load_hf_weights(load_weights(model_dir, config))
+    model = LlamaModel(model_config)
+    model.load_hf_weights(load_weights(model_dir, model_config))
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -186,7 +188,8 @@ class Engine:
         tp = cfg.tp_size(role)
         if tp > 1 and share_model_with is not None:
             raise ConfigError(f"a tensor-parallel instance (size {tp}) loads its own shard")
-        device, dtype = torch.device(device), resolve_dtype(dtype)
+        device = torch.device(device)
+        dtype = resolve_dtype(dtype)
         model_config, tokenizer, pool, self.tp, self.runner = _load(
             model_dir, cfg, tp, device, dtype, share_model_with, pool_factory, instance_id
         )

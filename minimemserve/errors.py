@@ -46,7 +46,8 @@ class SamplingError(MiniMemServeError, RuntimeError):
 
     def __init__(self, message: str, rows: Sequence[int] = (), tokens: Sequence = ()) -> None:
         super().__init__(message)
-        self.rows, self.tokens = list(rows), list(tokens)
+        self.rows = list(rows)
+        self.tokens = list(tokens)
 
 
 class RemoteError(TransferError):
@@ -54,4 +55,7 @@ class RemoteError(TransferError):
 
     def __init__(self, peer: str, op: str, kind: str, message: str) -> None:
         super().__init__(f"peer {peer} failed {op}: {kind}: {message}")
-        self.peer, self.op, self.kind, self.remote_message = peer, op, kind, message
+        self.peer = peer
+        self.op = op
+        self.kind = kind
+        self.remote_message = message

@@ -11,9 +11,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import EngineConfig, parse_config_name
-from .disagg.cluster import InProcessCluster
+from .deployment import DeploymentSpec
 from .errors import InvalidRequest
-from .presets import preset_dir
 from .request import RequestOutput
 from .sampling import SamplingParams
 from .serving import Serving
@@ -24,6 +23,7 @@ class LLM:
     ``PD-CC``, ``1P1D``, ``1P1D-CC1/2/3`` (``1P1D-CC`` = CC3) or ``xPyD``. ``engine`` is their
     cluster (a ``Serving``); ``model_dir=None`` uses the tiny preset checkpoint. Other keyword
     arguments are ``EngineConfig`` fields (``num_blocks``, ``max_num_seqs``...).
+    :meth:`from_spec` takes a whole :class:`DeploymentSpec` (any runtime).
 
     >>> LLM(None, config="PD-CC").generate(["Hello"], SamplingParams(temperature=0.0))[0].text
     """
@@ -37,12 +37,21 @@ class LLM:
         dtype: str | torch.dtype = "float32",
         **engine_config: Any,
     ):
-        self.model_dir = Path(preset_dir("tiny") if model_dir is None else model_dir)
-        self.deployment = parse_config_name(config)
-        ecfg = EngineConfig(**engine_config)
-        self.engine: Serving = InProcessCluster(
-            self.model_dir, self.deployment, device=device, dtype=dtype, engine_config=ecfg
-        )
+        spec = DeploymentSpec(config, model_dir, device, dtype, EngineConfig(**engine_config))
+        self._start(spec)
+
+    @classmethod
+    def from_spec(cls, spec: DeploymentSpec) -> LLM:
+        """Generation over the deployment ``spec`` describes."""
+        llm = cls.__new__(cls)
+        llm._start(spec)
+        return llm
+
+    def _start(self, spec: DeploymentSpec) -> None:
+        self.spec = spec
+        self.model_dir = spec.model_dir
+        self.deployment = parse_config_name(spec.config)
+        self.engine: Serving = spec.build()
 
     def close(self) -> None:
         """Release the deployment's resources (tensor-parallel worker processes)."""

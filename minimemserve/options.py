@@ -8,7 +8,9 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 
-from minimemserve.config import SCHEDULERS, EngineConfig
+from minimemserve.config import SCHEDULERS, TRANSPORTS, EngineConfig
+from minimemserve.deployment import DTYPES, RUNTIMES, DeploymentSpec
+from minimemserve.scheduler.cost_model import CostModel
 from minimemserve.scheduler.global_scheduler import POLICIES
 from minimemserve.workloads.results import (
     DEFAULT_CONFIGS,
@@ -41,6 +43,46 @@ ENGINE_FLAGS = {
         "fails (tensor parallelism)",
         None,
     ),
+}
+# DeploymentSpec field -> (its option, help, choices): the commands take these from it,
+# typed and defaulted from the field (a command may give its own default).
+DEPLOYMENT_FLAGS = {
+    "model": ("--model", "HF Llama checkpoint dir (default: the tiny preset)", None),
+    "config": ("--config", "PD, PD-CC, 1P1D, 1P1D-CC, xPyD[-CC...]", None),
+    "device": ("--device", "torch device of every instance", None),
+    "dtype": ("--dtype", "weights and KV dtype", DTYPES),
+    "runtime": ("--runtime", "one process per instance, or every instance in this one", RUNTIMES),
+    "policy": ("--policy", "global scheduler policy", POLICIES),
+    "cost_model": (
+        "--cost-model",
+        "JSON of a fitted cost model (bench/cost_model.py writes one) for the global "
+        "scheduler (default: cost counted in new tokens)",
+        None,
+    ),
+    "num_colocated": ("--num-colocated", "instances of a PD/PD-CC config", None),
+    "cores_per_instance": (
+        "--cores-per-instance",
+        "CPU cores each instance process may use (process runtime; default: one)",
+        None,
+    ),
+    "transport": (
+        "--transport",
+        "KV transport between instances of the process runtime (auto: shared memory within "
+        "a host, gloo between hosts)",
+        TRANSPORTS,
+    ),
+    "cluster_host": (
+        "--cluster-host",
+        "address the control plane binds; instances on other hosts must reach it",
+        None,
+    ),
+    "instances": (
+        "--instances",
+        "HOST:PORT,... of `minimemserve instance` processes to join instead of spawning "
+        "(their roles make the deployment; needs --key)",
+        None,
+    ),
+    "key": ("--key", "cluster key file (minimemserve keygen)", None),
 }
 # Tensor parallelism (instances in one process: ``bench --runtime inline``, ``serve --runtime
 # inprocess``, ``generate``).
@@ -85,12 +127,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParse
     )
     p.add_argument("--out", default=DEFAULT_OUT_DIR, help="where JSON and plots go")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--policy",
-        choices=POLICIES,
-        default="prompt_tree",
-        help="global scheduler policy (default: %(default)s)",
-    )
+    add_deployment_arguments(p, ("policy",))
     p.add_argument(
         "--scheduler",
         choices=SCHEDULERS,
@@ -122,3 +159,41 @@ def add_engine_arguments(
 def engine_options(args: argparse.Namespace, names: Sequence[str]) -> dict:
     """The :class:`EngineConfig` fields ``names`` as parsed (``add_engine_arguments``)."""
     return {name: getattr(args, name) for name in names}
+
+
+def add_deployment_arguments(
+    p: argparse.ArgumentParser, names: Sequence[str], **defaults: object
+) -> argparse.ArgumentParser:
+    """One option per named :class:`DeploymentSpec` field (see :data:`DEPLOYMENT_FLAGS`),
+    typed and defaulted from the field unless ``defaults`` names another default;
+    :func:`deployment_options` reads them back."""
+    spec = DeploymentSpec()
+    kinds = {f.name: f.type for f in dataclasses.fields(DeploymentSpec)}
+    for name in names:
+        flag, help_text, choices = DEPLOYMENT_FLAGS[name]
+        default = defaults.get(name, getattr(spec, name))
+        kind = int if kinds[name].startswith("int") else str
+        if name == "instances":  # a tuple of addresses, given comma-separated
+            default = ",".join(default) or None
+        p.add_argument(
+            flag,
+            dest=name,
+            type=kind,
+            default=default,
+            choices=choices,
+            help=f"{help_text} (default: %(default)s)",
+        )
+    return p
+
+
+def deployment_options(
+    args: argparse.Namespace, names: Sequence[str], engine: EngineConfig, **fixed: object
+) -> DeploymentSpec:
+    """The :class:`DeploymentSpec` of the fields ``names`` as parsed
+    (:func:`add_deployment_arguments`), every instance with ``engine``, and ``fixed``."""
+    values = {name: getattr(args, name) for name in names}
+    if "instances" in values:
+        values["instances"] = tuple(a for a in (values["instances"] or "").split(",") if a)
+    if values.get("cost_model") is not None:
+        values["cost_model"] = CostModel.load(values["cost_model"])
+    return DeploymentSpec(engine=engine, **values | fixed)

@@ -56,7 +56,7 @@ from .attention.base import SeqSlice
 from .blocks.copy import check_pool_tensor, move_blocks
 from .blocks.layout import AGGREGATED, KVLayout
 from .errors import ConfigError, InstanceDied
-from .mempool import MemPool
+from .mempool import KVReceiver, MemPool
 from .mempool.tiers import DRAM, HBM
 from .model.config import ModelConfig
 from .model.llama import LlamaModel
@@ -91,12 +91,14 @@ class TPShard:
     cfg: ModelConfig
 
     def __post_init__(self) -> None:
-        cfg, n = self.cfg, self.size
+        cfg = self.cfg
+        n = self.size
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ConfigError(f"tensor_parallel_size must be an int >= 1, got {n!r}")
         if not 0 <= self.rank < n:
             raise ConfigError(f"rank {self.rank} is outside [0, {n})")
-        heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        heads = cfg.num_attention_heads
+        kv = cfg.num_key_value_heads
         if heads % n or cfg.intermediate_size % n:
             raise ConfigError(
                 f"tensor_parallel_size {n} must divide the attention heads ({heads}) and the "
@@ -181,7 +183,8 @@ class Collectives:
     """The compute-group collectives of one rank (what the parallel layers call)."""
 
     def __init__(self, group, size: int):
-        self.group, self.size = group, size
+        self.group = group
+        self.size = size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns ``x``."""
@@ -213,7 +216,8 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def __init__(self, rows: int, dim: int, first: int, comm: Collectives):
         super().__init__(rows, dim)
-        self.first, self.comm = first, comm
+        self.first = first
+        self.comm = comm
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         local = ids - self.first
@@ -228,7 +232,8 @@ class VocabParallelHead(nn.Linear):
 
     def __init__(self, dim: int, rows: int, vocab: int, comm: Collectives):
         super().__init__(dim, rows, bias=False)
-        self.vocab, self.comm = vocab, comm
+        self.vocab = vocab
+        self.comm = comm
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, hidden] -> [B, vocab]
         return self.comm.all_gather(super().forward(h))[:, : self.vocab]
@@ -391,7 +396,10 @@ class TPGroup:
         dram_blocks: int,
         timeout_s: float,
     ):
-        self.size, self.device, self.dtype, self.shard = shard.size, device, dtype, shard
+        self.size = shard.size
+        self.device = device
+        self.dtype = dtype
+        self.shard = shard
         self.block_size = block_size
         self.shards = [TPShard(r, shard.size, shard.cfg) for r in range(shard.size)]
         self.dead: str | None = None  # why the group stopped, once it has
@@ -547,7 +555,9 @@ class ShardedPool(MemPool):
         super().copy_tier(dst, dst_ids, src, src_ids)
         self.group.move_kv(dst, dst_ids, src, src_ids)
 
-    def send_blocks(self, dst: MemPool, blocks: list[int], src: list[int], tier: str = HBM) -> None:
+    def send_blocks(
+        self, dst: KVReceiver, blocks: list[int], src: list[int], tier: str = HBM
+    ) -> None:
         """Gather every head of ``src`` (in ``tier``) from the ranks owning them, write it
         into ``dst``: from dram straight, each rank reading its own shard."""
         whole = torch.empty(
@@ -604,14 +614,16 @@ class _Worker:
     """A worker rank's state: its model shard, its KV shard and the ops rank 0 sends."""
 
     def __init__(self, rank: int, spec: WorkerSpec):
-        self.rank, self.device = rank, _rank_device(spec.device, rank)
+        self.rank = rank
+        self.device = _rank_device(spec.device, rank)
         cfg = ModelConfig.from_hf(spec.model_dir)
         shard = TPShard(rank, spec.size, cfg)
         weights = load_weights(Path(spec.model_dir), cfg, spec.dtype, self.device)
         store = dist.TCPStore(LOOPBACK, spec.port, spec.size, False, timeout=START_TIMEOUT)
         store.set(f"ready{rank}", "1")
         self.control, group = _groups(store, rank, spec.size, self.device, spec.timeout_s)
-        self.comm, self.store = Collectives(group, spec.size), store
+        self.comm = Collectives(group, spec.size)
+        self.store = store
         self.model = build_model(weights, shard, self.comm)
         self.model.to(device=self.device, dtype=spec.dtype).eval()
         layout = shard.kv_layout(spec.block_size)

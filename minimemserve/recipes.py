@@ -28,9 +28,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol
+from typing import Protocol
 
 from .errors import PoolExhausted, RemoteError, TransferError
+from .mempool.transfer import KVReceiver
 from .request import Request
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class Peer(Protocol):
     """Another instance as a recipe sees it: its pool, and a way to hand it a request."""
 
     name: str
-    pool: Any  # a MemPool, or a proxy of a remote one
+    pool: KVReceiver  # a MemPool, or a proxy of a remote one
 
     def accept(self, req: Request) -> None:
         """Take over ``req`` (its ``blocks`` are ids here); on ``TransferError`` it holds none."""
@@ -83,7 +84,7 @@ class Peers(Protocol):
         """The decode instance, not in ``exclude``, with room to continue all of ``req``; None
         when every live one is full (backpressure); raises ``InstanceDied`` if none is alive."""
 
-    def prefill_pool(self, req: Request) -> Any:
+    def prefill_pool(self, req: Request) -> KVReceiver:
         """The pool of the instance that prefilled ``req`` (for sending decode-phase KV back)."""
 
     def peer_failed(self, name: str, error: TransferError) -> None:

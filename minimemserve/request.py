@@ -116,12 +116,14 @@ class Request:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
-        self.request_id, self.params = request_id, params
+        self.request_id = request_id
+        self.params = params
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         self.tokens = array("q", prompt_token_ids)
         self.num_prompt = len(self.tokens)
         self.blocks: list[int] = []
-        self.num_computed, self.status = 0, Status.WAITING
+        self.num_computed = 0
+        self.status = Status.WAITING
         self.max_total_tokens = 0  # prompt + output cap (context length, max_tokens)
         self.finish_reason: str | None = None
         self.error: str | None = None

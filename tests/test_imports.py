@@ -17,9 +17,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("minimemserve", "triton_kernels")
 
-# Bottom first. Core: errors up to the engine; runtimes: the process runtime and LLM (the
-# package root exports them); workloads and the shared command-line options; the server and
-# the simulator; benchmark code; the command line over everything.
+# Bottom first. Core: errors up to the engine; runtimes: the process runtime, the deployment
+# spec that builds either runtime, and LLM (the package root exports them); workloads and the
+# shared command-line options; the server and the simulator; benchmark code; the command
+# line over everything.
 LAYERS = (
     ("errors", "sharegpt", "triton_kernels"),
     ("sampling", "blocks"),
@@ -29,6 +30,7 @@ LAYERS = (
     ("config",),
     ("engine",),
     ("disagg",),
+    ("deployment",),
     ("llm",),
     ("minimemserve",),
     ("workloads",),
@@ -152,7 +154,7 @@ def test_the_layer_check_catches_a_planted_upward_edge():
     assert upward_edges(planted) == [
         "extra is in no layer",
         "minimemserve.engine imports minimemserve.disagg.runtime: layer 6 (engine) -> 7 (disagg)",
-        "minimemserve.server.app imports minimemserve.sim.runner: layer 12 (server) -> 12 (sim)",
+        "minimemserve.server.app imports minimemserve.sim.runner: layer 13 (server) -> 13 (sim)",
     ]
 
 

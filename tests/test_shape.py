@@ -1,5 +1,6 @@
-"""The package's shape: no class over 300 lines and no function over 60 in ``minimemserve/``
-(complexity is ruff's C901, at most 10, in CI's ``ruff check``)."""
+"""The package's shape: no class over 300 lines and no function over 60 in ``minimemserve/``,
+and no constructor packing several attributes into one tuple assignment (complexity is
+ruff's C901, at most 10, in CI's ``ruff check``)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,31 @@ def test_the_shape_check_sees_a_long_function(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "m.py").write_text(f"def f():\n{body}\n\n\ndef g():\n    pass\n")
     assert oversized(tmp_path / "pkg") == [f"pkg/m.py:1 f: {MAX_FUNCTION_LINES + 1} lines"]
+
+
+def packed_in_constructors(root: Path) -> list[str]:
+    """Every ``a, b = x, y`` of literal tuples in an ``__init__`` or ``__post_init__`` under
+    ``root`` (one attribute per line reads better; unpacking a call's result is fine)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(fn, ast.FunctionDef) and fn.name in ("__init__", "__post_init__")):
+                continue
+            for node in ast.walk(fn):
+                if (
+                    isinstance(node, ast.Assign)
+                    and any(isinstance(t, ast.Tuple) for t in node.targets)
+                    and isinstance(node.value, ast.Tuple)
+                ):
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    return found
+
+
+def test_constructors_assign_one_attribute_per_statement(tmp_path):
+    assert packed_in_constructors(ROOT / "minimemserve") == []
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text(
+        "class A:\n    def __init__(self, x):\n        self.a, self.b = x, 2\n"
+        "        self.c, self.d = divmod(x, 2)\n"
+    )
+    assert packed_in_constructors(tmp_path / "pkg") == ["pkg/m.py:3"]

@@ -38,7 +38,10 @@ class TorchAttention:
             raise ValueError("the torch backend needs a contiguous pool tensor")
         if num_heads % layout.num_kv_heads:
             raise ValueError(f"{num_heads} heads are not a multiple of {layout.num_kv_heads}")
-        self.kv_pool, self.layout, self.num_heads, self.scale = kv_pool, layout, num_heads, scale
+        self.kv_pool = kv_pool
+        self.layout = layout
+        self.num_heads = num_heads
+        self.scale = scale
         row = layout.num_kv_heads * layout.head_dim
         self.rows = kv_pool.view(-1, row)  # [num_rows, n_kv * head_dim]
         s = kv_pool.stride()  # [N, L, 2, bs, ...] or [L, 2, N, bs, ...]

@@ -68,7 +68,10 @@ class TritonAttention:
             )
         if scale <= 0:
             raise ValueError(f"scale must be positive, got {scale}")
-        self.kv_pool, self.layout, self.num_heads, self.scale = kv_pool, layout, num_heads, scale
+        self.kv_pool = kv_pool
+        self.layout = layout
+        self.num_heads = num_heads
+        self.scale = scale
         self.device = kv_pool.device
         self.views = [layer_views(kv_pool, layout, i) for i in range(layout.num_layers)]
         check_cache_views(*self.views[0])

@@ -7,11 +7,11 @@ previous turn finished, with a prompt built from the history and the engine's ow
 after each, prints a table, and writes JSON and plots. :func:`add_arguments` and
 :func:`main` are ``minimemserve bench``.
 
-A configuration is built by a factory that maps a :class:`TargetSpec` to a fresh
-``Serving``. Every name ``LLM`` accepts ("PD", "PD-CC", "1P1D", "1P1D-CC", ...) runs in this
-process through :func:`in_process_target`; :func:`process_factories` runs them with one
-process per instance (``ProcessCluster``), and ``run_bench(factories={"1P1D": factory})``
-plugs in any other runtime.
+Every configuration is a :class:`~minimemserve.deployment.DeploymentSpec` (``run_bench``'s
+``options`` with the configuration's name), built by default as the spec says
+(``DeploymentSpec.build``: in this process, or one process per instance); a factory given
+in ``run_bench(factories={"1P1D": factory})`` builds it instead (:func:`process_factories`:
+the bench's process runtime; any other runtime plugs in the same way).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,19 +31,20 @@ from tqdm.auto import tqdm
 from minimemserve.bench.hosts import HostsCluster
 from minimemserve.bench.http_target import endpoint_factory
 from minimemserve.config import EngineConfig, parse_config_name
+from minimemserve.deployment import DeploymentSpec
 from minimemserve.disagg.runtime import ProcessCluster
-from minimemserve.llm import LLM
 from minimemserve.model.tokenizer import Tokenizer
 from minimemserve.options import (
     PARALLEL_FLAGS,
+    add_deployment_arguments,
     add_engine_arguments,
     add_workload_arguments,
+    deployment_options,
     engine_options,
 )
 from minimemserve.presets import preset_dir
 from minimemserve.request import RequestOutput
 from minimemserve.sampling import SamplingParams
-from minimemserve.scheduler.cost_model import CostModel
 from minimemserve.serving import Serving
 from minimemserve.workloads.results import (
     DEFAULT_CONFIGS,
@@ -67,7 +68,9 @@ from minimemserve.workloads.sessions import (
     total_turns,
 )
 
-# The EngineConfig fields ``bench`` takes as options (seed and scheduler are workload options).
+# The DeploymentSpec fields ``bench`` takes as options (policy is a workload option, shared
+# with ``sim``), and its EngineConfig fields (seed and scheduler are workload options too).
+BENCH_FIELDS = ("model", "device", "dtype", "policy", "transport", "cost_model")
 BENCH_ENGINE_FLAGS = ("num_blocks", *PARALLEL_FLAGS)
 # Equal resources under the process runtime: one core per instance, and two colocated
 # instances, as many as 1P1D has.
@@ -81,78 +84,35 @@ WARMUP_OUTPUT_TOKENS = 8
 MAX_IDLE_SLEEP_S = 0.05
 
 
-@dataclass(frozen=True)
-class EngineOptions:
-    """Engine settings shared by every configuration of a run (equal resources): the device,
-    the dtype and every instance's ``EngineConfig``."""
-
-    device: str = "cpu"
-    dtype: str = "float32"
-    engine: EngineConfig = field(default_factory=EngineConfig)
+TargetFactory = Callable[[DeploymentSpec], Serving]
 
 
-@dataclass(frozen=True)
-class TargetSpec:
-    """What a factory is given to build the ``Serving`` of one configuration."""
-
-    config: str
-    model_dir: Path
-    options: EngineOptions = field(default_factory=EngineOptions)
-
-
-TargetFactory = Callable[[TargetSpec], Serving]
-
-
-def in_process_target(spec: TargetSpec) -> Serving:
-    """``LLM(...).engine`` of config ``spec.config``: every instance in this process."""
-    o = spec.options
-    llm = LLM(
-        spec.model_dir,
-        config=spec.config,
-        device=o.device,
-        dtype=o.dtype,
-        **asdict(o.engine),  # LLM takes EngineConfig's fields by name
-    )
-    return llm.engine
-
-
-def process_target(
-    spec: TargetSpec, cluster: type[ProcessCluster] = ProcessCluster, **cluster_kw: Any
-) -> Serving:
-    """A ``ProcessCluster`` (one process per instance; ``cluster`` may be a subclass, such as
-    ``HostsCluster``) of config ``spec.config``; ``cluster_kw`` go to its constructor (cores,
-    policy, cost model, transport, ...)."""
-    o = spec.options
-    return cluster(
-        spec.model_dir,
-        spec.config,
-        engine_config=o.engine,
-        device=o.device,
-        dtype=o.dtype,
-        **cluster_kw,
-    )
-
-
-def process_factories(configs: Sequence[str], **cluster_kw: Any) -> dict[str, TargetFactory]:
+def process_factories(
+    configs: Sequence[str], cluster: type[ProcessCluster] = ProcessCluster, **kw: Any
+) -> dict[str, TargetFactory]:
     """``{config: factory}`` for ``run_bench(factories=...)``: each config in its own
-    processes (:func:`process_target`). Unknown names raise ``ConfigError`` here."""
+    processes, a ``cluster`` (``ProcessCluster`` or a subclass, such as ``HostsCluster``);
+    ``kw`` are spec fields (cores, policy, cost model, transport...) or further arguments of
+    the cluster (start method, timeouts). Unknown names raise ``ConfigError`` here."""
     for c in configs:
         parse_config_name(c)
-    return {c: functools.partial(process_target, **cluster_kw) for c in configs}
+    names = {f.name for f in fields(DeploymentSpec)}
+    spec_kw = {k: v for k, v in kw.items() if k in names}
+    process_kw = {k: v for k, v in kw.items() if k not in names}
+    process = functools.partial(replace, runtime="process", **spec_kw)
+    return {c: lambda spec: process(spec).build(cluster, **process_kw) for c in configs}
 
 
 def resolve_factory(
     config: str, factories: Mapping[str, TargetFactory] | None = None
 ) -> TargetFactory:
-    """The factory of ``config``: from ``factories`` if listed there, else the in-process ``LLM``.
-
-    Names ``factories`` does not list fall back to :func:`in_process_target`; one ``LLM``
-    does not know raises ``ConfigError`` here, before any work.
-    """
+    """The factory of ``config``: from ``factories`` if listed there, else the spec's own
+    ``build``. Names ``factories`` does not list must be configurations: one that is not
+    raises ``ConfigError`` here, before any work."""
     if factories and config in factories:
         return factories[config]
     parse_config_name(config)
-    return in_process_target
+    return DeploymentSpec.build
 
 
 # --------------------------------------------------------------------------- driver
@@ -307,7 +267,7 @@ def _sessions(
 
 def _measure(
     factory: TargetFactory,
-    spec: TargetSpec,
+    spec: DeploymentSpec,
     tokenizer: Tokenizer,
     sessions: Sequence[Session],
     arrivals: tuple[float, int],
@@ -346,7 +306,7 @@ def run_bench(
     seed: int = 0,
     max_output_tokens: int | None = None,
     max_context: int | None = None,
-    options: EngineOptions | None = None,
+    options: DeploymentSpec | None = None,
     factories: Mapping[str, TargetFactory] | None = None,
     progress: bool = True,
     verbose: bool = True,
@@ -357,9 +317,10 @@ def run_bench(
     ``model_dir`` None uses the tiny preset. ``max_context`` None is the model's context.
     ``max_turns`` and ``max_output_tokens`` None take the workload's defaults (see
     :func:`minimemserve.workloads.sessions.make_workload`).
-    ``factories`` maps config names to :data:`TargetFactory`; other names run as an
-    in-process ``LLM`` (see :func:`resolve_factory`). ``runtime`` (for the JSON) describes how
-    the factories run the configs. Each config gets a fresh ``Serving``, a warm-up
+    ``options`` is every config's deployment but its name (default: in this process, seeded
+    with ``seed``); ``factories`` maps config names to :data:`TargetFactory`, others are
+    built as their spec says (see :func:`resolve_factory`). ``runtime`` (for the JSON)
+    describes how the factories run the configs. Each config gets a fresh ``Serving``, a warm-up
     (excluded), the workload, a pool audit and ``close()``. Prints a table when ``verbose``;
     with ``out_dir`` writes ``e2e_<workload>.json`` and ``e2e_<workload>_{bars,cdf}.png``
     there. Returns ``{"summaries", "ttft_later_ratio", "records", "pool_stats", "setup",
@@ -369,7 +330,7 @@ def run_bench(
         raise ValueError("no configs to benchmark")
     known = {c: resolve_factory(c, factories) for c in configs}
     model_dir = Path(model_dir or preset_dir("tiny"))
-    options = options or EngineOptions(engine=EngineConfig(seed=seed))
+    options = replace(options or DeploymentSpec(engine=EngineConfig(seed=seed)), model=model_dir)
     setup = {
         "workload": workload,
         "rate": rate,
@@ -378,7 +339,7 @@ def run_bench(
         "max_output_tokens": max_output_tokens,
         "model_dir": str(model_dir),
         "configs": list(configs),
-        "options": asdict(options),
+        "options": options.describe(),
         "runtime": dict(runtime or {"kind": "inline"}),
     }
     tokenizer, sessions = _sessions(setup, model_dir, num_sessions, max_context, verbose)
@@ -386,7 +347,7 @@ def run_bench(
     records: dict[str, list[dict]] = {}
     pool_stats: dict[str, Any] = {}
     for config in configs:
-        spec = TargetSpec(config, model_dir, options)
+        spec = replace(options, config=config)
         records[config], pool_stats[config] = _measure(
             known[config], spec, tokenizer, sessions, (rate, seed), progress, verbose
         )
@@ -447,9 +408,7 @@ DESCRIPTION = (
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the options of ``minimemserve bench`` to ``p``; returns ``p``."""
     add_workload_arguments(p)
-    p.add_argument("--model", default=None, help="HF Llama checkpoint dir (default: tiny preset)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    add_deployment_arguments(p, ("model", "device", "dtype"))
     add_engine_arguments(p, BENCH_ENGINE_FLAGS)
     p.add_argument(
         "--runtime",
@@ -460,19 +419,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "`minimemserve instance` processes a frontend joins (the multi-host runtime on this "
         "machine); inline: one process, instances stepped in turn (default: %(default)s)",
     )
-    p.add_argument(
-        "--transport",
-        choices=("auto", "shm", "gloo"),
-        default="auto",
-        help="KV transport between instances of the process and hosts runtimes (auto: "
-        "shared memory within a host, gloo between hosts; default: %(default)s)",
-    )
-    p.add_argument(
-        "--cost-model",
-        default=None,
-        help="JSON of a fitted cost model (bench/cost_model.py writes one) for the global "
-        "scheduler; default: cost counted in new tokens",
-    )
+    add_deployment_arguments(p, ("transport", "cost_model"))
     p.add_argument(
         "--endpoint",
         action="append",
@@ -505,28 +452,18 @@ def main(args: argparse.Namespace) -> int:
     """Run ``minimemserve bench`` with parsed ``args`` (see :func:`add_arguments`); returns
     the exit status."""
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    options = deployment_options(args, BENCH_FIELDS, _engine_config(args))
     factories = None
     runtime: dict[str, Any] = {"kind": args.runtime}
     if args.endpoint:
         factories = endpoint_targets(args.endpoint)
         configs, runtime = list(factories), {"kind": "http", "endpoints": args.endpoint}
     elif args.runtime in ("process", "hosts"):
-        factories = process_factories(
-            configs,
-            cluster=HostsCluster if args.runtime == "hosts" else ProcessCluster,
-            cores_per_instance=CORES_PER_INSTANCE,
-            num_colocated=COLOCATED_INSTANCES,
-            policy=args.policy,
-            cost_model=CostModel.load(args.cost_model) if args.cost_model else None,
-            transport=args.transport,
-        )
-        runtime.update(
-            cores_per_instance=CORES_PER_INSTANCE,
-            colocated_instances=COLOCATED_INSTANCES,
-            policy=args.policy,
-            cost_model=args.cost_model or "prompt tokens",
-            transport=args.transport,
-        )
+        equal = {"cores_per_instance": CORES_PER_INSTANCE, "num_colocated": COLOCATED_INSTANCES}
+        cluster = HostsCluster if args.runtime == "hosts" else ProcessCluster
+        factories = process_factories(configs, cluster, **equal)
+        runtime.update(equal, policy=args.policy, cost_model=args.cost_model or "prompt tokens")
+        runtime.update(transport=args.transport)
     start = time.perf_counter()
     run_bench(
         configs=configs,
@@ -539,7 +476,7 @@ def main(args: argparse.Namespace) -> int:
         model_dir=args.model,
         out_dir=args.out,
         seed=args.seed,
-        options=EngineOptions(args.device, args.dtype, _engine_config(args)),
+        options=options,
         progress=not args.no_progress,
         factories=factories,
         runtime=runtime,

@@ -57,8 +57,10 @@ class HttpServing:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"endpoint must be an http://host:port URL, got {url!r}")
-        self.host, self.port = parts.hostname, parts.port or 80
-        self.tokenizer, self.timeout_s = tokenizer, timeout_s
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self.tokenizer = tokenizer
+        self.timeout_s = timeout_s
         self.model = json.loads(self._get("/v1/models"))["data"][0]["id"]
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._open: dict[str, http.client.HTTPConnection | None] = {}

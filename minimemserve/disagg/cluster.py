@@ -28,7 +28,10 @@ class Instance:
     """One engine with a name and a role, as peers see it (``.pool``, ``.accept``)."""
 
     def __init__(self, name: str, role: str, engine: Engine):
-        self.name, self.role, self.engine, self.pool = name, role, engine, engine.pool
+        self.name = name
+        self.role = role
+        self.engine = engine
+        self.pool = engine.pool
 
     def load(self) -> int:
         """Requests waiting or running here."""
@@ -58,7 +61,8 @@ class InProcessCluster:
     ):
         self.deployment = deployment
         self.instances: list[Instance] = []
-        first, ecfg = None, engine_config or EngineConfig()
+        first = None
+        ecfg = engine_config or EngineConfig()
         for name, role in deployment.instances():
             whole = ecfg.tp_size(role) == 1  # a tensor-parallel instance loads its own shard
             eng = Engine(
@@ -76,7 +80,8 @@ class InProcessCluster:
             self.instances.append(Instance(name, role, eng))
         self.by_name = {inst.name: inst for inst in self.instances}
         self.entry = self.role(deployment.milestone.roles[0])
-        self.tokenizer, self._ids = self.instances[0].engine.tokenizer, itertools.count()
+        self.tokenizer = self.instances[0].engine.tokenizer
+        self._ids = itertools.count()
         self._deltas: dict[str, TokenDelta] = {}  # of requests still in flight
         self.scheduler = GlobalScheduler(
             [i.name for i in self.entry],

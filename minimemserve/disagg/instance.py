@@ -154,13 +154,43 @@ class SessionOver(Exception):
     the next frontend."""
 
 
+def _control_node(
+    spec: InstanceSpec, node: rpc.RpcNode | None, handler: rpc.Handler, on_wait
+) -> rpc.RpcNode:
+    """``node`` (a standalone instance's, already bound), or a new one bound where ``spec``
+    says, named for ``spec``; ``handler`` answers it and ``on_wait`` runs while it waits."""
+    if node is None:
+        node = rpc.RpcNode(
+            spec.name,
+            handler,
+            host=spec.host,
+            port=spec.port,
+            timeout_s=spec.timeout_s,
+            codec=rpc.Codec(spec.secret),
+            curve=spec.curve,
+        )
+    node.name = spec.name
+    node.handler = handler
+    node.timeout_s = spec.timeout_s
+    node.any_recipient = False  # named now: frames for another name are not for us
+    node.on_wait = on_wait
+    # A step calls peers and serves their messages while it waits: what the frontend asks of
+    # the engine waits for the step's end (an abort then would run a request's hooks a second
+    # time, a prefix push would call from inside a call)
+    node.deferred = BETWEEN_STEPS
+    return node
+
+
 class InstanceServer:
     """One instance: engine, RPC node, peers, and the loop that drives them."""
 
     def __init__(self, spec: InstanceSpec, node: rpc.RpcNode | None = None) -> None:
         """Build the engine and bind the control socket, or take over ``node`` (a standalone
         instance's, already bound); does not announce itself yet."""
-        self.spec, self.name, self.stopping, self.stop_reason = spec, spec.name, False, ""
+        self.spec = spec
+        self.name = spec.name
+        self.stopping = False
+        self.stop_reason = ""
         self.inbox: list[Request] = []
         self.last_frontend = time.monotonic()  # when the frontend was last heard
         # recent hand-offs (request id -> decode instance), so the frontend can find the
@@ -183,29 +213,12 @@ class InstanceServer:
         self.cache_events: list = []  # for the frontend's prompt tree of this instance
         if spec.role == parse_config_name(spec.config).milestone.roles[0]:
             self.pool.on_change = lambda added, toks: self.cache_events.append((added, toks))
-        if node is None:
-            node = rpc.RpcNode(
-                spec.name,
-                self._handle,
-                host=spec.host,
-                port=spec.port,
-                timeout_s=spec.timeout_s,
-                codec=rpc.Codec(spec.secret),
-                curve=spec.curve,
-            )
-        node.name, node.handler, node.timeout_s = spec.name, self._handle, spec.timeout_s
-        node.any_recipient = False  # named now: frames for another name are not for us
-        node.on_wait = self._heartbeat
-        self.node = node
+        self.node = node = _control_node(spec, node, self._handle, self._heartbeat)
         self.node.connect(rpc.FRONTEND, spec.frontend)
         self.peers = PeerLinks(spec, node, self.pool, self._peer_down)
         vocab = self.engine.model_config.vocab_size
         self.grants = Grants(spec.name, self.pool, vocab, self.peers.links)
         self.handlers = self._handler_table()
-        # A step calls peers and serves their messages while it waits: what the frontend asks
-        # of the engine waits for the step's end (an abort then would run a request's hooks
-        # a second time, a prefix push would call from inside a call)
-        node.deferred = BETWEEN_STEPS
 
     def _handler_table(self) -> dict:
         """Message type -> (who may send it, handler)."""
@@ -273,7 +286,6 @@ class InstanceServer:
     def _on_accept(self, sender: str, m: rpc.Accept) -> None:
         self._check_state(m.state)
         req = m.state.request()
-        req.prefilled = True
         req.decode_instance = self.name
         held = self.grants.ungrant(sender, req.blocks)
         if len(held) != len(req.blocks):

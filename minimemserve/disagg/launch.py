@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from ..config import NAME_PREFIX, Deployment, EngineConfig
+from ..config import NAME_PREFIX, TRANSPORTS, Deployment, EngineConfig
 from ..errors import ConfigError, InstanceDied, RemoteError, TransferError
 from ..mempool.shared import segment_path
 from ..model.config import ModelConfig
@@ -37,7 +37,6 @@ HELLO_RETRY_S = 2.0
 # Missed heartbeats tolerated: a long CPU prefill step sends none while it runs.
 DEFAULT_HEARTBEAT_TIMEOUT_S = 20.0
 # KV transports a cluster or an instance may ask for; "auto": shared memory on one host.
-TRANSPORTS = ("auto", "shm", "gloo", "nccl")
 
 
 @dataclass

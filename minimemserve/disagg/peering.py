@@ -61,12 +61,19 @@ class RemotePool:
     ) -> None:
         """Proxy ``info``, whose hbm tensor is mapped here as ``kv`` (same host) or reached over
         ``link`` (any host); its layout is ``pool``'s."""
-        self.node, self.name, self.role, self.kv, self.link = node, info.name, info.role, kv, link
+        self.node = node
+        self.name = info.name
+        self.role = info.role
+        self.kv = kv
+        self.link = link
         self.peer = self.instance_id = info.name
-        self.layout, self.dtype, self.block_size = pool.layout, pool.dtype, pool.block_size
+        self.layout = pool.layout
+        self.dtype = pool.dtype
+        self.block_size = pool.block_size
         self.model_layout = pool.model_layout  # the layout transfers agree on
         self.pool = self  # as a ``Peer``: the pool to transfer into is this proxy
-        self._xfers, self._xfer = itertools.count(), ""  # transfer ids; the one in progress
+        self._xfers = itertools.count()
+        self._xfer = ""  # transfer ids; the one in progress
 
     def recv_alloc(self, tokens: Sequence[int] | None, num_blocks: int) -> tuple[list, list]:
         """Step 1 on the peer: match ``tokens`` (if given) and allocate the rest."""

@@ -32,11 +32,11 @@ import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from ..config import LOOPBACK
 from ..errors import InstanceDied, RemoteError, TransferError
 from ..request import Request, RequestMetrics, RequestOutput, TokenDelta, TokenLogprob
 from ..sampling import SamplingParams
 
-LOOPBACK = "127.0.0.1"
 LOOPBACK_HOSTS = frozenset({LOOPBACK, "localhost", "::1"})
 # The frontend's name on the control plane (instances are named by role: p0, d0, c0, ...).
 FRONTEND = "frontend"
@@ -211,13 +211,14 @@ class RequestState(msgspec.Struct, forbid_unknown_fields=True):
         return cls(**fields | {"tokens": req.tokens.tolist(), "blocks": list(req.blocks)})
 
     def request(self) -> Request:
-        """The request again (the inverse of :meth:`of`)."""
+        """The request again (the inverse of :meth:`of`); prefilled once it has output."""
         req = Request(self.request_id, self.tokens, self.params, self.metrics.arrival_time)
         for f in self.__struct_fields__:
             if f not in _BUILT:
                 setattr(req, f, getattr(self, f))
         if req.params.logprobs is not None:
             req.logprobs = list(self.logprobs or ())
+        req.prefilled = req.num_output > 0
         return req
 
     @property
@@ -350,7 +351,8 @@ class Stream:
     """The frames one socket sends, stamped with this stream's id and the next count."""
 
     def __init__(self) -> None:
-        self.id, self._count = secrets.randbits(63), itertools.count(1)
+        self.id = secrets.randbits(63)
+        self._count = itertools.count(1)
 
     def envelope(self, kind: str, seq: int, sender: str, to: str, msg: Msg) -> Envelope:
         """``msg`` from ``sender`` to ``to`` as the next frame of this stream."""
@@ -393,7 +395,8 @@ class ClusterKey:
             ok = False
         if not ok:
             raise ValueError("a cluster key's CURVE public key does not match its secret key")
-        self.secret, self.curve = secret, (public, private)
+        self.secret = secret
+        self.curve = (public, private)
 
     def curve_for(self, host: str) -> tuple[bytes, bytes] | None:
         """The CURVE key pair a socket bound on ``host`` uses: none on loopback."""
@@ -526,8 +529,11 @@ class RpcNode:
         if curve is None and host not in LOOPBACK_HOSTS:
             raise ValueError(f"{name}: binding {host} (not loopback) needs CURVE keys")
         self._curve = curve
-        self.name, self.handler, self.codec = name, handler, codec
-        self.timeout_s, self.on_wait = timeout_s, on_wait
+        self.name = name
+        self.handler = handler
+        self.codec = codec
+        self.timeout_s = timeout_s
+        self.on_wait = on_wait
         self.rejected = 0  # frames dropped: unauthenticated, or failed validation
         self.replayed = 0  # authentic frames dropped: seen before, too old, or not for us
         self.any_recipient = False
@@ -733,9 +739,13 @@ class Beacon:
         self, name: str, codec: Codec, period_s: float, curve: tuple[bytes, bytes] | None = None
     ) -> None:
         """Start the thread; add targets with :meth:`add`."""
-        self.name, self.codec, self.period_s, self._curve = name, codec, period_s, curve
+        self.name = name
+        self.codec = codec
+        self.period_s = period_s
+        self._curve = curve
         self._targets: dict[str, str] = {}  # peer -> address, as wanted
-        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"beacon-{name}", daemon=True)
         self._thread.start()
 

@@ -3,5 +3,15 @@
 from minimemserve.mempool.pool import MemPool
 from minimemserve.mempool.radix import RadixTree, as_tokens
 from minimemserve.mempool.tiers import DRAM, HBM, TIERS, PoolAccountingError
+from minimemserve.mempool.transfer import KVReceiver
 
-__all__ = ["DRAM", "HBM", "TIERS", "MemPool", "PoolAccountingError", "RadixTree", "as_tokens"]
+__all__ = [
+    "DRAM",
+    "HBM",
+    "TIERS",
+    "KVReceiver",
+    "MemPool",
+    "PoolAccountingError",
+    "RadixTree",
+    "as_tokens",
+]

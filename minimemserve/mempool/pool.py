@@ -28,7 +28,7 @@ from ..errors import ConfigError, PoolExhausted
 from .audit import audit, tier_states, tree_counts
 from .radix import RadixTree, as_tokens
 from .tiers import DRAM, HBM, TIERS, PoolAccountingError, Tier, TierStore
-from .transfer import receive_alloc, send, send_cached_path
+from .transfer import KVReceiver, receive_alloc, send, send_cached_path
 
 # match: calls, whole-block tokens asked, tokens hit; blocks newly inserted, deleted, evicted,
 # offloaded to dram, onloaded back by match; transfers: blocks and bytes each way, calls
@@ -37,6 +37,21 @@ COUNTERS = (
     "offloaded_blocks onloaded_blocks sent_blocks sent_bytes recv_blocks recv_bytes "
     "transfers_sent transfers_recv transfers_aborted dram_sent_blocks"
 ).split()
+
+
+def _checked_pin(layout, num_blocks, dram_blocks, pin_memory: bool | None) -> bool:
+    """Whether the dram tier is pinned (default: when CUDA is there), once the arguments of
+    a ``MemPool`` are checked."""
+    if not isinstance(layout, KVLayout):
+        raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+    for name, value, least in (("num_blocks", num_blocks, 1), ("dram_blocks", dram_blocks, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ConfigError(f"{name} must be an int >= {least}, got {value!r}")
+    cuda = torch.cuda.is_available()
+    pin = cuda if pin_memory is None else bool(pin_memory)
+    if pin and not cuda:
+        raise ConfigError("pin_memory=True needs CUDA, which is not available")
+    return pin
 
 
 class MemPool:
@@ -57,18 +72,14 @@ class MemPool:
         pin_memory: bool | None = None,
         tensor_factory: Callable[..., torch.Tensor] | None = None,
     ) -> None:
-        if not isinstance(layout, KVLayout):
-            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
-        for name, value, least in (("num_blocks", num_blocks, 1), ("dram_blocks", dram_blocks, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ConfigError(f"{name} must be an int >= {least}, got {value!r}")
-        cuda = torch.cuda.is_available()
-        pin = cuda if pin_memory is None else bool(pin_memory)
-        if pin and not cuda:
-            raise ConfigError("pin_memory=True needs CUDA, which is not available")
-        self.layout, self.block_size, self.dtype = layout, layout.block_size, dtype
-        self.device, self.instance_id = torch.device(device), str(instance_id)
-        self._block_dim, self.block_bytes = layout.block_dim, layout.block_bytes(dtype.itemsize)
+        pin = _checked_pin(layout, num_blocks, dram_blocks, pin_memory)
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.instance_id = str(instance_id)
+        self._block_dim = layout.block_dim
+        self.block_bytes = layout.block_bytes(dtype.itemsize)
         make = functools.partial(_make_tier, layout=layout, dtype=dtype, factory=tensor_factory)
         self._tiers = {HBM: make(HBM, num_blocks, self.device, False)}
         if dram_blocks:
@@ -277,12 +288,12 @@ class MemPool:
         self.free_mem(blocks)
         self.counters["transfers_aborted"] += 1
 
-    def transfer(self, dst: MemPool, src_blocks: Sequence[int]) -> list[int]:
+    def transfer(self, dst: KVReceiver, src_blocks: Sequence[int]) -> list[int]:
         """Send hbm blocks to ``dst``, which allocates them; return its ids, held by the caller."""
         return send(self, dst, None, src_blocks)
 
     def transfer_with_insert(
-        self, dst: MemPool, tokens: Sequence[int], src_blocks: Sequence[int]
+        self, dst: KVReceiver, tokens: Sequence[int], src_blocks: Sequence[int]
     ) -> list[int]:
         """Send the KV of ``tokens`` to ``dst``, which receives only the blocks its index
         lacks and indexes them; returns every block on ``dst``, each held by the caller."""
@@ -306,12 +317,14 @@ class MemPool:
         tensor-parallel pool's own tensor holds one rank's heads of it."""
         return self.layout
 
-    def send_blocks(self, dst: MemPool, blocks: list[int], src: list[int], tier: str = HBM) -> None:
+    def send_blocks(
+        self, dst: KVReceiver, blocks: list[int], src: list[int], tier: str = HBM
+    ) -> None:
         """The data movement of a send: this pool's ``tier`` blocks ``src`` into ``dst``'s
         (hbm) ``blocks`` (a hook: a tensor-parallel pool gathers its ranks' shards)."""
         dst.recv_copy(blocks, self._tiers[tier].kv, src)
 
-    def send_cached(self, dst: MemPool, tokens: Sequence[int]) -> list[int]:
+    def send_cached(self, dst: KVReceiver, tokens: Sequence[int]) -> list[int]:
         """Send the cached whole blocks of ``tokens`` to ``dst`` and index them there, each
         block read from the tier that holds it: a block cached in dram goes to ``dst`` without
         being onloaded to hbm first (``dram_sent_blocks`` counts those). Only what ``dst``

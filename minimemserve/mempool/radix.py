@@ -33,9 +33,13 @@ class RadixNode:
     __slots__ += ("last_access", "expires_at", "tier", "holder")
 
     def __init__(self, key: bytes, tokens: array, values: list, parent: RadixNode | None) -> None:
-        self.key, self.tokens, self.values, self.parent = key, tokens, values, parent
+        self.key = key
+        self.tokens = tokens
+        self.values = values
+        self.parent = parent
         self.children: dict[bytes, RadixNode] = {}
-        self.last_access, self.expires_at = 0.0, None  # expires_at: None for never
+        self.last_access = 0.0
+        self.expires_at = None  # expires_at: None for never
         self.tier = self.holder = None  # str | None, as the owner sets them
 
     def __repr__(self) -> str:
@@ -64,7 +68,9 @@ class RadixTree:
     ) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        self.block_size, self._clock, self._node = block_size, clock, node_type
+        self.block_size = block_size
+        self._clock = clock
+        self._node = node_type
         self.root = node_type(b"", array(TOKEN_TYPECODE), [], None)
         self.num_blocks = self.num_nodes = 0  # values in the whole tree; nodes but the root
 

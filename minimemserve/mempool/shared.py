@@ -101,7 +101,8 @@ class SharedPoolTensor:
     dropped. CUDA: keep the owner alive while peers use it."""
 
     def __init__(self, tensor: torch.Tensor, handle: SharedHandle, path: str | None) -> None:
-        self.tensor, self.handle = tensor, handle
+        self.tensor = tensor
+        self.handle = handle
         self._finalizer = weakref.finalize(self, _unlink_quietly, path) if path else None
 
     @classmethod

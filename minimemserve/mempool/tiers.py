@@ -36,7 +36,10 @@ class PoolNode(RadixNode):
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
-        self.run, self.below, self.blocked, self.evictable = len(self.values), 0, False, 0
+        self.run = len(self.values)
+        self.below = 0
+        self.blocked = False
+        self.evictable = 0
 
 
 class Tier:
@@ -47,7 +50,9 @@ class Tier:
     __slots__ = ("name", "kv", "alloc", "indexed", "node_of", "evictable", "lru", "order")
 
     def __init__(self, name: str, kv: torch.Tensor, num_blocks: int) -> None:
-        self.name, self.kv, self.alloc = name, kv, BlockAllocator(num_blocks)
+        self.name = name
+        self.kv = kv
+        self.alloc = BlockAllocator(num_blocks)
         self.indexed = bytearray(num_blocks)  # 1 where the index holds a reference
         self.node_of: list[PoolNode | None] = [None] * num_blocks  # the node listing a block
         self.evictable = 0

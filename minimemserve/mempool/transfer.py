@@ -8,13 +8,47 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
+import torch
+
+from ..blocks.layout import KVLayout
 from ..errors import PoolExhausted
 from .radix import as_tokens
 from .tiers import HBM
 
 
-def send_cached_path(pool, dst, tokens: Sequence[int]) -> list[int]:
+@runtime_checkable
+class KVReceiver(Protocol):
+    """The receiving side of a transfer, the one contract a sending pool writes against: a
+    ``MemPool`` here (the tensor-parallel and the simulator's pools are MemPools), or a peer's
+    behind a proxy (the process runtime's ``RemotePool``). ``recv_alloc`` matches ``tokens``
+    (when given) and allocates the rest, ``recv_copy`` writes the sender's blocks ``src_ids``
+    of ``src`` into ``blocks``, ``recv_commit`` keeps them (indexing ``tokens``),
+    ``recv_abort`` releases them; ``free_mem`` drops one reference. ``model_layout`` and
+    ``dtype`` are what both sides must agree on."""
+
+    layout: KVLayout
+    model_layout: KVLayout
+    dtype: torch.dtype
+    block_size: int
+
+    def recv_alloc(
+        self, tokens: Sequence[int] | None, num_blocks: int
+    ) -> tuple[list[int], list[int]]: ...
+
+    def recv_copy(
+        self, blocks: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]
+    ) -> None: ...
+
+    def recv_commit(self, tokens: Sequence[int] | None, blocks: Sequence[int]) -> None: ...
+
+    def recv_abort(self, blocks: Sequence[int]) -> None: ...
+
+    def free_mem(self, blocks: Sequence[int], tier: str = HBM) -> None: ...
+
+
+def send_cached_path(pool, dst: KVReceiver, tokens: Sequence[int]) -> list[int]:
     """``pool.send_cached(dst, tokens)``: the spans of the cached path, one tier each, are
     pinned while they are sent."""
     toks, bs = as_tokens(tokens), pool.block_size
@@ -40,7 +74,7 @@ def send_cached_path(pool, dst, tokens: Sequence[int]) -> list[int]:
             pool._store.unhold(pool._tiers[tier], blocks)
 
 
-def _send_spans(pool, dst, toks, spans) -> list[int]:
+def _send_spans(pool, dst: KVReceiver, toks, spans) -> list[int]:
     if dst.model_layout != pool.model_layout or dst.dtype != pool.dtype:
         raise ValueError("cannot send between pools of different layout or dtype")
     pairs = [(tier, b) for tier, _, blocks in spans for b in blocks]
@@ -64,7 +98,7 @@ def _send_spans(pool, dst, toks, spans) -> list[int]:
     return matched + new
 
 
-def send(pool, dst, toks, src_blocks: Sequence[int]) -> list[int]:
+def send(pool, dst: KVReceiver, toks, src_blocks: Sequence[int]) -> list[int]:
     """dst allocates what it lacks, this pool's tensor is read straight into dst's blocks
     (here, or one-sided into a peer's mapping), dst commits; or dst releases it all."""
     if dst.model_layout != pool.model_layout or dst.dtype != pool.dtype:

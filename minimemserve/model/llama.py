@@ -60,7 +60,8 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
-        self.layer_id, self.head_dim = layer_id, cfg.head_dim
+        self.layer_id = layer_id
+        self.head_dim = cfg.head_dim
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)

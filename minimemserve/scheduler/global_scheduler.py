@@ -100,7 +100,9 @@ class PromptTrees:
     ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
-        self.block_size, self.ttl_s, self._clock = block_size, ttl_s, clock
+        self.block_size = block_size
+        self.ttl_s = ttl_s
+        self._clock = clock
         self._trees: dict[str, RadixTree] = {}
 
     def add(self, name: str) -> None:
@@ -172,9 +174,12 @@ class GlobalScheduler:
             raise ValueError("a global scheduler needs at least one instance")
         if len(set(instances)) != len(instances):
             raise ValueError(f"instance names repeat: {list(instances)}")
-        self.policy, self.block_size, self.caching = policy, block_size, caching
+        self.policy = policy
+        self.block_size = block_size
+        self.caching = caching
         self.cost = cost_model or TokenCost()
-        self._clock, self._last_sweep = clock, clock()
+        self._clock = clock
+        self._last_sweep = clock()
         self.trees = PromptTrees(block_size, ttl_s, clock)
         self.live = list(instances)
         for name in instances:

@@ -48,8 +48,12 @@ class LocalScheduler:
     ):
         if policy not in POLICIES:
             raise ConfigError(f"unknown local scheduler {policy!r}; choose from {POLICIES}")
-        self.pool, self.recipe, self.policy, self.clock = pool, recipe, policy, clock
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.pool = pool
+        self.recipe = recipe
+        self.policy = policy
+        self.clock = clock
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.parked: deque[Request] = deque()  # prefilled, holding KV, waiting for room on D

@@ -24,7 +24,6 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,7 +31,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..config import EngineConfig, parse_config_name
 from ..disagg.rpc import LOOPBACK_HOSTS
-from ..disagg.runtime import ProcessCluster
 from ..errors import (
     InstanceDied,
     InvalidRequest,
@@ -40,15 +38,13 @@ from ..errors import (
     PoolExhausted,
     TransferError,
 )
-from ..llm import LLM
 from ..model.config import ModelConfig
 from ..model.tokenizer import Tokenizer
-from ..options import engine_options
-from ..presets import preset_dir
+from ..options import deployment_options, engine_options
 from ..request import RequestOutput, TokenDelta
 from ..sampling import INT64_LIMIT, SamplingParams
 from ..serving import Serving
-from . import DEFAULT_MAX_PENDING, SERVE_ENGINE_FLAGS, protocol
+from . import DEFAULT_MAX_PENDING, SERVE_ENGINE_FLAGS, SERVE_FIELDS, protocol
 from .engine_loop import EngineLoop
 from .metrics import ServerMetrics, Snapshot
 
@@ -82,7 +78,10 @@ class ApiError(Exception):
         code: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.kind, self.param, self.code = status, kind, param, code
+        self.status = status
+        self.kind = kind
+        self.param = param
+        self.code = code
 
     def body(self) -> dict:
         """``{"error": {"message", "type", "param", "code"}}``."""
@@ -211,9 +210,16 @@ class Server:
         max_pending: int = DEFAULT_MAX_PENDING,
         api_key: str | None = None,
     ) -> None:
-        self.loop, self.tok, self.chat, self.model_name = loop, tokenizer, chat, model_name
-        self.max_model_len, self.roles, self.metrics = max_model_len, roles, metrics
-        self.max_pending, self.api_key, self._ids = max_pending, api_key, itertools.count()
+        self.loop = loop
+        self.tok = tokenizer
+        self.chat = chat
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.roles = roles
+        self.metrics = metrics
+        self.max_pending = max_pending
+        self.api_key = api_key
+        self._ids = itertools.count()
 
     # ---- a request's choices ------------------------------------------------------------------
     def _params(self, gen: Generation, c: Choice) -> SamplingParams:
@@ -514,38 +520,14 @@ def build_app(server: Server) -> FastAPI:
 # ---- the command ------------------------------------------------------------------------------
 def make_server(args: argparse.Namespace) -> Server:
     """Start the engine (loading the model) and wrap it as a :class:`Server`."""
-    model_dir = Path(preset_dir("tiny") if args.model is None else args.model)
-    deployment = parse_config_name(args.config)
-    ecfg = EngineConfig(**engine_options(args, SERVE_ENGINE_FLAGS))
-
-    def make() -> Serving:
-        if args.runtime == "inprocess":
-            llm = LLM(
-                model_dir,
-                config=args.config,
-                device=args.device,
-                dtype=args.dtype,
-                **dataclasses.asdict(ecfg),
-            )
-            return llm.engine
-        return ProcessCluster(
-            model_dir,
-            args.config,
-            engine_config=ecfg,
-            device=args.device,
-            dtype=args.dtype,
-            policy=args.policy,
-            num_colocated=args.num_colocated,
-            host=args.cluster_host,
-            instances=args.instances.split(",") if args.instances else None,
-            key=args.key,
-            transport=args.transport,
-        )
-
+    engine = EngineConfig(**engine_options(args, SERVE_ENGINE_FLAGS))
+    spec = deployment_options(args, SERVE_FIELDS, engine)
+    model_dir = spec.model_dir
+    deployment = parse_config_name(spec.config)
     tok = Tokenizer.from_dir(model_dir)
     chat = protocol.ChatFormat(model_dir, tok)  # a broken template fails before the engine starts
     metrics = ServerMetrics()
-    loop = EngineLoop(make, on_output=metrics.observe_output)
+    loop = EngineLoop(spec.build, on_output=metrics.observe_output)
     loop.start(STARTUP_TIMEOUT_S)
     metrics.roles = {name: v["role"] for name, v in loop.serving.load().items()}
     context = ModelConfig.from_hf(model_dir).max_position_embeddings

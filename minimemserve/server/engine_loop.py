@@ -42,10 +42,12 @@ class EngineLoop:
         make_serving: Callable[[], Serving],
         on_output: Callable[[RequestOutput], None] = lambda out: None,
     ) -> None:
-        self._make, self._on_output = make_serving, on_output
+        self._make = make_serving
+        self._on_output = on_output
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._ready, self._stopping = threading.Event(), False
+        self._ready = threading.Event()
+        self._stopping = False
         self.serving: Serving | None = None
         self.error: BaseException | None = None  # why the thread ended, if it failed
         self._thread = threading.Thread(target=self._main, name="mms-engine", daemon=True)

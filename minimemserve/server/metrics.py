@@ -101,7 +101,8 @@ class ServerMetrics:
     """Every metric of one server, in its own registry. ``roles`` maps instance to role."""
 
     def __init__(self, roles: dict[str, str] | None = None) -> None:
-        self.registry, self.roles = CollectorRegistry(), dict(roles or {})
+        self.registry = CollectorRegistry()
+        self.roles = dict(roles or {})
         self.snapshot = Snapshot()
 
         def hist(name: str, doc: str) -> Histogram:

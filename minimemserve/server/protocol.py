@@ -274,7 +274,9 @@ class Detokenizer:
     on the piece before it), so a long answer costs linear time, not quadratic."""
 
     def __init__(self, tok: Tokenizer, stop: Sequence[str]) -> None:
-        self.tok, self.stop, self.tokens = tok, list(stop), []
+        self.tok = tok
+        self.stop = list(stop)
+        self.tokens = []
         self.text = ""  # the text of tokens[:read]
         self.prefix = self.read = 0
         self.sent = ""  # text handed out so far

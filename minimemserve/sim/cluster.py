@@ -32,7 +32,7 @@ from minimemserve.blocks.layout import KVLayout
 from minimemserve.config import Deployment, EngineConfig, parse_config_name
 from minimemserve.engine import Engine, StepPlan
 from minimemserve.errors import ConfigError, InstanceDied, PoolExhausted
-from minimemserve.mempool import MemPool
+from minimemserve.mempool import KVReceiver, MemPool
 from minimemserve.model.config import ModelConfig
 from minimemserve.parallel import TPShard
 from minimemserve.recipes import Role, decode_preference
@@ -66,7 +66,8 @@ class Transfer:
         calls: tuple[int, int],
         streamed_tail_s: float | None = None,
     ) -> None:
-        self.src, self.dst = src, dst
+        self.src = src
+        self.dst = dst
         # by layer, sent from the step that computed it: the copy overlapped that step and
         # ends at most its last layer's copy after it
         self.streamed_tail_s = streamed_tail_s
@@ -86,7 +87,7 @@ class SimPool(MemPool):
     def _sent(self, dst: MemPool, before: int) -> None:
         self.last = self.on_send(self, dst, self.counters["sent_blocks"] - before)
 
-    def transfer(self, dst: MemPool, src_blocks: Sequence[int]) -> list[int]:
+    def transfer(self, dst: KVReceiver, src_blocks: Sequence[int]) -> list[int]:
         """``MemPool.transfer``, its link time booked."""
         before = self.counters["sent_blocks"]
         got = super().transfer(dst, src_blocks)
@@ -94,7 +95,7 @@ class SimPool(MemPool):
         return got
 
     def transfer_with_insert(
-        self, dst: MemPool, tokens: Sequence[int], src_blocks: Sequence[int]
+        self, dst: KVReceiver, tokens: Sequence[int], src_blocks: Sequence[int]
     ) -> list[int]:
         """``MemPool.transfer_with_insert``, its link time booked."""
         before = self.counters["sent_blocks"]
@@ -384,26 +385,17 @@ class SimCluster:
         self.step_time = step_time
         self.topology = topology
         self.net = Network(self, topology, transfer_mode)
-        self.now, self._seq, self._events = 0.0, itertools.count(), []
+        self.now = 0.0
+        self._seq = itertools.count()
+        self._events = []
         self.steps = 0
         # instance-seconds in steps, in steps with prefill work, and decode-seconds held up
         self.busy_s = self.prefill_busy_s = self.decode_stall_s = 0.0
-        self.route_calls, self.route_wall_s = 0, 0.0
-        self.instances: list[SimInstance] = []
-        layout = TPShard(0, 1, model_config).kv_layout(engine_config.block_size)
-        for i, (name, role) in enumerate(self.deployment.instances(colocated=colocated)):
-            pool = SimPool(layout, num_blocks, on_send=self.net.send, dtype=dtype, instance_id=name)
-            eng = SimEngine.from_parts(
-                pool,
-                model_config,
-                _TokenIds(),
-                config=config,
-                role=role,
-                peers=self,
-                engine_config=engine_config,
-                clock=self.clock,
-            )
-            self.instances.append(SimInstance(name, role, eng, self, i))
+        self.route_calls = 0
+        self.route_wall_s = 0.0
+        self.instances = self._make_instances(
+            config, colocated, model_config, engine_config, num_blocks, dtype
+        )
         self.by_name = {i.name: i for i in self.instances}
         self.by_pool = {id(i.pool): i for i in self.instances}
         milestone = self.deployment.milestone
@@ -423,6 +415,27 @@ class SimCluster:
         # they are taken in a fixed order (a set of objects would follow memory addresses)
         self.dirty: dict[SimInstance, None] = {}
         self._blocked: dict[SimInstance, None] = {}
+
+    def _make_instances(
+        self, config, colocated, model_config, engine_config, num_blocks, dtype
+    ) -> list[SimInstance]:
+        """The deployment's instances, each a simulated engine over a ``SimPool``."""
+        layout = TPShard(0, 1, model_config).kv_layout(engine_config.block_size)
+        out = []
+        for i, (name, role) in enumerate(self.deployment.instances(colocated=colocated)):
+            pool = SimPool(layout, num_blocks, on_send=self.net.send, dtype=dtype, instance_id=name)
+            eng = SimEngine.from_parts(
+                pool,
+                model_config,
+                _TokenIds(),
+                config=config,
+                role=role,
+                peers=self,
+                engine_config=engine_config,
+                clock=self.clock,
+            )
+            out.append(SimInstance(name, role, eng, self, i))
+        return out
 
     # ---- what recipes need (Peers) -----------------------------------------------------------
     def pick_decode(self, req: Request, exclude: Sequence[str]) -> SimInstance | None:

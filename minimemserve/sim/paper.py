@@ -159,7 +159,7 @@ def run_workload(
     t0 = time.perf_counter()
     futures = {}
     for name, (gpus, config, routing) in runs.items():
-        setup = dataclasses.replace(setups[gpus], policy=routing)
+        setup = setups[gpus].with_deployment(policy=routing)
         futures[name] = pool.submit(simulate_one, setup, config, w.sessions, w.rate, seed)
     summaries, stats = {}, {}
     for name, future in futures.items():
@@ -230,7 +230,7 @@ def reproduce(
     for gpus in sorted(set(RATIOS.values())):
         s = gpu_setup(model, hardware, gpus, tp)
         cfg = dataclasses.replace(s.engine_config, scheduler=scheduler)
-        setups[gpus] = dataclasses.replace(s, engine_config=cfg)
+        setups[gpus] = s.with_deployment(engine=cfg)
     result: dict = {
         "setup": {**setups[8].describe, "scheduler": scheduler, "sessions": num_sessions},
         "load_rule": f"from {LIGHT_RATE}/s doubling, the first rate where colocated PD's mean "

@@ -438,10 +438,16 @@ class RooflineStepModel:
             raise ConfigError(f"{shape.num_attention_heads} heads do not split over TP {tp}")
         if tp > hw.gpus_per_node:
             raise ConfigError(f"TP {tp} exceeds the {hw.gpus_per_node} GPUs of a {hw.name} node")
-        self.hw, self.shape, self.tp, self.dtype_bytes = hw, shape, tp, dtype_bytes
+        self.hw = hw
+        self.shape = shape
+        self.tp = tp
+        self.dtype_bytes = dtype_bytes
         s = shape
-        h, hd, layers = s.hidden_size, s.head_dim, s.num_hidden_layers
-        q, kv = s.num_attention_heads * hd, s.num_key_value_heads * hd
+        h = s.hidden_size
+        hd = s.head_dim
+        layers = s.num_hidden_layers
+        q = s.num_attention_heads * hd
+        kv = s.num_key_value_heads * hd
         self.linear_params = layers * (h * (q + 2 * kv) + q * h + 3 * h * s.intermediate_size)
         self.head_params = s.vocab_size * h
         self.kv_bytes_per_token = 2 * layers * kv * dtype_bytes
@@ -501,8 +507,10 @@ class StepCost:
     modelled prefill step, ``transfer(n)`` the modelled KV move of ``n`` tokens."""
 
     def __init__(self, model, link: Link, kv_bytes_per_token: int, block_size: int):
-        self.model, self.link = model, link
-        self.kv_bytes_per_token, self.block_size = kv_bytes_per_token, block_size
+        self.model = model
+        self.link = link
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.block_size = block_size
 
     def exec(self, x: int, y: float) -> float:
         """Modelled seconds to prefill ``x`` tokens of which a fraction ``y`` is cached."""

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from minimemserve.config import EngineConfig, parse_config_name
+from minimemserve.deployment import DeploymentSpec
 from minimemserve.errors import ConfigError
 from minimemserve.model.config import ModelConfig
 from minimemserve.model.tokenizer import Tokenizer
@@ -67,34 +68,50 @@ _MIXED_NAME = re.compile(r"mixed (\d+)x(\d+)")
 
 @dataclass
 class SimSetup:
-    """Everything but the config name that a :class:`SimCluster` is built from."""
+    """Everything but the config name that a :class:`SimCluster` is built from: the
+    ``deployment`` simulated (its engines' config, its routing policy and cost model; its
+    configuration name is each cluster's), the hardware (step model, topology, blocks, dtype,
+    instances) and how KV moves."""
 
     model_config: ModelConfig
     step_model: Any  # FittedStepModel or RooflineStepModel
     topology: Topology
-    engine_config: EngineConfig
+    deployment: DeploymentSpec
     num_blocks: int
     dtype: torch.dtype
     instances: int
-    policy: str = "prompt_tree"
-    cost: Cost | None = None
     transfer_mode: str = "by_request_aggregated"
     tokenizer_dir: Path = field(default_factory=lambda: Path(preset_dir("tiny")))
     describe: dict = field(default_factory=dict)
 
+    @property
+    def engine_config(self) -> EngineConfig:
+        """Every simulated instance's engine config."""
+        return self.deployment.engine
+
+    @property
+    def cost(self) -> Cost | None:
+        """The routing cost model (None: prompt tokens)."""
+        return self.deployment.cost_model
+
+    def with_deployment(self, **changes: Any) -> SimSetup:
+        """This setup with the deployment's fields ``changes`` (``policy``, ``engine``...)."""
+        return replace(self, deployment=replace(self.deployment, **changes))
+
     def cluster(self, config: str) -> SimCluster:
         """A fresh simulated cluster of ``config``."""
+        d = self.deployment
         return SimCluster(
             config,
             model_config=self.model_config,
             step_time=self.step_model.step_time,
             topology=self.topology,
-            engine_config=self.engine_config,
+            engine_config=d.engine,
             num_blocks=self.num_blocks,
             dtype=self.dtype,
             instances=self.instances,
-            policy=self.policy,
-            cost=self.cost,
+            policy=d.policy,
+            cost=d.cost_model,
             transfer_mode=self.transfer_mode,
         )
 
@@ -142,12 +159,10 @@ def cpu_setup(
         mc,
         step_model,
         topo,
-        cfg,
+        DeploymentSpec(model=mdir, engine=cfg, policy=policy),
         blocks,
         torch.float32,
         CPU_INSTANCES,
-        policy,
-        None,
         tokenizer_dir=mdir,
         describe=describe,
     )
@@ -190,12 +205,10 @@ def gpu_setup(
         mc,
         roof,
         topo,
-        cfg,
+        DeploymentSpec(engine=cfg, policy=policy, cost_model=cost),
         blocks,
         GPU_DTYPE,
         gpus // tp,
-        policy,
-        cost,
         transfer_mode,
         describe=describe,
     )

@@ -437,5 +437,26 @@ def test_a_handed_off_request_round_trips_through_its_wire_state() -> None:
     back = msgspec.msgpack.decode(wire, type=rpc.RequestState).request()
     for f in rpc.RequestState.__struct_fields__:
         assert getattr(back, f) == getattr(req, f), f
-    assert (back.arrival_time, back.prefill_instance) == (12.5, "P0")
+    assert (back.arrival_time, back.prefill_instance, back.prefilled) == (12.5, "P0", True)
     assert back.prompt_token_ids == [5, 6, 7, 8] and back.output_token_ids == [9]
+
+
+def test_every_pool_a_transfer_writes_into_speaks_one_protocol() -> None:
+    """A local MemPool, the simulator's pool and a peer's proxy are each a ``KVReceiver``, the
+    one contract a sending pool writes against (recipes type their peers' pools with it)."""
+    from minimemserve.blocks.layout import KVLayout
+    from minimemserve.disagg.peering import RemotePool
+    from minimemserve.mempool import KVReceiver, MemPool
+    from minimemserve.sim.cluster import SimPool
+
+    layout = KVLayout(num_layers=2, block_size=BLOCK_SIZE, num_kv_heads=1, head_dim=4)
+    local = MemPool(layout, 4)
+    sim = SimPool(layout, 4, on_send=lambda *a: None)
+    info = rpc.PeerInfo("D0", "decode", "tcp://127.0.0.1:1", None)
+    remote = RemotePool(node("P0", lambda s, m: None), info, None, local)
+    try:
+        for pool in (local, sim, remote):
+            assert isinstance(pool, KVReceiver), type(pool).__name__
+        assert remote.pool is remote and remote.model_layout == local.model_layout
+    finally:
+        remote.node.close()

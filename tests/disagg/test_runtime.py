@@ -323,7 +323,8 @@ def test_ctrl_c_or_sigterm_on_the_frontend_shuts_everything_down(tiny_llama_dir,
 
 
 def test_benchmark_runs_configs_across_processes(tiny_llama_dir):
-    from minimemserve.bench.driver import EngineOptions, process_factories, run_bench
+    from minimemserve.bench.driver import process_factories, run_bench
+    from minimemserve.deployment import DeploymentSpec
 
     configs = ["1P1D-CC"]
     res = run_bench(
@@ -333,7 +334,7 @@ def test_benchmark_runs_configs_across_processes(tiny_llama_dir):
         max_turns=2,
         model_dir=tiny_llama_dir,
         out_dir=None,
-        options=EngineOptions(engine=EngineConfig(num_blocks=NUM_BLOCKS)),
+        options=DeploymentSpec(engine=EngineConfig(num_blocks=NUM_BLOCKS)),
         max_output_tokens=6,
         factories=process_factories(configs, start_method="forkserver"),
         progress=False,

@@ -1,0 +1,122 @@
+"""One deployment, as data: what to serve (the model, the configuration, every instance's
+engine settings) and how to run it (in this process, or one process per instance behind the
+global scheduler), and the one way to build its :class:`~minimemserve.serving.Serving`
+(:meth:`DeploymentSpec.build`). ``LLM``, the command line, the server and the benchmark build
+deployments from it; the commands' options are generated from its fields
+(``minimemserve.options``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import LOOPBACK, TRANSPORTS, EngineConfig, parse_config_name
+from .disagg.cluster import InProcessCluster
+from .errors import ConfigError
+from .presets import preset_dir
+from .scheduler.global_scheduler import POLICIES, Cost
+from .serving import Serving
+
+# How a deployment's instances run: all in this process, or one process each.
+RUNTIMES = ("inprocess", "process")
+# The dtypes the commands offer (the engine takes any torch floating dtype).
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    """A deployment: configuration ``config`` (``PD``, ``PD-CC``, ``1P1D``, ``1P1D-CC1/2/3``,
+    ``xPyD``...) of the checkpoint ``model`` (None: the tiny preset) on ``device`` in
+    ``dtype``, every instance with ``engine``; run by ``runtime`` (see :data:`RUNTIMES`). Both
+    runtimes route by the global scheduler's ``policy`` (and ``cost_model``: None counts
+    prompt tokens). The process runtime also takes: ``num_colocated`` instances of a colocated
+    configuration, ``cores_per_instance`` (None: the runtime's default), the KV
+    ``transport`` between instances, the address ``cluster_host`` its control plane binds,
+    and ``instances``, the ``HOST:PORT`` of standalone instances to join instead of spawning
+    (with the cluster ``key`` file)."""
+
+    config: str = "PD"
+    model: str | Path | None = None
+    device: str | torch.device = "cpu"
+    dtype: str | torch.dtype = "float32"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    runtime: str = "inprocess"
+    policy: str = "prompt_tree"
+    cost_model: Cost | None = None
+    num_colocated: int = 2
+    cores_per_instance: int | None = None
+    transport: str = "auto"
+    cluster_host: str = LOOPBACK
+    instances: tuple[str, ...] = ()
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("runtime", RUNTIMES),
+            ("policy", POLICIES),
+            ("transport", TRANSPORTS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not isinstance(self.engine, EngineConfig):
+            raise ConfigError(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
+        object.__setattr__(self, "instances", tuple(self.instances))
+
+    @property
+    def model_dir(self) -> Path:
+        """The checkpoint directory (the tiny preset's when ``model`` is None)."""
+        return Path(preset_dir("tiny") if self.model is None else self.model)
+
+    def build(self, cluster: type | None = None, **process_kw: Any) -> Serving:
+        """Start the deployment: an ``InProcessCluster`` or a ``ProcessCluster`` (``cluster``
+        may be a subclass, such as the benchmark's multi-host one; ``process_kw`` are its
+        further arguments: timeouts, start method...). An unknown configuration name raises
+        ``ConfigError`` here, naming it."""
+        if cluster is None and self.runtime == "process":
+            from .disagg.runtime import ProcessCluster as cluster  # lazy: msgspec and ZeroMQ
+
+        parse_config_name(self.config)
+        if self.runtime == "inprocess":
+            return InProcessCluster(
+                self.model_dir,
+                parse_config_name(self.config),
+                device=self.device,
+                dtype=self.dtype,
+                engine_config=self.engine,
+                policy=self.policy,
+                cost_model=self.cost_model,
+            )
+        cores = self.cores_per_instance
+        extra = {} if cores is None else {"cores_per_instance": cores}
+        return cluster(
+            self.model_dir,
+            self.config,
+            engine_config=self.engine,
+            device=self.device,
+            dtype=self.dtype,
+            policy=self.policy,
+            cost_model=self.cost_model,
+            num_colocated=self.num_colocated,
+            host=self.cluster_host,
+            instances=list(self.instances) or None,
+            key=self.key,
+            transport=self.transport,
+            **extra | process_kw,
+        )
+
+    def describe(self) -> dict:
+        """The spec as JSON-ready data (a cost model by its class name)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        cost = self.cost_model
+        return d | {
+            "model": str(self.model_dir),
+            "device": str(self.device),
+            "dtype": str(self.dtype),
+            "engine": asdict(self.engine),
+            "cost_model": "prompt tokens" if cost is None else type(cost).__name__,
+            "instances": list(self.instances),
+        }

@@ -1,0 +1,88 @@
+"""The deployment spec: one dataclass the commands' options are generated from, and the one
+way LLM, the server and the benchmark build a deployment."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from minimemserve import LLM, SamplingParams
+from minimemserve.cli import build_parser
+from minimemserve.config import EngineConfig
+from minimemserve.deployment import DeploymentSpec
+from minimemserve.disagg.cluster import InProcessCluster
+from minimemserve.errors import ConfigError
+from minimemserve.options import (
+    DEPLOYMENT_FLAGS,
+    add_deployment_arguments,
+    deployment_options,
+)
+
+
+def test_every_field_but_the_engine_has_a_generated_option():
+    names = {f.name for f in dataclasses.fields(DeploymentSpec)}
+    assert set(DEPLOYMENT_FLAGS) == names - {"engine"}
+    p = add_deployment_arguments(argparse.ArgumentParser(), list(DEPLOYMENT_FLAGS))
+    defaults = p.parse_args([])
+    spec = deployment_options(defaults, list(DEPLOYMENT_FLAGS), EngineConfig())
+    assert spec == DeploymentSpec()  # the options default to the fields' defaults
+    args = p.parse_args(
+        ["--config", "2P1D", "--num-colocated", "3", "--policy", "session"]
+        + ["--instances", "10.0.0.1:7000,10.0.0.2:7000", "--runtime", "process"]
+    )
+    spec = deployment_options(args, list(DEPLOYMENT_FLAGS), EngineConfig(num_blocks=64))
+    assert (spec.config, spec.num_colocated, spec.policy, spec.runtime) == (
+        "2P1D",
+        3,
+        "session",
+        "process",
+    )
+    assert spec.instances == ("10.0.0.1:7000", "10.0.0.2:7000")
+    assert spec.engine.num_blocks == 64
+    with pytest.raises(SystemExit):  # choices come from the same tables the spec checks
+        p.parse_args(["--runtime", "elsewhere"])
+
+
+def test_a_command_gives_its_own_defaults():
+    p = add_deployment_arguments(argparse.ArgumentParser(), ["config", "runtime"], config="PD-CC")
+    spec = deployment_options(p.parse_args([]), ["config", "runtime"], EngineConfig())
+    assert (spec.config, spec.runtime) == ("PD-CC", "inprocess")
+
+
+def test_bad_values_are_named():
+    for field, value in (("runtime", "cloud"), ("policy", "random"), ("transport", "carrier")):
+        with pytest.raises(ConfigError, match=field):
+            DeploymentSpec(**{field: value})
+    with pytest.raises(ConfigError, match="engine must be an EngineConfig"):
+        DeploymentSpec(engine={"num_blocks": 4})
+    with pytest.raises(ConfigError, match="3P"):
+        DeploymentSpec(config="3P").build()  # the name is checked where it is built
+
+
+def test_llm_builds_from_the_spec_and_its_keywords_alike():
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    spec = DeploymentSpec(config="1P1D-CC", engine=EngineConfig(num_blocks=64))
+    with LLM.from_spec(spec) as a, LLM(None, config="1P1D-CC", num_blocks=64) as b:
+        assert isinstance(a.engine, InProcessCluster) and a.spec == b.spec
+        assert a.generate([[5, 6, 7, 8]], params)[0].token_ids == (
+            b.generate([[5, 6, 7, 8]], params)[0].token_ids
+        )
+        a.engine.check_pools(require_idle=True)
+
+
+@pytest.mark.parametrize(
+    ("argv", "fields"),
+    [
+        (["serve", "--runtime", "inprocess", "--config", "1P1D"], ("config", "runtime")),
+        (["generate", "--prompt", "hi", "--dtype", "float16"], ("dtype",)),
+        (["bench", "--policy", "least_load", "--transport", "gloo"], ("policy", "transport")),
+    ],
+)
+def test_the_commands_take_their_deployment_options_from_the_spec(argv, fields):
+    args = build_parser().parse_args(argv)
+    spec = deployment_options(args, fields, EngineConfig())
+    for field in fields:
+        flag = DEPLOYMENT_FLAGS[field][0]
+        assert getattr(spec, field) == argv[argv.index(flag) + 1]
