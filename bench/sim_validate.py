@@ -56,8 +56,13 @@ CALIBRATION_PROMPT_TOKENS = 384
 # forward pass, and how many decode together on each instance while it is measured.
 OVERHEAD_OUTPUT_TOKENS, OVERHEAD_BATCHES = 64, (1, 16)
 # Contention: prompts timed on one instance, alone and while the other decodes or prefills,
-# requests decoding together there, and prompts queued on the other to keep it prefilling.
-CONTENTION_PREFILLS, CONTENTION_DECODES, CONTENTION_BACKGROUND_PREFILLS = 5, 4, 24
+# and requests decoding together there.
+CONTENTION_PREFILLS, CONTENTION_DECODES = 5, 4
+# What keeps the other instance prefilling meanwhile: a few prompts of nearly the tiny
+# preset's whole 2048-token context, four chunks of the 512-token step budget each. Long
+# ones, because the frontend's submit to a busy instance waits for its step to end: many
+# short prompts would be prefilled as fast as they could be submitted.
+BACKGROUND_PREFILLS, BACKGROUND_PROMPT_TOKENS = 4, 2040
 FIRST_PROMPT_TOKEN = 3  # ids 0-2 are <unk>, <s>, </s> in the presets
 # A step-model fit whose mean error exceeds this was disturbed (the machine is shared): it is
 # retaken, up to FIT_TRIES fits in all, and the best one kept.
@@ -118,8 +123,8 @@ def measure_contention(model_dir: str | Path | None = None) -> tuple[Contention,
     first instance, the median time to first token of :data:`CONTENTION_PREFILLS` prompts of
     :data:`CALIBRATION_PROMPT_TOKENS` tokens and the median time per output token of
     :data:`CONTENTION_DECODES` requests with prompts that long decoding together, alone, then
-    while the second decodes that many such requests, then while it prefills a queue of such
-    prompts."""
+    while the second decodes that many such requests, then while it prefills a queue of long
+    prompts (a phase whose background ended before its measurements did is reported)."""
     mdir = Path(model_dir or preset_dir("tiny"))
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     dec = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
@@ -130,8 +135,8 @@ def measure_contention(model_dir: str | Path | None = None) -> tuple[Contention,
         for i in range(CONTENTION_DECODES)
     ]
     prefilling = [  # distinct prompts: none is cached
-        [FIRST_PROMPT_TOKEN + (i * 11 + j) % 1000 for j in range(CALIBRATION_PROMPT_TOKENS)]
-        for i in range(CONTENTION_BACKGROUND_PREFILLS)
+        [FIRST_PROMPT_TOKEN + (i * 11 + j) % 1000 for j in range(BACKGROUND_PROMPT_TOKENS)]
+        for i in range(BACKGROUND_PREFILLS)
     ]
     backgrounds = {"alone": None, "decode": (decoding, long), "prefill": (prefilling, one)}
     ttft, tpot = {}, {}
@@ -151,8 +156,9 @@ def measure_contention(model_dir: str | Path | None = None) -> tuple[Contention,
             )
             outs = _on_first(c, decoding, dec, f"{phase}-decodes")
             tpot[phase] = float(np.median([o.metrics.tpot for o in outs]))
-            for rid in started:
-                c.abort(rid)
+            running = [o for rid in started if (o := c.abort(rid)) is not None]
+            if background and not running:
+                print(f"contention beside {phase}: the background ended before the measurements")
             c.run_until_done()
     ratio = lambda times, beside: max(1.0, times[beside] / times["alone"])
     contention = Contention(
