@@ -40,6 +40,7 @@ from minimemserve.deployment import DeploymentSpec
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.presets import preset_dir
 from minimemserve.sampling import SamplingParams
+from minimemserve.scheduler.global_scheduler import GlobalScheduler
 from minimemserve.sim.cluster import Contention
 from minimemserve.sim.profiles import FittedStepModel, StepShape, fit_cpu_steps, with_overhead
 from minimemserve.sim.runner import CPU_INSTANCES, DEFAULT_CONFIGS, cpu_setup, run_sim
@@ -64,6 +65,7 @@ CONTENTION_PREFILLS, CONTENTION_DECODES = 5, 4
 # short prompts would be prefilled as fast as they could be submitted.
 BACKGROUND_PREFILLS, BACKGROUND_PROMPT_TOKENS = 4, 2040
 FIRST_PROMPT_TOKEN = 3  # ids 0-2 are <unk>, <s>, </s> in the presets
+BLOCK_SIZE = EngineConfig().block_size  # the session policy hashes a prompt's first block
 # A step-model fit whose mean error exceeds this was disturbed (the machine is shared): it is
 # retaken, up to FIT_TRIES fits in all, and the best one kept.
 FIT_RETAKE_ERROR, FIT_TRIES = 0.10, 3
@@ -101,25 +103,12 @@ def measure_runtime_overhead(
     return max(-step, o1 - per_row * b1), per_row
 
 
-def _on_first(c: ProcessCluster, prompts: list[list[int]], params, tag: str) -> list:
-    """Run ``prompts`` on the first instance of a two-instance round-robin cluster (a
-    one-token request to the other instance before each), to the end; their outputs."""
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    rids = []
-    for i, ids in enumerate(prompts):
-        c.add_request([FIRST_PROMPT_TOKEN], one, request_id=f"{tag}-pad-{i}")
-        rids.append(c.add_request(ids, params, request_id=f"{tag}-{i}"))
-    outs: dict = {}
-    while not all(r in outs for r in rids):
-        outs.update((o.request_id, o) for o in c.step())
-    return [outs[r] for r in rids]
-
-
 def measure_contention(model_dir: str | Path | None = None) -> tuple[Contention, float]:
     """How many times longer a step takes on one of the bench's two one-core instances while
     the other is in a step than while it idles, for each kind of step beside each kind (a
     :class:`Contention`), and a prefill's seconds while it idles. Timed side by side in one
-    process-runtime cluster (the cores, their memory and the frontend are shared): on the
+    process-runtime cluster (the cores, their memory and the frontend are shared; prompts are
+    steered to an instance by the ``session`` policy's hash of their first block): on the
     first instance, the median time to first token of :data:`CONTENTION_PREFILLS` prompts of
     :data:`CALIBRATION_PROMPT_TOKENS` tokens and the median time per output token of
     :data:`CONTENTION_DECODES` requests with prompts that long decoding together, alone, then
@@ -129,35 +118,40 @@ def measure_contention(model_dir: str | Path | None = None) -> tuple[Contention,
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     dec = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
     long = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS * 8, temperature=0.0, ignore_eos=True)
-    prompt = [FIRST_PROMPT_TOKEN + j % 1000 for j in range(CALIBRATION_PROMPT_TOKENS)]
-    decoding = [
-        [FIRST_PROMPT_TOKEN + (i * 7 + j) % 1000 for j in range(CALIBRATION_PROMPT_TOKENS)]
-        for i in range(CONTENTION_DECODES)
-    ]
-    prefilling = [  # distinct prompts: none is cached
-        [FIRST_PROMPT_TOKEN + (i * 11 + j) % 1000 for j in range(BACKGROUND_PROMPT_TOKENS)]
-        for i in range(BACKGROUND_PREFILLS)
-    ]
-    backgrounds = {"alone": None, "decode": (decoding, long), "prefill": (prefilling, one)}
-    ttft, tpot = {}, {}
+    n = CALIBRATION_PROMPT_TOKENS
     with ProcessCluster(
-        mdir, "PD", cores_per_instance=1, num_colocated=CPU_INSTANCES, policy="round_robin"
+        mdir, "PD", cores_per_instance=1, num_colocated=CPU_INSTANCES, policy="session"
     ) as c:
-        _on_first(c, [prompt], one, "warm-up")
+        steer = _Steer(list(c.instances))
+        prompt = steer.to(0, [FIRST_PROMPT_TOKEN + j % 1000 for j in range(n)])
+        mine = [steer.to(0, _distinct(i, n)) for i in range(CONTENTION_DECODES)]
+        backgrounds = {
+            "alone": [],
+            "decode": [(steer.to(1, _distinct(i, n, 7)), long) for i in range(CONTENTION_DECODES)],
+            "prefill": [
+                (steer.to(1, _distinct(i, BACKGROUND_PROMPT_TOKENS, 11)), one)
+                for i in range(BACKGROUND_PREFILLS)
+            ],
+        }
+        _run(c, [(prompt, one), (steer.to(1, prompt), one)], "warm-up")
+        ttft, tpot = {}, {}
         for phase, background in backgrounds.items():
-            started = _start_on_second(c, *background, phase) if background else []
+            started = [
+                c.add_request(ids, p, request_id=f"{phase}-bg-{i}")
+                for i, (ids, p) in enumerate(background)
+            ]
             ttft[phase] = float(
                 np.median(
                     [
-                        _on_first(c, [prompt], one, f"{phase}-{k}")[0].metrics.ttft
+                        _run(c, [(prompt, one)], f"{phase}-{k}")[0].metrics.ttft
                         for k in range(CONTENTION_PREFILLS)
                     ]
                 )
             )
-            outs = _on_first(c, decoding, dec, f"{phase}-decodes")
+            outs = _run(c, [(ids, dec) for ids in mine], f"{phase}-decodes")
             tpot[phase] = float(np.median([o.metrics.tpot for o in outs]))
             running = [o for rid in started if (o := c.abort(rid)) is not None]
-            if background and not running:
+            if background and len(running) < 1:
                 print(f"contention beside {phase}: the background ended before the measurements")
             c.run_until_done()
     ratio = lambda times, beside: max(1.0, times[beside] / times["alone"])
@@ -170,19 +164,36 @@ def measure_contention(model_dir: str | Path | None = None) -> tuple[Contention,
     return contention, ttft["alone"]
 
 
-def _start_on_second(c: ProcessCluster, prompts: list[list[int]], params, tag: str) -> list[str]:
-    """Add ``prompts`` to the second instance of a two-instance round-robin cluster (each
-    before a one-token request to the first, run to the end here) without waiting for them;
-    their ids."""
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    started, pads = [], []
-    for i, ids in enumerate(prompts):
-        started.append(c.add_request(ids, params, request_id=f"background-{tag}-{i}"))
-        pads.append(c.add_request([FIRST_PROMPT_TOKEN], one, request_id=f"pad-{tag}-{i}"))
-    done: set[str] = set()
-    while not done.issuperset(pads):
-        done.update(o.request_id for o in c.step())
-    return [rid for rid in started if rid not in done]
+def _distinct(i: int, n: int, stride: int = 1) -> list[int]:
+    """The ``i``-th of a family of ``n``-token prompts that share no block."""
+    return [FIRST_PROMPT_TOKEN + (i * stride + j * (i + 1)) % 1000 for j in range(n)]
+
+
+class _Steer:
+    """Prompts for a chosen instance of a ``session``-routed cluster of ``names``: the first
+    token is changed until the policy's route (asked of a scheduler of the same names) says
+    that instance."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.router = GlobalScheduler(names, policy="session", block_size=BLOCK_SIZE)
+
+    def to(self, index: int, prompt: list[int]) -> list[int]:
+        """``prompt`` with a first token that routes it to instance ``index``."""
+        for first in range(FIRST_PROMPT_TOKEN, FIRST_PROMPT_TOKEN + 1000):
+            steered = [first, *prompt[1:]]
+            if self.router.route(steered).instance == self.names[index]:
+                return steered
+        raise RuntimeError(f"no first token routes a prompt to {self.names[index]}")
+
+
+def _run(c: ProcessCluster, requests: list[tuple[list[int], SamplingParams]], tag: str) -> list:
+    """Add ``requests`` (prompt, params) and run them to the end; their outputs, in order."""
+    rids = [c.add_request(ids, p, request_id=f"{tag}-{i}") for i, (ids, p) in enumerate(requests)]
+    outs: dict = {}
+    while not all(r in outs for r in rids):
+        outs.update((o.request_id, o) for o in c.step())
+    return [outs[r] for r in rids]
 
 
 def parse_args() -> argparse.Namespace:
