@@ -16,7 +16,7 @@ so each real run is simulated (same sessions, same seed, same instance layout) w
 runtime cost and prefill speed of the calibrations just before and just after it, and the
 median contention factors of all. Prints measured against predicted mean TTFT and mean JCT
 per configuration (means over the repeats), with the ranking of each and how far the real
-runs separate neighbouring configurations. 10-12 minutes. Writes ``sim_validate.json`` and
+runs separate neighbouring configurations. 12-13 minutes. Writes ``sim_validate.json`` and
 ``sim_validate.png`` under ``--out``.
 """
 
