@@ -10,10 +10,10 @@ from dataclasses import fields
 
 from minimemserve import server
 from minimemserve.bench import driver
-from minimemserve.config import EngineConfig
+from minimemserve.config import TRANSPORTS, EngineConfig
 from minimemserve.disagg import rpc
 from minimemserve.disagg.instance import StandaloneOptions, standalone_main
-from minimemserve.disagg.launch import TRANSPORTS, parse_address
+from minimemserve.disagg.launch import parse_address
 from minimemserve.errors import ConfigError, MiniMemServeError
 from minimemserve.llm import LLM
 from minimemserve.options import (

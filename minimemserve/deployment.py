@@ -80,6 +80,8 @@ class DeploymentSpec:
             from .disagg.runtime import ProcessCluster as cluster  # lazy: msgspec and ZeroMQ
 
         parse_config_name(self.config)
+        if self.runtime == "inprocess" and (cluster is not None or process_kw):
+            raise ConfigError("cluster and its arguments are for the process runtime only")
         if self.runtime == "inprocess":
             return InProcessCluster(
                 self.model_dir,

@@ -59,6 +59,8 @@ def test_bad_values_are_named():
         DeploymentSpec(engine={"num_blocks": 4})
     with pytest.raises(ConfigError, match="3P"):
         DeploymentSpec(config="3P").build()  # the name is checked where it is built
+    with pytest.raises(ConfigError, match="process runtime only"):
+        DeploymentSpec().build(start_method="spawn")
 
 
 def test_llm_builds_from_the_spec_and_its_keywords_alike():

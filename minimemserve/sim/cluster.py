@@ -384,6 +384,7 @@ class SimCluster:
         self.deployment, colocated = scaled_deployment(config, instances)
         self.step_time = step_time
         self.topology = topology
+        self.contended = topology.contention.any  # read at every step's start
         self.net = Network(self, topology, transfer_mode)
         self.now = 0.0
         self._seq = itertools.count()
@@ -515,7 +516,7 @@ class SimCluster:
         """How many times longer the step ``inst`` starts takes than alone: by the contention
         of its kind beside the others in a step (beside prefill work if any has it)."""
         others = [j for j in self.instances if j is not inst and j.busy]
-        if not others or not self.topology.contention.any:
+        if not others or not self.contended:
             return 1.0
         return self.topology.contention.factor(inst.prefilling, any(j.prefilling for j in others))
 
