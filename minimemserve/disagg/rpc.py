@@ -43,6 +43,7 @@ FRONTEND = "frontend"
 DEFAULT_TIMEOUT_S = 30.0  # a loopback round trip takes < 1 ms: a peer this late is dead or stuck
 WAIT_SLICE_S = 0.05  # longest poll while awaiting a reply, so heartbeats and dead peers are seen
 SEND_HWM = 10_000  # messages queued towards one peer before sends fail fast
+MAX_DEFERRED = 10_000  # deferred messages a node keeps while it waits; more are refused
 MAX_MESSAGE_BYTES = 32 << 20  # largest control message accepted: a 1M-token prompt is ~9 MB
 TAG_BYTES = 32  # HMAC-SHA256 of the payload, sent in front of it
 # How old (sender's clock) the first frame of a stream a node has not seen may be, counted back
@@ -627,6 +628,12 @@ class RpcNode:
         if not self._admit(env, horizon):
             return
         if self._calls and type(env.msg) in self.deferred:
+            if len(self._queued) >= MAX_DEFERRED:  # a flood while we wait: refuse, count it
+                self.rejected += 1
+                if env.kind == "req":
+                    why = f"{self.name} holds {MAX_DEFERRED} deferred messages already"
+                    self._reply(ident, env.seq, env.sender, Error("TransferError", why))
+                return
             self._queued.append((ident, env))
         else:
             self._dispatch(ident, env)

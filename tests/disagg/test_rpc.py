@@ -365,6 +365,42 @@ def test_deferred_messages_wait_for_the_end_of_a_call_and_are_answered_then():
             n.close()
 
 
+def test_deferred_messages_beyond_the_cap_are_refused(monkeypatch):
+    """While a node waits, a deferred request that would exceed its queue gets an error."""
+    monkeypatch.setattr(rpc, "MAX_DEFERRED", 0)
+    a = node("A", lambda s, m: None, timeout_s=5)
+    b = node("B", lambda s, m: time.sleep(0.5) or ProbeReply(0, 0))
+    c = node("C", lambda s, m: None)
+    a.deferred = frozenset({rpc.Query})
+    a.connect("B", b.address)
+    c.connect("A", a.address)
+    stop, errors = threading.Event(), []
+
+    def serve_b():
+        while not stop.is_set():
+            b.serve(0.02)
+
+    def from_c():
+        time.sleep(0.1)
+        with pytest.raises(RemoteError, match="deferred messages already") as e:
+            c.call("A", rpc.Query("stats"), timeout_s=5)
+        errors.append(e.value)
+
+    threads = [threading.Thread(target=serve_b), threading.Thread(target=from_c)]
+    try:
+        for t in threads:
+            t.start()
+        assert a.call("B", Probe([])) == ProbeReply(0, 0)
+        threads[1].join(10)
+        assert len(errors) == 1 and a.rejected == 1 and not a._queued
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        for n in (a, b, c):
+            n.close()
+
+
 def test_an_oversized_frame_is_dropped_and_the_node_keeps_serving(monkeypatch) -> None:
     monkeypatch.setattr(rpc, "MAX_MESSAGE_BYTES", 4096)  # read when the node is made
     receiver = _Receiver()
