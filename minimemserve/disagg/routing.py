@@ -66,7 +66,7 @@ class Router:
         """Send a request where ``route`` says; it is in flight from before the call."""
         self.ledger.inflight[rid] = f
         f.where = route.instance
-        # before the call: its output may be handled while the call waits for the reply
+        # before the call: the instance may report on it as soon as it has the request
         self.scheduler.dispatched(rid, route, f.req.num_prompt, f.req.params.max_tokens)
         try:
             self.node.call(route.instance, rpc.Submit(rpc.RequestState.of(f.req)))
