@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import multiprocessing as mp
 import secrets
@@ -318,38 +319,54 @@ def test_calls_in_both_directions_at_once_do_not_deadlock():
         b.close()
 
 
-def test_deferred_messages_wait_for_the_end_of_a_call_and_are_answered_then():
-    """A waits on B; C's Query (deferred by A) is queued and handled after the call, by
-    A's next serve, while C's Probe (not deferred) is handled during the wait."""
-    handled: list[tuple[str, int]] = []
-
-    def a_handler(sender, msg):
-        handled.append((type(msg).__name__, a._calls))
-        return Info({"calls": a._calls}) if isinstance(msg, rpc.Query) else None
-
-    def b_handler(sender, msg):
-        time.sleep(0.5)  # B is slow to answer: A waits
-        return ProbeReply(0, 0)
-
-    a, b, c = node("A", a_handler, timeout_s=5), node("B", b_handler), node("C", lambda s, m: None)
+@contextlib.contextmanager
+def _a_waits_on_b(a_handler, from_c):
+    """Nodes A (deferring Query), B (slow to answer) and C; ``from_c(c)`` runs in a thread
+    once A is waiting on B. Yields A; B serves and C's thread runs until the block ends."""
+    a = node("A", a_handler, timeout_s=5)
+    b = node("B", lambda s, m: time.sleep(0.5) or ProbeReply(0, 0))  # A waits on it
+    c = node("C", lambda s, m: None)
     a.deferred = frozenset({rpc.Query})
     a.connect("B", b.address)
     c.connect("A", a.address)
-    stop, answers = threading.Event(), []
+    stop = threading.Event()
 
     def serve_b():
         while not stop.is_set():
             b.serve(0.02)
 
-    def from_c():
+    def run_c():
         time.sleep(0.1)  # A is waiting on B by now
-        c.push("A", Probe([]))
-        answers.append(c.call("A", rpc.Query("stats"), timeout_s=5))
+        from_c(c)
 
-    threads = [threading.Thread(target=serve_b), threading.Thread(target=from_c)]
+    threads = [threading.Thread(target=serve_b), threading.Thread(target=run_c)]
     try:
         for t in threads:
             t.start()
+        yield a
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        for n in (a, b, c):
+            n.close()
+
+
+def test_deferred_messages_wait_for_the_end_of_a_call_and_are_answered_then():
+    """A waits on B; C's Query (deferred by A) is queued and handled after the call, by
+    A's next serve, while C's Probe (not deferred) is handled during the wait."""
+    handled: list[tuple[str, int]] = []
+    answers = []
+
+    def a_handler(sender, msg):
+        handled.append((type(msg).__name__, a._calls))
+        return Info({"calls": a._calls}) if isinstance(msg, rpc.Query) else None
+
+    def from_c(c):
+        c.push("A", Probe([]))
+        answers.append(c.call("A", rpc.Query("stats"), timeout_s=5))
+
+    with _a_waits_on_b(a_handler, from_c) as a:
         assert a.call("B", Probe([])) == ProbeReply(0, 0)
         assert handled == [("Probe", 1)]  # the Query waited
         deadline = time.monotonic() + 5
@@ -357,48 +374,24 @@ def test_deferred_messages_wait_for_the_end_of_a_call_and_are_answered_then():
             a.serve(0.02)
         assert handled == [("Probe", 1), ("Query", 0)]
         assert answers == [Info({"calls": 0})]
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(10)
-        for n in (a, b, c):
-            n.close()
 
 
 def test_deferred_messages_beyond_the_cap_are_refused(monkeypatch):
     """While a node waits, a deferred request that would exceed its queue gets an error."""
     monkeypatch.setattr(rpc, "MAX_DEFERRED", 0)
-    a = node("A", lambda s, m: None, timeout_s=5)
-    b = node("B", lambda s, m: time.sleep(0.5) or ProbeReply(0, 0))
-    c = node("C", lambda s, m: None)
-    a.deferred = frozenset({rpc.Query})
-    a.connect("B", b.address)
-    c.connect("A", a.address)
-    stop, errors = threading.Event(), []
+    errors = []
 
-    def serve_b():
-        while not stop.is_set():
-            b.serve(0.02)
-
-    def from_c():
-        time.sleep(0.1)
+    def from_c(c):
         with pytest.raises(RemoteError, match="deferred messages already") as e:
             c.call("A", rpc.Query("stats"), timeout_s=5)
         errors.append(e.value)
 
-    threads = [threading.Thread(target=serve_b), threading.Thread(target=from_c)]
-    try:
-        for t in threads:
-            t.start()
+    with _a_waits_on_b(lambda s, m: None, from_c) as a:
         assert a.call("B", Probe([])) == ProbeReply(0, 0)
-        threads[1].join(10)
+        deadline = time.monotonic() + 5
+        while not errors and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert len(errors) == 1 and a.rejected == 1 and not a._queued
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(10)
-        for n in (a, b, c):
-            n.close()
 
 
 def test_an_oversized_frame_is_dropped_and_the_node_keeps_serving(monkeypatch) -> None:
