@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import sys
@@ -42,13 +43,14 @@ import zmq
 
 from ..config import EngineConfig, parse_config_name
 from ..engine import Engine
-from ..errors import InstanceDied, InvalidRequest, RemoteError, TransferError
+from ..errors import ConfigError, InstanceDied, InvalidRequest, RemoteError, TransferError
 from ..mempool import MemPool
 from ..mempool.shared import SharedPoolTensor
 from ..model.config import ModelConfig
 from ..recipes import Role, decode_preference
 from ..request import Request, logprobs_fit
 from . import rpc
+from .nixl import NixlEndpoint, nixl_missing
 from .peering import Grants, PeerLinks, RemotePool
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ class InstanceSpec:
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     parent_pid: int = 0
     shared_pool: bool = False  # hbm pool in shared memory, for peers to write into
+    linked: bool = False  # peers move KV into its pool (over whichever transport)
     secret: bytes = field(default=b"", repr=False)  # the cluster's control-plane key
     curve: tuple[bytes, bytes] | None = field(default=None, repr=False)  # off loopback
     transport: str = "auto"  # the KV transport this instance asks for (rpc.Transport)
@@ -181,6 +184,20 @@ def _control_node(
     return node
 
 
+def nixl_endpoint(spec: InstanceSpec, pool: MemPool) -> NixlEndpoint | None:
+    """This instance's NIXL agent over ``pool``: when it asks for NIXL (which must then load
+    here), or under "auto" when NIXL loads and peers move KV into its pool; else None."""
+    if spec.transport not in ("nixl", "auto"):
+        return None
+    missing = nixl_missing()
+    if missing is not None and spec.transport == "nixl":
+        raise ConfigError(f"{spec.name} asks for the nixl KV transport, but {missing}")
+    if missing is not None or not spec.linked:
+        return None
+    agent = f"{spec.name}-{os.getpid()}-{secrets.token_hex(4)}"  # unique across restarts
+    return NixlEndpoint(agent, pool, spec.timeout_s)
+
+
 class InstanceServer:
     """One instance: engine, RPC node, peers, and the loop that drives them."""
 
@@ -215,7 +232,8 @@ class InstanceServer:
             self.pool.on_change = lambda added, toks: self.cache_events.append((added, toks))
         self.node = node = _control_node(spec, node, self._handle, self._heartbeat)
         self.node.connect(rpc.FRONTEND, spec.frontend)
-        self.peers = PeerLinks(spec, node, self.pool, self._peer_down)
+        self.nixl = nixl_endpoint(spec, self.pool)
+        self.peers = PeerLinks(spec, node, self.pool, self._peer_down, self.nixl)
         vocab = self.engine.model_config.vocab_size
         self.grants = Grants(spec.name, self.pool, vocab, self.peers.links)
         self.handlers = self._handler_table()
@@ -387,7 +405,7 @@ class InstanceServer:
     def _peer_down(self, name: str, reason: str) -> None:
         self.node.dead.setdefault(name, reason)
         if (link := self.peers.links.get(name)) is not None:
-            link.transport.close()  # keeps its counters; nothing more moves over it
+            link.close()  # keeps its counters; nothing more moves over it
         self.grants.drop(name)
 
     # ---- the loop -------------------------------------------------------------------------
@@ -402,6 +420,7 @@ class InstanceServer:
             handle,
             host_identity(),
             self.spec.transport,
+            self.nixl.info() if self.nixl is not None else None,
         )
         self.node.push(rpc.FRONTEND, rpc.Ready(info, os.getpid()))
 
@@ -460,7 +479,9 @@ class InstanceServer:
     def close(self) -> None:
         """Release sockets and links, and unlink the shared pool segment."""
         for link in self.peers.links.values():
-            link.transport.close()
+            link.close()
+        if self.nixl is not None:
+            self.nixl.close()
         self.node.close()
         if (shared := getattr(self.pool, "shared", None)) is not None:
             shared.close()
@@ -544,6 +565,7 @@ def _check_join(m: rpc.Join, opts: StandaloneOptions) -> InstanceSpec:
         heartbeat_s=m.heartbeat_s,
         parent_pid=opts.parent_pid,
         shared_pool=m.linked and opts.transport in ("auto", "shm"),
+        linked=m.linked,
         secret=opts.key.secret,
         curve=opts.key.curve_for(opts.host),
         transport=opts.transport,

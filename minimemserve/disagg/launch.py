@@ -36,7 +36,8 @@ FORKSERVER_PRELOAD = ("minimemserve.disagg.instance",)
 HELLO_RETRY_S = 2.0
 # Missed heartbeats tolerated: a long CPU prefill step sends none while it runs.
 DEFAULT_HEARTBEAT_TIMEOUT_S = 20.0
-# KV transports a cluster or an instance may ask for; "auto": shared memory on one host.
+# pair transports whose links an instance forms (and reports in its "links")
+LINKED = ("gloo", "nixl")
 
 
 @dataclass
@@ -52,27 +53,38 @@ class InstanceInfo:
     ready: bool = False
     host: str = ""  # its host's identity (instance.host_identity)
     transport: str = "auto"  # the KV transport it asks for
+    nixl: rpc.NixlInfo | None = None  # its NIXL agent, when it has one
 
     def peer_info(self) -> rpc.PeerInfo:
         """How its peers reach it."""
         return rpc.PeerInfo(
-            self.name, self.role, self.address, self.handle, self.host, self.transport
+            self.name, self.role, self.address, self.handle, self.host, self.transport, self.nixl
         )
+
+    def seen_over(self, way: str) -> rpc.PeerInfo:
+        """How a peer that reaches it over transport ``way`` sees it (the pool handle only
+        for shared memory, the agent only for NIXL)."""
+        handle = self.handle if way == "shm" else None
+        nixl = self.nixl if way == "nixl" else None
+        return msgspec.structs.replace(self.peer_info(), transport=way, handle=handle, nixl=nixl)
 
 
 def pair_transport(a: InstanceInfo, b: InstanceInfo, forced: str = "auto") -> str:
     """How KV moves between ``a`` and ``b``: what the cluster (``forced``) or either asks for,
-    else shared memory when they share a host, else torch.distributed (gloo on CPU, NCCL on
-    CUDA: "gloo" names both)."""
+    else shared memory when they share a host, else NIXL when both have an agent, else
+    torch.distributed (gloo on CPU, NCCL on CUDA: "gloo" names both)."""
     asked = {a.transport, b.transport, forced} - {"auto"}
     if len(asked) > 1:
         raise ConfigError(
             f"{a.name} asks for {a.transport} KV transport, {b.name} for {b.transport}"
         )
-    same_host = a.host == b.host
-    transport = asked.pop() if asked else ("shm" if same_host else "gloo")
+    same_host, agents = a.host == b.host, a.nixl is not None and b.nixl is not None
+    transport = asked.pop() if asked else ("shm" if same_host else "nixl" if agents else "gloo")
     if transport == "shm" and not same_host:
         raise ConfigError(f"{a.name} and {b.name} are on different hosts: no shared memory")
+    if transport == "nixl" and not agents:
+        lacks = a.name if a.nixl is None else b.name
+        raise ConfigError(f"{lacks} has no NIXL agent for the nixl KV transport")
     return "gloo" if transport == "nccl" else transport
 
 
@@ -233,6 +245,7 @@ class Launcher:
                 parent_pid=os.getpid(),
                 frontend_timeout_s=self.spec.heartbeat_timeout_s,
                 shared_pool=linked and transport in ("auto", "shm"),
+                linked=linked,
                 secret=secret,
                 curve=curve,
                 transport=transport,
@@ -317,16 +330,15 @@ class Launcher:
         for a in insts:  # answered once its pair groups formed
             formed = self.node.call(a.name, rpc.Query("links"), timeout_s=timeout_s).data
             ways = {b.name: pair_transport(a, b, self.spec.transport) for b in insts if b is not a}
-            if missing := {b for b, way in ways.items() if way == "gloo"} - set(formed):
-                raise TransferError(f"{a.name} formed no torch.distributed link with {missing}")
+            if missing := {b for b, way in ways.items() if way in LINKED} - set(formed):
+                raise TransferError(f"{a.name} formed no KV link with {missing}")
 
     def seen_by(self, a: InstanceInfo, insts: Sequence[InstanceInfo]) -> list[rpc.PeerInfo]:
         """``a`` and the instances ``insts`` as ``a`` reaches them (transport, pool handle)."""
         out = [a.peer_info()]
         for b in (b for b in insts if b is not a):
             way = pair_transport(a, b, self.spec.transport)
-            handle = b.handle if way == "shm" else None
-            out.append(msgspec.structs.replace(b.peer_info(), transport=way, handle=handle))
+            out.append(b.seen_over(way))
             if way == "gloo" and self.store is None:
                 self.store = _host_store(self.spec.host, self.spec.timeout_s)
         return out
@@ -359,11 +371,12 @@ class Launcher:
             segment_path(info.handle)  # only the project's own segments are ever mapped
         if inst.process is not None:  # spawned here: where it listens is what it says
             inst.address = info.address
-        inst.handle, inst.pid, inst.host, inst.transport = (
+        inst.handle, inst.pid, inst.host, inst.transport, inst.nixl = (
             info.handle,
             msg.pid,
             info.host,
             info.transport,
+            info.nixl,
         )
         inst.ready = True
         self.beacon.add(inst.name, inst.address)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import logging
 import time
 
-import msgspec
-
 from ..errors import ConfigError, TransferError
 from ..scheduler.global_scheduler import GlobalScheduler
 from . import rpc
@@ -108,11 +106,7 @@ class Membership:
             if self.spec.linked:
                 seen = self.launcher.seen_by(inst, [inst, *others])
                 for b, way in zip(others, (info.transport for info in seen[1:])):
-                    info = msgspec.structs.replace(
-                        inst.peer_info(),
-                        transport=way,
-                        handle=inst.handle if way == "shm" else None,
-                    )
+                    info = inst.seen_over(way)
                     self.node.push(b.name, rpc.PeerUp(info, self.launcher.store_address(), scope))
                 self.node.push(inst.name, rpc.Peers(seen, self.launcher.store_address(), scope))
                 self.node.call(inst.name, rpc.Query("links"), timeout_s=self.spec.timeout_s)

@@ -1,7 +1,7 @@
-"""An instance's peers: how it reaches each one (:class:`PeerLinks`: a mapped shared pool
-or a torch.distributed pair group, behind a :class:`RemotePool` proxy) and the blocks it
-granted to their transfers into it (:class:`Grants`). A request handed to a peer travels as
-its state (:class:`rpc.RequestState`)."""
+"""An instance's peers: how it reaches each one (:class:`PeerLinks`: a mapped shared pool,
+a torch.distributed pair group or a NIXL agent, behind a :class:`RemotePool` proxy) and the
+blocks it granted to their transfers into it (:class:`Grants`). A request handed to a peer
+travels as its state (:class:`rpc.RequestState`)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,16 @@ from ..mempool import MemPool
 from ..mempool.shared import attach, segment_path
 from ..request import Request
 from . import rpc
+from .nixl import NixlEndpoint, NixlLink
 from .transports import GlooTransport, TransferMode
 
 
 @dataclass
 class Link:
-    """A two-rank torch.distributed group with one peer, and what moved over it."""
+    """A two-rank torch.distributed group with peer ``peer``, and what moved over it."""
 
     transport: GlooTransport
+    peer: str
     tags: itertools.count = field(default_factory=itertools.count)
     sent_bytes: int = 0
     recv_bytes: int = 0
@@ -44,6 +46,37 @@ class Link:
             "recv_messages": self.recv_messages,
         }
 
+    def send(self, node: rpc.RpcNode, xfer: str, blocks: list[int], src, src_ids) -> None:
+        """Post blocks ``src_ids`` of ``src`` as one message, then have the peer receive it
+        into ``blocks`` (``KVData``); returns once it has."""
+        tag = next(self.tags) % (1 << 31)
+        posted = self.transport.send_blocks(
+            src, list(src_ids), mode=TransferMode.PACKED, tag=tag, wait=False
+        )
+        node.call(self.peer, rpc.KVData(xfer, blocks, tag))
+        posted.wait()  # the peer has it: its reply came after its receive finished
+        self.sent_bytes += len(blocks) * src[0].nbytes
+        self.sent_messages += 1
+
+    def receive(self, pool: MemPool, m: rpc.KVData) -> None:
+        """Receive what the peer posted for ``m`` into ``m.blocks`` of ``pool``."""
+        self.transport.recv_blocks(pool.kv(), m.blocks, TransferMode.PACKED, tag=m.tag)
+        self.recv_bytes += len(m.blocks) * pool.kv()[0].nbytes
+        self.recv_messages += 1
+
+    def landed(self, xfer: str, new: list[int]) -> None:
+        """Before a commit: nothing to wait for (each KVData was received as it came)."""
+
+    def forget(self, xfer: str) -> None:
+        """A transfer was aborted: nothing is kept per transfer here."""
+
+    def close(self) -> None:
+        """Nothing more moves over this link (its counters stay)."""
+        self.transport.close()
+
+
+PeerLink = Link | NixlLink  # a peer reached over torch.distributed or over NIXL
+
 
 class RemotePool:
     """A peer instance as a transfer and a recipe see it from here: its MemPool (``recv_*`` and
@@ -57,7 +90,7 @@ class RemotePool:
         info: rpc.PeerInfo,
         kv: torch.Tensor | None,
         pool: MemPool,
-        link: Link | None = None,
+        link: PeerLink | None = None,
     ) -> None:
         """Proxy ``info``, whose hbm tensor is mapped here as ``kv`` (same host) or reached over
         ``link`` (any host); its layout is ``pool``'s."""
@@ -98,23 +131,11 @@ class RemotePool:
         if self.peer in self.node.dead:
             raise InstanceDied(f"instance {self.peer} died before the write")
         if self.link is not None:
-            self._send_over_link(list(blocks), src, list(src_ids))
+            self.link.send(self.node, self._xfer, list(blocks), src, list(src_ids))
             return
         move_blocks(self.kv, list(blocks), src, list(src_ids), self.layout.block_dim)
         if self.kv.is_cuda:
             torch.cuda.current_stream(self.kv.device).synchronize()  # land before Commit
-
-    def _send_over_link(self, blocks: list[int], src: torch.Tensor, src_ids: list[int]) -> None:
-        """Post the blocks as one message, then have the peer receive it into ``blocks``."""
-        link = self.link
-        tag = next(link.tags) % (1 << 31)
-        posted = link.transport.send_blocks(
-            src, src_ids, mode=TransferMode.PACKED, tag=tag, wait=False
-        )
-        self.node.call(self.peer, rpc.KVData(self._xfer, blocks, tag))
-        posted.wait()  # the peer has it: its reply came after its receive finished
-        link.sent_bytes += len(src_ids) * src[0].nbytes
-        link.sent_messages += 1
 
     def recv_commit(self, tokens: Sequence[int] | None, blocks: Sequence[int]) -> None:
         """Step 3 on the peer: keep ``blocks`` (indexing ``tokens`` when given)."""
@@ -159,16 +180,16 @@ def store_client(host: str, port: int, timeout_s: float) -> Any:
 class Grants:
     """Blocks of ``pool`` granted to peers' transfers into this instance: which each peer
     holds (until it commits them, hands a request over with them, or frees them), and the
-    transfers under way, (peer, transfer id) -> (blocks, tokens). ``links`` are the peers
-    reached over torch.distributed (their KV arrives there)."""
+    transfers under way, (peer, transfer id) -> (blocks, tokens, blocks matched). ``links``
+    are the peers reached over torch.distributed or NIXL (their KV arrives there)."""
 
-    def __init__(self, name: str, pool: MemPool, vocab_size: int, links: dict[str, Link]):
+    def __init__(self, name: str, pool: MemPool, vocab_size: int, links: dict[str, PeerLink]):
         self.name = name
         self.pool = pool
         self.vocab_size = vocab_size
         self.links = links
         self.held: dict[str, Counter[int]] = {}
-        self.xfers: dict[tuple[str, str], tuple] = {}  # (peer, transfer) -> (blocks, tokens)
+        self.xfers: dict[tuple[str, str], tuple] = {}  # (peer, transfer) -> (blocks, tokens, m)
 
     def on_alloc(self, sender: str, m: rpc.AllocRequest) -> rpc.AllocReply:
         """A peer asks for blocks to transfer into: granted to it, after checking the sizes."""
@@ -183,30 +204,34 @@ class Grants:
             raise ValueError(f"{n} blocks for {len(toks or ())} tokens cannot be received here")
         matched, new = self.pool.recv_alloc(toks, n)
         self.held.setdefault(sender, Counter()).update(matched + new)
-        self.xfers[(sender, m.xfer)] = (matched + new, toks)
+        self.xfers[(sender, m.xfer)] = (matched + new, toks, len(matched))
         return rpc.AllocReply(matched, new)
 
     def on_commit(self, sender: str, m: rpc.Commit) -> None:
-        """A peer commits what it wrote into the blocks granted for that transfer."""
-        if self.xfers.get((sender, m.xfer)) != (m.blocks, m.tokens):
+        """A peer commits what it wrote into the blocks granted for that transfer (over NIXL,
+        once its writes' notifications are all in)."""
+        blocks, toks, matched = self.xfers.get((sender, m.xfer), (None, None, 0))
+        if (blocks, toks) != (m.blocks, m.tokens):
             raise ValueError(f"{sender} commits what was not allocated for transfer {m.xfer!r}")
+        if (link := self.links.get(sender)) is not None:
+            link.landed(m.xfer, blocks[matched:])  # raises: the sender aborts, both sides free
         del self.xfers[(sender, m.xfer)]
         self.pool.recv_commit(m.tokens, m.blocks)
 
     def on_kv_data(self, sender: str, m: rpc.KVData) -> None:
         """Receive the blocks a peer posted over our link into blocks it was granted."""
-        granted, _ = self.xfers.get((sender, m.xfer), ((), None))
+        granted = self.xfers.get((sender, m.xfer), ((),))[0]
         if (link := self.links.get(sender)) is None:
             raise ValueError(f"{self.name} has no torch.distributed link with {sender}")
         if not m.blocks or len(set(m.blocks)) != len(m.blocks) or not set(m.blocks) <= set(granted):
             raise ValueError(f"{sender} sends KV into blocks not allocated for {m.xfer!r}")
-        link.transport.recv_blocks(self.pool.kv(), m.blocks, TransferMode.PACKED, tag=m.tag)
-        link.recv_bytes += len(m.blocks) * self.pool.kv()[0].nbytes
-        link.recv_messages += 1
+        link.receive(self.pool, m)
 
     def on_abort(self, sender: str, m: rpc.Abort) -> None:
         """A peer's transfer failed: every block granted to it goes back."""
-        blocks, _ = self.xfers.pop((sender, m.xfer), (m.blocks, None))
+        blocks = self.xfers.pop((sender, m.xfer), (m.blocks,))[0]
+        if (link := self.links.get(sender)) is not None:
+            link.forget(m.xfer)
         self.pool.recv_abort(self.ungrant(sender, blocks))
 
     def ungrant(self, peer: str, blocks: list[int]) -> list[int]:
@@ -236,20 +261,24 @@ class Grants:
 
 class PeerLinks:
     """The other instances as this one reaches them (the frontend announces them): each one's
-    pool as a :class:`RemotePool`, mapped from shared memory on one host, or over a
-    torch.distributed pair group (a :class:`Link`) formed through the frontend's store.
-    ``on_down(name, reason)`` is told about a peer whose group cannot form."""
+    pool as a :class:`RemotePool`, mapped from shared memory on one host, over a
+    torch.distributed pair group (a :class:`Link`) formed through the frontend's store, or
+    over NIXL (a :class:`NixlLink` of this instance's agent ``nixl``). ``on_down(name,
+    reason)`` is told about a peer that cannot be reached so."""
 
-    def __init__(self, spec, node: rpc.RpcNode, pool: MemPool, on_down) -> None:
+    def __init__(
+        self, spec, node: rpc.RpcNode, pool: MemPool, on_down, nixl: NixlEndpoint | None = None
+    ) -> None:
         self.spec = spec
         self.name = spec.name
         self.node = node
         self.pool = pool
         self.on_down = on_down
+        self.nixl = nixl
         self.names: set[str] = set()  # the other instances, as the frontend announced
         self.infos: dict[str, rpc.PeerInfo] = {}
         self.remotes: dict[str, RemotePool] = {}
-        self.links: dict[str, Link] = {}  # peers reached over torch.distributed
+        self.links: dict[str, PeerLink] = {}  # peers reached over torch.distributed or NIXL
         self.pending: list[tuple[str, str, int]] = []  # (store key, peer, our rank)
         self.store: Any = None  # the frontend's TCPStore, while pairs form links
 
@@ -273,6 +302,8 @@ class PeerLinks:
             if self.store is None:
                 host, _, port = store.rpartition(":")
                 self.store = store_client(host, int(port), self.spec.timeout_s)
+        elif p.transport == "nixl":
+            self._reach_nixl(p)
         elif p.handle is not None:
             segment_path(p.handle)  # only the project's own segments are mapped
             self.remotes[p.name] = RemotePool(self.node, p, attach(p.handle), self.pool)
@@ -282,9 +313,24 @@ class PeerLinks:
         if m.info.name not in self.names or m.info.name not in self.node.dead:
             raise PermissionError(f"{m.info.name!r} is not a peer that died")
         del self.node.dead[m.info.name]
-        self.links.pop(m.info.name, None)
+        if (old := self.links.pop(m.info.name, None)) is not None:
+            old.close()
         self.remotes.pop(m.info.name, None)
         self.reach(m.info, m.store, m.scope)
+
+    def _reach_nixl(self, p: rpc.PeerInfo) -> None:
+        """Load ``p``'s NIXL agent, or tell ``on_down`` why it cannot be."""
+        if self.nixl is None or p.nixl is None:
+            side = self.name if self.nixl is None else p.name
+            self.on_down(p.name, f"no NIXL link: {side} has no NIXL agent")
+            return
+        try:
+            link = self.nixl.connect(p.name, p.nixl)
+        except TransferError as e:
+            self.on_down(p.name, f"no NIXL link: {e}")
+            return
+        self.links[p.name] = link
+        self.remotes[p.name] = RemotePool(self.node, p, None, self.pool, link)
 
     def form(self) -> None:
         """Join every pending pair group, in the order of the pairs' names everywhere (so two
@@ -302,7 +348,8 @@ class PeerLinks:
                         device=self.pool.device,
                         bind_host=self.spec.host,
                         timeout_s=self.spec.timeout_s,
-                    )
+                    ),
+                    peer,
                 )
             except TransferError as e:
                 self.on_down(peer, f"no torch.distributed link: {e}")

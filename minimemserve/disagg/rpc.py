@@ -113,7 +113,23 @@ class ProbeReply(Msg):
     room: bool = True
 
 
-Transport = Literal["auto", "shm", "gloo", "nccl"]
+Transport = Literal["auto", "shm", "gloo", "nccl", "nixl"]
+MAX_NIXL_METADATA = 1 << 20  # an agent's metadata is ~0.5 KiB on one host; a few per NIC
+
+
+class NixlInfo(msgspec.Struct, forbid_unknown_fields=True):
+    """An instance's NIXL agent as its peers learn it: the agent's name and metadata (loaded
+    by each peer that writes into it), and the region peers write into: ``num_blocks`` blocks
+    of ``block_bytes`` each (whole-model layout) from ``address``, in ``memory`` ("DRAM" or
+    "VRAM") of device ``device_id``."""
+
+    agent: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    metadata: Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_NIXL_METADATA)]
+    address: Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]
+    block_bytes: Annotated[int, msgspec.Meta(gt=0)]
+    num_blocks: Annotated[int, msgspec.Meta(gt=0)]
+    memory: Literal["DRAM", "VRAM"]
+    device_id: Count = 0
 
 
 class PeerInfo(msgspec.Struct, forbid_unknown_fields=True):
@@ -127,6 +143,7 @@ class PeerInfo(msgspec.Struct, forbid_unknown_fields=True):
     handle: dict[str, Any] | None
     host: str = ""
     transport: Transport = "auto"
+    nixl: NixlInfo | None = None
 
 
 class Ready(Msg):

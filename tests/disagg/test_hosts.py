@@ -23,6 +23,7 @@ from minimemserve import SamplingParams, cli
 from minimemserve.bench.hosts import LocalInstances
 from minimemserve.config import EngineConfig
 from minimemserve.disagg import rpc
+from minimemserve.disagg.nixl import nixl_missing
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.errors import ConfigError
 
@@ -60,17 +61,32 @@ def moved(cluster) -> tuple[int, int, int, str]:
     return pools, sum(x["sent_bytes"] for x in links), sum(x["recv_bytes"] for x in links), kinds
 
 
-@pytest.fixture(scope="module")
-def local(tiny_llama_dir, tmp_path_factory):
+def _instances(model_dir, tmp_path_factory, transport: str):
     d = tmp_path_factory.mktemp("hosts")
     with LocalInstances(
-        ROLES, d / "cluster.key", model_dir=tiny_llama_dir, transport="gloo", log_dir=d
+        ROLES, d / "cluster.key", model_dir=model_dir, transport=transport, log_dir=d
     ) as inst:
         yield inst
 
 
+@pytest.fixture(scope="module")
+def local(tiny_llama_dir, tmp_path_factory):
+    """Standalone instances of every role that move KV over gloo."""
+    yield from _instances(tiny_llama_dir, tmp_path_factory, "gloo")
+
+
+@pytest.fixture(scope="module")
+def local_nixl(tiny_llama_dir, tmp_path_factory):
+    """The same over NIXL (skipped where the nixl extra does not load)."""
+    if (why := nixl_missing()) is not None:
+        pytest.skip(why)
+    yield from _instances(tiny_llama_dir, tmp_path_factory, "nixl")
+
+
+@pytest.mark.parametrize("transport", ["gloo", "nixl"])
 @pytest.mark.parametrize("config", ["PD-CC", "1P1D", "1P1D-CC3"])
-def test_same_tokens_and_bytes_as_single_host(tiny_llama_dir, local, config):
+def test_same_tokens_and_bytes_as_single_host(tiny_llama_dir, request, config, transport):
+    local = request.getfixturevalue("local" if transport == "gloo" else "local_nixl")
     # routing that never moves a prefix between colocated instances: whether prompt_tree
     # pushes one depends on timing, and the bytes compared here must not
     kw = {"engine_config": CONFIG, "policy": "prompt_tree_local"}
@@ -85,7 +101,7 @@ def test_same_tokens_and_bytes_as_single_host(tiny_llama_dir, local, config):
         c.check_pools()
     assert pools == sent == received == ref_bytes
     if config != "PD-CC":  # colocated instances move no KV under prompt_tree_local
-        assert kinds == "gloo" and sent > 0
+        assert kinds == transport and sent > 0
 
 
 def test_join_refuses_a_wrong_key_and_a_wrong_deployment(tiny_llama_dir, local, tmp_path):

@@ -1,0 +1,309 @@
+"""KV over NIXL: one-sided writes into the blocks a peer granted, on the transfer library of
+the field (UCX underneath: shared memory, TCP, RDMA or NVLink, picked per pair of agents).
+
+Each instance that moves KV over NIXL has one agent (:class:`NixlEndpoint`) that registers its
+pool's tiers once, HBM and DRAM, and publishes its metadata and the region peers write into
+(``rpc.NixlInfo``) in ``Ready``; the frontend hands it to the instance's NIXL peers in
+``Peers``, over the authenticated control plane, so no other store or port is opened. A
+transfer maps one to one onto MemPool's: the receiver grants blocks (``AllocRequest``), the
+sender posts one WRITE with one descriptor per aggregated block, from the tier that holds
+each block (no onload first), into those blocks, waits for it to complete and commits; the
+WRITE carries a notification (transfer id and block count) that the receiver must have before
+it commits, so a partial write is never kept. A failed or late write frees both sides.
+
+A tensor-parallel instance's own tensor holds one rank's heads, so its agent registers a
+whole-model landing tensor indexed by the same block ids: peers write there and rank 0 moves
+each head to its rank on commit; what it sends is gathered from its ranks into a registered
+staging tensor first (one agent per instance, not per rank).
+
+What NIXL does not protect: the data plane is neither authenticated nor encrypted, and a peer
+holding an agent's metadata can write any memory that agent registered (NIXL confines writes
+to registered regions, not to granted blocks). The control plane checks what a peer commits;
+it cannot stop a faulty peer from writing blocks it was not granted."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import TransferError
+from ..mempool import MemPool
+from . import rpc
+
+POLL_S = 0.0005  # how often a waiting side asks NIXL about a write in progress
+MAX_NOTIFS = 4096  # notifications kept per peer agent for transfers not yet committed
+NOTIF_SEP = "|"  # a notification is "<transfer id>|<blocks written>"
+
+
+def nixl_missing() -> str | None:
+    """Why this process cannot move KV over NIXL (the ``nixl`` extra is not installed or does
+    not load), or None when it can."""
+    try:
+        importlib.import_module("nixl._api")
+    except Exception as e:  # an ImportError, or the native library failing to load
+        return f"nixl does not load here ({type(e).__name__}: {e}); install the nixl extra"
+    return None
+
+
+def _memory(t: torch.Tensor) -> tuple[str, int]:
+    """NIXL's memory type and device id of tensor ``t``."""
+    return ("VRAM", t.get_device()) if t.is_cuda else ("DRAM", 0)
+
+
+def _descs(rows: np.ndarray, length: int, device_id: int) -> np.ndarray:
+    """Descriptors (address, length, device) for block addresses ``rows``."""
+    out = np.empty((len(rows), 3), dtype=np.uint64)
+    out[:, 0] = rows
+    out[:, 1] = length
+    out[:, 2] = device_id
+    return out
+
+
+class NixlEndpoint:
+    """This instance's NIXL agent over ``pool``: registers its tiers (or, tensor-parallel, a
+    whole-model landing tensor) once; :meth:`connect` makes a :class:`NixlLink` to a peer from
+    its ``rpc.NixlInfo``. ``timeout_s`` bounds every wait for a write or its notification."""
+
+    def __init__(self, name: str, pool: MemPool, timeout_s: float) -> None:
+        """Create the agent ``name`` (UCX backend, NIXL's progress thread, no listener)."""
+        logging.getLogger("NIXL").setLevel(logging.WARNING)
+        api = importlib.import_module("nixl._api")  # the optional extra, loaded on use
+        self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        self.name = name
+        self.pool = pool
+        self.timeout_s = timeout_s
+        self.block_bytes = pool.model_layout.block_bytes(pool.dtype.itemsize)
+        whole = pool.layout == pool.model_layout
+        shape = pool.model_layout.pool_shape(pool.capacity())
+        self.landing = None if whole else torch.zeros(shape, dtype=pool.dtype, device=pool.device)
+        self.target = pool.kv() if whole else self.landing
+        self.sources = [pool.kv(t) for t in pool.tiers] if whole else []
+        self.staging: torch.Tensor | None = None  # for blocks sent from unregistered tensors
+        self._regs: dict[int, Any] = {}  # data_ptr -> registration
+        for t in [self.target, *self.sources]:
+            self._register(t)
+        self._written: dict[str, OrderedDict[str, int]] = {}  # agent -> transfer -> blocks
+
+    def _register(self, t: torch.Tensor) -> None:
+        if t.data_ptr() not in self._regs:
+            self._regs[t.data_ptr()] = self.agent.register_memory(t)
+
+    def info(self) -> rpc.NixlInfo:
+        """What peers need to write into this instance."""
+        memory, device = _memory(self.target)
+        return rpc.NixlInfo(
+            self.name,
+            self.agent.get_agent_metadata(),
+            self.target.data_ptr(),
+            self.block_bytes,
+            self.target.shape[0],
+            memory,
+            device,
+        )
+
+    def connect(self, peer: str, info: rpc.NixlInfo) -> NixlLink:
+        """Load peer ``peer``'s agent, after checking its region fits this pool's blocks."""
+        if info.block_bytes != self.block_bytes:
+            raise TransferError(
+                f"{peer}'s NIXL blocks are {info.block_bytes} bytes, this pool's "
+                f"{self.block_bytes}: the two models or dtypes differ"
+            )
+        try:
+            agent = self.agent.add_remote_agent(info.metadata)
+        except Exception as e:  # NIXL raises its own error types for malformed metadata
+            raise TransferError(f"{peer}'s NIXL metadata does not load: {e}") from e
+        name = agent.decode() if isinstance(agent, bytes) else str(agent)
+        if name != info.agent:
+            self._forget_agent(agent)
+            raise TransferError(f"{peer}'s NIXL metadata names agent {name!r}, not {info.agent!r}")
+        self._written[name] = OrderedDict()
+        return NixlLink(self, peer, agent, info)
+
+    def _forget_agent(self, agent: Any) -> None:
+        with contextlib.suppress(Exception):
+            self.agent.remove_remote_agent(agent)
+
+    def source_rows(self, src: torch.Tensor, src_ids: Sequence[int]) -> tuple[np.ndarray, int]:
+        """Addresses of blocks ``src_ids`` of ``src`` in registered memory (copied into the
+        staging tensor first when ``src`` is not registered), and their device id."""
+        ids = np.asarray(list(src_ids), dtype=np.int64)
+        if src.data_ptr() not in self._regs or not src.is_contiguous():
+            staging = self._staging_for(src, len(ids))
+            torch.index_select(src, 0, torch.from_numpy(ids).to(src.device), out=staging)
+            src, ids = staging, np.arange(len(ids))
+        stride = src[0].nbytes
+        return src.data_ptr() + ids.astype(np.uint64) * np.uint64(stride), _memory(src)[1]
+
+    def _staging_for(self, like: torch.Tensor, n: int) -> torch.Tensor:
+        """``n`` blocks of registered staging memory shaped as ``like``'s (grown on demand)."""
+        st = self.staging
+        fits = st is not None and st.shape[0] >= n and st.shape[1:] == like.shape[1:]
+        if not fits or st.device != like.device or st.dtype != like.dtype:
+            if st is not None:
+                self.agent.deregister_memory(self._regs.pop(st.data_ptr()))
+            shape = (n, *like.shape[1:])
+            st = self.staging = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self._register(st)
+        return st[:n]
+
+    def write(
+        self,
+        agent: Any,
+        info: rpc.NixlInfo,
+        rows: np.ndarray,
+        blocks: list[int],
+        memory: str,
+        device_id: int,
+        notif: bytes,
+    ) -> None:
+        """One WRITE of ``rows`` (local block addresses) into ``blocks`` of ``info``'s region;
+        returns once NIXL reports it done, or raises TransferError (failed, or late)."""
+        if any(not 0 <= b < info.num_blocks for b in blocks):
+            raise TransferError(f"blocks {blocks} are outside {info.agent}'s region")
+        remote = info.address + np.asarray(blocks, dtype=np.uint64) * np.uint64(info.block_bytes)
+        a = self.agent
+        local = a.get_xfer_descs(_descs(rows, self.block_bytes, device_id), memory)
+        dst = a.get_xfer_descs(_descs(remote, self.block_bytes, info.device_id), info.memory)
+        handle = None
+        try:
+            handle = a.initialize_xfer("WRITE", local, dst, agent, notif)
+            state = a.transfer(handle)
+            deadline = time.monotonic() + self.timeout_s
+            while state == "PROC" and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+                state = a.check_xfer_state(handle)
+        except Exception as e:  # NIXL's errors (peer gone, descriptors refused)
+            raise TransferError(f"NIXL write to {info.agent} failed: {e}") from e
+        finally:
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    a.release_xfer_handle(handle)
+        if state != "DONE":
+            what = "did not finish in time" if state == "PROC" else "failed"
+            raise TransferError(f"NIXL write of {len(blocks)} blocks to {info.agent} {what}")
+
+    def _collect(self) -> None:
+        """Move new notifications into what each known peer agent wrote, per transfer."""
+        for agent, msgs in self.agent.get_new_notifs().items():
+            name = agent.decode() if isinstance(agent, bytes) else str(agent)
+            if (written := self._written.get(name)) is None:
+                continue  # not a peer of this instance (any more)
+            for msg in msgs:
+                xfer, _, count = bytes(msg).decode(errors="replace").rpartition(NOTIF_SEP)
+                if xfer and count.isdigit():
+                    written[xfer] = written.get(xfer, 0) + int(count)
+                    written.move_to_end(xfer)
+            while len(written) > MAX_NOTIFS:
+                written.popitem(last=False)
+
+    def wait_written(self, agent: str, xfer: str, blocks: int) -> None:
+        """Wait until peer ``agent`` notified writes of ``blocks`` blocks for ``xfer``."""
+        deadline = time.monotonic() + self.timeout_s
+        written = self._written.get(agent)
+        while True:
+            self._collect()
+            got = written.get(xfer, 0) if written is not None else 0
+            if got == blocks:
+                written.pop(xfer, None)
+                return
+            if got > blocks:
+                raise ValueError(f"{agent} notified {got} blocks written for {xfer}, not {blocks}")
+            if time.monotonic() > deadline:
+                raise TransferError(f"{agent} wrote {got} of {blocks} blocks of {xfer} in time")
+            time.sleep(POLL_S)
+
+    def forget(self, agent: str, xfer: str) -> None:
+        """Transfer ``xfer`` from ``agent`` is off: drop what it notified."""
+        self._collect()
+        if (written := self._written.get(agent)) is not None:
+            written.pop(xfer, None)
+
+    def drop(self, agent: Any) -> None:
+        """A peer's agent is gone: unload it."""
+        name = agent.decode() if isinstance(agent, bytes) else str(agent)
+        self._written.pop(name, None)
+        self._forget_agent(agent)
+
+    def close(self) -> None:
+        """Unload every peer, deregister the memory, end the agent. Idempotent."""
+        for reg in self._regs.values():
+            with contextlib.suppress(Exception):
+                self.agent.deregister_memory(reg)
+        self._regs.clear()
+        self._written.clear()
+
+
+class NixlLink:
+    """A peer reached over NIXL (a pair's ``Link`` as peering uses it): writes into its granted
+    blocks, waits for its writes into ours before a commit, and counts both."""
+
+    kind = "nixl"
+
+    def __init__(self, endpoint: NixlEndpoint, peer: str, agent: Any, info: rpc.NixlInfo):
+        """``agent``: the peer's agent as NIXL names it; ``info``: its region."""
+        self.endpoint = endpoint
+        self.peer = peer
+        self.agent = agent
+        self.info = info
+        self.sent_bytes = 0
+        self.recv_bytes = 0
+        self.sent_messages = 0
+        self.recv_messages = 0
+        self.closed = False
+
+    def stats(self) -> dict[str, int | str]:
+        """Bytes and writes each way, and the backend."""
+        return {
+            "transport": self.kind,
+            "sent_bytes": self.sent_bytes,
+            "recv_bytes": self.recv_bytes,
+            "sent_messages": self.sent_messages,
+            "recv_messages": self.recv_messages,
+        }
+
+    def send(self, node: rpc.RpcNode, xfer: str, blocks: list[int], src, src_ids) -> None:
+        """Write blocks ``src_ids`` of ``src`` into the peer's ``blocks``: one WRITE, one
+        descriptor per block, notifying the peer of transfer ``xfer``."""
+        if self.closed:
+            raise TransferError(f"the NIXL link with {self.peer} is closed")
+        rows, device_id = self.endpoint.source_rows(src, src_ids)
+        memory = _memory(src)[0]
+        notif = f"{xfer}{NOTIF_SEP}{len(blocks)}".encode()
+        self.endpoint.write(self.agent, self.info, rows, blocks, memory, device_id, notif)
+        self.sent_bytes += len(blocks) * self.endpoint.block_bytes
+        self.sent_messages += 1
+
+    def receive(self, pool: MemPool, m: rpc.KVData) -> None:
+        """KV from this peer never comes as KVData."""
+        raise ValueError(f"{self.peer}'s KV arrives over NIXL, not in KVData")
+
+    def landed(self, xfer: str, new: list[int]) -> None:
+        """Before a commit: the peer's writes into ``new`` (the blocks of ``xfer`` it did not
+        find cached here) have all arrived; a tensor-parallel pool then takes them from the
+        landing tensor to its ranks."""
+        if not new:
+            return
+        ep = self.endpoint
+        ep.wait_written(self.info.agent, xfer, len(new))
+        if ep.landing is not None:
+            ep.pool.recv_copy(new, ep.landing, new)
+        self.recv_bytes += len(new) * ep.block_bytes
+        self.recv_messages += 1
+
+    def forget(self, xfer: str) -> None:
+        """Transfer ``xfer`` from this peer was aborted."""
+        self.endpoint.forget(self.info.agent, xfer)
+
+    def close(self) -> None:
+        """Nothing more moves over this link (its counters stay). Idempotent."""
+        if not self.closed:
+            self.closed = True
+            self.endpoint.drop(self.agent)
