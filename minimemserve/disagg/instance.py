@@ -360,6 +360,7 @@ class InstanceServer:
         stats = {
             "links": {p: link.stats() for p, link in self.peers.links.items()},
             "pool": self.pool.stats(),
+            "ranks": self.engine.tp.size,
             "requests": len(self.engine.requests) + len(self.inbox),
             "load": self.engine.load()[self.name],
             "grants": self.grants.totals(),
@@ -547,8 +548,11 @@ def _check_join(m: rpc.Join, opts: StandaloneOptions) -> InstanceSpec:
         config = msgspec.convert(m.engine_config | opts.engine_overrides, EngineConfig)
     except (msgspec.ValidationError, ValueError) as e:
         raise ValueError(f"bad engine config: {e}") from None
-    if config.tp_size(opts.role) != 1:
-        raise ValueError("a standalone instance runs one rank (tensor parallel size 1)")
+    if config.tp_size(opts.role) != 1 and opts.transport != "nixl":
+        raise ValueError(  # its ranks' KV reaches peers whole only through a NIXL landing tensor
+            "a standalone instance runs tensor-parallel ranks only over the nixl transport "
+            "(--transport nixl)"
+        )
     return InstanceSpec(
         name=m.name,
         role=opts.role,

@@ -58,6 +58,11 @@ def _memory(t: torch.Tensor) -> tuple[str, int]:
     return ("VRAM", t.get_device()) if t.is_cuda else ("DRAM", 0)
 
 
+def _name(agent: Any) -> str:
+    """An agent's name as NIXL returns it (bytes or str) as text."""
+    return agent.decode(errors="replace") if isinstance(agent, bytes) else str(agent)
+
+
 def _descs(rows: np.ndarray, length: int, device_id: int) -> np.ndarray:
     """Descriptors (address, length, device) for block addresses ``rows``."""
     out = np.empty((len(rows), 3), dtype=np.uint64)
@@ -116,13 +121,16 @@ class NixlEndpoint:
                 f"{peer}'s NIXL blocks are {info.block_bytes} bytes, this pool's "
                 f"{self.block_bytes}: the two models or dtypes differ"
             )
+        if info.agent in self._written or info.agent == self.name:
+            raise TransferError(f"{peer} claims NIXL agent {info.agent!r}, which is not new here")
         try:
             agent = self.agent.add_remote_agent(info.metadata)
         except Exception as e:  # NIXL raises its own error types for malformed metadata
             raise TransferError(f"{peer}'s NIXL metadata does not load: {e}") from e
-        name = agent.decode() if isinstance(agent, bytes) else str(agent)
+        name = _name(agent)
         if name != info.agent:
-            self._forget_agent(agent)
+            if name not in self._written and name != self.name:  # never another peer's agent
+                self._forget_agent(agent)
             raise TransferError(f"{peer}'s NIXL metadata names agent {name!r}, not {info.agent!r}")
         self._written[name] = OrderedDict()
         return NixlLink(self, peer, agent, info)
@@ -193,8 +201,7 @@ class NixlEndpoint:
     def _collect(self) -> None:
         """Move new notifications into what each known peer agent wrote, per transfer."""
         for agent, msgs in self.agent.get_new_notifs().items():
-            name = agent.decode() if isinstance(agent, bytes) else str(agent)
-            if (written := self._written.get(name)) is None:
+            if (written := self._written.get(_name(agent))) is None:
                 continue  # not a peer of this instance (any more)
             for msg in msgs:
                 xfer, _, count = bytes(msg).decode(errors="replace").rpartition(NOTIF_SEP)
@@ -228,8 +235,7 @@ class NixlEndpoint:
 
     def drop(self, agent: Any) -> None:
         """A peer's agent is gone: unload it."""
-        name = agent.decode() if isinstance(agent, bytes) else str(agent)
-        self._written.pop(name, None)
+        self._written.pop(_name(agent), None)
         self._forget_agent(agent)
 
     def close(self) -> None:

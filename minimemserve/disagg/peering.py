@@ -125,7 +125,7 @@ class RemotePool:
     def recv_copy(self, blocks: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
         """Step 2: blocks ``src_ids`` of this process's pool tensor ``src`` go straight into
         the peer's ``blocks`` (one-sided; one pass when ``blocks`` is one run)."""
-        check_pool_tensor(self.layout, self.dtype, src, "recv_copy")
+        check_pool_tensor(self.model_layout, self.dtype, src, "recv_copy")
         if not blocks:
             return
         if self.peer in self.node.dead:

@@ -159,9 +159,13 @@ class ProcessCluster:
         model_config = ModelConfig.from_hf(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self._ids = itertools.count()
-        if max(map(self.engine_config.tp_size, milestone.roles)) > 1:
-            raise ConfigError("tensor parallelism runs in-process deployments, not ProcessCluster")
-        if isinstance(members, tuple):
+        spawned = isinstance(members, tuple)
+        if spawned and max(map(self.engine_config.tp_size, milestone.roles)) > 1:
+            raise ConfigError(  # an instance process it spawns is daemonic: it cannot spawn ranks
+                "tensor parallelism runs in-process deployments, or standalone instances "
+                "(minimemserve instance --transport nixl) joined by a ProcessCluster"
+            )
+        if spawned:
             self.launcher.spawn(*members)
         else:
             self.launcher.join(members, model_config, startup_timeout_s)

@@ -4,6 +4,7 @@ hostile connections, and when a remote decode instance is killed or stopped."""
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import os
 import random
@@ -162,8 +163,17 @@ def netns():
         subprocess.run(["ip", "link", "del", here], capture_output=True, timeout=10)
 
 
-def test_instances_in_two_network_namespaces(tiny_llama_dir, tmp_path, netns):
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+def test_instances_in_two_network_namespaces(
+    tiny_llama_dir, tmp_path, netns, transport, monkeypatch
+):
+    """KV across a veth pair: over NIXL (what "auto" picks where both instances have it) or
+    torch.distributed, the tokens and bytes of shared memory on one host. UCX would still find
+    cross-memory attach between namespaces of one kernel; kept to TCP, NIXL's data crosses the
+    veth pair as it would between hosts."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
     name, here, there = netns
+    want_kind = transport if transport != "auto" else "gloo" if nixl_missing() else "nixl"
     with ProcessCluster(tiny_llama_dir, "1P1D-CC", engine_config=CONFIG) as ref:
         want, (ref_bytes, *_) = run_turns(ref), moved(ref)
     with (
@@ -174,6 +184,7 @@ def test_instances_in_two_network_namespaces(tiny_llama_dir, tmp_path, netns):
             hosts=[here, there],
             netns=[None, name],
             log_dir=tmp_path,
+            transport=transport,
         ) as inst,
         ProcessCluster(
             tiny_llama_dir,
@@ -185,11 +196,11 @@ def test_instances_in_two_network_namespaces(tiny_llama_dir, tmp_path, netns):
         ) as c,
     ):
         p, d = c.instances["P0"], c.instances["D0"]
-        assert p.host != d.host and p.transport == d.transport == "auto"  # auto picks gloo
+        assert p.host != d.host and p.transport == d.transport == transport
         assert run_turns(c) == want
         pools, sent, received, kinds = moved(c)
         c.check_pools()
-    assert kinds == "gloo" and pools == sent == received == ref_bytes > 0
+    assert kinds == want_kind and pools == sent == received == ref_bytes > 0
 
 
 # ---- hostile connections ---------------------------------------------------------------------
@@ -270,14 +281,17 @@ def test_hostile_connections_leave_the_instance_serving(tiny_llama_dir, tmp_path
 
 
 # ---- a remote decode instance lost -----------------------------------------------------------
+@pytest.mark.parametrize("transport", ["gloo", "nixl"])
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "sigstop"])
-def test_losing_a_remote_decode_instance(tiny_llama_dir, tmp_path, how):
+def test_losing_a_remote_decode_instance(tiny_llama_dir, tmp_path, how, transport):
+    if transport == "nixl" and (why := nixl_missing()) is not None:
+        pytest.skip(why)
     long = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
     with LocalInstances(
         ["prefill", "decode", "decode"],
         tmp_path / "k",
         model_dir=tiny_llama_dir,
-        transport="gloo",
+        transport=transport,
         log_dir=tmp_path,
     ) as inst:
         victim = inst.procs[1]  # D0: the first decode address
@@ -316,7 +330,7 @@ def test_losing_a_remote_decode_instance(tiny_llama_dir, tmp_path, how):
                 assert "D0" in {o.metrics.decode_instance for o in outs}  # it serves again
                 c.check_pools()  # D0 included
                 links = c.stats()["P0"]["links"]
-                assert links["D0"]["transport"] == "gloo"  # a new pair group with D0
+                assert links["D0"]["transport"] == transport  # a new link with D0
 
 
 FRONTEND_SCRIPT = """
@@ -399,3 +413,69 @@ def test_the_instance_command_names_what_is_wrong(tmp_path, capsys):
     os.chmod(key, 0o640)
     with pytest.raises(SystemExit, match="open to group or others"):
         cli.main(["instance", "--role", "decode", "--listen", "127.0.0.1:7001", "--key", str(key)])
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)], ids=["P2-D1", "P1-D2"])
+def test_tensor_parallel_instances_over_nixl(tiny_llama_dir, local_nixl, p_tp, d_tp):
+    """A tensor-parallel prefill or decode instance on its own: KV between it and a one-rank
+    peer over NIXL (through its whole-model landing or staging tensor) gives the tokens and
+    the bytes of a one-rank deployment over shared memory."""
+    kw = {"policy": "prompt_tree_local"}
+    with ProcessCluster(tiny_llama_dir, "1P1D-CC", engine_config=CONFIG, **kw) as ref:
+        want, (ref_bytes, *_) = run_turns(ref), moved(ref)
+    tp = dataclasses.replace(CONFIG, tensor_parallel_size=p_tp, decode_tensor_parallel_size=d_tp)
+    with ProcessCluster(
+        tiny_llama_dir,
+        "1P1D-CC",
+        engine_config=tp,
+        instances=local_nixl.addresses[2:],
+        key=local_nixl.key,
+        **kw,
+    ) as c:
+        assert run_turns(c) == want
+        pools, sent, received, kinds = moved(c)
+        c.check_pools()
+        assert {n: s["ranks"] for n, s in c.stats().items() if n != "frontend"} == {
+            "P0": p_tp,
+            "D0": d_tp,
+        }
+    assert kinds == "nixl" and pools == sent == received == ref_bytes > 0
+
+
+def test_losing_a_prefill_instance_while_it_writes_over_nixl(tiny_llama_dir, tmp_path):
+    """P killed while it hands requests over: what reached D finishes, the rest fail clearly,
+    and D gives back every block it granted to P's transfers."""
+    if (why := nixl_missing()) is not None:
+        pytest.skip(why)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    with (
+        LocalInstances(
+            ["prefill", "decode"],
+            tmp_path / "k",
+            model_dir=tiny_llama_dir,
+            transport="nixl",
+            log_dir=tmp_path,
+        ) as inst,
+        ProcessCluster(
+            tiny_llama_dir,
+            "1P1D",
+            engine_config=CONFIG,
+            instances=inst.addresses,
+            key=inst.key,
+            heartbeat_timeout_s=2.0,
+            timeout_s=4.0,
+        ) as c,
+    ):
+        rids = [c.add_request(prompt(i, 120), params) for i in range(8)]
+        outs, deadline = [], time.monotonic() + 60
+        while not any(c.location(r) == "D0" for r in rids) and time.monotonic() < deadline:
+            outs += c.step()
+        os.kill(inst.procs[0].pid, signal.SIGKILL)  # mid-way through its hand-offs
+        outs += c.run_until_done(timeout_s=120)
+        assert sorted(o.request_id for o in outs) == sorted(rids)  # none lost, none hung
+        finished = [o for o in outs if o.finish_reason == "length"]
+        for o in outs:
+            assert o in finished or (o.finish_reason == "error" and "InstanceDied" in o.error), o
+        assert finished and len(finished) < len(rids) and "P0" in c.dead
+        report = c.check_pools()["D0"]  # nothing referenced: the grants to P0 were released
+        assert report["ok"] and c.stats()["D0"]["grants"].get("P0", 0) == 0
