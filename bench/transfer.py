@@ -12,6 +12,12 @@ Transports:
         tells D with the runtime's Commit request (the timing includes that round trip).
   gloo  torch.distributed point-to-point between P and D (two-sided; the timing ends when
         D has scattered the data and its 1-element acknowledgement reached P).
+  nixl  NIXL (UCX) one-sided WRITEs from P's registered pool into D's registered pools, one
+        descriptor per piece; the timing ends when every WRITE is done and D, on P's Commit,
+        has the notification of each (the runtime's path). Skipped, with the reason, where
+        the nixl extra does not load. Descriptors per transfer of n blocks: by_layer n*L (L
+        WRITEs, one per layer, as layers finish), by_request 2*L*n (per-layer pools),
+        by_request_aggregated n; packed does not apply (NIXL gathers and scatters itself).
 
 Modes: by_layer (L sends: each layer's K/V of all blocks, as a layer finishes prefill),
 by_request (2*L sends per block from a per-layer layout pool [L, 2, N, ...]),
@@ -26,15 +32,18 @@ D's are what its allocator hands out (``--dst-ids alloc``: a free list scrambled
 asked for one run per request, as MemPool.recv_alloc does) or random (``--dst-ids random``:
 a fragmented pool with no free run, the worst case for packed).
 
-Across hosts (``--netns``, root only): gloo alone (shm and copy cannot leave the host), once
-on loopback and once with D in a fresh network namespace joined to this one by a veth pair
-(P at 10.232.X.1, D at 10.232.X.2), side by side. The control plane then runs off loopback,
-so both nodes use a fresh cluster key's CURVE pair. The namespace and the veth pair are
+Across hosts (``--netns``, root only): gloo and nixl (shm and copy cannot leave the host),
+once on loopback and once with D in a fresh network namespace joined to this one by a veth
+pair (P at 10.232.X.1, D at 10.232.X.2), side by side. UCX is kept to TCP there
+(``UCX_TLS=tcp,self``), as between hosts: on one kernel it would otherwise find cross-memory
+attach between the namespaces. The control plane then runs off loopback, so both nodes use a
+fresh cluster key's CURVE pair. The namespace and the veth pair are
 removed on exit, also after an error, Ctrl-C or SIGTERM.
 
     python bench/transfer.py                       # tiny geometry, 2048 tokens, fp32
     python bench/transfer.py --layers 32 --kv-heads 32 --head-dim 128 --tokens 1024 --dtype fp16
-    sudo python bench/transfer.py --netns          # gloo: loopback vs veth across namespaces
+    python bench/transfer.py --transports nixl,shm --modes by_layer,by_request_aggregated
+    sudo python bench/transfer.py --netns          # gloo, nixl: loopback vs veth
 
 Prints a table and writes bench/results/transfer.json (transfer_netns.json with --netns).
 """
@@ -44,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import json
 import math
 import multiprocessing as mp
@@ -62,6 +72,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -75,6 +86,7 @@ from minimemserve.blocks.allocator import BlockAllocator
 from minimemserve.blocks.copy import is_run
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.disagg import rpc
+from minimemserve.disagg.nixl import POLL_S, Agent, descs, nixl_missing
 from minimemserve.disagg.transports import (
     GlooTransport,
     Staging,
@@ -86,7 +98,13 @@ from minimemserve.mempool.shared import SharedPoolTensor
 RESULTS = Path(__file__).resolve().parent / "results" / "transfer.json"
 RESULTS_NETNS = RESULTS.with_name("transfer_netns.json")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-TRANSPORTS = ("copy", "shm", "gloo")
+TRANSPORTS = ("copy", "shm", "gloo", "nixl")
+REMOTE_ONLY = ("gloo", "nixl")  # what --netns measures
+NIXL_MODES = (
+    TransferMode.BY_LAYER.value,
+    TransferMode.BY_REQUEST.value,
+    TransferMode.AGGREGATED.value,
+)
 # Seconds of measurement per table cell after warm-up; the repeat count follows from it.
 CELL_BUDGET_S = 1.0
 # Seconds for the plain-copy baseline timed beside each cell.
@@ -131,12 +149,25 @@ class JoinGloo(rpc.Msg):
 
 
 class Prepare(rpc.Msg):
-    """P -> D: zero the destination blocks; for gloo, then run ``rounds`` receive rounds."""
+    """P -> D: zero the destination blocks; for gloo, then run ``rounds`` receive rounds; for
+    nixl, each round's Commit waits for ``rounds`` notifications (one per WRITE)."""
 
     transport: str
     mode: str
     dst_ids: list[rpc.Ids]
     rounds: rpc.Count
+
+
+class JoinNixl(rpc.Msg):
+    """P -> D: make a NIXL agent over D's pools (reply: ``NixlPools``)."""
+
+
+class NixlPools(rpc.Msg):
+    """D -> P: D's agent metadata and the addresses of its aggregated and per-layer pools."""
+
+    metadata: bytes
+    agg: rpc.Count
+    per_layer: rpc.Count
 
 
 class Verify(rpc.Msg):
@@ -159,7 +190,7 @@ class Stop(rpc.Msg):
 
 
 # Both nodes decode these besides the runtime's own messages (P sends rpc.Commit for shm).
-BENCH_MESSAGES = (Setup, Handles, JoinGloo, Prepare, Verify, Checksums, Stop)
+BENCH_MESSAGES = (Setup, Handles, JoinGloo, JoinNixl, NixlPools, Prepare, Verify, Checksums, Stop)
 
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -187,6 +218,8 @@ class Decoder:
     def __init__(self) -> None:
         self.pools: dict[str, SharedPoolTensor] = {}
         self.gloo: GlooTransport | None = None
+        self.nixl: Agent | None = None
+        self.notifs = 0  # nixl: notifications a Commit waits for
         self.job: tuple | None = None  # work to run after the reply went out
         self.stop = False
 
@@ -214,6 +247,13 @@ class Decoder:
     def _join(self, msg: JoinGloo) -> None:
         self.job = ("join", msg)
 
+    def _join_nixl(self, msg: JoinNixl) -> NixlPools:
+        self.nixl = Agent(f"D-bench-{os.getpid()}")
+        for p in self.pools.values():
+            self.nixl.register(p.tensor)
+        agg, per_layer = (self.pools[k].tensor.data_ptr() for k in ("agg", "per_layer"))
+        return NixlPools(self.nixl.metadata(), agg, per_layer)
+
     def _prepare(self, msg: Prepare) -> None:
         pool = self.pool_for(msg.mode)
         for ids in msg.dst_ids:
@@ -223,9 +263,17 @@ class Decoder:
                 pool[ids] = 0
         if msg.transport == "gloo" and msg.rounds > 0:
             self.job = ("recv", msg)
+        self.notifs = msg.rounds if msg.transport == "nixl" else 0
 
     def _commit(self, msg: rpc.Commit) -> None:
-        """The data is already in our pool; a real D would keep the blocks."""
+        """The data is already in our pool (over nixl: once every WRITE's notification is in);
+        a real D would keep the blocks."""
+        got, deadline = 0, time.monotonic() + CONTROL_TIMEOUT_S
+        while got < self.notifs and time.monotonic() < deadline:
+            got += sum(len(m) for m in self.nixl.notifs().values())
+            time.sleep(POLL_S)  # the agent's progress thread needs the interpreter
+        if got != self.notifs:
+            raise TransferError(f"{got} of {self.notifs} NIXL notifications arrived")
 
     def _verify(self, msg: Verify) -> Checksums:
         sums = piece_checksums(self.pool_for(msg.mode), msg.mode)
@@ -237,6 +285,7 @@ class Decoder:
     HANDLERS = {
         Setup: _setup,
         JoinGloo: _join,
+        JoinNixl: _join_nixl,
         Prepare: _prepare,
         rpc.Commit: _commit,
         Verify: _verify,
@@ -266,9 +315,11 @@ class Decoder:
             self.gloo.send_tensor(ack, tag=ACK_TAG)
 
     def close(self) -> None:
-        """Leave the gloo group and release the shared pools."""
+        """Leave the gloo group, drop the NIXL registrations and release the shared pools."""
         if self.gloo is not None:
             self.gloo.close()
+        if self.nixl is not None:
+            self.nixl.close()
         for p in self.pools.values():
             p.close()
 
@@ -400,6 +451,7 @@ class Cell:
     data_ms: list[float] = field(default_factory=list)  # shm: write only, before the notice
     verified: bool = False
     memcpy_ms: list[float] = field(default_factory=list)  # baseline timed beside this cell
+    cma_ms: list[float] = field(default_factory=list)  # nixl: the kernel's copy, same pieces
 
     @property
     def label(self) -> str:
@@ -421,6 +473,30 @@ class Cell:
     def gbps(self) -> float:
         """Bytes per round over the median round time, in GB/s."""
         return self.bytes_per_round / (self.median_ms * 1e-3) / 1e9
+
+
+IOV_MAX = 1024  # iovecs one process_vm_writev call takes
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def process_vm_writev(pid: int, writes: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Write the pieces of NIXL descriptor pairs ``writes`` into process ``pid`` with the
+    kernel's cross-memory attach (the copy UCX's cma transport makes), as a reference."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    local = np.concatenate([w[0] for w in writes])
+    remote = np.concatenate([w[1] for w in writes])
+    for at in range(0, len(local), IOV_MAX):
+        n = min(IOV_MAX, len(local) - at)
+        src, dst = (
+            (_IoVec * n)(*[_IoVec(int(d[0]), int(d[1])) for d in x[at : at + n]])
+            for x in (local, remote)
+        )
+        want = int(local[at : at + n, 1].sum())
+        if libc.process_vm_writev(pid, src, n, dst, n, 0) != want:
+            raise OSError(ctypes.get_errno(), "process_vm_writev wrote short")
 
 
 def timed(fn) -> float:
@@ -468,6 +544,9 @@ class Bench:
         self.child: mp.Process | None = None
         self.shm: dict[str, torch.Tensor] = {}
         self.gloo: GlooTransport | None = None
+        self.nixl: Agent | None = None
+        self.nixl_peer: Any = None  # D's agent as NIXL names it
+        self.nixl_pools: dict[str, int] = {}  # D's pool addresses
 
     def _disjoint_ids(self, seed: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(seed)
@@ -527,6 +606,13 @@ class Bench:
             self.gloo = GlooTransport(
                 0, link.p_host, store=store, bind_host=link.p_host, timeout_s=CONTROL_TIMEOUT_S
             )
+        if "nixl" in a.transports:
+            pools = self.call(JoinNixl())
+            self.nixl = Agent(f"P-bench-{os.getpid()}-{link.name}")
+            for t in self.src.values():
+                self.nixl.register(t)
+            self.nixl_peer = self.nixl.load(pools.metadata)
+            self.nixl_pools = {"agg": pools.agg, "per_layer": pools.per_layer}
 
     def stop_decoder(self) -> None:
         """Close the transports, tell D to stop and wait for it (killed after 30 s, or at once
@@ -535,6 +621,9 @@ class Bench:
         if self.gloo is not None:
             self.gloo.close()
             self.gloo = None
+        if self.nixl is not None:
+            self.nixl.close()
+            self.nixl = None
         self.shm.clear()
         answered = False
         if self.node is not None:
@@ -627,6 +716,52 @@ class Bench:
         cell.verified = self._verify("gloo", mode, c, None)
         return cell
 
+    def nixl_writes(self, mode: str, i: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The WRITEs of transfer ``i`` in ``mode``: (P's descriptors, D's descriptors) each."""
+        key, layers = self.key(mode), self.layout.num_layers
+        src, dst = self.src[key].data_ptr(), self.nixl_pools[key]
+        s, d = (np.asarray(ids, dtype=np.uint64) for ids in (self.src_ids[i], self.dst_ids[i]))
+        if mode == TransferMode.BY_REQUEST.value:  # piece (layer, kv, block) of [L, 2, N, ...]
+            size = self.block_bytes // (2 * layers)
+            rows = np.arange(2 * layers, dtype=np.uint64)[:, None] * np.uint64(self.pool_blocks)
+            s, d = ((rows + ids).reshape(-1) * np.uint64(size) for ids in (s, d))
+            return [(descs(src + s, size, 0), descs(dst + d, size, 0))]
+        s, d = s * np.uint64(self.block_bytes), d * np.uint64(self.block_bytes)
+        if mode == TransferMode.AGGREGATED.value:
+            return [(descs(src + s, self.block_bytes, 0), descs(dst + d, self.block_bytes, 0))]
+        size = self.block_bytes // layers  # by_layer: K and V of one layer of every block
+        return [
+            (
+                descs(src + s + np.uint64(k * size), size, 0),
+                descs(dst + d + np.uint64(k * size), size, 0),
+            )
+            for k in range(layers)
+        ]
+
+    def run_nixl(self, mode: str, c: int) -> Cell:
+        """Time rounds of ``c`` concurrent NIXL transfers: post every WRITE, wait until all are
+        done, then Commit (D waits for every notification); verify in D."""
+        plans = [self.nixl_writes(mode, i) for i in range(c)]
+        writes = [w for plan in plans for w in plan]
+        cell = self._cell("nixl", mode, c)
+        cell.calls = sum(len(local) for local, _ in plans[0])  # descriptors per transfer
+
+        def one_round() -> None:
+            handles = [
+                self.nixl.post(self.nixl_peer, local, "DRAM", remote, "DRAM", b"round")
+                for local, remote in writes
+            ]
+            self.nixl.wait(handles, CONTROL_TIMEOUT_S, f"nixl {mode} round")
+            self.call(rpc.Commit(f"round{c}", None, []))
+
+        self.call(Prepare("nixl", mode, self.dst_ids[:c], rounds=len(writes)))
+        cell.times_ms = measure(one_round, self.args.cell_budget_s, MIN_REPS, MAX_REPS)
+        cell.verified = self._verify("nixl", mode, c, None)
+        if mode == TransferMode.AGGREGATED.value:  # what UCX's cma transport does per piece
+            cma = functools.partial(process_vm_writev, self.child.pid, writes)
+            cell.cma_ms = measure(cma, MEMCPY_BUDGET_S, MIN_REPS, MAX_REPS)
+        return cell
+
     def _cell(self, transport: str, mode: str, c: int) -> Cell:
         calls = pieces_per_transfer(mode, self.layout.num_layers, self.n)
         return Cell(transport, mode, c, calls, c * self.request_bytes)
@@ -660,6 +795,7 @@ class Bench:
         a = self.args
         remote = [t for t in a.transports if t != "copy"]
         cells = [(t, m, c) for t in a.transports for m in a.modes for c in a.concurrency]
+        cells = [(t, m, c) for t, m, c in cells if t != "nixl" or m in NIXL_MODES]
         if remote:
             self.start_decoder(link)
         local_dst: dict[str, torch.Tensor] = {}
@@ -672,6 +808,8 @@ class Bench:
                     cell = self.run_local("copy", m, c, local_dst[k])
                 elif t == "shm":
                     cell = self.run_local("shm", m, c, self.shm[self.key(m)])
+                elif t == "nixl":
+                    cell = self.run_nixl(m, c)
                 else:
                     cell = self.run_gloo(m, c)
                 # the baseline right after the cell, under the same host load
@@ -708,6 +846,8 @@ class Bench:
             }
             if cell.transport == "shm" and cell.data_ms:
                 row["write_ms_median"] = statistics.median(cell.data_ms)
+            if cell.cma_ms:
+                row["process_vm_writev_ms_median"] = statistics.median(cell.cma_ms)
             if cell.link:
                 row["link"] = cell.link
             out.append(row)
@@ -726,6 +866,20 @@ class Bench:
                     out[f"{t} c={c}: by_request / aggregated time"] = (
                         req["ms_median"] / agg["ms_median"]
                     )
+                lay = by.get((t, TransferMode.BY_LAYER.value, c))
+                if t.startswith("nixl") and lay and agg:
+                    out[f"{t} c={c}: by_layer / aggregated time"] = (
+                        lay["ms_median"] / agg["ms_median"]
+                    )
+                    out[f"{t} c={c}: by_request_aggregated bandwidth / memcpy"] = agg["vs_memcpy"]
+                if t.startswith("nixl") and agg and "process_vm_writev_ms_median" in agg:
+                    cma = agg["process_vm_writev_ms_median"]
+                    out[f"{t} c={c}: process_vm_writev bandwidth / memcpy"] = (
+                        agg["memcpy_ms_median"] / cma
+                    )
+                    out[f"{t} c={c}: by_request_aggregated bandwidth / process_vm_writev"] = (
+                        cma / agg["ms_median"]
+                    )
                 for m in (TransferMode.PACKED.value, TransferMode.AGGREGATED.value):
                     r = by.get((t, m, c))
                     if r and t == "shm":
@@ -734,8 +888,9 @@ class Bench:
                             r["memcpy_ms_median"] / r["write_ms_median"]
                         )
         for (t, m, c), veth in by.items():
-            if t == "gloo veth" and (lo := by.get(("gloo lo", m, c))):
-                out[f"gloo c={c}: {m} veth / loopback time"] = veth["ms_median"] / lo["ms_median"]
+            kind, _, link = t.partition(" ")
+            if link == "veth" and (lo := by.get((f"{kind} lo", m, c))):
+                out[f"{kind} c={c}: {m} veth / loopback time"] = veth["ms_median"] / lo["ms_median"]
         return out
 
 
@@ -797,7 +952,7 @@ def parse_args() -> argparse.Namespace:
         "--transports",
         default=None,
         help="comma-separated subset of " + ",".join(TRANSPORTS) + " (default: all; gloo "
-        "with --netns)",
+        "and nixl with --netns; nixl only where the nixl extra loads)",
     )
     p.add_argument("--modes", default=",".join(m.value for m in TransferMode))
     p.add_argument("--concurrency", default="1,16", help="concurrent transfers per round")
@@ -816,8 +971,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--netns",
         action="store_true",
-        help="gloo on loopback and across a veth pair into a fresh network namespace "
-        "(root; the namespace is removed on exit)",
+        help="gloo and nixl on loopback and across a veth pair into a fresh network "
+        "namespace (root; the namespace is removed on exit)",
     )
     p.add_argument(
         "--out",
@@ -826,16 +981,19 @@ def parse_args() -> argparse.Namespace:
         help=f"default: {RESULTS} or, with --netns, {RESULTS_NETNS}",
     )
     a = p.parse_args()
-    default_transports = ("gloo",) if a.netns else TRANSPORTS
+    default_transports = REMOTE_ONLY if a.netns else TRANSPORTS
     a.transports = [t for t in (a.transports or ",".join(default_transports)).split(",") if t]
+    if "nixl" in a.transports and (why := nixl_missing()):
+        print(f"skipping nixl: {why}", file=sys.stderr)
+        a.transports.remove("nixl")
     a.out = a.out or (RESULTS_NETNS if a.netns else RESULTS)
     a.modes = [TransferMode(m).value for m in a.modes.split(",") if m]
     a.concurrency = [int(c) for c in a.concurrency.split(",") if c]
     bad = [t for t in a.transports if t not in TRANSPORTS]
     if bad or not a.transports:
         p.error(f"unknown transports {bad}; choose from {TRANSPORTS}")
-    if a.netns and a.transports != ["gloo"]:
-        p.error("--netns measures gloo only: shm and copy cannot cross hosts")
+    if a.netns and not set(a.transports) <= set(REMOTE_ONLY):
+        p.error("--netns measures gloo and nixl only: shm and copy cannot cross hosts")
     if not a.concurrency or min(a.concurrency) < 1:
         p.error("--concurrency needs positive integers")
     if a.tokens < 1:
@@ -852,6 +1010,7 @@ def main() -> None:
             print(f"skipping --netns: {why}", file=sys.stderr)
             return
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        os.environ["UCX_TLS"] = "tcp,self"  # as between hosts (see the module docstring)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     bench = Bench(args)
@@ -888,6 +1047,10 @@ def main() -> None:
             "high load: copy/shm use one thread per transfer; gloo posts all transfers "
             "back-to-back (async, one tag each) and waits for all",
             "shm times include the Commit control round trip; write_ms_median excludes it",
+            "nixl times include the Commit round trip, in which D waits for every WRITE's "
+            "notification; calls_per_transfer is NIXL descriptors for nixl rows; "
+            "process_vm_writev_ms_median: the kernel's cross-memory copy of the same pieces "
+            "(UCX's cma transport between processes of one host), timed after the cell",
             "gloo times end when D's acknowledgement (sent after its scatter) reaches P",
             "vs_memcpy uses a plain copy of the same bytes timed right after each cell; "
             "the memcpy lines above the table pool all those runs",

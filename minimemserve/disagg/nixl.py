@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -38,9 +39,13 @@ from ..errors import TransferError
 from ..mempool import MemPool
 from . import rpc
 
-POLL_S = 0.0005  # how often a waiting side asks NIXL about a write in progress
+POLL_S = 0.0002  # how often a sender asks NIXL about its write in progress
+# How often an agent's thread drives UCX's progress: a receiver's share of a write over TCP
+# and every notification wait for it (measured idle cost: about 5 % of a core per agent).
+PROGRESS_S = 0.001
 MAX_NOTIFS = 4096  # notifications kept per peer agent for transfers not yet committed
 NOTIF_SEP = "|"  # a notification is "<transfer id>|<blocks written>"
+logger = logging.getLogger(__name__)
 
 
 def nixl_missing() -> str | None:
@@ -63,13 +68,141 @@ def _name(agent: Any) -> str:
     return agent.decode(errors="replace") if isinstance(agent, bytes) else str(agent)
 
 
-def _descs(rows: np.ndarray, length: int, device_id: int) -> np.ndarray:
-    """Descriptors (address, length, device) for block addresses ``rows``."""
-    out = np.empty((len(rows), 3), dtype=np.uint64)
-    out[:, 0] = rows
+def descs(addresses: np.ndarray, length: int, device_id: int) -> np.ndarray:
+    """NIXL descriptors (address, length, device), one per address in ``addresses``."""
+    out = np.empty((len(addresses), 3), dtype=np.uint64)
+    out[:, 0] = addresses
     out[:, 1] = length
     out[:, 2] = device_id
     return out
+
+
+class Agent:
+    """One NIXL agent as this project uses it: the UCX backend, no listening socket (metadata
+    travels over the control plane), and a thread of ours that drives UCX's progress every
+    :data:`PROGRESS_S` and keeps the notifications it brings. (NIXL's own progress thread
+    spins: a whole core per agent, idle or not.) It registers tensors, loads peers' metadata,
+    posts WRITEs of descriptor lists and waits for them."""
+
+    def __init__(self, name: str) -> None:
+        """Create agent ``name`` (the nixl extra is imported here, on first use)."""
+        logging.getLogger("NIXL").setLevel(logging.WARNING)
+        api = importlib.import_module("nixl._api")
+        config = api.nixl_agent_config(
+            enable_prog_thread=False,
+            backends=["UCX"],
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,  # two threads call it
+        )
+        self.nixl = api.nixl_agent(name, config)
+        self.name = name
+        self._regs: dict[int, Any] = {}  # data_ptr -> registration
+        self._notifs: dict[str, list[bytes]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._pump = threading.Thread(target=self._progress, name=f"nixl-{name}", daemon=True)
+        self._pump.start()
+
+    def _progress(self) -> None:
+        """Until closed: let UCX progress (peers' writes over TCP land only then) and keep
+        the notifications that arrived."""
+        while not self._stop.wait(PROGRESS_S):
+            try:
+                new = self.nixl.get_new_notifs()
+            except Exception as e:  # a broken peer connection: keep serving the others
+                logger.warning("NIXL agent %s: progress failed: %s", self.name, e)
+                continue
+            with self._lock:
+                for agent, msgs in new.items():
+                    self._notifs.setdefault(_name(agent), []).extend(bytes(m) for m in msgs)
+
+    def register(self, t: torch.Tensor) -> None:
+        """Register contiguous tensor ``t`` (once) for transfers from or into it."""
+        if t.data_ptr() not in self._regs:
+            self._regs[t.data_ptr()] = self.nixl.register_memory(t)
+
+    def deregister(self, t: torch.Tensor) -> None:
+        """Undo :meth:`register`."""
+        if (reg := self._regs.pop(t.data_ptr(), None)) is not None:
+            self.nixl.deregister_memory(reg)
+
+    def registered(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` starts a registered region."""
+        return t.data_ptr() in self._regs
+
+    def metadata(self) -> bytes:
+        """What a peer loads to write into this agent's registered memory."""
+        return self.nixl.get_agent_metadata()
+
+    def load(self, metadata: bytes) -> Any:
+        """Load a peer's metadata; returns its agent as NIXL names it."""
+        try:
+            return self.nixl.add_remote_agent(metadata)
+        except Exception as e:  # NIXL raises its own error types for malformed metadata
+            raise TransferError(f"NIXL metadata does not load: {e}") from e
+
+    def unload(self, agent: Any) -> None:
+        """Forget a peer's agent (best effort)."""
+        with contextlib.suppress(Exception):
+            self.nixl.remove_remote_agent(agent)
+
+    def post(
+        self, agent: Any, local, local_memory: str, remote, remote_memory: str, notif: bytes
+    ) -> Any:
+        """Start one WRITE of descriptors ``local`` into ``remote`` of ``agent`` (arrays of
+        :func:`descs`), notifying it with ``notif`` once all arrived; returns its handle."""
+        a, handle = self.nixl, None
+        try:
+            src = a.get_xfer_descs(local, local_memory)
+            dst = a.get_xfer_descs(remote, remote_memory)
+            handle = a.initialize_xfer("WRITE", src, dst, agent, notif)
+            if a.transfer(handle) == "ERR":
+                raise TransferError("posting failed")
+        except Exception as e:  # NIXL's errors: peer gone, descriptors refused
+            if handle is not None:
+                self._release(handle)
+            raise TransferError(f"NIXL write to {_name(agent)} failed: {e}") from e
+        return handle
+
+    def wait(self, handles: list, timeout_s: float, what: str) -> None:
+        """Wait until every posted WRITE is done, then release them; raises TransferError
+        when one fails or ``timeout_s`` passes first."""
+        deadline, state = time.monotonic() + timeout_s, "DONE"
+        try:
+            for h in handles:
+                while (state := self.nixl.check_xfer_state(h)) == "PROC":
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(POLL_S)
+                if state != "DONE":
+                    break
+        except Exception as e:
+            raise TransferError(f"{what} failed: {e}") from e
+        finally:
+            for h in handles:
+                self._release(h)
+        if state != "DONE":
+            late = "did not finish in time" if state == "PROC" else "failed"
+            raise TransferError(f"{what} {late}")
+
+    def _release(self, handle: Any) -> None:
+        with contextlib.suppress(Exception):
+            self.nixl.release_xfer_handle(handle)
+
+    def notifs(self) -> dict[str, list[bytes]]:
+        """Notifications that arrived since the last call, by sending agent's name."""
+        with self._lock:
+            out, self._notifs = self._notifs, {}
+        return out
+
+    def close(self) -> None:
+        """Stop the progress thread and deregister everything. Idempotent."""
+        self._stop.set()
+        if self._pump.is_alive() and self._pump is not threading.current_thread():
+            self._pump.join()
+        for reg in self._regs.values():
+            with contextlib.suppress(Exception):
+                self.nixl.deregister_memory(reg)
+        self._regs.clear()
 
 
 class NixlEndpoint:
@@ -78,10 +211,8 @@ class NixlEndpoint:
     its ``rpc.NixlInfo``. ``timeout_s`` bounds every wait for a write or its notification."""
 
     def __init__(self, name: str, pool: MemPool, timeout_s: float) -> None:
-        """Create the agent ``name`` (UCX backend, NIXL's progress thread, no listener)."""
-        logging.getLogger("NIXL").setLevel(logging.WARNING)
-        api = importlib.import_module("nixl._api")  # the optional extra, loaded on use
-        self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        """Create the agent ``name`` and register the pool's memory."""
+        self.agent = Agent(name)
         self.name = name
         self.pool = pool
         self.timeout_s = timeout_s
@@ -90,23 +221,17 @@ class NixlEndpoint:
         shape = pool.model_layout.pool_shape(pool.capacity())
         self.landing = None if whole else torch.zeros(shape, dtype=pool.dtype, device=pool.device)
         self.target = pool.kv() if whole else self.landing
-        self.sources = [pool.kv(t) for t in pool.tiers] if whole else []
         self.staging: torch.Tensor | None = None  # for blocks sent from unregistered tensors
-        self._regs: dict[int, Any] = {}  # data_ptr -> registration
-        for t in [self.target, *self.sources]:
-            self._register(t)
+        for t in [self.target, *([pool.kv(t) for t in pool.tiers] if whole else [])]:
+            self.agent.register(t)
         self._written: dict[str, OrderedDict[str, int]] = {}  # agent -> transfer -> blocks
-
-    def _register(self, t: torch.Tensor) -> None:
-        if t.data_ptr() not in self._regs:
-            self._regs[t.data_ptr()] = self.agent.register_memory(t)
 
     def info(self) -> rpc.NixlInfo:
         """What peers need to write into this instance."""
         memory, device = _memory(self.target)
         return rpc.NixlInfo(
             self.name,
-            self.agent.get_agent_metadata(),
+            self.agent.metadata(),
             self.target.data_ptr(),
             self.block_bytes,
             self.target.shape[0],
@@ -124,26 +249,22 @@ class NixlEndpoint:
         if info.agent in self._written or info.agent == self.name:
             raise TransferError(f"{peer} claims NIXL agent {info.agent!r}, which is not new here")
         try:
-            agent = self.agent.add_remote_agent(info.metadata)
-        except Exception as e:  # NIXL raises its own error types for malformed metadata
-            raise TransferError(f"{peer}'s NIXL metadata does not load: {e}") from e
+            agent = self.agent.load(info.metadata)
+        except TransferError as e:
+            raise TransferError(f"{peer}'s {e}") from e
         name = _name(agent)
         if name != info.agent:
             if name not in self._written and name != self.name:  # never another peer's agent
-                self._forget_agent(agent)
+                self.agent.unload(agent)
             raise TransferError(f"{peer}'s NIXL metadata names agent {name!r}, not {info.agent!r}")
         self._written[name] = OrderedDict()
         return NixlLink(self, peer, agent, info)
-
-    def _forget_agent(self, agent: Any) -> None:
-        with contextlib.suppress(Exception):
-            self.agent.remove_remote_agent(agent)
 
     def source_rows(self, src: torch.Tensor, src_ids: Sequence[int]) -> tuple[np.ndarray, int]:
         """Addresses of blocks ``src_ids`` of ``src`` in registered memory (copied into the
         staging tensor first when ``src`` is not registered), and their device id."""
         ids = np.asarray(list(src_ids), dtype=np.int64)
-        if src.data_ptr() not in self._regs or not src.is_contiguous():
+        if not self.agent.registered(src) or not src.is_contiguous():
             staging = self._staging_for(src, len(ids))
             torch.index_select(src, 0, torch.from_numpy(ids).to(src.device), out=staging)
             src, ids = staging, np.arange(len(ids))
@@ -156,10 +277,10 @@ class NixlEndpoint:
         fits = st is not None and st.shape[0] >= n and st.shape[1:] == like.shape[1:]
         if not fits or st.device != like.device or st.dtype != like.dtype:
             if st is not None:
-                self.agent.deregister_memory(self._regs.pop(st.data_ptr()))
+                self.agent.deregister(st)
             shape = (n, *like.shape[1:])
             st = self.staging = torch.empty(shape, dtype=like.dtype, device=like.device)
-            self._register(st)
+            self.agent.register(st)
         return st[:n]
 
     def write(
@@ -177,34 +298,19 @@ class NixlEndpoint:
         if any(not 0 <= b < info.num_blocks for b in blocks):
             raise TransferError(f"blocks {blocks} are outside {info.agent}'s region")
         remote = info.address + np.asarray(blocks, dtype=np.uint64) * np.uint64(info.block_bytes)
-        a = self.agent
-        local = a.get_xfer_descs(_descs(rows, self.block_bytes, device_id), memory)
-        dst = a.get_xfer_descs(_descs(remote, self.block_bytes, info.device_id), info.memory)
-        handle = None
-        try:
-            handle = a.initialize_xfer("WRITE", local, dst, agent, notif)
-            state = a.transfer(handle)
-            deadline = time.monotonic() + self.timeout_s
-            while state == "PROC" and time.monotonic() < deadline:
-                time.sleep(POLL_S)
-                state = a.check_xfer_state(handle)
-        except Exception as e:  # NIXL's errors (peer gone, descriptors refused)
-            raise TransferError(f"NIXL write to {info.agent} failed: {e}") from e
-        finally:
-            if handle is not None:
-                with contextlib.suppress(Exception):
-                    a.release_xfer_handle(handle)
-        if state != "DONE":
-            what = "did not finish in time" if state == "PROC" else "failed"
-            raise TransferError(f"NIXL write of {len(blocks)} blocks to {info.agent} {what}")
+        local = descs(rows, self.block_bytes, device_id)
+        dst = descs(remote, self.block_bytes, info.device_id)
+        handle = self.agent.post(agent, local, memory, dst, info.memory, notif)
+        what = f"NIXL write of {len(blocks)} blocks to {info.agent}"
+        self.agent.wait([handle], self.timeout_s, what)
 
     def _collect(self) -> None:
         """Move new notifications into what each known peer agent wrote, per transfer."""
-        for agent, msgs in self.agent.get_new_notifs().items():
-            if (written := self._written.get(_name(agent))) is None:
+        for agent, msgs in self.agent.notifs().items():
+            if (written := self._written.get(agent)) is None:
                 continue  # not a peer of this instance (any more)
             for msg in msgs:
-                xfer, _, count = bytes(msg).decode(errors="replace").rpartition(NOTIF_SEP)
+                xfer, _, count = msg.decode(errors="replace").rpartition(NOTIF_SEP)
                 if xfer and count.isdigit():
                     written[xfer] = written.get(xfer, 0) + int(count)
                     written.move_to_end(xfer)
@@ -236,14 +342,11 @@ class NixlEndpoint:
     def drop(self, agent: Any) -> None:
         """A peer's agent is gone: unload it."""
         self._written.pop(_name(agent), None)
-        self._forget_agent(agent)
+        self.agent.unload(agent)
 
     def close(self) -> None:
-        """Unload every peer, deregister the memory, end the agent. Idempotent."""
-        for reg in self._regs.values():
-            with contextlib.suppress(Exception):
-                self.agent.deregister_memory(reg)
-        self._regs.clear()
+        """Deregister the memory; nothing more moves. Idempotent."""
+        self.agent.close()
         self._written.clear()
 
 
