@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for a borrowed CUDA machine: the GPU tests, the kernels against the copy ceiling,
-# Llama-2-7B/13B step times, NCCL tensor parallelism and the four-configuration benchmark.
+# Llama-2-7B/13B step times, NCCL tensor parallelism, KV over NIXL from VRAM to VRAM (when
+# the nixl extra is carried) and the four-configuration benchmark.
 #
 #   OUT=DIR bash scripts/gpu-check.sh         # or: bash scripts/gpu-check.sh DIR
 #   DRY=1 OUT=DIR bash scripts/gpu-check.sh   # every stage in its CPU form, for the plumbing
@@ -188,6 +189,22 @@ else
             "distinct NCCL_HOSTID per rank; this machine has one GPU" >"$WORK/tp-nccl.note"
         sed -i 's/^tp-nccl\t[^\t]*/tp-nccl\tskipped (NCCL: duplicate GPU, tp-nccl.note)/' "$STAGES"
     fi
+fi
+
+# KV over NIXL from VRAM into VRAM (two agents in one process, a GPU test), where the nixl
+# extra loads with this python3 (carry it: GPU_WHEELS_NIXL=1 bash scripts/gpu-wheels.sh);
+# skipped, with the reason, where it does not. A dry run runs the DRAM tests instead.
+NIXL_WHY=$("$PY" -c 'from minimemserve.disagg.nixl import nixl_missing; print(nixl_missing() or "")' 2>&1 |
+    tr '\t\n' '  ' | cut -c1-240)
+NIXL_TESTS=(tests/disagg/test_nixl.py)
+if [ -n "${NIXL_WHY// /}" ]; then
+    record nixl-vram "skipped (${NIXL_WHY% })" 0 -
+    publish
+elif [ "$DRY" = 1 ]; then
+    stage nixl-vram 60 "${PYTEST[@]}" -q --timeout 45 -m "not gpu" "${NIXL_TESTS[@]}"
+else
+    stage nixl-vram 60 "${PYTEST[@]}" -v --timeout 45 --junitxml="$WORK/nixl-vram.xml" \
+        -m gpu "${NIXL_TESTS[@]}"
 fi
 
 # the four configurations: the tiny-synthetic preset (its tokenizer is trained in about a

@@ -51,6 +51,11 @@ if [ "${1:-}" = "--list" ]; then # the image's packages, one a line (the rehears
     exit 0
 fi
 
+# GPU_WHEELS_NIXL=1: also the nixl extra for the image's CUDA 13 (about 60 MB), so the check
+# runs KV over NIXL from VRAM to VRAM (NIXL_WHEELS: nixl is a meta-package; its CUDA 13 build)
+NIXL_WHEELS="nixl==1.5.1 nixl-cu13==1.5.1"
+[ "${GPU_WHEELS_NIXL:-0}" = 1 ] && CHECK_NEEDS="$CHECK_NEEDS $NIXL_WHEELS"
+
 wanted=()
 for spec in $CHECK_NEEDS; do
     name=${spec%%==*}

@@ -202,6 +202,8 @@ def test_device_rehearsal_installs_the_wheels_and_runs_every_stage(tmp_path):
         assert any(
             line.split()[:1] == [name] and line.endswith(" ok") for line in summary.splitlines()
         ), (name, summary)
+    nixl = [line for line in summary.splitlines() if line.split()[:1] == ["nixl-vram"]]
+    assert len(nixl) == 1 and "skipped (nixl does not load" in nixl[0], summary  # not carried
     assert "collected" in summary and "interpreter check ok = True" in summary
     for name in ("gpu_steps_7b.json", "gpu_steps_13b.json"):
         steps = json.loads((out / name).read_text())  # what `sim --calibrate` reads

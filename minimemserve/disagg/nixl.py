@@ -267,6 +267,8 @@ class NixlEndpoint:
         if not self.agent.registered(src) or not src.is_contiguous():
             staging = self._staging_for(src, len(ids))
             torch.index_select(src, 0, torch.from_numpy(ids).to(src.device), out=staging)
+            if staging.is_cuda:  # the gather must have landed before NIXL reads it
+                torch.cuda.current_stream(staging.device).synchronize()
             src, ids = staging, np.arange(len(ids))
         stride = src[0].nbytes
         return src.data_ptr() + ids.astype(np.uint64) * np.uint64(stride), _memory(src)[1]

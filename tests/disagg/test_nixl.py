@@ -35,18 +35,20 @@ def _endpoint(name: str, pool: MemPool, timeout_s: float = WAIT_S) -> NixlEndpoi
     return NixlEndpoint(f"{name}-{os.getpid()}", pool, timeout_s)
 
 
-def _filled(layout: KVLayout, n: int, dram: int = 0, seed: int = 0) -> MemPool:
-    pool = MemPool(layout, n, dram_blocks=dram)
+def _filled(layout: KVLayout, n: int, dram: int = 0, seed: int = 0, device: str = "cpu") -> MemPool:
+    pool = MemPool(layout, n, dram_blocks=dram, device=device)
     g = torch.Generator().manual_seed(seed)
     for tier in pool.tiers:
         pool.kv(tier).copy_(torch.randn(pool.kv(tier).shape, generator=g))
     return pool
 
 
-@pytest.fixture
-def pair():
-    """Two endpoints in this process, each with the other's agent loaded."""
-    a_pool, b_pool = _filled(LAYOUT, 16, dram=8), MemPool(LAYOUT, 16)
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def pair(request):
+    """Two endpoints in this process, each with the other's agent loaded: pools in DRAM, or
+    in VRAM (a dram tier beside it)."""
+    device = request.param
+    a_pool, b_pool = _filled(LAYOUT, 16, dram=8, device=device), MemPool(LAYOUT, 16, device=device)
     a, b = _endpoint("A", a_pool), _endpoint("B", b_pool)
     ab, ba = a.connect("B", b.info()), b.connect("A", a.info())
     yield a, b, ab, ba
@@ -57,13 +59,13 @@ def pair():
 def test_writes_from_either_tier_and_from_unregistered_memory_arrive(pair):
     a, b, ab, ba = pair
     src, dram = a.pool.kv(), a.pool.kv("dram")
-    loose = torch.randn(3, *src.shape[1:])  # a tensor-parallel gather: staged, then written
+    loose = torch.randn(3, *src.shape[1:], device=src.device)  # a tensor-parallel gather
     cases = [("x1", src, [5, 1, 9]), ("x2", dram, [7, 0]), ("x3", loose, [2, 0, 1])]
     for xfer, tensor, ids in cases:
         dst = b.pool.alloc_mem(len(ids))
         ab.send(None, xfer, dst, tensor, ids)
         ba.landed(xfer, dst)  # the notification is in: every block arrived
-        assert torch.equal(b.pool.kv()[dst], tensor[ids])
+        assert torch.equal(b.pool.kv()[dst].cpu(), tensor[ids].cpu())
         b.pool.free_mem(dst)
     block = LAYOUT.block_bytes(4)
     assert ab.stats() | {"sent_bytes": 8 * block, "sent_messages": 3} == ab.stats()
