@@ -186,7 +186,8 @@ def _control_node(
 
 def nixl_endpoint(spec: InstanceSpec, pool: MemPool) -> NixlEndpoint | None:
     """This instance's NIXL agent over ``pool``: when it asks for NIXL (which must then load
-    here), or under "auto" when NIXL loads and peers move KV into its pool; else None."""
+    here), or under "auto" (a standalone instance: peers may be on other hosts) when NIXL
+    loads and peers move KV into its pool; else None."""
     if spec.transport not in ("nixl", "auto"):
         return None
     missing = nixl_missing()

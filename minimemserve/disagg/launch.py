@@ -248,7 +248,7 @@ class Launcher:
                 linked=linked,
                 secret=secret,
                 curve=curve,
-                transport=transport,
+                transport="shm" if transport == "auto" else transport,  # one host: no NIXL agent
             )
             proc = ctx.Process(target=instance_main, args=(spec,), name=f"mms-{name}")
             proc.daemon = True

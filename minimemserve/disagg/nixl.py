@@ -86,8 +86,11 @@ class Agent:
 
     def __init__(self, name: str) -> None:
         """Create agent ``name`` (the nixl extra is imported here, on first use)."""
-        logging.getLogger("NIXL").setLevel(logging.WARNING)
         api = importlib.import_module("nixl._api")
+        log = logging.getLogger("nixl")  # NIXL prints INFO lines to stdout on import: instead,
+        log.handlers.clear()  # its warnings and errors join this process's own logging
+        log.setLevel(logging.WARNING)
+        log.propagate = True
         config = api.nixl_agent_config(
             enable_prog_thread=False,
             backends=["UCX"],

@@ -24,6 +24,7 @@ from minimemserve import SamplingParams, cli
 from minimemserve.bench.hosts import LocalInstances
 from minimemserve.config import EngineConfig
 from minimemserve.disagg import rpc
+from minimemserve.disagg.launch import InstanceInfo, pair_transport
 from minimemserve.disagg.nixl import nixl_missing
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.errors import ConfigError
@@ -479,3 +480,29 @@ def test_losing_a_prefill_instance_while_it_writes_over_nixl(tiny_llama_dir, tmp
         assert finished and len(finished) < len(rids) and "P0" in c.dead
         report = c.check_pools()["D0"]  # nothing referenced: the grants to P0 were released
         assert report["ok"] and c.stats()["D0"]["grants"].get("P0", 0) == 0
+
+
+def test_pair_transport_prefers_nixl_between_hosts_where_both_have_an_agent():
+    agent = rpc.NixlInfo("agent", b"metadata", 4096, 64, 4, "DRAM")
+
+    def inst(name: str, host: str, transport: str = "auto", nixl=agent) -> InstanceInfo:
+        return InstanceInfo(name, "prefill", None, host=host, transport=transport, nixl=nixl)
+
+    assert pair_transport(inst("a", "h1"), inst("b", "h1")) == "shm"
+    assert pair_transport(inst("a", "h1"), inst("b", "h2")) == "nixl"
+    assert pair_transport(inst("a", "h1"), inst("b", "h2", nixl=None)) == "gloo"
+    assert pair_transport(inst("a", "h1"), inst("b", "h1"), "nixl") == "nixl"
+    assert inst("b", "h2").seen_over("gloo").nixl is None  # the agent only to NIXL peers
+    assert inst("b", "h2").seen_over("nixl").nixl == agent
+    with pytest.raises(ConfigError, match="b has no NIXL agent"):
+        pair_transport(inst("a", "h1"), inst("b", "h2", nixl=None), "nixl")
+    with pytest.raises(ConfigError, match="asks for nixl KV transport, b for gloo"):
+        pair_transport(inst("a", "h1", "nixl"), inst("b", "h2", "gloo"))
+
+
+def test_a_tensor_parallel_standalone_instance_needs_nixl(tiny_llama_dir, local):
+    tp = dataclasses.replace(CONFIG, decode_tensor_parallel_size=2)
+    with pytest.raises(Exception, match="only over the nixl transport"):
+        ProcessCluster(
+            tiny_llama_dir, "1P1D", engine_config=tp, instances=local.addresses[2:], key=local.key
+        )
