@@ -118,6 +118,7 @@ ACK_TAG = 1_000  # above every per-transfer tag
 STOP_TIMEOUT_S = 10.0  # D answers Stop at once unless it is stuck in a gloo round
 NETNS_PREFIX = "10.232"  # --netns takes the first free 10.232.X.0/24 for its veth pair
 CLONE_NEWNET = 0x40000000  # setns(2): join a network namespace
+CLONE_NEWNS, MS_REC, MS_PRIVATE, MNT_DETACH = 0x00020000, 0x4000, 1 << 18, 2  # a private /sys
 
 
 # ------------------------------------------------------------------ control messages (bench)
@@ -325,13 +326,22 @@ class Decoder:
 
 
 def enter_netns(name: str) -> None:
-    """Move this process into the network namespace ``ip netns add name`` made. Sockets opened
-    afterwards (and by threads started afterwards) live there."""
+    """Move this process into the network namespace ``ip netns add name`` made, as ``ip netns
+    exec`` does: sockets opened afterwards (and by threads started afterwards) live there, and
+    a private /sys lists that namespace's interfaces (UCX finds its devices there)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    with open(f"/var/run/netns/{name}") as f:
-        if libc.setns(f.fileno(), CLONE_NEWNET) != 0:
+
+    def check(ok: bool, what: str) -> None:
+        if not ok:
             err = ctypes.get_errno()
-            raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
+            raise OSError(err, f"{what} for network namespace {name}: {os.strerror(err)}")
+
+    with open(f"/var/run/netns/{name}") as f:
+        check(libc.setns(f.fileno(), CLONE_NEWNET) == 0, "setns")
+    check(libc.unshare(CLONE_NEWNS) == 0, "unshare the mounts")
+    check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0, "make / private")
+    check(libc.umount2(b"/sys", MNT_DETACH) == 0, "unmount /sys")
+    check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None) == 0, "mount /sys")
 
 
 def decoder_main(
@@ -757,7 +767,7 @@ class Bench:
         self.call(Prepare("nixl", mode, self.dst_ids[:c], rounds=len(writes)))
         cell.times_ms = measure(one_round, self.args.cell_budget_s, MIN_REPS, MAX_REPS)
         cell.verified = self._verify("nixl", mode, c, None)
-        if mode == TransferMode.AGGREGATED.value:  # what UCX's cma transport does per piece
+        if mode == TransferMode.AGGREGATED.value and not self.args.netns:  # UCX's cma copy
             cma = functools.partial(process_vm_writev, self.child.pid, writes)
             cell.cma_ms = measure(cma, MEMCPY_BUDGET_S, MIN_REPS, MAX_REPS)
         return cell
