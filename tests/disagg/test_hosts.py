@@ -4,6 +4,7 @@ hostile connections, and when a remote decode instance is killed or stopped."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hmac
 import os
@@ -282,56 +283,70 @@ def test_hostile_connections_leave_the_instance_serving(tiny_llama_dir, tmp_path
 
 
 # ---- a remote decode instance lost -----------------------------------------------------------
+@contextlib.contextmanager
+def joined(model_dir, tmp_path, roles: list[str], config: str, transport: str):
+    """Standalone instances of ``roles`` joined as ``config``, one declared dead after 2 s of
+    silence: yields them and the cluster."""
+    with (
+        LocalInstances(
+            roles, tmp_path / "k", model_dir=model_dir, transport=transport, log_dir=tmp_path
+        ) as inst,
+        ProcessCluster(
+            model_dir,
+            config,
+            engine_config=CONFIG,
+            instances=inst.addresses,
+            key=inst.key,
+            heartbeat_timeout_s=2.0,
+            timeout_s=4.0,
+        ) as c,
+    ):
+        yield inst, c
+
+
+def step_until_on(c, rids: list[str], name: str) -> list:
+    """Step ``c`` until one of ``rids`` runs on instance ``name`` (a minute at most); returns
+    the outputs that finished meanwhile."""
+    outs, deadline = [], time.monotonic() + 60
+    while not any(c.location(r) == name for r in rids) and time.monotonic() < deadline:
+        outs += c.step()
+    return outs
+
+
 @pytest.mark.parametrize("transport", ["gloo", "nixl"])
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "sigstop"])
 def test_losing_a_remote_decode_instance(tiny_llama_dir, tmp_path, how, transport):
     if transport == "nixl" and (why := nixl_missing()) is not None:
         pytest.skip(why)
     long = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
-    with LocalInstances(
-        ["prefill", "decode", "decode"],
-        tmp_path / "k",
-        model_dir=tiny_llama_dir,
-        transport=transport,
-        log_dir=tmp_path,
-    ) as inst:
+    roles = ["prefill", "decode", "decode"]
+    with joined(tiny_llama_dir, tmp_path, roles, "1P2D", transport) as (inst, c):
         victim = inst.procs[1]  # D0: the first decode address
-        with ProcessCluster(
-            tiny_llama_dir,
-            "1P2D",
-            engine_config=CONFIG,
-            instances=inst.addresses,
-            key=inst.key,
-            heartbeat_timeout_s=2.0,
-            timeout_s=4.0,
-        ) as c:
-            rids = [c.add_request(prompt(i), long) for i in range(6)]
-            outs, deadline = [], time.monotonic() + 60
-            while not any(c.location(r) == "D0" for r in rids) and time.monotonic() < deadline:
-                outs += c.step()
-            os.kill(victim.pid, how)
-            outs += c.run_until_done(timeout_s=120)
-            assert sorted(o.request_id for o in outs) == sorted(rids)  # none lost
-            for o in outs:
-                done = o.finish_reason == "length" and len(o.token_ids) == 160
-                assert done or (o.finish_reason == "error" and "InstanceDied" in o.error), o
-            assert "D0" in c.dead and set(c.stats()) == {"P0", "D1", "frontend"}
-            c.check_pools()  # the survivors hold nothing for D0, nothing referenced
-            if how == signal.SIGSTOP:  # woken, it drops the session and rejoins this frontend
-                os.kill(victim.pid, signal.SIGCONT)
-                deadline = time.monotonic() + 30
-                while "D0" in c.dead and time.monotonic() < deadline:
-                    c.step()
-                assert not c.dead and c.num_rejoins == 1, inst.log(1)[-2000:]
-                busy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-                rids = [c.add_request(prompt(50 + i), busy) for i in range(4)]  # D1 gets busy
-                outs = c.run_until_done(60)
-                assert sorted(o.request_id for o in outs) == sorted(rids)
-                assert all(o.finish_reason == "length" for o in outs)
-                assert "D0" in {o.metrics.decode_instance for o in outs}  # it serves again
-                c.check_pools()  # D0 included
-                links = c.stats()["P0"]["links"]
-                assert links["D0"]["transport"] == transport  # a new link with D0
+        rids = [c.add_request(prompt(i), long) for i in range(6)]
+        outs = step_until_on(c, rids, "D0")
+        os.kill(victim.pid, how)
+        outs += c.run_until_done(timeout_s=120)
+        assert sorted(o.request_id for o in outs) == sorted(rids)  # none lost
+        for o in outs:
+            done = o.finish_reason == "length" and len(o.token_ids) == 160
+            assert done or (o.finish_reason == "error" and "InstanceDied" in o.error), o
+        assert "D0" in c.dead and set(c.stats()) == {"P0", "D1", "frontend"}
+        c.check_pools()  # the survivors hold nothing for D0, nothing referenced
+        if how == signal.SIGSTOP:  # woken, it drops the session and rejoins this frontend
+            os.kill(victim.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 30
+            while "D0" in c.dead and time.monotonic() < deadline:
+                c.step()
+            assert not c.dead and c.num_rejoins == 1, inst.log(1)[-2000:]
+            busy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+            rids = [c.add_request(prompt(50 + i), busy) for i in range(4)]  # D1 gets busy
+            outs = c.run_until_done(60)
+            assert sorted(o.request_id for o in outs) == sorted(rids)
+            assert all(o.finish_reason == "length" for o in outs)
+            assert "D0" in {o.metrics.decode_instance for o in outs}  # it serves again
+            c.check_pools()  # D0 included
+            links = c.stats()["P0"]["links"]
+            assert links["D0"]["transport"] == transport  # a new link with D0
 
 
 FRONTEND_SCRIPT = """
@@ -449,28 +464,9 @@ def test_losing_a_prefill_instance_while_it_writes_over_nixl(tiny_llama_dir, tmp
     if (why := nixl_missing()) is not None:
         pytest.skip(why)
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    with (
-        LocalInstances(
-            ["prefill", "decode"],
-            tmp_path / "k",
-            model_dir=tiny_llama_dir,
-            transport="nixl",
-            log_dir=tmp_path,
-        ) as inst,
-        ProcessCluster(
-            tiny_llama_dir,
-            "1P1D",
-            engine_config=CONFIG,
-            instances=inst.addresses,
-            key=inst.key,
-            heartbeat_timeout_s=2.0,
-            timeout_s=4.0,
-        ) as c,
-    ):
+    with joined(tiny_llama_dir, tmp_path, ["prefill", "decode"], "1P1D", "nixl") as (inst, c):
         rids = [c.add_request(prompt(i, 120), params) for i in range(8)]
-        outs, deadline = [], time.monotonic() + 60
-        while not any(c.location(r) == "D0" for r in rids) and time.monotonic() < deadline:
-            outs += c.step()
+        outs = step_until_on(c, rids, "D0")
         os.kill(inst.procs[0].pid, signal.SIGKILL)  # mid-way through its hand-offs
         outs += c.run_until_done(timeout_s=120)
         assert sorted(o.request_id for o in outs) == sorted(rids)  # none lost, none hung
