@@ -319,3 +319,19 @@ def test_bench_rejects_bad_choices_before_starting_anything(argv, capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", *argv])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_bench_over_instances_started_on_their_own(tiny_llama_dir, tmp_path, capsys):
+    """``--runtime hosts``: standalone instances joined by a frontend, KV over NIXL where the
+    extra loads (else gloo); every request answered and every pool balanced."""
+    from minimemserve.disagg.nixl import nixl_missing
+
+    transport = "gloo" if nixl_missing() else "nixl"
+    argv = ["bench", "--runtime", "hosts", "--transport", transport, "--configs", "1P1D-CC"]
+    argv += ["--sessions", "2", "--max-turns", "2", "--max-output-tokens", "4", "--rate", "inf"]
+    cli.main([*argv, "--model", str(tiny_llama_dir), "--out", str(tmp_path), "--no-progress"])
+    printed = capsys.readouterr().out
+    assert "1P1D-CC: 4 requests" in printed and "pool balanced" in printed
+    saved = json.loads((tmp_path / "e2e_sharegpt.json").read_text())
+    summary = saved["summaries"]["1P1D-CC"]
+    assert summary["errors"] == 0 and summary["transferred_bytes"] > 0

@@ -3,7 +3,7 @@ in a network namespace, if given one), and a frontend that joins them.
 
 ``bench --runtime hosts`` runs every configuration this way, so the comparison covers what a
 deployment over several hosts adds: instances that start on their own, the join handshake,
-and KV over torch.distributed (``--transport gloo``) instead of shared memory."""
+and KV over NIXL or torch.distributed (``--transport nixl|gloo``) instead of shared memory."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from minimemserve.bench.transports import pick_free_port
 from minimemserve.config import parse_config_name
 from minimemserve.disagg import rpc
 from minimemserve.disagg.runtime import ProcessCluster
+from minimemserve.errors import ConfigError
 
 # How long a stopped instance process gets to exit before it is killed.
 STOP_GRACE_S = 5.0
@@ -118,9 +119,13 @@ class HostsCluster(ProcessCluster):
         transport: str = "auto",
         num_colocated: int = 2,
         cores_per_instance: int = 1,
+        instances: Sequence[str] | None = None,
+        key: Any = None,
         **kw: Any,
     ) -> None:
         """Start the instances, then join them as ``ProcessCluster(instances=...)`` does."""
+        if instances or key is not None:
+            raise ConfigError("the hosts runtime starts its own instances and makes their key")
         roles = [r for _, r in parse_config_name(config_name).instances(colocated=num_colocated)]
         self._dir = tempfile.TemporaryDirectory(prefix="mms-hosts-")
         key = os.path.join(self._dir.name, "cluster.key")
