@@ -1,13 +1,14 @@
-"""The four configurations on the multi-host runtime with KV over gloo, beside the process
-runtime with shared memory, in one run on the same sessions.
+"""The four configurations on the multi-host runtime with KV over gloo and over NIXL, beside
+the process runtime with shared memory, in one run on the same sessions.
 
-Each configuration runs twice, back to back: spawned instances writing KV into each other's
-shared memory (the default runtime), then ``minimemserve instance`` processes joined by a
-frontend and moving KV over torch.distributed (gloo on loopback: what two hosts would do,
-minus the network). Prints the bench table, then per configuration the gloo/shm ratios of
-mean TTFT and JCT and the KV bytes each moved; writes bench/results/multihost/.
+Each configuration runs back to back: spawned instances writing KV into each other's shared
+memory (the default runtime), then ``minimemserve instance`` processes joined by a frontend
+and moving KV over torch.distributed (gloo on loopback: what two hosts would do, minus the
+network), then the same over NIXL (where the nixl extra loads; UCX picks cross-memory attach
+on one host). Prints the bench table, then per configuration each transport's ratios of mean
+TTFT and JCT to shared memory and the KV bytes each moved; writes bench/results/multihost/.
 
-    python bench/multihost.py [--sessions 16] [--rate 1.0]
+    python bench/multihost.py [--sessions 16] [--rate 1.0] [--configs 1P1D,1P1D-CC]
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from pathlib import Path
 from minimemserve.bench.driver import COLOCATED_INSTANCES, CORES_PER_INSTANCE, run_bench
 from minimemserve.bench.hosts import HostsCluster
 from minimemserve.deployment import DeploymentSpec
+from minimemserve.disagg.nixl import nixl_missing
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.workloads.results import DEFAULT_CONFIGS, DEFAULT_RATE, DEFAULT_SESSIONS
 
 RUNTIMES = {"shm": (ProcessCluster, "shm"), "gloo": (HostsCluster, "gloo")}
+if nixl_missing() is None:
+    RUNTIMES["nixl"] = (HostsCluster, "nixl")
 OUT = Path("bench/results/multihost")
 
 
@@ -67,21 +71,25 @@ def main() -> None:
         runtime={"kind": "process vs hosts", "runtimes": list(RUNTIMES)},
     )
     s, rows = res["summaries"], []
-    print("\nconfig    TTFT gloo/shm   JCT gloo/shm   KV bytes shm / gloo")
+    print("\nconfig    transport  TTFT / shm   JCT / shm   KV bytes (shm: the same)")
     for c in args.configs.split(","):
-        shm, gloo = s[f"{c} shm"], s[f"{c} gloo"]
-        row = {
-            "config": c,
-            "ttft_ratio": gloo["ttft_mean"] / shm["ttft_mean"],
-            "jct_ratio": gloo["jct_mean"] / shm["jct_mean"],
-            "bytes_shm": sent_bytes(res["pool_stats"][f"{c} shm"]),
-            "bytes_gloo": sent_bytes(res["pool_stats"][f"{c} gloo"]),
-        }
-        rows.append(row)
-        print(
-            f"{c:9s} {row['ttft_ratio']:13.2f}x {row['jct_ratio']:13.2f}x   "
-            f"{row['bytes_shm']:,} / {row['bytes_gloo']:,}"
-        )
+        shm = s[f"{c} shm"]
+        for r in [r for r in RUNTIMES if r != "shm"]:
+            other = s[f"{c} {r}"]
+            row = {
+                "config": c,
+                "transport": r,
+                "ttft_ratio": other["ttft_mean"] / shm["ttft_mean"],
+                "jct_ratio": other["jct_mean"] / shm["jct_mean"],
+                "bytes_shm": sent_bytes(res["pool_stats"][f"{c} shm"]),
+                "bytes": sent_bytes(res["pool_stats"][f"{c} {r}"]),
+            }
+            rows.append(row)
+            same = "yes" if row["bytes"] == row["bytes_shm"] else f"no: {row['bytes_shm']:,}"
+            print(
+                f"{c:9s} {r:9s} {row['ttft_ratio']:10.2f}x {row['jct_ratio']:10.2f}x   "
+                f"{row['bytes']:,} ({same})"
+            )
     (OUT / "ratios.json").write_text(json.dumps(rows, indent=1))
 
 

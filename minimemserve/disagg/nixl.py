@@ -1,5 +1,6 @@
 """KV over NIXL: one-sided writes into the blocks a peer granted, on the transfer library of
-the field (UCX underneath: shared memory, TCP, RDMA or NVLink, picked per pair of agents).
+the field (UCX underneath: cross-memory attach within a host, TCP, RDMA or NVLink, picked per
+pair of agents).
 
 Each instance that moves KV over NIXL has one agent (:class:`NixlEndpoint`) that registers its
 pool's tiers once, HBM and DRAM, and publishes its metadata and the region peers write into
