@@ -386,7 +386,8 @@ class NixlLink:
 
     def send(self, node: rpc.RpcNode, xfer: str, blocks: list[int], src, src_ids) -> None:
         """Write blocks ``src_ids`` of ``src`` into the peer's ``blocks``: one WRITE, one
-        descriptor per block, notifying the peer of transfer ``xfer``."""
+        descriptor per block, notifying the peer of transfer ``xfer`` (``node`` is not used:
+        nothing of the data goes over the control plane)."""
         if self.closed:
             raise TransferError(f"the NIXL link with {self.peer} is closed")
         rows, device_id = self.endpoint.source_rows(src, src_ids)
