@@ -110,14 +110,18 @@ class Agent:
         """Until closed: let UCX progress (peers' writes over TCP land only then) and keep
         the notifications that arrived."""
         while not self._stop.wait(PROGRESS_S):
-            try:
-                new = self.nixl.get_new_notifs()
-            except Exception as e:  # a broken peer connection: keep serving the others
-                logger.warning("NIXL agent %s: progress failed: %s", self.name, e)
-                continue
-            with self._lock:
-                for agent, msgs in new.items():
-                    self._notifs.setdefault(_name(agent), []).extend(bytes(m) for m in msgs)
+            self._progress_once()
+
+    def _progress_once(self) -> None:
+        """One turn of UCX's progress; keeps the notifications it brought."""
+        try:
+            new = self.nixl.get_new_notifs()
+        except Exception as e:  # a broken peer connection: keep serving the others
+            logger.warning("NIXL agent %s: progress failed: %s", self.name, e)
+            return
+        with self._lock:
+            for agent, msgs in new.items():
+                self._notifs.setdefault(_name(agent), []).extend(bytes(m) for m in msgs)
 
     def register(self, t: torch.Tensor) -> None:
         """Register contiguous tensor ``t`` (once) for transfers from or into it."""
@@ -193,7 +197,9 @@ class Agent:
             self.nixl.release_xfer_handle(handle)
 
     def notifs(self) -> dict[str, list[bytes]]:
-        """Notifications that arrived since the last call, by sending agent's name."""
+        """Notifications that arrived since the last call, by sending agent's name (UCX
+        progresses first: a waiting receiver need not wait for the thread's next turn)."""
+        self._progress_once()
         with self._lock:
             out, self._notifs = self._notifs, {}
         return out

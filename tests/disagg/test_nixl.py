@@ -123,6 +123,8 @@ def _sender(info: bytes, out: mp.Queue) -> None:
     ep = _endpoint("S", pool)
     link = ep.connect("R", rpc_info(info))
     out.put(msgspec_bytes(ep.info()))
+    out.close()
+    out.join_thread()  # in the pipe before this process dies
     rows, device = ep.source_rows(pool.kv(), range(BIG_BLOCKS))
     notif = f"x{BIG_BLOCKS}|{BIG_BLOCKS}".encode()
     threading.Thread(
