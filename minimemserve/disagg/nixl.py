@@ -323,7 +323,7 @@ class NixlEndpoint:
                 continue  # not a peer of this instance (any more)
             for msg in msgs:
                 xfer, _, count = msg.decode(errors="replace").rpartition(NOTIF_SEP)
-                if xfer and count.isdigit():
+                if xfer and count.isascii() and count.isdigit():  # a peer's bytes: checked
                     written[xfer] = written.get(xfer, 0) + int(count)
                     written.move_to_end(xfer)
             while len(written) > MAX_NOTIFS:

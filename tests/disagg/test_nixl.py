@@ -88,6 +88,10 @@ def test_what_a_peer_claims_is_checked(pair):
         ab.send(None, "x", [info.num_blocks], a.pool.kv(), [0])
     with pytest.raises(TransferError, match="0 of 2"):  # nothing was written: no commit
         ba.landed("never", [3, 4])
+    for junk in ("x9|\u00b2", "x9|-1", "x9", "|1"):  # notifications are a peer's bytes
+        a.agent.nixl.send_notif(ab.agent, junk.encode())
+    with pytest.raises(TransferError, match="0 of 1"):  # none of them counts as a write
+        ba.landed("x9", [5])
     dst = b.pool.alloc_mem(2)
     ab.send(None, "x4", dst, a.pool.kv(), [0, 1])
     with pytest.raises(ValueError, match="notified 2"):  # more than the transfer was granted
