@@ -92,13 +92,17 @@ class InstanceSpec:
     timeout_s: float = rpc.DEFAULT_TIMEOUT_S
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     parent_pid: int = 0
-    shared_pool: bool = False  # hbm pool in shared memory, for peers to write into
     linked: bool = False  # peers move KV into its pool (over whichever transport)
     secret: bytes = field(default=b"", repr=False)  # the cluster's control-plane key
     curve: tuple[bytes, bytes] | None = field(default=None, repr=False)  # off loopback
     transport: str = "auto"  # the KV transport this instance asks for (rpc.Transport)
     frontend_timeout_s: float = 0.0  # standalone: end the session after this much silence
     session: str = ""  # the frontend's session id: names this deployment's pair groups
+
+    @property
+    def shared_pool(self) -> bool:
+        """Whether its hbm pool lives in shared memory, for peers on its host to write into."""
+        return self.linked and self.transport in ("auto", "shm")
 
 
 def host_identity() -> str:
@@ -569,7 +573,6 @@ def _check_join(m: rpc.Join, opts: StandaloneOptions) -> InstanceSpec:
         timeout_s=m.timeout_s,
         heartbeat_s=m.heartbeat_s,
         parent_pid=opts.parent_pid,
-        shared_pool=m.linked and opts.transport in ("auto", "shm"),
         linked=m.linked,
         secret=opts.key.secret,
         curve=opts.key.curve_for(opts.host),

@@ -244,7 +244,6 @@ class Launcher:
                 heartbeat_s=self.spec.heartbeat_s,
                 parent_pid=os.getpid(),
                 frontend_timeout_s=self.spec.heartbeat_timeout_s,
-                shared_pool=linked and transport in ("auto", "shm"),
                 linked=linked,
                 secret=secret,
                 curve=curve,
