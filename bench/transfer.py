@@ -272,7 +272,7 @@ class Decoder:
         got, deadline = 0, time.monotonic() + CONTROL_TIMEOUT_S
         while got < self.notifs and time.monotonic() < deadline:
             got += sum(len(m) for m in self.nixl.notifs().values())
-            time.sleep(POLL_S)  # the agent's progress thread needs the interpreter
+            time.sleep(POLL_S)  # notifs() drives progress itself; this only keeps from spinning
         if got != self.notifs:
             raise TransferError(f"{got} of {self.notifs} NIXL notifications arrived")
 

@@ -44,7 +44,7 @@ POLL_S = 0.0002  # how often a sender asks NIXL about its write in progress
 # How often an agent's thread drives UCX's progress: a receiver's share of a write over TCP
 # and every notification wait for it (measured idle cost: about 5 % of a core per agent).
 PROGRESS_S = 0.001
-MAX_NOTIFS = 4096  # notifications kept per peer agent for transfers not yet committed
+MAX_NOTIFS = 4096  # notifications (and transfers they name) kept per peer agent
 NOTIF_SEP = "|"  # a notification is "<transfer id>|<blocks written>"
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,9 @@ class Agent:
             return
         with self._lock:
             for agent, msgs in new.items():
-                self._notifs.setdefault(_name(agent), []).extend(bytes(m) for m in msgs)
+                kept = self._notifs.setdefault(_name(agent), [])
+                kept.extend(bytes(m) for m in msgs)
+                del kept[:-MAX_NOTIFS]  # a peer that floods loses its oldest, not our memory
 
     def register(self, t: torch.Tensor) -> None:
         """Register contiguous tensor ``t`` (once) for transfers from or into it."""
@@ -232,7 +234,7 @@ class NixlEndpoint:
         self.landing = None if whole else torch.zeros(shape, dtype=pool.dtype, device=pool.device)
         self.target = pool.kv() if whole else self.landing
         self.staging: torch.Tensor | None = None  # for blocks sent from unregistered tensors
-        for t in [self.target, *([pool.kv(t) for t in pool.tiers] if whole else [])]:
+        for t in [self.target, *([pool.kv(tier) for tier in pool.tiers] if whole else [])]:
             self.agent.register(t)
         self._written: dict[str, OrderedDict[str, int]] = {}  # agent -> transfer -> blocks
 
