@@ -24,6 +24,7 @@ it cannot stop a faulty peer from writing blocks it was not granted."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import logging
@@ -105,6 +106,9 @@ class Agent:
         self._stop = threading.Event()
         self._pump = threading.Thread(target=self._progress, name=f"nixl-{name}", daemon=True)
         self._pump.start()
+        # stopped before the interpreter ends: a daemon thread still inside NIXL when its
+        # native destructors run aborts the process ("terminate called")
+        atexit.register(self.close)
 
     def _progress(self) -> None:
         """Until closed: let UCX progress (peers' writes over TCP land only then) and keep
@@ -208,6 +212,7 @@ class Agent:
 
     def close(self) -> None:
         """Stop the progress thread and deregister everything. Idempotent."""
+        atexit.unregister(self.close)
         self._stop.set()
         if self._pump.is_alive() and self._pump is not threading.current_thread():
             self._pump.join()

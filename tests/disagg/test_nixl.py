@@ -77,8 +77,10 @@ def test_what_a_peer_claims_is_checked(pair):
     a, b, ab, ba = pair
     info = b.info()
     other = MemPool(KVLayout(1, 4, 2, 8), 4)  # blocks of another size: another model
+    c = _endpoint("C", other)
     with pytest.raises(TransferError, match="bytes"):
-        a.connect("C", _endpoint("C", other).info())
+        a.connect("C", c.info())
+    c.close()
     with pytest.raises(TransferError, match="does not load"):
         a.connect("C", rpc.NixlInfo("C", b"\x00garbage", 4096, info.block_bytes, 4, "DRAM"))
     renamed = rpc.NixlInfo("someone-else", *[getattr(info, f) for f in info.__struct_fields__[1:]])
