@@ -1,7 +1,10 @@
 """The OpenAI-compatible HTTP server: ``minimemserve serve``.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (503 when a role has no live instance) and ``GET /metrics`` (Prometheus).
+``GET /health`` (liveness: the engine thread runs; never waits for a step), ``GET /ready``
+(readiness: every role has a live instance and there is room for work) and ``GET /metrics``
+(Prometheus). Probes read what the engine thread publishes once a second; they never wait on
+it. If the engine thread dies, the process logs it and exits (status 1) instead of serving 503s.
 Any deployment serves: in this process (``--runtime inprocess``) or one process per instance
 behind the global scheduler (``--runtime process``, the default). Tokens stream as the
 decoding instance samples them (SSE, ending with ``data: [DONE]``). A client that goes away
@@ -19,9 +22,10 @@ import json
 import logging
 import os
 import re
+import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -52,8 +56,13 @@ logger = logging.getLogger(__name__)
 
 # How often a non-streaming request checks whether its client is still connected.
 DISCONNECT_POLL_S = 0.25
-# How long /health and /metrics wait for the engine thread before answering 503.
-PROBE_TIMEOUT_S = 10.0
+# A loop iteration (one step and its calls) running longer than this is a hang: /health fails.
+STALL_S = 600.0
+# /ready needs a view of the instances at most this old (the engine thread refreshes it each
+# second between steps; an older one means the loop is stuck in one long step).
+READY_STALE_S = 30.0
+# How long uvicorn waits for open connections when the process shuts down.
+SHUTDOWN_GRACE_S = 5.0
 # Start-up of the instances (processes load the checkpoint) before the port opens.
 STARTUP_TIMEOUT_S = 300.0
 # Connections beyond --max-pending that uvicorn still accepts (health checks, scrapes);
@@ -64,6 +73,10 @@ API_KEY_ENV = "MINIMEMSERVE_API_KEY"
 # Largest request body read (a long prompt as token ids is a few MB).
 MAX_BODY_BYTES = 16 * 2**20
 _PARAM = re.compile(r"SamplingParams\.(\w+)")
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request disconnected (its requests were aborted)."""
 
 
 class ApiError(Exception):
@@ -242,7 +255,17 @@ class Server:
                 self.loop.register(c.rid, aio, gen.events)
                 c.started = True
 
-        await self.loop.call(add)
+        try:
+            await self.loop.call(add)
+        except asyncio.CancelledError:  # the caller left while the call ran: undo what it added
+            self._abort(choices)
+            raise
+
+    def _abort(self, choices: list[Choice]) -> None:
+        """Stop delivering to ``choices`` and abort their requests (unknown ids are no-ops)."""
+        for c in choices:
+            self.loop.unregister(c.rid)
+            self.loop.post(lambda s, rid=c.rid: s.abort(rid))
 
     async def submit(self, parsed: protocol.Parsed, t0: float, chat: bool) -> Generation:
         """Validate and start a request's choices (the first of each prompt; the others follow
@@ -269,8 +292,8 @@ class Server:
             try:
                 return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    raise asyncio.CancelledError("client disconnected") from None
+                if await request.is_disconnected():
+                    raise ClientGone("client disconnected") from None
 
     async def run(
         self, gen: Generation, request: Request | None
@@ -297,10 +320,7 @@ class Server:
                     self._observe(c, gen.t0)
                 yield c, text, lps
         finally:
-            for c in choices:
-                if c.started and c.finish_reason is None:
-                    self.loop.unregister(c.rid)
-                    self.loop.post(lambda s, rid=c.rid: s.abort(rid))
+            self._abort([c for c in choices if c.started and c.finish_reason is None])
 
     def _take(self, c: Choice, ev: TokenDelta | RequestOutput) -> tuple[str, list]:
         """Feed a delta or the final output into the choice; its text delta and new logprobs."""
@@ -434,33 +454,65 @@ class Server:
             yield f"data: {json.dumps(api_error(e).body())}\n\n"
         yield "data: [DONE]\n\n"
 
-    async def health(self) -> Response:
-        """200 when every role has a live instance, else 503."""
-
-        def probe(s: Serving) -> set[str]:
-            getattr(s, "monitor", lambda: None)()  # a process runtime notices deaths here
-            return {v["role"] for v in s.load().values()}
-
-        try:
-            live = await asyncio.wait_for(self.loop.call(probe), PROBE_TIMEOUT_S)
-        except Exception as e:
-            return ApiError(
-                503, f"unhealthy: {type(e).__name__}: {e}", "service_unavailable"
-            ).response()
-        if missing := set(self.roles) - live:
-            return ApiError(
-                503, f"no live instance for role(s) {sorted(missing)}", "service_unavailable"
-            ).response()
+    def health(self) -> Response:
+        """Liveness: 200 while the engine thread runs and is not stuck in one iteration for
+        ``STALL_S``; answered from this thread, never waiting for a step."""
+        if not self.loop.alive:
+            why = f"the engine is not running: {self.loop.error or 'stopped'}"
+            return ApiError(503, why, "service_unavailable").response()
+        if (busy := self.loop.busy_for()) > STALL_S:
+            why = f"the engine loop has been in one step for {busy:.0f} s"
+            return ApiError(503, why, "service_unavailable").response()
         return JSONResponse({"status": "ok"})
 
-    async def metrics_text(self) -> Response:
-        """The Prometheus exposition of every metric, the pool gauges read now."""
-        try:
-            snap = await asyncio.wait_for(self.loop.call(Snapshot.of), PROBE_TIMEOUT_S)
-            self.metrics.snapshot = snap
-        except Exception as e:  # the request metrics still show; the gauges are stale
-            logger.warning("metrics: could not read the pools: %s", e)
+    def ready(self) -> Response:
+        """Readiness: 200 when the engine runs, its view of the instances is fresh, every role
+        has a live instance and fewer than ``max_pending`` choices are in flight."""
+        if (live := self.health()).status_code != 200:
+            return live
+        snap = self.metrics.snapshot
+        if (age := time.monotonic() - snap.taken_at) > READY_STALE_S:
+            why = f"no view of the instances for {age:.0f} s (the engine is in a long step)"
+            return ApiError(503, why, "service_unavailable").response()
+        if missing := set(self.roles) - {v["role"] for v in snap.load.values()}:
+            why = f"no live instance for role(s) {sorted(missing)}"
+            return ApiError(503, why, "service_unavailable").response()
+        if self.loop.num_streams >= self.max_pending:
+            why = f"at capacity: {self.loop.num_streams} choices in flight (--max-pending)"
+            return ApiError(503, why, "service_unavailable", code="overloaded").response()
+        return JSONResponse({"status": "ready"})
+
+    def metrics_text(self) -> Response:
+        """The Prometheus exposition of every metric; the pool gauges as of the engine
+        thread's last refresh (at most ``TICK_S`` old while it is not in a long step)."""
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def watch(metrics: ServerMetrics) -> Callable[[Serving], None]:
+    """The engine thread's periodic check: let a process runtime notice dead instances, then
+    refresh the snapshot the gauges and ``/ready`` read."""
+
+    def tick(s: Serving) -> None:
+        getattr(s, "monitor", lambda: None)()
+        metrics.snapshot = Snapshot.of(s)
+
+    return tick
+
+
+def exit_loudly(error: BaseException) -> None:
+    """The engine thread died: log it and stop the process (``main`` then exits with 1), so a
+    supervisor restarts it instead of a server that answers only ``/v1/models``."""
+    logger.critical(
+        "the engine thread died (%s: %s); shutting the server down", type(error).__name__, error
+    )
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+async def _client_gone(request: Request, e: Exception) -> Response:
+    logger.warning(
+        "client disconnected: %s %s (its requests were aborted)", request.method, request.url.path
+    )
+    return Response(status_code=499)
 
 
 async def _on_error(request: Request, e: Exception) -> JSONResponse:
@@ -483,6 +535,7 @@ def build_app(server: Server) -> FastAPI:
     # every error in OpenAI's shape: 400, 404, 503 (500 only for a bug)
     for kind in (ApiError, ValueError, RuntimeError, MiniMemServeError, Exception):
         app.add_exception_handler(kind, _on_error)
+    app.add_exception_handler(ClientGone, _client_gone)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -508,11 +561,15 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return await server.health()
+        return server.health()
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        return server.ready()
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return await server.metrics_text()
+        return server.metrics_text()
 
     return app
 
@@ -526,16 +583,17 @@ def make_server(args: argparse.Namespace) -> Server:
     deployment = parse_config_name(spec.config)
     tok = Tokenizer.from_dir(model_dir)
     chat = protocol.ChatFormat(model_dir, tok)  # a broken template fails before the engine starts
-    metrics = ServerMetrics()
-    loop = EngineLoop(spec.build, on_output=metrics.observe_output)
+    name = args.served_model_name or ("tiny" if args.model is None else model_dir.name)
+    metrics = ServerMetrics(name)
+    loop = EngineLoop(spec.build, metrics.observe_output, watch(metrics), exit_loudly)
     loop.start(STARTUP_TIMEOUT_S)
-    metrics.roles = {name: v["role"] for name, v in loop.serving.load().items()}
+    metrics.roles = {inst: v["role"] for inst, v in loop.serving.load().items()}
     context = ModelConfig.from_hf(model_dir).max_position_embeddings
     return Server(
         loop,
         tok,
         chat,
-        args.served_model_name or ("tiny" if args.model is None else model_dir.name),
+        name,
         min(args.max_model_len or context, context),
         deployment.milestone.roles,
         metrics,
@@ -565,5 +623,6 @@ def main(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         limit_concurrency=args.max_pending + SPARE_CONNECTIONS,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
-    return 0
+    return 1 if server.loop.error is not None else 0

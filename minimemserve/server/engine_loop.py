@@ -4,7 +4,14 @@ outputs into per-request events for asyncio callers.
 A caller runs a function on the serving in that thread (:meth:`EngineLoop.call`), registering an
 ``asyncio.Queue`` for the request ids it adds; every step, the loop puts each ``TokenDelta``
 and finished ``RequestOutput`` on the queue of its request (thread-safely, through the caller's
-event loop). Between steps it runs the queued calls; idle, it blocks on them."""
+event loop). Between steps it runs the queued calls; idle, it blocks on them.
+
+A call its caller gave up on (a cancelled future) is skipped, and one already running keeps
+its result to itself: no caller can make the thread fail. Every ``TICK_S`` the thread also
+runs ``tick(serving)``, and once more as soon as the last request ended (the server refreshes
+its metrics and view of the instances there), so probes read state instead of waiting for a
+step. If the thread does fail, ``on_failure(error)`` runs
+after every open stream got its error output."""
 
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 # How long an idle engine thread blocks waiting for a call before checking it should stop.
 IDLE_WAIT_S = 0.05
+# How often the engine thread runs its ``tick`` between steps (a scrape interval or better).
+TICK_S = 1.0
 
 Event = TokenDelta | RequestOutput
 
@@ -35,15 +44,22 @@ def _put_all(items: list[tuple[asyncio.Queue, Event]]) -> None:
 
 class EngineLoop:
     """Runs ``make_serving()`` and its steps in one daemon thread. ``on_output(out)`` is called
-    (in that thread) for every finished request, e.g. to record metrics."""
+    (in that thread) for every finished request, e.g. to record metrics; ``tick(serving)``
+    every ``TICK_S``; ``on_failure(error)`` once if the thread dies of an error."""
 
     def __init__(
         self,
         make_serving: Callable[[], Serving],
         on_output: Callable[[RequestOutput], None] = lambda out: None,
+        tick: Callable[[Serving], None] = lambda serving: None,
+        on_failure: Callable[[BaseException], None] = lambda error: None,
     ) -> None:
         self._make = make_serving
         self._on_output = on_output
+        self._tick = tick
+        self._on_failure = on_failure
+        self._ticked = -TICK_S  # monotonic time of the last tick
+        self.beat = time.monotonic()  # when the loop last started an iteration
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ready = threading.Event()
@@ -70,6 +86,10 @@ class EngineLoop:
     def alive(self) -> bool:
         """Whether the engine thread is running."""
         return self._thread.is_alive() and self.error is None
+
+    def busy_for(self) -> float:
+        """Seconds the current loop iteration (a step and its calls) has been running."""
+        return time.monotonic() - self.beat
 
     @property
     def num_streams(self) -> int:
@@ -115,15 +135,30 @@ class EngineLoop:
         self._ready.set()
         try:
             while not self._stopping:
-                self._run_calls(block=not self.serving.has_unfinished())
+                self.beat = time.monotonic()
+                if self.beat - self._ticked >= TICK_S:
+                    self._run_tick()
+                had_work = self.serving.has_unfinished()
+                self._run_calls(block=not had_work)
                 if self.serving.has_unfinished():
                     self._step()
+                elif had_work:  # the last request just ended: show the idle state at once
+                    self._ticked = -TICK_S
         except BaseException as e:
             logger.exception("the engine loop failed")
             self.error = e
         finally:
             self._fail_pending()
             self.serving.close()
+        if self.error is not None:
+            self._on_failure(self.error)
+
+    def _run_tick(self) -> None:
+        self._ticked = time.monotonic()
+        try:
+            self._tick(self.serving)
+        except Exception as e:  # a view of the state failed; serving goes on
+            logger.warning("the engine's periodic check failed: %s", e)
 
     def _run_calls(self, block: bool) -> None:
         try:
@@ -131,21 +166,27 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            fn, fut = item
-            try:
-                result = fn(self.serving)
-            except Exception as e:
-                if fut is None:
-                    logger.warning("a queued engine call failed: %s", e)
-                else:
-                    fut.set_exception(e)
-            else:
-                if fut is not None:
-                    fut.set_result(result)
+            self._run_one(*item)
             try:
                 item = self._calls.get_nowait()
             except queue.Empty:
                 return
+
+    def _run_one(self, fn: Callable[[Serving], Any], fut: concurrent.futures.Future | None):
+        """Run one call; skipped if its caller already gave up. A running future cannot be
+        cancelled, so setting its result never fails (a caller that left drops it)."""
+        if fut is not None and not fut.set_running_or_notify_cancel():
+            return
+        try:
+            result = fn(self.serving)
+        except Exception as e:
+            if fut is None:
+                logger.warning("a queued engine call failed: %s", e)
+            else:
+                fut.set_exception(e)
+        else:
+            if fut is not None:
+                fut.set_result(result)
 
     def _step(self) -> None:
         outputs = self.serving.step()
@@ -171,5 +212,5 @@ class EngineLoop:
                 _, fut = self._calls.get_nowait()
             except queue.Empty:
                 return
-            if fut is not None:
+            if fut is not None and fut.set_running_or_notify_cancel():
                 fut.set_exception(RuntimeError("the engine stopped"))

@@ -2,11 +2,14 @@
 
 Request histograms and token counters are observed when a request ends, labelled by the
 instance that did the work and its role (prefill-side times by the instance that computed
-the prompt, decode-side ones by the instance that finished it). Pool and queue gauges are
-read from a snapshot of ``Serving.pool_stats()`` / ``Serving.load()`` taken at each scrape."""
+the prompt, decode-side ones by the instance that finished it), and by the served model's
+name (``model_name``, as vLLM labels its metrics). Pool and queue gauges are read from a
+snapshot of ``Serving.pool_stats()`` / ``Serving.load()`` the engine thread refreshes."""
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -17,7 +20,7 @@ from ..mempool import PoolAccountingError
 from ..request import RequestOutput
 
 P = "minimemserve:"
-LABELS = ("instance", "role")
+LABELS = ("model_name", "instance", "role")
 # Seconds; from a fast decode step on a GPU to a long prefill on a CPU.
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # Pool counters exported as Prometheus counters: (metric name, pool counter, help).
@@ -36,6 +39,7 @@ class Snapshot:
     load: dict[str, dict] = field(default_factory=dict)
     pools: dict[str, dict] = field(default_factory=dict)
     audit_ok: bool = True
+    taken_at: float = -math.inf  # time.monotonic() when it was read; never, by default
 
     @classmethod
     def of(cls, serving) -> Snapshot:
@@ -45,7 +49,7 @@ class Snapshot:
             ok = True
         except PoolAccountingError:
             pools, ok = serving.pool_stats(), False
-        return cls(serving.load(), pools, ok)
+        return cls(serving.load(), pools, ok, time.monotonic())
 
 
 class _PoolCollector:
@@ -55,7 +59,7 @@ class _PoolCollector:
         self.metrics = metrics
 
     def collect(self) -> Iterator:
-        snap = self.metrics.snapshot
+        snap, model = self.metrics.snapshot, self.metrics.model_name
         role = {name: v.get("role", "") for name, v in snap.load.items()}
         reqs = {
             state: GaugeMetricFamily(
@@ -65,7 +69,7 @@ class _PoolCollector:
         }
         for name, v in snap.load.items():
             for state, g in reqs.items():
-                g.add_metric([name, role[name]], v[state])
+                g.add_metric([model, name, role[name]], v[state])
         usage = GaugeMetricFamily(
             f"{P}kv_cache_usage_perc",
             "Fraction of KV blocks referenced by requests.",
@@ -78,18 +82,20 @@ class _PoolCollector:
             m: CounterMetricFamily(f"{P}{m}", h, labels=LABELS) for m, _, h in POOL_COUNTERS
         }
         for name, stats in snap.pools.items():
-            r = role.get(name, "")
+            labels = [model, name, role.get(name, "")]
             for tier in ("hbm", "dram"):
                 if (t := stats.get(tier)) and t.get("total"):
-                    usage.add_metric([name, r, tier], t["referenced"] / t["total"])
+                    usage.add_metric([*labels, tier], t["referenced"] / t["total"])
                     for state in ("free", "referenced", "cached_only"):
-                        blocks.add_metric([name, r, tier, state], t[state])
+                        blocks.add_metric([*labels, tier, state], t[state])
             for m, key, _ in POOL_COUNTERS:
-                counters[m].add_metric([name, r], stats.get("counters", {}).get(key, 0))
+                counters[m].add_metric(labels, stats.get("counters", {}).get(key, 0))
         audit = GaugeMetricFamily(
-            f"{P}kv_pool_audit_ok", "1 when every pool's block accounting balanced at the scrape."
+            f"{P}kv_pool_audit_ok",
+            "1 when every pool's block accounting balanced at the last snapshot.",
+            labels=("model_name",),
         )
-        audit.add_metric([], float(snap.audit_ok))
+        audit.add_metric([model], float(snap.audit_ok))
         yield audit
         yield from reqs.values()
         yield usage
@@ -98,10 +104,12 @@ class _PoolCollector:
 
 
 class ServerMetrics:
-    """Every metric of one server, in its own registry. ``roles`` maps instance to role."""
+    """Every metric of one server, in its own registry, labelled with ``model_name`` (the
+    served model's id). ``roles`` maps instance to role."""
 
-    def __init__(self, roles: dict[str, str] | None = None) -> None:
+    def __init__(self, model_name: str, roles: dict[str, str] | None = None) -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
         self.roles = dict(roles or {})
         self.snapshot = Snapshot()
 
@@ -120,8 +128,8 @@ class ServerMetrics:
         self.finished = count("request_success", "Requests ended.", ("finished_reason",))
         self.registry.register(_PoolCollector(self))
 
-    def _labels(self, instance: str) -> tuple[str, str]:
-        return instance, self.roles.get(instance, "")
+    def _labels(self, instance: str) -> tuple[str, str, str]:
+        return self.model_name, instance, self.roles.get(instance, "")
 
     def observe_output(self, out: RequestOutput) -> None:
         """Count one ended request (called in the engine thread)."""
