@@ -25,7 +25,7 @@ from .model.tokenizer import Tokenizer
 from .parallel import SingleRank, TPGroup, TPShard
 from .recipes import Hook, Outcome, Peers, Recipe
 from .request import Request, RequestOutput, Status, TokenDelta
-from .sampling import SamplingParams, sample, token_logprobs
+from .sampling import SamplingParams, adjust_logits, sample, token_logprobs
 from .scheduler.local import LocalScheduler
 
 
@@ -73,8 +73,10 @@ class ModelRunner:
         bad: dict[Request, str] = {}
         if sample_for:
             params, done = [r.params for r in sample_for], [r.num_output for r in sample_for]
+            history = lambda i: sample_for[i].tokens[sample_for[i].num_prompt :]
+            adjusted = adjust_logits(logits, params, history, self.model.cfg.eos_token_ids)
             try:
-                tokens = sample(logits, params, done, generator)
+                tokens = sample(adjusted, params, done, generator)
             except SamplingError as e:  # those rows fail alone; the others keep their token
                 tokens, bad = e.tokens, {sample_for[i]: f"SamplingError: {e}" for i in e.rows}
             if want := [
@@ -146,6 +148,10 @@ def check_request(
     ids = tokenizer.prompt_ids(prompt)
     if bad := [t for t in ids if not 0 <= t < vocab]:
         raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+    if bad := [t for t, _ in params.logit_bias if t >= vocab]:
+        raise InvalidRequest(
+            f"SamplingParams.logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+        )
     if len(ids) >= max_model_len:
         raise InvalidRequest(
             f"prompt too long: {len(ids)} tokens, the context holds {max_model_len} "

@@ -46,7 +46,7 @@ __all__ = [
 CACHE_ENV = "MINIMEMSERVE_CACHE"
 DEFAULT_CACHE = Path("~/.cache/minimemserve")
 # Bump when the files a preset writes change, so stale cache directories are not reused.
-PRESET_FORMAT_VERSION = 1
+PRESET_FORMAT_VERSION = 2
 # Hex digits of the parameter hash in a preset's directory name.
 _HASH_CHARS = 10
 # Sentencepiece skips longer input lines; ShareGPT has code blocks and long paragraphs.
@@ -58,6 +58,18 @@ _MAX_TRAINING_LINES = 2_000_000
 # Spread of the random RMSNorm gains around 1, so a model that ignores them is caught.
 _NORM_WEIGHT_STD = 0.1
 BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
+# What transformers' AutoTokenizer needs beside tokenizer.model to load it (Llama's tokenizer:
+# a BOS before each text, no EOS after it; ``legacy: false`` encodes text after a special token
+# as sentencepiece does).
+HF_TOKENIZER_CONFIG = {
+    "tokenizer_class": "LlamaTokenizer",
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "unk_token": "<unk>",
+    "add_bos_token": True,
+    "add_eos_token": False,
+    "legacy": False,
+}
 # What a synthetic tokenizer is trained on: words of one to three syllables, some capitalised,
 # some numbers, and punctuation (any other text still encodes through byte fallback).
 # Tokenizers trained once and shipped in ``data/``: (text, vocabulary, characters) -> file. A
@@ -216,7 +228,8 @@ def write_random_llama(
 
     The directory gets ``config.json`` (bos=1, eos=2), fp32 safetensors weights (split into
     about ``shards`` files with an index when ``shards > 1``) and, if ``tokenizer_model`` is
-    given, a copy of it as ``tokenizer.model``; its size must equal ``vocab_size``.
+    given, a copy of it as ``tokenizer.model`` (its size must equal ``vocab_size``) and a
+    ``tokenizer_config.json``, so ``transformers.AutoTokenizer`` loads the directory too.
     """
     from transformers import LlamaConfig, LlamaForCausalLM  # heavy: only writing needs it
 
@@ -246,6 +259,9 @@ def write_random_llama(
     written = out_dir / TOKENIZER_FILENAME
     if tokenizer_model is not None and Path(tokenizer_model).resolve() != written.resolve():
         shutil.copyfile(tokenizer_model, written)
+    if tokenizer_model is not None:
+        hf = HF_TOKENIZER_CONFIG | {"model_max_length": max_position_embeddings}
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out_dir
 
 

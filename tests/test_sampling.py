@@ -1,5 +1,6 @@
 """SamplingParams validation and the sampler: every value either constructs or raises
-InvalidRequest, and every params object that constructs samples valid ids from finite logits."""
+InvalidRequest, and every params object that constructs samples valid ids from finite logits.
+The logit adjustments (penalties, logit bias, min_tokens) against a reference computed here."""
 
 from __future__ import annotations
 
@@ -11,8 +12,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from minimemserve import LLM
 from minimemserve.errors import InvalidRequest, SamplingError
-from minimemserve.sampling import GREEDY_TEMPERATURE, SamplingParams, sample, token_seed
+from minimemserve.sampling import (
+    GREEDY_TEMPERATURE,
+    SamplingParams,
+    adjust_logits,
+    sample,
+    token_seed,
+)
 
 I64_MAX = 2**63 - 1
 
@@ -38,6 +46,10 @@ valid = {
     "seed": st.one_of(st.none(), st.integers(0, I64_MAX)),
     "stop_token_ids": st.lists(st.integers(0, I64_MAX), max_size=3),
     "ignore_eos": st.booleans(),
+    "frequency_penalty": st.floats(-2, 2),
+    "presence_penalty": st.floats(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(0, 50), st.floats(-100, 100), max_size=3),
+    "min_tokens": st.integers(0, 8),
 }
 params_kwargs = st.fixed_dictionaries(
     {}, optional={k: st.one_of(v, junk) for k, v in valid.items()}
@@ -66,7 +78,11 @@ def test_any_value_constructs_or_is_rejected_and_constructed_params_sample(
     assert type(params.max_tokens) is int and type(params.top_k) is int
     assert type(params.temperature) is float and type(params.top_p) is float
     assert type(params.stop_token_ids) is tuple and type(params.ignore_eos) is bool
+    assert type(params.logit_bias) is tuple and type(params.frequency_penalty) is float
     logits = torch.tensor([row], dtype=torch.float32)  # [1, V]
+    if params.adjusts_logits:
+        adjusted = adjust_logits(logits, [params], lambda i: [0, 0, len(row) - 1], ())
+        assert adjusted.shape == logits.shape and not torch.isnan(adjusted).any()
     token = sample(logits, [params], [n], torch.Generator().manual_seed(engine_seed))[0]
     assert type(token) is int and 0 <= token < len(row)
     if params.greedy:
@@ -117,6 +133,20 @@ def test_any_value_constructs_or_is_rejected_and_constructed_params_sample(
         ("logprobs", 21),
         ("logprobs", True),
         ("logprobs", 2.0),
+        ("frequency_penalty", 2.5),
+        ("frequency_penalty", float("nan")),
+        ("presence_penalty", -2.01),
+        ("presence_penalty", "1"),
+        ("logit_bias", {1: 101}),
+        ("logit_bias", {-1: 1}),
+        ("logit_bias", {"7": 1}),
+        ("logit_bias", {1: float("nan")}),
+        ("logit_bias", [1, 2]),
+        ("logit_bias", "x"),
+        ("logit_bias", {i: 1 for i in range(1025)}),
+        ("min_tokens", -1),
+        ("min_tokens", 17),  # above max_tokens (16)
+        ("min_tokens", 1.0),
     ],
 )
 def test_bad_values_are_invalid_requests_naming_the_field(field, value):
@@ -126,7 +156,7 @@ def test_bad_values_are_invalid_requests_naming_the_field(field, value):
 
 def test_fields_and_defaults_are_unchanged():
     defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
-    defaults["stop_token_ids"] = ()
+    defaults["stop_token_ids"] = defaults["logit_bias"] = ()
     assert defaults == dict(
         max_tokens=16,
         temperature=1.0,
@@ -136,6 +166,10 @@ def test_fields_and_defaults_are_unchanged():
         stop_token_ids=(),
         ignore_eos=False,
         logprobs=None,
+        frequency_penalty=0.0,
+        presence_penalty=0.0,
+        logit_bias=(),
+        min_tokens=0,
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         SamplingParams().temperature = 0.0  # type: ignore[misc]
@@ -232,3 +266,87 @@ def test_neg_inf_logits_are_allowed_when_one_is_finite():
     logits = torch.tensor([[float("-inf"), 2.0, float("-inf")]])
     p = SamplingParams(temperature=1.0, top_k=2, top_p=0.5, seed=3)
     assert sample(logits, [p], [0], torch.Generator()) == [1]
+
+
+def _reference(logits, params, outputs, eos):
+    """OpenAI's formula, token by token in plain Python, then the min_tokens mask."""
+    out = logits.clone()
+    for i, (p, hist) in enumerate(zip(params, outputs)):
+        for j in range(logits.shape[1]):
+            c = hist.count(j)
+            out[i, j] -= c * p.frequency_penalty + (c > 0) * p.presence_penalty
+            out[i, j] += dict(p.logit_bias).get(j, 0.0)
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
+            if len(hist) < p.min_tokens and j in stops:
+                out[i, j] = float("-inf")
+    return out
+
+
+def test_adjustments_match_openais_formula_and_pick_the_tokens_it_picks():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 12, generator=g) * 2  # [B, V]
+    outputs = [[3, 3, 3, 7], [3, 3, 3, 7], [1, 1, 2], [], [5, 5, 0, 9, 9]]
+    params = [
+        SamplingParams(temperature=0.0, frequency_penalty=1.5),
+        SamplingParams(temperature=0.0, presence_penalty=-2.0, logit_bias={7: -5, 11: 2.5}),
+        SamplingParams(temperature=0.0),  # untouched, between adjusted rows
+        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[4], logit_bias={0: 100}),
+        SamplingParams(temperature=0.0, frequency_penalty=-0.5, presence_penalty=0.7, min_tokens=9),
+    ]
+    eos = (0,)
+    got = adjust_logits(logits, params, lambda i: outputs[i], eos)
+    want = _reference(logits, params, outputs, eos)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[2], logits[2])
+    assert got[3, 0] == float("-inf") and got[3, 4] == float("-inf")  # EOS masked despite +100
+    chosen = sample(got, params, [len(o) for o in outputs], torch.Generator())
+    assert chosen == want.argmax(dim=-1).tolist()
+    assert chosen[0] != 3 or logits[0, 3] - 4 * 1.5 >= logits[0].max() - 1e-6  # penalised
+
+
+def test_min_tokens_lifts_its_mask_once_reached_and_spares_eos_with_ignore_eos():
+    logits = torch.zeros(3, 6)
+    logits[:, 0] = 10.0  # EOS the clear favourite
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=2),
+        SamplingParams(temperature=0.0, min_tokens=2),
+        SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True),
+    ]
+    outputs = [[1], [1, 2], [1]]
+    got = adjust_logits(logits, params, lambda i: outputs[i], (0,))
+    assert got[:, 0].tolist() == [float("-inf"), 10.0, 10.0]
+
+
+def test_neutral_values_leave_the_logits_untouched():
+    logits = torch.randn(3, 8)
+    params = [SamplingParams(frequency_penalty=0.0, presence_penalty=-0.0, logit_bias={})] * 3
+    assert adjust_logits(logits, params, lambda i: [1, 2], (0,)) is logits
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused_by_the_engine(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, num_blocks=64)
+    with pytest.raises(InvalidRequest, match="SamplingParams.logit_bias: token id 512 is outside"):
+        llm.generate([1, 2, 3], SamplingParams(logit_bias={512: 1.0}))
+
+
+def test_the_engine_applies_the_bias_and_min_tokens(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, num_blocks=64)
+    eos = llm.tokenizer.eos_id
+    prompt = [1, 20, 30, 40]
+    plain = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    forced = llm.generate(
+        prompt, SamplingParams(max_tokens=6, temperature=0.0, logit_bias={77: 100})
+    )
+    assert forced[0].token_ids == [77] * 6 and plain[0].token_ids != [77] * 6
+    # EOS forced by its bias, held back for three tokens by min_tokens
+    p = SamplingParams(max_tokens=8, temperature=0.0, logit_bias={eos: 100}, min_tokens=3)
+    out = llm.generate(prompt, p)[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) == 4
+    assert eos not in out.token_ids[:3] and out.token_ids[3] == eos
+    # a frequency penalty of 2 against a bias of 5: the forced token gives way after 3 uses
+    p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias={77: 5})
+    free = llm.generate(prompt, p)[0].token_ids
+    pen = dataclasses.replace(p, frequency_penalty=2.0)
+    penalised = llm.generate(prompt, pen)[0].token_ids
+    assert free == [77] * 6 and penalised.count(77) < 6, (free, penalised)
+    llm.engine.check_pools()

@@ -3,8 +3,9 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health`` (liveness: the engine thread runs; never waits for a step), ``GET /ready``
 (readiness: every role has a live instance and there is room for work) and ``GET /metrics``
-(Prometheus). Probes read what the engine thread publishes once a second; they never wait on
-it. If the engine thread dies, the process logs it and exits (status 1) instead of serving 503s.
+(Prometheus). The probes read what the engine thread publishes once a second and never wait
+on it; a scrape waits at most ``METRICS_WAIT_S`` for fresh pool gauges. If the engine thread
+dies, the process logs it and exits (status 1) instead of serving 503s.
 Any deployment serves: in this process (``--runtime inprocess``) or one process per instance
 behind the global scheduler (``--runtime process``, the default). Tokens stream as the
 decoding instance samples them (SSE, ending with ``data: [DONE]``). A client that goes away
@@ -61,6 +62,8 @@ STALL_S = 600.0
 # /ready needs a view of the instances at most this old (the engine thread refreshes it each
 # second between steps; an older one means the loop is stuck in one long step).
 READY_STALE_S = 30.0
+# How long /metrics waits for fresh pool gauges before showing the last snapshot.
+METRICS_WAIT_S = 2.0
 # How long uvicorn waits for open connections when the process shuts down.
 SHUTDOWN_GRACE_S = 5.0
 # Start-up of the instances (processes load the checkpoint) before the port opens.
@@ -271,8 +274,9 @@ class Server:
         """Validate and start a request's choices (the first of each prompt; the others follow
         once it computed the prompt, to share it). Bad prompts raise ``BadField`` here."""
         base, n, stop = f"srv-{next(self._ids)}", parsed.n, parsed.stop
+        least = parsed.params.min_tokens
         choices = [
-            Choice(i * n + j, i, j, f"{base}-{i}-{j}", protocol.Detokenizer(self.tok, stop))
+            Choice(i * n + j, i, j, f"{base}-{i}-{j}", protocol.Detokenizer(self.tok, stop, least))
             for i in range(len(parsed.prompts))
             for j in range(n)
         ]
@@ -282,7 +286,8 @@ class Server:
         except PoolExhausted:
             raise
         except InvalidRequest as e:  # too long, outside the vocabulary: the prompt's fault
-            raise protocol.BadField("messages" if chat else "prompt", str(e)) from None
+            named = m.group(1) if (m := _PARAM.search(str(e))) else None  # or a param's
+            raise protocol.BadField(named or ("messages" if chat else "prompt"), str(e)) from None
         return gen
 
     async def _next_event(self, events: asyncio.Queue, request: Request | None):
@@ -482,19 +487,27 @@ class Server:
             return ApiError(503, why, "service_unavailable", code="overloaded").response()
         return JSONResponse({"status": "ready"})
 
-    def metrics_text(self) -> Response:
-        """The Prometheus exposition of every metric; the pool gauges as of the engine
-        thread's last refresh (at most ``TICK_S`` old while it is not in a long step)."""
+    async def metrics_text(self) -> Response:
+        """The Prometheus exposition of every metric. The pool gauges are read between two
+        steps if the engine thread gets to it within ``METRICS_WAIT_S``, else they are the
+        engine thread's last refresh (a scrape never holds up the engine, nor fails it)."""
+        try:
+            snap = await asyncio.wait_for(self.loop.call(Snapshot.of), METRICS_WAIT_S)
+            self.metrics.snapshot = snap
+        except (TimeoutError, RuntimeError) as e:  # RuntimeError: the engine is not running
+            logger.info("metrics: showing the last pool snapshot (%s)", type(e).__name__)
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def watch(metrics: ServerMetrics) -> Callable[[Serving], None]:
     """The engine thread's periodic check: let a process runtime notice dead instances, then
-    refresh the snapshot the gauges and ``/ready`` read."""
+    refresh the snapshot the gauges and ``/ready`` read, and the instances' roles."""
 
     def tick(s: Serving) -> None:
         getattr(s, "monitor", lambda: None)()
-        metrics.snapshot = Snapshot.of(s)
+        snap = Snapshot.of(s)
+        metrics.roles.update((inst, v["role"]) for inst, v in snap.load.items())
+        metrics.snapshot = snap
 
     return tick
 
@@ -569,7 +582,7 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return server.metrics_text()
+        return await server.metrics_text()
 
     return app
 
@@ -587,7 +600,6 @@ def make_server(args: argparse.Namespace) -> Server:
     metrics = ServerMetrics(name)
     loop = EngineLoop(spec.build, metrics.observe_output, watch(metrics), exit_loudly)
     loop.start(STARTUP_TIMEOUT_S)
-    metrics.roles = {inst: v["role"] for inst, v in loop.serving.load().items()}
     context = ModelConfig.from_hf(model_dir).max_position_embeddings
     return Server(
         loop,

@@ -1,9 +1,11 @@
 """The OpenAI request bodies, checked field by field, and what the server makes of them.
 
 A body is hostile JSON: every field the server reads is type-checked here and a bad one
-raises ``BadField`` naming it (the server answers 400 in OpenAI's error shape); fields the
-server does not know are ignored, as OpenAI-compatible servers do. Sampling values are then
-validated by ``SamplingParams`` itself, so HTTP and the library refuse the same values."""
+raises ``BadField`` naming it (the server answers 400 in OpenAI's error shape). A field the
+server does not implement is refused the same way, naming it, unless it has its neutral value
+(``tools: []``, ``response_format: {"type": "text"}``): a request is never served with part of
+it silently ignored. Sampling values are then validated by ``SamplingParams`` itself, so HTTP
+and the library refuse the same values."""
 
 from __future__ import annotations
 
@@ -23,15 +25,48 @@ MAX_N = 16
 MAX_STOP_STRINGS = 16
 # Completions default to 16 new tokens, as OpenAI's API does; chat to the rest of the context.
 DEFAULT_COMPLETION_TOKENS = 16
-CHAT_ROLES = ("system", "user", "assistant")
+# Message roles, and the role each is rendered as (OpenAI's ``developer`` is the system prompt).
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Fields of OpenAI's API this server does not implement: accepted only at their neutral value.
 _UNSUPPORTED = {
     "echo": False,
     "best_of": 1,
     "suffix": "",
-    "frequency_penalty": 0,
-    "presence_penalty": 0,
-    "logit_bias": {},
+    "tools": [],
+    "tool_choice": "none",
+    "functions": [],
+    "function_call": "none",
+    "response_format": {"type": "text"},
+}
+# Fields the server reads (besides those above). ``user`` only identifies the caller to the
+# operator, and ``parallel_tool_calls`` only matters with tools: both change no output.
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+    "frequency_penalty",
+    "presence_penalty",
+    "min_tokens",
+)
+_COMMON = {
+    "model",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "max_tokens",
+    "logprobs",
+    "logit_bias",
+    "user",
+    "return_token_ids",
+    *_SAMPLING,
+}
+KNOWN_FIELDS = {
+    "completion": _COMMON | {"prompt"},
+    "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls"},
 }
 # The checkpoint file that may hold a Jinja chat template (HF's ``chat_template`` field).
 CHAT_CONFIG = "tokenizer_config.json"
@@ -123,9 +158,12 @@ def _messages(body: dict) -> list[tuple[str, str]]:
         raise BadField("messages", "'messages' must be a non-empty list")
     out = []
     for i, m in enumerate(ms):
-        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
-            raise BadField(f"messages[{i}].role", f"each message needs a role in {CHAT_ROLES}")
-        out.append((m["role"], _content(m, i)))
+        role = m.get("role") if isinstance(m, dict) else None
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise BadField(
+                f"messages[{i}].role", f"each message needs a role in {sorted(CHAT_ROLES)}"
+            )
+        out.append((CHAT_ROLES[role], _content(m, i)))
     return out
 
 
@@ -179,12 +217,20 @@ class ChatFormat:
     def render(self, messages: list[tuple[str, str]]) -> list[int]:
         """Prompt token ids of a conversation, ready for the assistant's next message."""
         if self.template is not None:
-            text = self.template.render(
-                messages=[{"role": r, "content": c} for r, c in messages],
-                add_generation_prompt=True,
-                bos_token=self.tok.id_to_piece(self.tok.bos_id or 0),
-                eos_token=self.tok.id_to_piece(self.tok.eos_id or 0),
-            )
+            try:
+                text = self.template.render(
+                    messages=[{"role": r, "content": c} for r, c in messages],
+                    add_generation_prompt=True,
+                    bos_token=self.tok.id_to_piece(self.tok.bos_id or 0),
+                    eos_token=self.tok.id_to_piece(self.tok.eos_id or 0),
+                )
+            except BadField:  # raise_exception: the template refuses the conversation
+                raise
+            except Exception as e:  # the template's own failure on this conversation
+                raise BadField(
+                    "messages",
+                    f"the chat template failed to render the messages: {type(e).__name__}: {e}",
+                ) from None
             return self.tok.prompt_ids(text)
         return self._llama2(messages)
 
@@ -228,9 +274,7 @@ def parse(body: Any, tok: Tokenizer, chat: ChatFormat | None, max_model_len: int
     if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
         raise BadField("stop", f"'stop' must be up to {MAX_STOP_STRINGS} non-empty strings")
     stream_options = _get(body, "stream_options", dict, {})
-    for name, neutral in _UNSUPPORTED.items():
-        if body.get(name) is not None and body[name] != neutral:
-            raise BadField(name, f"'{name}' is not supported (only {neutral!r})")
+    _refuse_unsupported(body, KNOWN_FIELDS["chat" if chat else "completion"])
     return Parsed(
         model=model,
         prompts=prompts,
@@ -241,6 +285,27 @@ def parse(body: Any, tok: Tokenizer, chat: ChatFormat | None, max_model_len: int
         stop=stop,
         return_token_ids=_get(body, "return_token_ids", bool, False),
     )
+
+
+def _refuse_unsupported(body: dict, known: set[str]) -> None:
+    """``BadField`` for the first field this server does not implement (at a value other than
+    its neutral one), or does not know at all."""
+    for name, value in body.items():
+        if name in known or value is None:
+            continue
+        if name not in _UNSUPPORTED:
+            raise BadField(name, f"'{name}' is not a field this server implements")
+        if value != _UNSUPPORTED[name]:
+            neutral = json.dumps(_UNSUPPORTED[name])
+            raise BadField(name, f"'{name}' is not supported by this server (only {neutral})")
+
+
+def _logit_bias(body: dict) -> dict[int, Any]:
+    """``logit_bias``: JSON object keys are text; each must be a token id in decimal."""
+    bias = _get(body, "logit_bias", dict, {})
+    if not all(isinstance(k, str) and k.isascii() and k.isdigit() for k in bias):
+        raise BadField("logit_bias", "'logit_bias' keys must be token ids (decimal digits)")
+    return {int(k): v for k, v in bias.items()}
 
 
 def _sampling(body: dict, chat: bool, room: int) -> SamplingParams:
@@ -262,20 +327,24 @@ def _sampling(body: dict, chat: bool, room: int) -> SamplingParams:
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         param = "top_logprobs" if chat else "logprobs"
         raise BadField(param, f"'{param}' must be in [0, {MAX_LOGPROBS}], got {logprobs}")
-    names = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
-    kw = {k: body[k] for k in names if body.get(k) is not None}
-    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kw)
+    kw = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
+    return SamplingParams(
+        max_tokens=max_tokens, logprobs=logprobs, logit_bias=_logit_bias(body), **kw
+    )
 
 
 class Detokenizer:
     """Text deltas of one choice from its growing token ids: never half a multi-byte character,
-    never part of a stop string. Each call decodes only a window of recent tokens (the text of
+    never part of a stop string (stop strings count once ``min_tokens`` tokens were generated,
+    as vLLM counts them). Each call decodes only a window of recent tokens (the text of
     ``tokens[prefix:]`` less that of ``tokens[prefix:read]``: a piece's leading space depends
     on the piece before it), so a long answer costs linear time, not quadratic."""
 
-    def __init__(self, tok: Tokenizer, stop: Sequence[str]) -> None:
+    def __init__(self, tok: Tokenizer, stop: Sequence[str], min_tokens: int = 0) -> None:
         self.tok = tok
         self.stop = list(stop)
+        self.min_tokens = min_tokens  # stop strings count only from this many tokens on
+        self.floor = 0  # where a stop string may start (the text sent before min_tokens)
         self.tokens = []
         self.text = ""  # the text of tokens[:read]
         self.prefix = self.read = 0
@@ -297,13 +366,16 @@ class Detokenizer:
             return ""
         self.tokens += tokens
         self._decode_new(final)
-        text, start = self.text, max(len(self.sent) - self.hold, 0)
-        hits = [i for s in self.stop if (i := text.find(s, start)) >= 0]
+        text, start = self.text, max(len(self.sent) - self.hold, self.floor)
+        stops = self.stop if len(self.tokens) >= self.min_tokens else []
+        hits = [i for s in stops if (i := text.find(s, start)) >= 0]
         if hits:
             text, self.stopped, final = text[: min(hits)], True, True
-        if not final and self.stop:
+        if not final and stops:
             text = text[: max(len(text) - self.hold, len(self.sent))]
         delta, self.sent = text[len(self.sent) :], text
+        if not stops:  # before min_tokens: all sent, and no stop string may start in it
+            self.floor = len(self.sent)
         return delta
 
     def piece(self, token_id: int) -> str:

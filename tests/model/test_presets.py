@@ -186,3 +186,18 @@ def test_a_shipped_tokenizer_is_what_its_preset_trains(tmp_path, key):
     trained = train_tokenizer(tmp_path / "t.model", vocab, presets.training_text(preset))
     shipped = presets.DATA_DIR / presets.SHIPPED_TOKENIZERS[key]
     assert trained.read_bytes() == shipped.read_bytes()
+
+
+def test_transformers_autotokenizer_loads_a_checkpoint_as_our_tokenizer(tiny_llama_dir):
+    """Clients count tokens with ``AutoTokenizer.from_pretrained(model dir)``: it must load
+    the checkpoint a preset writes and agree with our tokenizer, BOS included (on text that
+    does not start with whitespace: transformers' conversion of the sentencepiece model
+    splits a leading run of spaces differently)."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ours = Tokenizer.from_dir(tiny_llama_dir)
+    for text in ["Hello world, this is  a test.", "New line\nand ünïcode 123", "x  y"]:
+        ids = hf(text)["input_ids"]
+        assert ids == ours.encode(text), text
+        assert hf.decode(ids, skip_special_tokens=True) == text
+    assert (hf.bos_token_id, hf.eos_token_id) == (ours.bos_id, ours.eos_id)

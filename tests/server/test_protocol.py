@@ -65,7 +65,8 @@ def _checkpoint_with(tmp_path, source_dir, config_text: str):
     out = tmp_path / "ckpt"
     out.mkdir()
     for f in source_dir.iterdir():
-        (out / f.name).symlink_to(f)
+        if f.name != CHAT_CONFIG:
+            (out / f.name).symlink_to(f)
     (out / CHAT_CONFIG).write_text(config_text)
     return out
 
@@ -119,3 +120,78 @@ def test_a_lone_surrogate_is_a_bad_request_not_a_tokenizer_crash(tok):
     with pytest.raises(BadField, match="not valid Unicode") as e:
         parse({"model": "m", "prompt": ["fine", "\udfff"]}, tok, None, 512)
     assert e.value.param == "prompt"
+
+
+@pytest.mark.parametrize(
+    "template, error",
+    [
+        ("{{ messages.__class__.__mro__ }}", "SecurityError"),
+        ("{% for i in range(10**12) %}x{% endfor %}", "OverflowError"),
+        ("{{ nothing.here }}", "UndefinedError"),
+        ("{{ 1 // 0 }}", "ZeroDivisionError"),
+    ],
+)
+def test_a_template_failing_to_render_is_a_bad_field_naming_messages(
+    tmp_path, tok, template, error
+):
+    (tmp_path / CHAT_CONFIG).write_text(json.dumps({"chat_template": template}))
+    with pytest.raises(BadField, match=f"chat template failed.*{error}") as e:
+        ChatFormat(tmp_path, tok).render([("user", "hi")])
+    assert e.value.param == "messages"
+
+
+def test_developer_messages_are_system_messages(tiny_llama_dir, tok):
+    chat = ChatFormat(tiny_llama_dir, tok)
+    body = {"model": "m", "messages": [{"role": "developer", "content": "Be brief."}]}
+    body["messages"].append({"role": "user", "content": "hi"})
+    as_system = [("system", "Be brief."), ("user", "hi")]
+    assert parse(body, tok, chat, 512).prompts == [chat.render(as_system)]
+
+
+def test_openai_sampling_fields_reach_the_params(tok):
+    body = {
+        "model": "m",
+        "prompt": "hi",
+        "frequency_penalty": 0.5,
+        "presence_penalty": -1,
+        "logit_bias": {"7": 3, "2": -100},
+        "min_tokens": 2,
+        "user": "someone",
+        "tools": [],
+        "response_format": {"type": "text"},
+    }
+    p = parse(body, tok, None, 512).params
+    assert (p.frequency_penalty, p.presence_penalty, p.min_tokens) == (0.5, -1.0, 2)
+    assert p.logit_bias == ((2, -100.0), (7, 3.0))
+
+
+@pytest.mark.parametrize(
+    "change, param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_json": {}}, "guided_json"),
+        ({"logit_bias": {"x7": 1}}, "logit_bias"),
+        ({"logit_bias": {"7": 101}}, "logit_bias"),
+        ({"logit_bias": [1]}, "logit_bias"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"presence_penalty": "1"}, "presence_penalty"),
+        ({"min_tokens": 99}, "min_tokens"),
+        ({"echo": True}, "echo"),
+    ],
+)
+def test_unimplemented_or_bad_fields_are_refused_naming_themselves(tok, change, param):
+    body = {"model": "m", "prompt": "hi", "max_tokens": 4} | change
+    with pytest.raises(InvalidRequest, match=param) as e:
+        parse(body, tok, None, 512)
+    assert param in str(e.value)
+    assert app.api_error(e.value).status == 400 and app.api_error(e.value).param == param
+
+
+def test_stop_strings_count_only_after_min_tokens(tok):
+    ids = tok.encode("the fox and the fox jumps", add_bos=False)
+    fox = [i for i in range(len(ids)) if tok.decode(ids[: i + 1]).endswith("fox")]
+    d = Detokenizer(tok, ["fox"], min_tokens=fox[0] + 2)
+    out = "".join(d.feed([t]) for t in ids)
+    assert d.stopped and out.startswith("the fox and") and out.count("fox") == 1

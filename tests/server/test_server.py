@@ -271,6 +271,10 @@ BAD_BODIES = [
     ({"prompt": [[5, 6]] * (DEFAULT_MAX_PENDING + 1)}, f"at most {DEFAULT_MAX_PENDING}"),
     ({"max_tokens": 100_000}, "max_tokens"),
     ({"echo": True}, "echo"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"512": 1}}, "logit_bias"),  # outside the vocabulary
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
 ]
 
 
