@@ -7,9 +7,12 @@ failed clearly and that no KV block stays referenced. The same deployment runs i
 process, driven the same way (the same prompts in the same order, as many in flight, as
 long) once before and once after the server: the overhead is the server's output tokens/s
 against their mean. ``LLM.generate`` on the prompts that completed (all at once, so it keeps
-more in flight) is shown beside.
+more in flight) is shown beside. While the server runs, ``/health`` and ``/metrics`` are
+polled every ``--poll-s`` seconds (as a Kubernetes probe and a Prometheus scrape would); every
+answer must be a 200.
 
     python bench/serve_load.py [--clients 64] [--duration 60] [--configs PD-CC,1P1D-CC]
+    python bench/serve_load.py --burst 300 --configs PD-CC   # 300 streams at once, polled
 
 Prints one table; writes ``serve_load.json`` and ``serve_load.png`` under ``--out``."""
 
@@ -20,7 +23,9 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -53,7 +58,77 @@ def prompts(tok: Tokenizer, n: int) -> list[list[int]]:
     raise RuntimeError("not enough ShareGPT conversations")
 
 
-def start_server(config: str, port: int) -> subprocess.Popen:
+class Poller:
+    """GETs ``paths`` of ``url`` every ``period_s`` in a thread; counts answers by status."""
+
+    def __init__(self, url: str, paths: tuple[str, ...], period_s: float) -> None:
+        self.url, self.paths, self.period_s = url, paths, period_s
+        self.status: dict[str, dict[str, int]] = {p: {} for p in paths}
+        self.slowest_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _get(self, path: str) -> str:
+        t0 = time.perf_counter()
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=30) as r:
+                r.read()
+                code = str(r.status)
+        except urllib.error.HTTPError as e:
+            code = str(e.code)
+        except OSError as e:
+            code = type(e).__name__
+        self.slowest_s = max(self.slowest_s, time.perf_counter() - t0)
+        return code
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            for p in self.paths:
+                code = self._get(p)
+                self.status[p][code] = self.status[p].get(code, 0) + 1
+
+    def __enter__(self) -> Poller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def all_ok(self) -> bool:
+        """Every answer was a 200 (and there was at least one per path)."""
+        return all(st and set(st) == {"200"} for st in self.status.values())
+
+
+def burst(url: str, tok: Tokenizer, pool: list[list[int]], n: int, params, poll_s: float) -> dict:
+    """``n`` streams started at once, /health and /metrics polled meanwhile; their outcome."""
+    target = HttpServing(url, tok)
+    start = time.perf_counter()
+    with Poller(url, ("/health", "/metrics"), poll_s) as poller:
+        rids = [target.add_request(pool[i % len(pool)], params, f"b{i}") for i in range(n)]
+        outs = []
+        with tqdm(total=n, desc=f"burst of {n}", unit="req") as bar:
+            while target.has_unfinished() and time.perf_counter() - start < DRAIN_TIMEOUT_S * 4:
+                got = target.step()
+                outs += got
+                bar.update(len(got))
+    target.check_pools(require_idle=True)
+    ok = [o for o in outs if o.error is None and len(o.token_ids) == params.max_tokens]
+    return {
+        "streams": len(rids),
+        "ok": len(ok),
+        "failed": len(outs) - len(ok),
+        "lost": n - len(outs),
+        "errors": sorted({str(o.error) for o in outs if o.error})[:5],
+        "wall_s": time.perf_counter() - start,
+        "polls": poller.status,
+        "slowest_poll_s": poller.slowest_s,
+        "polls_ok": poller.all_ok,
+    }
+
+
+def start_server(config: str, port: int, num_blocks: int = NUM_BLOCKS) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
@@ -66,7 +141,7 @@ def start_server(config: str, port: int) -> subprocess.Popen:
         "--runtime",
         "inprocess",
         "--num-blocks",
-        str(NUM_BLOCKS),
+        str(num_blocks),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -88,12 +163,15 @@ def drive(
     clients: int,
     duration: float,
     params: SamplingParams,
+    poll_s: float,
 ) -> dict:
-    """Keep ``clients`` streams in flight for ``duration`` s; every request's outcome."""
+    """Keep ``clients`` streams in flight for ``duration`` s, /health and /metrics polled
+    every ``poll_s``; every request's outcome."""
     target = HttpServing(url, tok)
     submitted, outs, i = {}, [], 0
     start = time.perf_counter()
-    with tqdm(desc=f"{clients} clients", unit="req", total=None) as bar:
+    poller = Poller(url, ("/health", "/metrics"), poll_s)
+    with poller, tqdm(desc=f"{clients} clients", unit="req", total=None) as bar:
         while time.perf_counter() - start < duration or target.has_unfinished():
             while time.perf_counter() - start < duration and len(submitted) - len(outs) < clients:
                 rid = target.add_request(pool[i % len(pool)], params, request_id=f"r{i}")
@@ -127,6 +205,8 @@ def drive(
         "tpot_p99_ms": 1e3 * float(np.percentile(tpot, 99)),
         "prompts": [submitted[o.request_id] for o in ok],
         "pool_balanced": True,
+        "polls": poller.status,
+        "polls_ok": poller.all_ok,
     }
 
 
@@ -183,10 +263,15 @@ def main() -> None:
     ap.add_argument("--configs", default="PD-CC,1P1D-CC")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--poll-s", type=float, default=1.0, help="probe and scrape period")
+    ap.add_argument("--burst", type=int, default=0, help="only N streams at once, polled")
+    ap.add_argument("--num-blocks", type=int, default=NUM_BLOCKS, help="KV blocks per instance")
     args = ap.parse_args()
     tok = Tokenizer.from_dir(preset_dir("tiny"))
     pool = prompts(tok, 512)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    if args.burst:
+        return run_burst(args, tok, pool, params)
     rows = {}
     for config in args.configs.split(","):
         with socket.socket() as s:
@@ -196,9 +281,10 @@ def main() -> None:
         llm = LLM(None, config=config, num_blocks=NUM_BLOCKS)
         llm.generate(pool[:4], params)  # warm-up
         before = in_process_closed(llm, pool, args.clients, args.duration, params)
-        proc = start_server(config, port)
+        proc = start_server(config, port, args.num_blocks)
+        url = f"http://127.0.0.1:{port}"
         try:
-            row = drive(f"http://127.0.0.1:{port}", tok, pool, args.clients, args.duration, params)
+            row = drive(url, tok, pool, args.clients, args.duration, params, args.poll_s)
         finally:
             proc.terminate()
             proc.wait(30)
@@ -221,6 +307,7 @@ def main() -> None:
         "TTFT p50/p99 ms",
         "ITL p50/p99 ms",
         "TPOT p50/p99 ms",
+        "probes all 200",
     )
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for c, r in rows.items():
@@ -231,14 +318,46 @@ def main() -> None:
             f"| {r['generate_tokens_per_s']:.0f} "
             f"| {100 * r['overhead']:.1f}% | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
             f"| {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} "
-            f"| {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} |"
+            f"| {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | {r['polls_ok']} |"
         )
+        print(f"{c}: server / in-process output tokens/s = {1 - r['overhead']:.3f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     setup = {"clients": args.clients, "duration_s": args.duration, "max_tokens": args.max_tokens}
     (out / "serve_load.json").write_text(json.dumps({"setup": setup, "results": rows}, indent=1))
     plot(rows, out / "serve_load.png")
     print(f"wrote {out / 'serve_load.json'}, {out / 'serve_load.png'}")
+
+
+def run_burst(args, tok: Tokenizer, pool: list[list[int]], params: SamplingParams) -> None:
+    """``--burst``: for each config, ``args.burst`` streams at once against a fresh server."""
+    rows = {}
+    for config in args.configs.split(","):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = start_server(config, port, args.num_blocks)
+        try:
+            rows[config] = burst(
+                f"http://127.0.0.1:{port}", tok, pool, args.burst, params, args.poll_s
+            )
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    print(
+        "| config | streams | ok | failed | lost | wall s | /health | /metrics | slowest poll s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c, r in rows.items():
+        h, m = r["polls"]["/health"], r["polls"]["/metrics"]
+        print(
+            f"| {c} | {r['streams']} | {r['ok']} | {r['failed']} | {r['lost']} | "
+            f"{r['wall_s']:.0f} | {h} | {m} | {r['slowest_poll_s']:.2f} |"
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve_burst.json").write_text(json.dumps(rows, indent=1))
+    print(f"wrote {out / 'serve_burst.json'}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,11 @@ DEFAULT_MAX_PENDING = 1024
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of ``minimemserve serve``."""
-    p.add_argument("--served-model-name", default=None, help="model id (default: the dir name)")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients send (default: 'tiny' for the preset, else the --model dir's name)",
+    )
     p.add_argument("--host", default=LOOPBACK, help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     add_deployment_arguments(p, SERVE_FIELDS, config="PD-CC", runtime="process")
