@@ -96,6 +96,7 @@ class AttentionBackend(Protocol):
     tokens, maybe in a per-step buffer the next layer overwrites (Triton): consume it first."""
 
     name: str
+    elementwise: Any  # the layer's elementwise ops (``elementwise.TorchElementwise``'s calls)
 
     def prepare(self, slices: list[SeqSlice]) -> AttentionMetadata:
         """Build the per-step metadata once; every layer reuses it."""
