@@ -105,17 +105,30 @@ class TritonAttention:
         md = build_metadata(slices, self.layout.block_size, "cpu" if on_cuda else self.device)
         if on_cuda:
             md = upload_metadata(md, self.device)
+        longest = max(md.seq_lens_host[md.num_prefills :], default=1)
+        md.backend_data["triton"] = self._plan(md, longest)
+        return md
+
+    def plan_graph(self, md: AttentionMetadata) -> AttentionMetadata:
+        """Plan ``md`` (decode rows only, over a graph's static buffers) for sequences up to
+        ``md.max_seq_len``: the split count, grid and buffers stay fixed, so one capture
+        serves every context up to that length."""
+        if md.num_prefills:
+            raise ValueError("a graph's step holds decodes only")
+        md.backend_data["triton"] = self._plan(md, md.max_seq_len)
+        return md
+
+    def _plan(self, md: AttentionMetadata, longest_decode: int) -> TritonStep:
+        """The step's launches and output buffer; decode splits sized for ``longest_decode``."""
         k_cache, p, H = self.views[0][0], md.num_prefills, self.num_heads
         prefill = decode = None
         if p:
             prefill = plan_prefill(k_cache, p, H, max(md.query_lens_host[:p]))
         if md.num_decodes:
-            longest = max(md.seq_lens_host[p:])
-            decode = plan_decode(k_cache, md.num_decodes, H, longest, sms=self.num_sms)
+            decode = plan_decode(k_cache, md.num_decodes, H, longest_decode, sms=self.num_sms)
         shape = (md.num_prefill_tokens + md.num_decodes, H, self.layout.head_dim)
         out = torch.empty(shape, dtype=self.kv_pool.dtype, device=self.device)
-        md.backend_data["triton"] = TritonStep(out, prefill, decode)
-        return md
+        return TritonStep(out, prefill, decode)
 
     def forward(
         self,
