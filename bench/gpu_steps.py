@@ -14,8 +14,13 @@ Shapes: prefills (one or more sequences, with and without a cached prefix), deco
 1-256 x context, every batch at the contexts the pool holds) and one mixed step (a prefill
 chunk beside running decodes). A step is timed from ``prepare`` to the logits of its last
 tokens, synchronised, after warm-up; median and P99 of the repeats, plus the host time of
-``prepare`` alone. Output: ``gpu_steps_<model>.json``, which ``minimemserve sim --calibrate``
-reads (the simulator's H200 profile against these measurements).
+``prepare`` alone. Each decode shape runs twice: eagerly, and as the engine runs it, through
+the decode CUDA graphs (``DecodeGraphs``, captured once for buckets up to 256). One more step
+of each runs under ``torch.profiler``: the GPU-busy time (the union of the device's kernel
+and copy intervals) and the kernels launched, per step and per layer. ``step_ms_median`` is
+what the engine runs (graphs where they serve the shape). Output: ``gpu_steps_<model>.json``,
+which ``minimemserve sim --calibrate`` reads (the simulator's H200 profile against these
+measurements).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minimemserve.attention import make_backend
 from minimemserve.attention.base import SeqSlice
 from minimemserve.blocks.layout import KVLayout
+from minimemserve.decode_graphs import DecodeGraphs
 from minimemserve.mempool import MemPool
 from minimemserve.model.config import ModelConfig
 from minimemserve.model.llama import LlamaModel
@@ -139,44 +145,98 @@ def step_slices(shape: Shape, pool: MemPool) -> tuple[list[SeqSlice], list[list[
     return slices, held
 
 
-def time_shape(model, backend, pool, shape: Shape, device, warmup: int, repeats: int) -> dict:
-    """Median and P99 step time of ``shape`` (ms), and the host time of ``prepare`` (us)."""
+def timed(step, sync, warmup: int, repeats: int) -> list[float]:
+    """Wall times (ms) of ``repeats`` synchronised calls of ``step`` after ``warmup``."""
+    times = []
+    for i in range(warmup + repeats):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)
+
+
+def profile_step(step, device) -> tuple[float | None, int | None]:
+    """GPU-busy ms (union of the device's kernel and copy intervals) and kernel launches of
+    one call of ``step``, from ``torch.profiler``; (None, None) off CUDA."""
+    if device.type != "cuda":
+        return None, None
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        torch.cuda.synchronize(device)
+    spans = {
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    }
+    kernels = sum(1 for _, _, name in spans if not name.startswith(("Memcpy", "Memset")))
+    busy, end = 0.0, float("-inf")
+    for start, stop, _ in sorted(spans):  # union of intervals, in us
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return busy / 1e3, kernels
+
+
+def time_shape(model, backend, graphs, pool, shape: Shape, device, warmup, repeats) -> dict:
+    """Median and P99 step time of ``shape`` (ms) eagerly and, for a decode shape ``graphs``
+    serve, through them; GPU-busy time and kernels of each; host time of ``prepare`` (us)."""
     slices, held = step_slices(shape, pool)
     tokens = sum(s.num_new for s in slices)
     ids = torch.randint(0, model.cfg.vocab_size, (tokens,), device=device)
+    ids_host = ids.tolist()
     last, end = [], 0
     for s in slices:
         end += s.num_new
         last.append(end - 1)
     rows = torch.tensor(last, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    step_ms, prepare_us = [], []
+    out = {}
+
+    def eager():
+        md = backend.prepare(slices)
+        out["logits"] = model.compute_logits(model(ids, backend, md)[rows])
+
     with torch.inference_mode():
-        for i in range(warmup + repeats):
-            sync()
-            t0 = time.perf_counter()
-            md = backend.prepare(slices)
-            t1 = time.perf_counter()
-            logits = model.compute_logits(model(ids, backend, md)[rows])
-            sync()
-            t2 = time.perf_counter()
-            if i >= warmup:
-                step_ms.append((t2 - t0) * 1e3)
-                prepare_us.append((t1 - t0) * 1e6)
+        eager_ms = timed(eager, sync, warmup, repeats)
+        prepare_us = [1e3 * ms for ms in timed(lambda: backend.prepare(slices), sync, 1, repeats)]
+        busy, kernels = profile_step(eager, device)
+        graph_ms, graph_busy, graph_kernels = [], None, None
+        if graphs is not None and graphs.run(slices, ids_host) is not None:
+            replay = lambda: out.__setitem__("graph_logits", graphs.run(slices, ids_host))
+            graph_ms = timed(replay, sync, warmup, repeats)
+            graph_busy, graph_kernels = profile_step(replay, device)
     for blocks in held:
         pool.free_mem(blocks)
-    step_ms.sort()
+    p99 = lambda ms: ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))] if ms else None
+    engine_ms = graph_ms or eager_ms  # what the engine runs for this shape
+    layers = model.cfg.num_hidden_layers
     return {
         "shape": shape.name,
         "prefill_tokens": sum(n for _, n in shape.prefills),
         "cached_tokens": sum(c for c, _ in shape.prefills),
         "decodes": shape.decodes,
         "context": shape.context,
-        "step_ms_median": statistics.median(step_ms),
-        "step_ms_p99": step_ms[min(len(step_ms) - 1, round(0.99 * (len(step_ms) - 1)))],
+        "step_ms_median": statistics.median(engine_ms),
+        "step_ms_p99": p99(engine_ms),
+        "eager_ms_median": statistics.median(eager_ms),
+        "eager_ms_p99": p99(eager_ms),
+        "graph_ms_median": statistics.median(graph_ms) if graph_ms else None,
+        "graph_ms_p99": p99(graph_ms),
+        "gpu_busy_ms": busy,
+        "graph_gpu_busy_ms": graph_busy,
+        "kernels": kernels,
+        "kernels_per_layer": None if kernels is None else kernels / layers,
+        "graph_kernels": graph_kernels,
         "prepare_us_median": statistics.median(prepare_us),
-        "tokens_per_s": tokens / (statistics.median(step_ms) / 1e3),
-        "logits_finite": bool(torch.isfinite(logits).all()),
+        "tokens_per_s": tokens / (statistics.median(engine_ms) / 1e3),
+        "logits_finite": bool(torch.isfinite(out["logits"]).all()),
+        "graph_logits_finite": bool(torch.isfinite(out["graph_logits"]).all())
+        if "graph_logits" in out
+        else None,
     }
 
 
@@ -196,6 +256,11 @@ def run(dry: bool, backend_name: str | None, model_name: str = "7b", progress=No
     backend = make_backend(
         backend_name, pool.kv("hbm"), layout, cfg.num_attention_heads, cfg.head_dim**-0.5
     )
+    graphs = None  # the engine's decode graphs (the CPU runs them eagerly, for the plumbing)
+    if hasattr(backend, "plan_graph"):
+        batch = max(s.decodes for s in shapes)
+        context = cfg.max_position_embeddings
+        graphs = DecodeGraphs(model, backend, batch, context, capture=device.type == "cuda")
     warmup, repeats = (1, 2) if dry else (WARMUP, REPEATS)
     results: list[dict] = []
     params = sum(p.numel() for p in model.parameters())
@@ -204,6 +269,8 @@ def run(dry: bool, backend_name: str | None, model_name: str = "7b", progress=No
         "dry_run": dry,
         "model_name": "dry-run tiny" if dry else f"llama2-{model_name}",
         "backend": backend.name,
+        "graphs": None if graphs is None else list(graphs.graphs) or "run eagerly (no CUDA)",
+        "graph_memory_bytes": None if graphs is None else graphs.memory_bytes,
         "dtype": str(dtype).removeprefix("torch."),
         "model": sizes,
         "parameters": params,
@@ -213,23 +280,31 @@ def run(dry: bool, backend_name: str | None, model_name: str = "7b", progress=No
         "steps": results,
     }
     for shape in shapes:
-        results.append(time_shape(model, backend, pool, shape, device, warmup, repeats))
+        results.append(time_shape(model, backend, graphs, pool, shape, device, warmup, repeats))
         if progress is not None:
             progress(report)
     return report
 
 
 def print_report(report: dict) -> None:
-    """One line per shape."""
+    """One line per shape: engine, eager and graph medians, GPU-busy time, kernels."""
     print(
         f"{report['device']}: {report['model_name']}, {report['parameters'] / 1e9:.2f}B "
-        f"parameters, {report['dtype']}, {report['backend']} attention"
+        f"parameters, {report['dtype']}, {report['backend']} attention, graphs "
+        f"{report['graphs']}"
     )
-    print(f"{'shape':36}{'median ms':>11}{'p99 ms':>9}{'prepare us':>12}{'tok/s':>11}")
+    f = lambda x, spec: "-" if x is None else format(x, spec)
+    print(
+        f"{'shape':34}{'eager ms':>9}{'busy ms':>8}{'kernels':>8}{'/layer':>7}"
+        f"{'graph ms':>9}{'busy ms':>8}{'kernels':>8}{'prep us':>8}{'tok/s':>9}"
+    )
     for r in report["steps"]:
         print(
-            f"{r['shape']:36}{r['step_ms_median']:>11.2f}{r['step_ms_p99']:>9.2f}"
-            f"{r['prepare_us_median']:>12.0f}{r['tokens_per_s']:>11.0f}"
+            f"{r['shape']:34}{r['eager_ms_median']:>9.2f}{f(r['gpu_busy_ms'], '.2f'):>8}"
+            f"{f(r['kernels'], 'd'):>8}{f(r['kernels_per_layer'], '.1f'):>7}"
+            f"{f(r['graph_ms_median'], '.2f'):>9}{f(r['graph_gpu_busy_ms'], '.2f'):>8}"
+            f"{f(r['graph_kernels'], 'd'):>8}{r['prepare_us_median']:>8.0f}"
+            f"{r['tokens_per_s']:>9.0f}"
         )
 
 

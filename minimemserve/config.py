@@ -96,17 +96,15 @@ class EngineConfig:
     # how long rank 0 waits for the other ranks in one collective; one that misses it (stopped,
     # slow, cut off) is killed and its instance fails with InstanceDied, as a dead one does
     collective_timeout_s: float = 60.0
+    # run every step eagerly: no CUDA graphs for decode steps (vLLM's name; graphs are CUDA-only)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
             raise ConfigError(f"unknown scheduler {self.scheduler!r}; choose from {SCHEDULERS}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
-        for name in ("tensor_parallel_size", "decode_tensor_parallel_size"):
-            tp = getattr(self, name)
-            if not isinstance(tp, int) or isinstance(tp, bool):
-                if tp is not None or name == "tensor_parallel_size":
-                    raise ConfigError(f"{name} must be an int, got {tp!r}")
+        self._check_kinds()
         t = self.collective_timeout_s
         if not isinstance(t, int | float) or isinstance(t, bool) or not 0 < t < math.inf:
             raise ConfigError(f"collective_timeout_s must be a positive number, got {t!r}")
@@ -117,19 +115,40 @@ class EngineConfig:
             if value < low:
                 raise ConfigError(f"{name} must be >= {low}, got {value}")
 
+    def _check_kinds(self) -> None:
+        for name in ("tensor_parallel_size", "decode_tensor_parallel_size"):
+            tp = getattr(self, name)
+            if not isinstance(tp, int) or isinstance(tp, bool):
+                if tp is not None or name == "tensor_parallel_size":
+                    raise ConfigError(f"{name} must be an int, got {tp!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+
     def tp_size(self, role: str) -> int:
         """The tensor-parallel size of an instance of ``role``."""
         if role == Role.DECODE and self.decode_tensor_parallel_size is not None:
             return self.decode_tensor_parallel_size
         return self.tensor_parallel_size
 
-    def hbm_blocks(self, block_bytes: int, device: torch.device) -> int:
-        """Number of hbm blocks for a block of ``block_bytes`` bytes."""
+    def model_len(self, model_config) -> int:
+        """The longest sequence: ``max_model_len``, at most the model's context length."""
+        context = model_config.max_position_embeddings
+        return min(self.max_model_len or context, context)
+
+    def decode_graph_batch(self, device: torch.device) -> int:
+        """The largest decode batch CUDA graphs are captured for (``max_num_seqs``), or 0 for
+        none: off CUDA, or with ``enforce_eager``."""
+        return 0 if self.enforce_eager or device.type != "cuda" else self.max_num_seqs
+
+    def hbm_blocks(self, block_bytes: int, device: torch.device, reserved_bytes: int = 0) -> int:
+        """Number of hbm blocks for a block of ``block_bytes`` bytes; an unsized CUDA pool
+        leaves ``reserved_bytes`` (the decode graphs') out of the free memory it takes from."""
         if self.num_blocks is not None:
             return self.num_blocks
         budget = self.kv_memory_bytes
         if budget is None and device.type == "cuda":
-            budget = int(torch.cuda.mem_get_info(device)[0] * DEFAULT_GPU_KV_FRACTION)
+            free = torch.cuda.mem_get_info(device)[0] - reserved_bytes
+            budget = int(max(0, free) * DEFAULT_GPU_KV_FRACTION)
         elif budget is None:
             budget = DEFAULT_CPU_KV_BYTES
         if (n := budget // block_bytes) <= 0:

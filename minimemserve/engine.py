@@ -16,6 +16,7 @@ import torch
 from .attention import make_backend
 from .attention.base import SeqSlice
 from .config import EngineConfig, parse_config_name, resolve_dtype
+from .decode_graphs import DecodeGraphs, graph_memory_bytes, run_step
 from .errors import ConfigError, InvalidRequest, PoolExhausted, SamplingError
 from .mempool import MemPool, PoolAccountingError
 from .model.config import ModelConfig
@@ -40,13 +41,22 @@ class StepPlan:
 
 
 class ModelRunner:
-    """Turns a scheduled batch into one forward pass and the sampled tokens."""
+    """Turns a scheduled batch into one forward pass and the sampled tokens. ``graphs``
+    (CUDA) serves the decode steps it can."""
 
-    def __init__(self, model: LlamaModel, backend, device: torch.device, group=None):
+    def __init__(
+        self,
+        model: LlamaModel,
+        backend,
+        device: torch.device,
+        group=None,
+        graphs: DecodeGraphs | None = None,
+    ):
         self.model = model
         self.backend = backend
         self.device = device
         self.group = group or SingleRank()  # tensor-parallel ranks that run each step too
+        self.graphs = graphs
 
     @torch.inference_mode()
     def run(
@@ -62,33 +72,44 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 last_rows.append(len(ids) - 1)
                 sample_for.append(req)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
         with self.group.step(slices, ids, last_rows):  # other TP ranks run this step too
-            md = self.backend.prepare(slices)
-            hidden = self.model(input_ids, self.backend, md)  # [T, hidden]
-            if sample_for:
-                rows = torch.tensor(last_rows, device=self.device)
-                logits = self.model.compute_logits(hidden[rows])  # [B, vocab] fp32
-        tokens: list[int | None] = []
-        bad: dict[Request, str] = {}
-        if sample_for:
-            params, done = [r.params for r in sample_for], [r.num_output for r in sample_for]
-            history = lambda i: sample_for[i].tokens[sample_for[i].num_prompt :]
-            adjusted = adjust_logits(logits, params, history, self.model.cfg.eos_token_ids)
-            try:
-                tokens = sample(adjusted, params, done, generator)
-            except SamplingError as e:  # those rows fail alone; the others keep their token
-                tokens, bad = e.tokens, {sample_for[i]: f"SamplingError: {e}" for i in e.rows}
-            if want := [
-                i
-                for i, r in enumerate(sample_for)
-                if r.logprobs is not None and tokens[i] is not None
-            ]:
-                ks = [sample_for[i].params.logprobs for i in want]
-                for i, lp in zip(want, token_logprobs(logits[want], [tokens[i] for i in want], ks)):
-                    sample_for[i].logprobs.append(lp)
+            args = (self.model, self.backend, self.graphs, slices, ids, last_rows, self.device)
+            logits = run_step(*args)  # [B, vocab] fp32, B = len(sample_for)
+        tokens, bad = _sample(logits, sample_for, generator, self.model.cfg.eos_token_ids) if sample_for else ([], {})
         by_req = dict(zip(map(id, sample_for), tokens))
         return [by_req.get(id(req)) for req, _ in batch], bad
+
+
+def _sample(logits: torch.Tensor, reqs: list[Request], generator, eos: Sequence[int]) -> tuple:
+    """A token per row of ``logits`` for ``reqs`` (logprobs, of the unadjusted logits, recorded
+    where asked), and the requests whose row allowed none. Penalties, ``logit_bias`` and
+    ``min_tokens`` adjust the logits first; greedy rows without logprobs cost one
+    device-to-host copy for the whole batch."""
+    params, done = [r.params for r in reqs], [r.num_output for r in reqs]
+    history = lambda i: reqs[i].tokens[reqs[i].num_prompt :]
+    adjusted = adjust_logits(logits, params, history, eos)
+    if all(r.params.greedy and r.logprobs is None for r in reqs):
+        tokens = greedy_tokens(adjusted)
+        if None not in tokens:
+            return tokens, {}
+    bad: dict[Request, str] = {}
+    try:
+        tokens = sample(adjusted, params, done, generator)
+    except SamplingError as e:  # those rows fail alone; the others keep their token
+        tokens, bad = e.tokens, {reqs[i]: f"SamplingError: {e}" for i in e.rows}
+    if want := [i for i, r in enumerate(reqs) if r.logprobs is not None and tokens[i] is not None]:
+        ks = [reqs[i].params.logprobs for i in want]
+        for i, lp in zip(want, token_logprobs(logits[want], [tokens[i] for i in want], ks)):
+            reqs[i].logprobs.append(lp)
+    return tokens, bad
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int | None]:
+    """The argmax of each row of ``logits`` ``[B, V]`` in one device-to-host copy; None for a
+    row whose maximum is not finite (``sample`` then names the rows)."""
+    best = logits.argmax(dim=-1)  # [B]
+    finite = torch.isfinite(logits.amax(dim=-1))  # NaN anywhere in a row makes its max NaN
+    return [t if t >= 0 else None for t in torch.where(finite, best, -1).tolist()]
 
 
 def _load_model(model_dir: Path, model_config: ModelConfig, device, dtype) -> LlamaModel:
@@ -100,8 +121,9 @@ def _load_model(model_dir: Path, model_config: ModelConfig, device, dtype) -> Ll
 
 def _load(model_dir, cfg: EngineConfig, tp: int, device, dtype, share, pool_factory, instance_id):
     """What an engine computes with: the checkpoint's config and tokenizer, a pool sized by
-    ``cfg``, the rank group (rank 0's shard under tensor parallelism) and the model runner.
-    ``share`` is an engine in this process whose read-only weights are reused."""
+    ``cfg`` (beside the decode graphs' memory), the rank group (rank 0's shard under tensor
+    parallelism) and the model runner. ``share`` is an engine in this process whose read-only
+    weights are reused."""
     if share is not None:
         model_config, tokenizer = share.model_config, share.tokenizer
     else:
@@ -110,10 +132,19 @@ def _load(model_dir, cfg: EngineConfig, tp: int, device, dtype, share, pool_fact
         tokenizer = Tokenizer.from_dir(model_dir)
     shard = TPShard(0, tp, model_config)  # rank 0's heads and KV heads: all of them at TP 1
     layout = shard.kv_layout(cfg.block_size)
-    num_blocks = cfg.hbm_blocks(layout.block_bytes(dtype.itemsize), device)
+    graph_batch = cfg.decode_graph_batch(device)
+    max_len = cfg.model_len(model_config)
+    reserved = (
+        0
+        if not graph_batch
+        else graph_memory_bytes(  # before the pool is sized
+            shard.local_config(), graph_batch, max_len, cfg.block_size, dtype.itemsize
+        )
+    )
+    num_blocks = cfg.hbm_blocks(layout.block_bytes(dtype.itemsize), device, reserved)
     if tp > 1:
         args = (num_blocks, cfg.block_size, cfg.attention, device, dtype, cfg.dram_blocks)
-        group = TPGroup(model_dir, shard, *args, cfg.collective_timeout_s)
+        group = TPGroup(model_dir, shard, *args, cfg.collective_timeout_s, graph_batch, max_len)
         model = group.model
     else:
         group = SingleRank()
@@ -129,7 +160,11 @@ def _load(model_dir, cfg: EngineConfig, tp: int, device, dtype, share, pool_fact
     )
     scale = model_config.head_dim**-0.5
     backend = make_backend(cfg.attention, pool.kv("hbm"), layout, shard.heads, scale)
-    return model_config, tokenizer, pool, group, ModelRunner(model, backend, device, group)
+    graphs = None
+    if graph_batch and hasattr(backend, "plan_graph"):  # the backends that can be captured
+        graphs = DecodeGraphs(model, backend, graph_batch, max_len, capture=True)
+    runner = ModelRunner(model, backend, device, group, graphs)
+    return model_config, tokenizer, pool, group, runner
 
 
 def check_request(
@@ -245,8 +280,7 @@ class Engine:
         self.clock = clock
         self.device = pool.device
         self.dtype = pool.dtype
-        context = model_config.max_position_embeddings
-        self.max_model_len = min(cfg.max_model_len or context, context)
+        self.max_model_len = cfg.model_len(model_config)
         self.scheduler = LocalScheduler(
             pool, recipe, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.scheduler, clock
         )

@@ -55,6 +55,7 @@ from .attention import make_backend
 from .attention.base import SeqSlice
 from .blocks.copy import check_pool_tensor, move_blocks
 from .blocks.layout import AGGREGATED, KVLayout
+from .decode_graphs import DecodeGraphs, run_step
 from .errors import ConfigError, InstanceDied
 from .mempool import KVReceiver, MemPool
 from .mempool.tiers import DRAM, HBM
@@ -272,6 +273,8 @@ class WorkerSpec:
     threads: int
     dram_blocks: int
     timeout_s: float  # of each compute collective
+    graph_batch: int = 0  # decode graphs' largest batch (0: none), the same on every rank
+    max_model_len: int = 0  # the longest sequence the graphs serve
 
 
 def _rank_device(device: str, rank: int) -> torch.device:
@@ -395,6 +398,8 @@ class TPGroup:
         dtype: torch.dtype,
         dram_blocks: int,
         timeout_s: float,
+        graph_batch: int = 0,
+        max_model_len: int = 0,
     ):
         self.size = shard.size
         self.device = device
@@ -417,6 +422,8 @@ class TPGroup:
             max(1, torch.get_num_threads() // self.size),
             dram_blocks,
             timeout_s,
+            graph_batch,
+            max_model_len,
         )
         ctx = mp.get_context("spawn")
         self.procs = [
@@ -643,6 +650,10 @@ class _Worker:
         self.backend = make_backend(
             spec.attention, self.kv, layout, shard.heads, cfg.head_dim**-0.5
         )
+        self.graphs = None  # each rank captures and replays its own (same buckets as rank 0)
+        if spec.graph_batch and hasattr(self.backend, "plan_graph"):
+            args = (spec.graph_batch, spec.max_model_len)
+            self.graphs = DecodeGraphs(self.model, self.backend, *args, capture=True)
         self.ops = {
             _STEP: self._step,
             _SEND_KV: self._send_kv,
@@ -667,10 +678,7 @@ class _Worker:
 
     def _step(self, msg: list[int]) -> None:
         slices, ids, rows = decode_step(msg)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, self.backend, self.backend.prepare(slices))
-        if rows:
-            self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        run_step(self.model, self.backend, self.graphs, slices, ids, rows, self.device)
 
     def _send_kv(self, msg: list[int]) -> None:
         kv, blocks = self.tiers[_TIERS[msg[0]]], msg[1:]

@@ -17,8 +17,8 @@
 # (shortened to what is left of the budget, skipped under 10 s); about 7 minutes in all.
 # Output: at most 8 files in OUT (default bench/results/gpu-check): summary.txt first (written
 # at the start and after every stage), kernels.json, gpu_steps_7b.json, gpu_steps_13b.json
-# (what `minimemserve sim --calibrate` reads), bench4.json, and logs.tgz (every log, the junit
-# XML, env.json). Exit status: 0 when every stage passed or was skipped for a stated reason.
+# (what `minimemserve sim --calibrate` reads), gpu_generate.json, bench4.json, and logs.tgz
+# (every log, the junit XML, env.json). Exit status: 0 when every stage passed or was skipped for a stated reason.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -142,15 +142,19 @@ with open('$WORK/env.json', 'w') as f:
 command -v nvidia-smi >/dev/null && nvidia-smi >>"$WORK/env.log" 2>&1
 
 # measurements first (what --calibrate and the kernel targets read), then the tests
+# (steps: each decode shape eagerly and through the decode CUDA graphs, with the profiler's
+# GPU-busy time and kernel count; generate: LLM.generate end to end, eager against graphs)
 if [ "$DRY" = 1 ]; then
     stage kernels 60 "$PY" bench/kernels.py --out "$OUT_DIR"
-    for m in 7b 13b; do
-        stage "steps-$m" 60 "$PY" bench/gpu_steps.py --dry-run --model "$m" --out "$OUT_DIR"
-    done
+    # the 7B dry run takes the Triton backend (interpreted), so the graph path runs too
+    stage steps-7b 90 "$PY" bench/gpu_steps.py --dry-run --model 7b --backend triton --out "$OUT_DIR"
+    stage generate-7b 60 "$PY" bench/gpu_generate.py --dry-run --out "$OUT_DIR"
+    stage steps-13b 60 "$PY" bench/gpu_steps.py --dry-run --model 13b --out "$OUT_DIR"
 else
     stage kernels 75 "$PY" bench/kernels.py --quick --out "$OUT_DIR"
-    stage steps-7b 50 "$PY" bench/gpu_steps.py --model 7b --out "$OUT_DIR"
-    stage steps-13b 60 "$PY" bench/gpu_steps.py --model 13b --out "$OUT_DIR"
+    stage steps-7b 80 "$PY" bench/gpu_steps.py --model 7b --out "$OUT_DIR"
+    stage generate-7b 70 "$PY" bench/gpu_generate.py --out "$OUT_DIR"
+    stage steps-13b 70 "$PY" bench/gpu_steps.py --model 13b --out "$OUT_DIR"
 fi
 for m in 7b 13b; do # the simulator's H200 profile against the measured steps (CPU, seconds)
     [ -f "$OUT_DIR/gpu_steps_$m.json" ] && stage "calibrate-$m" 20 "$PY" -m minimemserve.cli sim \
@@ -160,7 +164,7 @@ done
 # the kernel and backend tests, every case on the GPU (fp32/fp16/bf16, head sizes, block
 # sizes, GQA groups, split counts, int64 addressing, masked loads, compiled variants)
 K=tests/triton_kernels
-TESTS=("$K" tests/attention/test_triton_backend.py)
+TESTS=("$K" tests/attention/test_triton_backend.py tests/test_decode_graphs.py)
 # pytest with SIGINT handled even when this script was started with it ignored (as a
 # background job is), so a capped run still ends with its summary and junit XML
 PYTEST=("$PY" -c 'import signal, sys, pytest
@@ -229,7 +233,7 @@ stage bench4 "$BENCH_CAP" bash -c '"$1" -m minimemserve.cli preset --name tiny-s
 for f in "$OUT_DIR"/* "$OUT_DIR"/.[!.]*; do
     [ -e "$f" ] || continue
     case $(basename "$f") in
-    summary.txt | kernels.json | gpu_steps_7b.json | gpu_steps_13b.json | bench4.json | logs.tgz) ;;
+    summary.txt | kernels.json | gpu_steps_7b.json | gpu_steps_13b.json | gpu_generate.json | bench4.json | logs.tgz) ;;
     *) mkdir -p "$WORK/moved" && mv "$f" "$WORK/moved/" ;;
     esac
 done

@@ -4,9 +4,9 @@
 
 Standard library only, so it runs even when the package or torch cannot be imported. It
 reads the stage table and logs under WORK_DIR and the JSON under OUT_DIR (kernels.json,
-gpu_steps_7b.json, gpu_steps_13b.json, bench4.json) and writes OUT_DIR/summary.txt: every
-stage's status and time, then every number. Each section stands alone: a missing or broken
-file is named, and the rest is still written.
+gpu_steps_7b.json, gpu_steps_13b.json, gpu_generate.json, bench4.json) and writes
+OUT_DIR/summary.txt: every stage's status and time, then every number. Each section stands
+alone: a missing or broken file is named, and the rest is still written.
 """
 
 from __future__ import annotations
@@ -166,16 +166,58 @@ def steps(out: Path, work: Path) -> list[str]:
             f"params, {s['dtype']}, {s['backend']} attention, {len(s['steps'])} "
             f"shapes)"
         )
-        lines.append(f"  {'shape':34}{'median ms':>10}{'p99 ms':>9}{'tokens/s':>11}")
+        lines.append(
+            f"  {'shape':34}{'engine ms':>10}{'p99 ms':>8}{'tok/s':>9}{'eager ms':>9}"
+            f"{'busy ms':>8}{'kernels':>8}{'/layer':>7}{'graph ms':>9}{'busy ms':>8}"
+            f"{'wall/busy':>10}"
+        )
         for r in s["steps"]:
-            lines.append(
-                f"  {r['shape']:34}{r['step_ms_median']:>10.2f}{r['step_ms_p99']:>9.2f}"
-                f"{r['tokens_per_s']:>11.0f}"
-            )
+            lines.append(_step_line(r))
+        if s.get("graph_memory_bytes"):
+            lines.append(f"  decode graphs: {s['graph_memory_bytes'] / 2**20:.0f} MiB")
         cal = work / f"calibrate-{m}.log"
         if cal.exists():
             lines.append(f"  sim --calibrate (H200 roofline against these steps), {cal.name}:")
             lines += [f"    {x}" for x in cal.read_text().splitlines()[-40:]]
+    return lines
+
+
+def _num(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _step_line(r: dict) -> str:
+    """One shape: the engine's time, then eager and graph times with their GPU-busy time
+    and kernels, and the engine's wall time over its GPU-busy time."""
+    graph, busy = r.get("graph_ms_median"), r.get("graph_gpu_busy_ms")
+    engine_busy = busy if graph is not None else r.get("gpu_busy_ms")
+    ratio = r["step_ms_median"] / engine_busy if engine_busy else None
+    return (
+        f"  {r['shape']:34}{r['step_ms_median']:>10.2f}{r['step_ms_p99']:>8.2f}"
+        f"{r['tokens_per_s']:>9.0f}{_num(r.get('eager_ms_median'), '.2f'):>9}"
+        f"{_num(r.get('gpu_busy_ms'), '.2f'):>8}{_num(r.get('kernels'), 'd'):>8}"
+        f"{_num(r.get('kernels_per_layer'), '.1f'):>7}{_num(graph, '.2f'):>9}"
+        f"{_num(busy, '.2f'):>8}{_num(ratio, '.2f'):>10}"
+    )
+
+
+def generate(out: Path) -> list[str]:
+    g = _load(out / "gpu_generate.json")
+    if g is None:
+        return ["LLM.generate end to end: no gpu_generate.json"]
+    lines = [
+        f"LLM.generate end to end on {g['device']}: {g['model']}, {g['dtype']}, "
+        f"{g['prompt_tokens']}-token prompts"
+    ]
+    for m in g["modes"]:
+        for r in m["runs"]:
+            extra = ""
+            if "speedup" in r:
+                extra = f", {r['speedup']:.2f}x eager, {r['same_tokens_as_eager']} same tokens"
+            lines.append(
+                f"  {m['mode']:7} batch {r['batch']:3}: {r['output_tokens_per_s']:9.1f} output "
+                f"tok/s ({r['output_tokens']} in {r['seconds']:.2f} s{extra})"
+            )
     return lines
 
 
@@ -209,6 +251,7 @@ def main() -> None:
         lambda: stages(work),
         lambda: kernels(out),
         lambda: steps(out, work),
+        lambda: generate(out),
         lambda: tests(work, "gpu-tests", "kernel and backend tests"),
         lambda: tp(work),
         lambda: bench4(out, work),

@@ -31,6 +31,7 @@ STAGES = (
     "kernels",
     "steps-7b",
     "steps-13b",
+    "generate-7b",
     "calibrate-7b",
     "calibrate-13b",
     "gpu-tests",
@@ -284,6 +285,12 @@ def test_the_gpu_paths_of_the_benchmarks_and_the_summary_on_the_cpu(tmp_path, mo
         assert batches == set(steps.DECODE_BATCHES), (model, [s.name for s in shapes])
         rows = [
             {"shape": s.name, "step_ms_median": 1.0, "step_ms_p99": 2.0, "tokens_per_s": 1e3}
+            | (
+                {"eager_ms_median": 30.0, "gpu_busy_ms": 5.0, "kernels": 320}
+                | {"kernels_per_layer": 10.0, "graph_ms_median": 1.0, "graph_gpu_busy_ms": 0.9}
+                if s.decodes and not s.prefills
+                else {}
+            )
             for s in shapes
         ]
         (tmp_path / "out" / f"gpu_steps_{model}.json").write_text(
@@ -298,6 +305,14 @@ def test_the_gpu_paths_of_the_benchmarks_and_the_summary_on_the_cpu(tmp_path, mo
                 }
             )
         )
+    run = {"batch": 1, "output_tokens": 128, "seconds": 0.5, "output_tokens_per_s": 256.0}
+    graphs = run | {"output_tokens_per_s": 512.0, "speedup": 2.0, "same_tokens_as_eager": "1 of 1"}
+    modes = [{"mode": "eager", "runs": [run]}, {"mode": "graphs", "runs": [graphs]}]
+    (tmp_path / "out" / "gpu_generate.json").write_text(
+        json.dumps(
+            {"device": "H200", "model": "7b", "dtype": "bf16", "prompt_tokens": 128, "modes": modes}
+        )
+    )
     (tmp_path / "work" / "stages.tsv").write_text("kernels\tok\t40\t75\n")
     subprocess.run(
         [
@@ -312,4 +327,6 @@ def test_the_gpu_paths_of_the_benchmarks_and_the_summary_on_the_cpu(tmp_path, mo
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "copy ceiling 4300 GB/s" in summary and "llama2-7b bf16 2x48" in summary
     assert "model steps llama2-13b" in summary and "decode 256x" in summary
+    assert "   10.0     1.00    0.90      1.11" in summary  # per layer, graph ms, busy, wall/busy
+    assert "graphs  batch   1:     512.0 output tok/s" in summary and "2.00x eager" in summary
     assert "section failed" not in summary, summary

@@ -25,7 +25,7 @@ LAYERS = (
     ("errors", "sharegpt", "triton_kernels"),
     ("sampling", "blocks"),
     ("request", "attention", "mempool"),
-    ("serving", "model", "recipes"),
+    ("serving", "model", "recipes", "decode_graphs"),
     ("scheduler", "parallel", "presets"),
     ("config",),
     ("engine",),

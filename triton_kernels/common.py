@@ -83,12 +83,17 @@ def check_cache_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     check_dtype_device(k_cache)
 
 
-def check_dtype_device(t: torch.Tensor) -> None:
+def check_dtype(t: torch.Tensor) -> None:
     """Reject dtypes the kernels do not handle and bf16 on the CPU interpreter."""
     if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"unsupported dtype {t.dtype}; use one of {SUPPORTED_DTYPES}")
     if t.dtype == torch.bfloat16 and t.device.type != "cuda":
         raise TypeError("bfloat16 needs a CUDA device (the Triton interpreter has no bf16)")
+
+
+def check_dtype_device(t: torch.Tensor) -> None:
+    """``check_dtype``, and a head size (last dimension) the attention kernels hold."""
+    check_dtype(t)
     if t.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {t.shape[-1]} exceeds the supported {MAX_HEAD_DIM}")
 

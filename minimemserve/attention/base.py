@@ -61,22 +61,22 @@ def build_metadata(slices: list[SeqSlice], block_size: int, device) -> Attention
     q_lens = [s.num_new for s in slices]
     ctx = [s.num_computed for s in slices]
     seq = [c + q for c, q in zip(ctx, q_lens)]
-    positions, slots = [], []
-    for s in slices:
-        for p in range(s.num_computed, s.num_computed + s.num_new):
-            positions.append(p)
-            slots.append(s.block_table[p // block_size] * block_size + p % block_size)
-    max_blocks = max(len(s.block_table) for s in slices)
-    table = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in slices]
     starts = [0, *itertools.accumulate(q_lens)]
-    t = lambda x, dtype: torch.tensor(x, dtype=dtype, device=device)
+    table = padded_tables([s.block_table for s in slices])  # int32 [B, max_blocks]
+    # positions and slots of every new token, vectorised (no loop over tokens or blocks)
+    row = torch.repeat_interleave(torch.arange(len(slices)), torch.tensor(q_lens))  # [T]
+    first = torch.tensor(ctx) - torch.tensor(starts[:-1])  # a row's position minus its start
+    positions = torch.arange(starts[-1]) + first[row]  # [T]
+    blocks = table[row, positions // block_size].long()
+    slots = blocks * block_size + positions % block_size
+    t = lambda x, dtype: torch.as_tensor(x, dtype=dtype).to(device)
     return AttentionMetadata(
         positions=t(positions, torch.int64),
         slot_mapping=t(slots, torch.int64),
         query_start_loc=t(starts, torch.int32),
         context_lens=t(ctx, torch.int32),
         seq_lens=t(seq, torch.int32),
-        block_tables=t(table, torch.int32),
+        block_tables=table.to(device),
         num_prefills=num_prefills,
         num_prefill_tokens=starts[num_prefills],
         num_decodes=len(slices) - num_prefills,
@@ -89,6 +89,16 @@ def build_metadata(slices: list[SeqSlice], block_size: int, device) -> Attention
     )
 
 
+def padded_tables(tables: list[list[int]]) -> torch.Tensor:
+    """The block tables as one int32 ``[B, max_blocks]`` CPU tensor padded with 0, filled by
+    one masked copy of all their ids."""
+    widths = torch.tensor([len(t) for t in tables])
+    out = torch.zeros(len(tables), int(widths.max()), dtype=torch.int32)
+    flat = torch.tensor(list(itertools.chain.from_iterable(tables)), dtype=torch.int32)
+    out[torch.arange(out.shape[1]) < widths[:, None]] = flat
+    return out
+
+
 class AttentionBackend(Protocol):
     """How the model computes attention over the paged KV pool. A backend is built over one pool
     tensor (``KVLayout.pool_shape``; it allocates no KV). ``forward`` stores layer ``layer_id``'s K
@@ -96,6 +106,7 @@ class AttentionBackend(Protocol):
     tokens, maybe in a per-step buffer the next layer overwrites (Triton): consume it first."""
 
     name: str
+    elementwise: Any  # the layer's elementwise ops (``elementwise.TorchElementwise``'s calls)
 
     def prepare(self, slices: list[SeqSlice]) -> AttentionMetadata:
         """Build the per-step metadata once; every layer reuses it."""

@@ -43,18 +43,11 @@ class FlashAttnAttention(TritonAttention):
         super().__init__(kv_pool, layout, num_heads, scale)
         self._varlen = flash_attn_varlen_func
 
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, H, D]
-        k: torch.Tensor,  # [T, KV, D]
-        v: torch.Tensor,  # [T, KV, D]
-        layer_id: int,
-        md: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Store K/V of ``layer_id`` and attend; returns ``[T, H, D]``."""
+    def _attend(self, q, k, v, kv, md: AttentionMetadata) -> torch.Tensor:
+        """Attention after the K/V store: one varlen call when every slice is a fresh
+        prefill, else the Triton kernels."""
         no_prefix = md.num_prefills > 0 and not any(md.context_lens_host[: md.num_prefills])
         if not no_prefix or q.dtype not in FLASH_DTYPES or md.num_decodes:
-            return super().forward(q, k, v, layer_id, md)
-        self.store(k, v, layer_id, md)  # every slice is a fresh prefill: one varlen call
+            return super()._attend(q, k, v, kv, md)
         qsl, n = md.query_start_loc, md.max_query_len
         return self._varlen(q, k, v, qsl, qsl, n, n, softmax_scale=self.scale, causal=True)

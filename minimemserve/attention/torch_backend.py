@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..blocks.layout import AGGREGATED, KVLayout
 from .base import AttentionMetadata, SeqSlice, build_metadata
+from .elementwise import TORCH_ELEMENTWISE
 
 # PyTorch's fused CPU attention also returns the log-sum-exp through this op.
 _HAS_CPU_LSE = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
@@ -30,6 +31,7 @@ class TorchAttention:
     """Attention with PyTorch ops over a contiguous pool tensor (either layout)."""
 
     name = "torch"
+    elementwise = TORCH_ELEMENTWISE  # unfused: HF's arithmetic op by op
 
     def __init__(self, kv_pool: torch.Tensor, layout: KVLayout, num_heads: int, scale: float):
         if tuple(kv_pool.shape) != layout.pool_shape(kv_pool.shape[layout.block_dim]):

@@ -19,8 +19,11 @@ import triton
 from triton_kernels import (
     DecodePlan,
     PrefillPlan,
+    launch_add_rmsnorm,
     launch_decode,
     launch_prefill,
+    launch_rope_store_kv,
+    launch_silu_mul,
     launch_store_kv,
     plan_decode,
     plan_prefill,
@@ -52,10 +55,29 @@ class TritonStep:
     checked: bool = False  # the inputs of the first layer passed the checks
 
 
+class TritonElementwise:
+    """The layer's elementwise work as one fused kernel each (see ``TorchElementwise``): the
+    residual add with RMSNorm, rotary with the K/V store, SiLU x up. Inputs come from the
+    model's own projections (contiguous rows), so the launches are unchecked."""
+
+    def add_rmsnorm(self, x, residual, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; the sum is written over ``residual``."""
+        return launch_add_rmsnorm(x, residual, norm.weight, norm.eps)
+
+    def rope_attend(self, backend, q, k, v, rotary, positions, layer_id: int, md):
+        """Rotate, store and attend through ``backend.forward_rotary``."""
+        return backend.forward_rotary(q, k, v, rotary.cos, rotary.sin, positions, layer_id, md)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of ``gate_up`` ``[T, 2 * inter]``."""
+        return launch_silu_mul(gate_up)
+
+
 class TritonAttention:
     """Attention with the Triton kernels over one pool tensor (see ``AttentionBackend``)."""
 
     name = "triton"
+    elementwise = TritonElementwise()
 
     def __init__(self, kv_pool: torch.Tensor, layout: KVLayout, num_heads: int, scale: float):
         num_blocks = kv_pool.shape[layout.block_dim] if kv_pool.dim() == 6 else -1
@@ -83,17 +105,30 @@ class TritonAttention:
         md = build_metadata(slices, self.layout.block_size, "cpu" if on_cuda else self.device)
         if on_cuda:
             md = upload_metadata(md, self.device)
+        longest = max(md.seq_lens_host[md.num_prefills :], default=1)
+        md.backend_data["triton"] = self._plan(md, longest)
+        return md
+
+    def plan_graph(self, md: AttentionMetadata) -> AttentionMetadata:
+        """Plan ``md`` (decode rows only, over a graph's static buffers) for sequences up to
+        ``md.max_seq_len``: the split count, grid and buffers stay fixed, so one capture
+        serves every context up to that length."""
+        if md.num_prefills:
+            raise ValueError("a graph's step holds decodes only")
+        md.backend_data["triton"] = self._plan(md, md.max_seq_len)
+        return md
+
+    def _plan(self, md: AttentionMetadata, longest_decode: int) -> TritonStep:
+        """The step's launches and output buffer; decode splits sized for ``longest_decode``."""
         k_cache, p, H = self.views[0][0], md.num_prefills, self.num_heads
         prefill = decode = None
         if p:
             prefill = plan_prefill(k_cache, p, H, max(md.query_lens_host[:p]))
         if md.num_decodes:
-            longest = max(md.seq_lens_host[p:])
-            decode = plan_decode(k_cache, md.num_decodes, H, longest, sms=self.num_sms)
+            decode = plan_decode(k_cache, md.num_decodes, H, longest_decode, sms=self.num_sms)
         shape = (md.num_prefill_tokens + md.num_decodes, H, self.layout.head_dim)
         out = torch.empty(shape, dtype=self.kv_pool.dtype, device=self.device)
-        md.backend_data["triton"] = TritonStep(out, prefill, decode)
-        return md
+        return TritonStep(out, prefill, decode)
 
     def forward(
         self,
@@ -106,12 +141,29 @@ class TritonAttention:
         """Store the new K/V of ``layer_id``, then attend; returns the step's ``[T, H, D]``
         output buffer, which the next layer overwrites."""
         kv = self.layer(layer_id)  # K and V, each [N, bs, KV, D]
+        q, k, v = self._inputs(q, k, v, md)
+        launch_store_kv(*kv, k, v, md.slot_mapping)
+        return self._attend(q, k, v, kv, md)
+
+    def forward_rotary(self, q, k, v, cos, sin, positions, layer_id: int, md) -> torch.Tensor:
+        """``forward`` of ``q``/``k`` not yet rotated: one kernel rotates them in place at
+        ``positions`` (``cos``/``sin``: ``[max_positions, D]`` tables) and stores K/V."""
+        kv = self.layer(layer_id)
+        q, k, v = self._inputs(q, k, v, md)
+        launch_rope_store_kv(q, k, v, cos, sin, positions, md.slot_mapping, *kv)
+        return self._attend(q, k, v, kv, md)
+
+    def _inputs(self, q, k, v, md: AttentionMetadata):
+        """``q``, ``k``, ``v`` in the pool's dtype, checked on a step's first layer."""
         step: TritonStep = md.backend_data["triton"]
         if not step.checked:
             self._check_inputs(q, k, v, step)
-        dtype = kv[0].dtype
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        launch_store_kv(*kv, k, v, md.slot_mapping)
+        dtype = self.kv_pool.dtype
+        return q.to(dtype), k.to(dtype), v.to(dtype)
+
+    def _attend(self, q, k, v, kv, md: AttentionMetadata) -> torch.Tensor:
+        """Attention of the step's queries over the stored K/V (prefills, then decodes)."""
+        step: TritonStep = md.backend_data["triton"]
         out, tables, p = step.out, md.block_tables, md.num_prefill_tokens
         if (plan := step.prefill) is not None:
             args = (md.query_start_loc, md.context_lens, out, self.scale)
@@ -126,11 +178,6 @@ class TritonAttention:
         if not 0 <= layer_id < self.layout.num_layers:
             raise ValueError(f"layer_id {layer_id} out of range [0, {self.layout.num_layers})")
         return self.views[layer_id]
-
-    def store(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, md: AttentionMetadata):
-        """Only store the new K/V of ``layer_id`` (for backends that attend elsewhere)."""
-        k_cache, v_cache = self.layer(layer_id)
-        launch_store_kv(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), md.slot_mapping)
 
     def _check_inputs(self, q, k, v, step: TritonStep) -> None:
         """Shapes and devices of a step's inputs, checked on its first layer."""

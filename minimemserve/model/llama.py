@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..attention.base import AttentionBackend, AttentionMetadata
+from ..attention.elementwise import TORCH_ELEMENTWISE
 from .config import ModelConfig
 
 # Our fused projections and the HF tensors they stack, in order.
@@ -72,8 +72,8 @@ class Attention(nn.Module):
         T = x.shape[0]  # x [T, hidden]
         qkv = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k, v = (t.view(T, -1, self.head_dim) for t in qkv)  # [T, H, D], [T, KV, D] x2
-        q, k = rotary(q, k, positions)
-        o = backend.forward(q, k, v, self.layer_id, md)  # [T, H, D]
+        ops = backend.elementwise
+        o = ops.rope_attend(backend, q, k, v, rotary, positions, self.layer_id, md)  # [T, H, D]
         return self.o_proj(o.reshape(T, self.q_size))  # [T, hidden]
 
 
@@ -86,9 +86,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
 
-    def forward(self, x):  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)  # [T, inter]
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, ops=TORCH_ELEMENTWISE):  # [T, hidden] -> [T, hidden]
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))  # gate_up [T, 2 * inter]
 
 
 class DecoderLayer(nn.Module):
@@ -101,9 +100,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rotary, backend, md):  # [T, hidden] -> [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, md)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, backend, md):
+        """``(mlp output, residual stream)``, each ``[T, hidden]``: the block's input is
+        ``x + residual`` (``x`` alone in the first layer), added as the next norm runs."""
+        ops = backend.elementwise
+        h, residual = ops.add_rmsnorm(x, residual, self.input_layernorm)
+        h = self.self_attn(h, positions, rotary, backend, md)
+        h, residual = ops.add_rmsnorm(h, residual, self.post_attention_layernorm)
+        return self.mlp(h, ops), residual
 
 
 class LlamaModel(nn.Module):
@@ -124,9 +128,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm for ``input_ids [T]``."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
         for layer in self.layers:
-            x = layer(x, md.positions, self.rotary, backend, md)
-        return self.norm(x)
+            x, residual = layer(x, residual, md.positions, self.rotary, backend, md)
+        return backend.elementwise.add_rmsnorm(x, residual, self.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[B, vocab]`` for selected hidden rows ``[B, hidden]``."""

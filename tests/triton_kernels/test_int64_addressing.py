@@ -15,7 +15,7 @@ import pytest
 import torch
 from kernel_reference import TOLERANCES, attend
 
-from triton_kernels import paged_decode, prefix_prefill, store_kv
+from triton_kernels import paged_decode, prefix_prefill, rope_store_kv, store_kv
 
 BLOCK_SIZE, N_KV, HEAD_DIM = 16, 1, 64
 BLOCK_ELEMS = BLOCK_SIZE * N_KV * HEAD_DIM
@@ -85,6 +85,26 @@ def test_store_writes_a_block_past_int32(far_views):
     keep_k, keep_v = k_cache[FAR, 12:14].clone(), v_cache[FAR, 12:14].clone()
     slots = torch.tensor([FAR * BLOCK_SIZE + 12, FAR * BLOCK_SIZE + 13], device=dev)
     store_kv(k_cache, v_cache, k, v, slots)
+    try:
+        torch.testing.assert_close(k_cache[FAR, 12:14], k, atol=0, rtol=0)
+        torch.testing.assert_close(v_cache[FAR, 12:14], v, atol=0, rtol=0)
+    finally:  # the module's other tests read block FAR
+        k_cache[FAR, 12:14] = keep_k
+        v_cache[FAR, 12:14] = keep_v
+
+
+def test_rope_store_writes_a_block_past_int32(far_views):
+    """The fused rotary + store addresses the cache like store_kv (zero angle: no rotation)."""
+    k_cache, v_cache = far_views
+    dev, dtype = k_cache.device, k_cache.dtype
+    q = torch.randn(2, N_KV, HEAD_DIM, dtype=dtype, device=dev)
+    k = torch.randn(2, N_KV, HEAD_DIM, dtype=dtype, device=dev)
+    v = torch.randn(2, N_KV, HEAD_DIM, dtype=dtype, device=dev)
+    cos, sin = torch.ones(1, HEAD_DIM, device=dev), torch.zeros(1, HEAD_DIM, device=dev)
+    keep_k, keep_v = k_cache[FAR, 12:14].clone(), v_cache[FAR, 12:14].clone()
+    slots = torch.tensor([FAR * BLOCK_SIZE + 12, FAR * BLOCK_SIZE + 13], device=dev)
+    positions = torch.zeros(2, dtype=torch.int64, device=dev)
+    rope_store_kv(q, k, v, cos, sin, positions, slots, k_cache, v_cache)
     try:
         torch.testing.assert_close(k_cache[FAR, 12:14], k, atol=0, rtol=0)
         torch.testing.assert_close(v_cache[FAR, 12:14], v, atol=0, rtol=0)
