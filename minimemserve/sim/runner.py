@@ -24,6 +24,7 @@ import torch
 from minimemserve.config import EngineConfig, parse_config_name
 from minimemserve.deployment import DeploymentSpec
 from minimemserve.errors import ConfigError
+from minimemserve.memory import DEFAULT_CPU_KV_BYTES
 from minimemserve.model.config import ModelConfig
 from minimemserve.model.tokenizer import Tokenizer
 from minimemserve.presets import preset_dir
@@ -138,7 +139,7 @@ def cpu_setup(
     mc = ModelConfig.from_hf(mdir)
     cfg = EngineConfig(scheduler=scheduler)
     block_bytes = 2 * mc.num_hidden_layers * cfg.block_size * mc.num_key_value_heads * mc.head_dim
-    blocks = cfg.hbm_blocks(block_bytes * torch.float32.itemsize, torch.device("cpu"))
+    blocks = DEFAULT_CPU_KV_BYTES // (block_bytes * torch.float32.itemsize)
     topo = Topology(
         CPU_LINK,
         CPU_LINK,
