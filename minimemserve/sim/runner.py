@@ -396,7 +396,7 @@ def _plot_sweep(rows: list[dict], configs: Sequence[str], png: Path, title: str)
 # --------------------------------------------------------------------------- roofline checks
 
 
-def _steps_shape(step: dict) -> StepShape:
+def steps_shape(step: dict) -> StepShape:
     """The :class:`StepShape` of one ``bench/gpu_steps.py`` result row."""
     name, prefills = step["shape"], ()
     if m := _PREFILL_NAME.fullmatch(name):
@@ -426,7 +426,7 @@ def calibrate(path: str | Path, hardware: str = "h200") -> list[dict]:
     )
     print(f"{'shape':36}{'measured ms':>13}{'predicted ms':>14}{'error':>8}")
     for step in steps:
-        pred = roof.step_time(_steps_shape(step)) * 1e3
+        pred = roof.step_time(steps_shape(step)) * 1e3
         meas = float(step["step_ms_median"])
         rows.append(
             {
