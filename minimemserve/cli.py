@@ -30,7 +30,7 @@ from minimemserve.sim import command as sim_command
 
 # The DeploymentSpec and EngineConfig fields ``generate`` takes as options.
 GENERATE_FIELDS = ("model", "config", "device", "dtype")
-GENERATE_ENGINE_FLAGS = ("block_size", "attention", *PARALLEL_FLAGS)
+GENERATE_ENGINE_FLAGS = ("block_size", "attention", "load_format", *PARALLEL_FLAGS)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -97,7 +97,7 @@ def _keygen(args: argparse.Namespace) -> int:
 
 
 def _preset(args: argparse.Namespace) -> int:
-    print(preset_dir(args.name))
+    print(preset_dir(args.name))  # a dummy preset's dir needs --load-format dummy
     return 0
 
 

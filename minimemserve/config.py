@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -9,16 +10,18 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ConfigError
+from .memory import device_share
 from .recipes import MILESTONES, Milestone, Role
 from .scheduler.local import POLICIES as SCHEDULERS
 
-DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of host RAM: 64k tokens of the tiny fp32 preset
-DEFAULT_GPU_KV_FRACTION = 0.5  # share of free GPU memory given to the hbm tier when unsized
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # config-name suffix -> caching milestone of a disaggregated deployment (xPyD[-CC...])
 _DISAGG_MILESTONES = {"": "PD-Basic", "CC": "PD-Caching-3"} | {
     f"CC{i}": f"PD-Caching-{i}" for i in "123"
 }
+# How an instance gets its weights: the checkpoint's safetensors, or random ones of the
+# shapes its config.json gives, made on the device (vLLM's names)
+LOAD_FORMATS = ("auto", "dummy")
 _COLOCATED = ("PD", "PD-CC")  # config names that are their milestone's name
 NAME_PREFIX = {Role.COLOCATED: "C", Role.PREFILL: "P", Role.DECODE: "D"}  # names: P0, D1, ...
 # Where a process deployment's control plane binds unless told, and its KV transports
@@ -30,6 +33,7 @@ TRANSPORTS = ("auto", "shm", "gloo", "nccl", "nixl")
 _MINIMUM = {
     **dict.fromkeys(["num_blocks", "kv_memory_bytes", "max_num_seqs", "max_num_batched_tokens"], 1),
     "dram_blocks": 0,
+    "instances_on_device": 1,
     "max_model_len": 2,
     "tensor_parallel_size": 1,
     "decode_tensor_parallel_size": 1,
@@ -79,7 +83,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 @dataclass(frozen=True)
 class EngineConfig:
     """Sizes and limits of one engine instance. The hbm tier holds ``num_blocks`` blocks, or
-    as many as ``kv_memory_bytes`` allows (default: 1 GiB on CPU, half the free CUDA memory)."""
+    as many as ``kv_memory_bytes`` allows; by default, on a GPU, what is left of the
+    instance's share of the device (``gpu_memory_utilization``; unset: 0.9 split evenly among
+    the ``instances_on_device`` a deployment places there) once its weights and the peak of
+    its largest step are counted (``minimemserve.memory``), and 1 GiB on the CPU."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -90,6 +97,9 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     attention: str | None = None  # None: triton on CUDA, torch elsewhere
     seed: int = 0
+    gpu_memory_utilization: float | None = None  # share of the device's total memory
+    instances_on_device: int = 1  # set by the deployment: instances sharing this one's device
+    load_format: str = "auto"  # one of LOAD_FORMATS
     tensor_parallel_size: int = 1  # ranks (processes) the model is split over
     decode_tensor_parallel_size: int | None = None  # decode instances' size; None: the same
     scheduler: str = "chunked"  # the local step policy: "chunked" or "prefill_first"
@@ -102,6 +112,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
             raise ConfigError(f"unknown scheduler {self.scheduler!r}; choose from {SCHEDULERS}")
+        self._check_memory()
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         self._check_kinds()
@@ -140,17 +151,26 @@ class EngineConfig:
         none: off CUDA, or with ``enforce_eager``."""
         return 0 if self.enforce_eager or device.type != "cuda" else self.max_num_seqs
 
-    def hbm_blocks(self, block_bytes: int, device: torch.device, reserved_bytes: int = 0) -> int:
-        """Number of hbm blocks for a block of ``block_bytes`` bytes; an unsized CUDA pool
-        leaves ``reserved_bytes`` (the decode graphs') out of the free memory it takes from."""
-        if self.num_blocks is not None:
-            return self.num_blocks
-        budget = self.kv_memory_bytes
-        if budget is None and device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0] - reserved_bytes
-            budget = int(max(0, free) * DEFAULT_GPU_KV_FRACTION)
-        elif budget is None:
-            budget = DEFAULT_CPU_KV_BYTES
-        if (n := budget // block_bytes) <= 0:
-            raise ConfigError(f"a KV budget of {budget} bytes holds no {block_bytes}-byte block")
-        return n
+    def _check_memory(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format must be one of {LOAD_FORMATS}: {self.load_format!r}")
+        share = self.gpu_memory_utilization
+        if share is None:
+            return
+        if not isinstance(share, int | float) or isinstance(share, bool) or not 0 < share <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {share!r}")
+        n = self.instances_on_device
+        if isinstance(n, int) and share * n > 1 + 1e-9:
+            raise ConfigError(
+                f"gpu_memory_utilization {share} for each of {n} instances on one device "
+                f"adds up to {share * n:.2f} of it; give at most {1 / n:.3f}"
+            )
+
+    @property
+    def device_share(self) -> float:
+        """The share of its device this instance holds (see ``minimemserve.memory``)."""
+        return device_share(self.gpu_memory_utilization, self.instances_on_device)
+
+    def placed(self, instances: int) -> EngineConfig:
+        """This config for one of ``instances`` instances a deployment places on one device."""
+        return dataclasses.replace(self, instances_on_device=instances)

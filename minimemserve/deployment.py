@@ -8,6 +8,7 @@ deployments from it; the commands' options are generated from its fields
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 from .config import LOOPBACK, TRANSPORTS, EngineConfig, parse_config_name
 from .disagg.cluster import InProcessCluster
 from .errors import ConfigError
-from .presets import preset_dir
+from .presets import PRESETS, preset_dir, preset_model
 from .scheduler.global_scheduler import POLICIES, Cost
 from .serving import Serving
 
@@ -30,7 +31,8 @@ DTYPES = ("float32", "float16", "bfloat16")
 @dataclass(frozen=True)
 class DeploymentSpec:
     """A deployment: configuration ``config`` (``PD``, ``PD-CC``, ``1P1D``, ``1P1D-CC1/2/3``,
-    ``xPyD``...) of the checkpoint ``model`` (None: the tiny preset) on ``device`` in
+    ``xPyD``...) of the checkpoint ``model`` (a directory or a preset's name, such as
+    ``llama-2-7b-dummy``, whose load format it sets; None: the tiny preset) on ``device`` in
     ``dtype``, every instance with ``engine``; run by ``runtime`` (see :data:`RUNTIMES`). Both
     runtimes route by the global scheduler's ``policy`` (and ``cost_model``: None counts
     prompt tokens). The process runtime also takes: ``num_colocated`` instances of a colocated
@@ -65,6 +67,12 @@ class DeploymentSpec:
         if not isinstance(self.engine, EngineConfig):
             raise ConfigError(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
         object.__setattr__(self, "instances", tuple(self.instances))
+        if isinstance(self.model, str) and self.model in PRESETS:  # a preset by name
+            model, load_format = preset_model(self.model)
+            object.__setattr__(self, "model", model)
+            if load_format != "auto":
+                engine = dataclasses.replace(self.engine, load_format=load_format)
+                object.__setattr__(self, "engine", engine)
 
     @property
     def model_dir(self) -> Path:

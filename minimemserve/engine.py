@@ -18,10 +18,11 @@ from .attention.base import SeqSlice
 from .config import EngineConfig, parse_config_name, resolve_dtype
 from .decode_graphs import DecodeGraphs, graph_memory_bytes, run_step
 from .errors import ConfigError, InvalidRequest, PoolExhausted, SamplingError
+from .memory import DEFAULT_CPU_KV_BYTES, PROVIDERS, MemoryPlan
 from .mempool import MemPool, PoolAccountingError
 from .model.config import ModelConfig
 from .model.llama import LlamaModel
-from .model.loader import load_weights
+from .model.loader import dummy_model, load_weights
 from .model.tokenizer import Tokenizer
 from .parallel import SingleRank, TPGroup, TPShard
 from .recipes import Hook, Outcome, Peers, Recipe
@@ -75,7 +76,8 @@ class ModelRunner:
         with self.group.step(slices, ids, last_rows):  # other TP ranks run this step too
             args = (self.model, self.backend, self.graphs, slices, ids, last_rows, self.device)
             logits = run_step(*args)  # [B, vocab] fp32, B = len(sample_for)
-        tokens, bad = _sample(logits, sample_for, generator, self.model.cfg.eos_token_ids) if sample_for else ([], {})
+        eos = self.model.cfg.eos_token_ids
+        tokens, bad = _sample(logits, sample_for, generator, eos) if sample_for else ([], {})
         by_req = dict(zip(map(id, sample_for), tokens))
         return [by_req.get(id(req)) for req, _ in batch], bad
 
@@ -112,18 +114,94 @@ def greedy_tokens(logits: torch.Tensor) -> list[int | None]:
     return [t if t >= 0 else None for t in torch.where(finite, best, -1).tolist()]
 
 
-def _load_model(model_dir: Path, model_config: ModelConfig, device, dtype) -> LlamaModel:
-    """The checkpoint's model on ``device`` in ``dtype``, for inference."""
+def _load_model(model_dir: Path, model_config: ModelConfig, device, dtype, load_format: str):
+    """The checkpoint's model (random weights of its shapes for ``load_format="dummy"``) on
+    ``device`` in ``dtype``, for inference."""
+    if load_format == "dummy":
+        return dummy_model(LlamaModel, model_config, device, dtype)
     model = LlamaModel(model_config)
     model.load_hf_weights(load_weights(model_dir, model_config))
     return model.to(device=device, dtype=dtype).eval()
 
 
+def model_bytes(model_config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the model's weights in ``dtype`` (a tied LM head counted once)."""
+    return model_config.num_parameters() * dtype.itemsize
+
+
+def _largest_step(model, cfg: EngineConfig, layout, heads: int, provider, device, dtype) -> int:
+    """The peak bytes (``provider.peak_during``) of the largest step the scheduler can pick:
+    a full token budget at the end of the longest context, logits for every sequence slot.
+    Every position of its block table is one scratch block: what it reads is garbage, what
+    it allocates is what a real step allocates."""
+    max_len = cfg.model_len(model.cfg)
+    tokens = min(cfg.max_num_batched_tokens, max_len - 1)
+    pool = MemPool(layout, 1, device=device, dtype=dtype)
+    table = pool.alloc_mem(1) * layout.num_blocks_for(max_len)
+    backend = make_backend(cfg.attention, pool.kv("hbm"), layout, heads, model.cfg.head_dim**-0.5)
+    ids = torch.zeros(tokens, dtype=torch.long, device=device)  # [T]
+    rows = torch.full((min(cfg.max_num_seqs, tokens),), tokens - 1, device=device)  # [B]
+
+    @torch.inference_mode()
+    def step() -> None:
+        md = backend.prepare([SeqSlice(table, max_len - tokens, tokens)])
+        hidden = model(ids, backend, md)  # [T, hidden]
+        torch.softmax(model.compute_logits(hidden[rows]), dim=-1)  # [B, vocab], as sampling
+
+    peak = provider.peak_during(device, step)
+    pool.free_mem(table[:1])
+    return peak
+
+
+def pool_blocks(
+    cfg: EngineConfig,
+    model,
+    model_config: ModelConfig,
+    shard: TPShard,
+    device: torch.device,
+    dtype: torch.dtype,
+    owns_weights: bool = True,
+    graphs: int = 0,
+) -> int:
+    """The hbm blocks of an instance: ``num_blocks``, else as many as ``kv_memory_bytes``
+    holds, else, on a device with memory accounting (:data:`~.memory.PROVIDERS`), what its
+    share leaves (:class:`~.memory.MemoryPlan`) after its weights (``owns_weights``: not
+    another engine's), the peak of ``model``'s largest step (measured here; None: a
+    tensor-parallel instance, sized before its ranks load) and ``graphs``, the bytes of CUDA
+    graphs captured before the pool exists (the hook for a graph runner that captures
+    first); else DEFAULT_CPU_KV_BYTES."""
+    layout = shard.kv_layout(cfg.block_size)
+    block_bytes = layout.block_bytes(dtype.itemsize)
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    provider = PROVIDERS.get(device.type)
+    if cfg.kv_memory_bytes is not None or provider is None:
+        budget = cfg.kv_memory_bytes or DEFAULT_CPU_KV_BYTES
+        if (n := budget // block_bytes) <= 0:
+            raise ConfigError(f"a KV budget of {budget} bytes holds no {block_bytes}-byte block")
+        return n
+    peak = 0
+    if model is not None:
+        peak = _largest_step(model, cfg, layout, shard.heads, provider, device, dtype)
+    plan = MemoryPlan(
+        device=str(device),
+        device_bytes=provider.total(device),
+        share=cfg.device_share,
+        instances=cfg.instances_on_device,
+        weights=model_bytes(model_config, dtype) // shard.size if owns_weights else 0,
+        activations=peak,
+        block_bytes=block_bytes,
+        graphs=graphs,
+        context=getattr(provider, "context_bytes", 0),
+    )
+    return plan.blocks(least=layout.num_blocks_for(cfg.model_len(model_config)))
+
+
 def _load(model_dir, cfg: EngineConfig, tp: int, device, dtype, share, pool_factory, instance_id):
     """What an engine computes with: the checkpoint's config and tokenizer, a pool sized by
-    ``cfg`` (beside the decode graphs' memory), the rank group (rank 0's shard under tensor
-    parallelism) and the model runner. ``share`` is an engine in this process whose read-only
-    weights are reused."""
+    ``cfg`` (:func:`pool_blocks`), the rank group (rank 0's shard under tensor parallelism) and
+    the model runner. ``share`` is an engine in this process whose read-only weights are
+    reused."""
     if share is not None:
         model_config, tokenizer = share.model_config, share.tokenizer
     else:
@@ -134,22 +212,25 @@ def _load(model_dir, cfg: EngineConfig, tp: int, device, dtype, share, pool_fact
     layout = shard.kv_layout(cfg.block_size)
     graph_batch = cfg.decode_graph_batch(device)
     max_len = cfg.model_len(model_config)
-    reserved = (
-        0
-        if not graph_batch
-        else graph_memory_bytes(  # before the pool is sized
-            shard.local_config(), graph_batch, max_len, cfg.block_size, dtype.itemsize
+    graph_bytes = 0  # counted before the pool is sized
+    if graph_batch:
+        local = shard.local_config()
+        graph_bytes = graph_memory_bytes(
+            local, graph_batch, max_len, cfg.block_size, dtype.itemsize
         )
-    )
-    num_blocks = cfg.hbm_blocks(layout.block_bytes(dtype.itemsize), device, reserved)
     if tp > 1:
+        if cfg.load_format != "auto":
+            raise ConfigError("load_format 'dummy' is for instances of one rank")
+        num_blocks = pool_blocks(cfg, None, model_config, shard, device, dtype, graphs=graph_bytes)
         args = (num_blocks, cfg.block_size, cfg.attention, device, dtype, cfg.dram_blocks)
         group = TPGroup(model_dir, shard, *args, cfg.collective_timeout_s, graph_batch, max_len)
         model = group.model
     else:
         group = SingleRank()
         shared = share.model if share is not None else None
-        model = shared or _load_model(model_dir, model_config, device, dtype)
+        model = shared or _load_model(model_dir, model_config, device, dtype, cfg.load_format)
+        owns = shared is None
+        num_blocks = pool_blocks(cfg, model, model_config, shard, device, dtype, owns, graph_bytes)
     pool = group.make_pool(pool_factory or MemPool)(
         layout,
         num_blocks,

@@ -8,8 +8,9 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 
-from minimemserve.config import SCHEDULERS, TRANSPORTS, EngineConfig
+from minimemserve.config import LOAD_FORMATS, SCHEDULERS, TRANSPORTS, EngineConfig
 from minimemserve.deployment import DTYPES, RUNTIMES, DeploymentSpec
+from minimemserve.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from minimemserve.scheduler.cost_model import CostModel
 from minimemserve.scheduler.global_scheduler import POLICIES
 from minimemserve.workloads.results import (
@@ -28,6 +29,17 @@ DEFAULT_OUT_DIR = "bench/results"
 ENGINE_FLAGS = {
     "block_size": ("--block-size", "tokens per KV block", None),
     "num_blocks": ("--num-blocks", "KV blocks per instance (default: as memory allows)", None),
+    "gpu_memory_utilization": (
+        "--gpu-memory-utilization",
+        "share of its GPU's memory each instance holds (weights, activations, KV); default: "
+        f"{DEFAULT_GPU_MEMORY_UTILIZATION} split evenly among the instances on a GPU",
+        None,
+    ),
+    "load_format": (
+        "--load-format",
+        "dummy: random weights of config.json's shapes, nothing read (a *-dummy preset sets it)",
+        list(LOAD_FORMATS),
+    ),
     "max_num_seqs": ("--max-num-seqs", "requests running at once per instance", None),
     "max_model_len": ("--max-model-len", "prompt plus output cap (default: the model's)", None),
     "attention": ("--attention", "attention backend", ["torch", "triton", "flash-attn"]),
@@ -47,7 +59,11 @@ ENGINE_FLAGS = {
 # DeploymentSpec field -> (its option, help, choices): the commands take these from it,
 # typed and defaulted from the field (a command may give its own default).
 DEPLOYMENT_FLAGS = {
-    "model": ("--model", "HF Llama checkpoint dir (default: the tiny preset)", None),
+    "model": (
+        "--model",
+        "HF Llama checkpoint dir or a preset's name, e.g. llama-2-7b-dummy (default: tiny)",
+        None,
+    ),
     "config": ("--config", "PD, PD-CC, 1P1D, 1P1D-CC, xPyD[-CC...]", None),
     "device": ("--device", "torch device of every instance", None),
     "dtype": ("--dtype", "weights and KV dtype", DTYPES),

@@ -39,6 +39,8 @@ __all__ = [
     "Preset",
     "preset_dir",
     "synthetic_text",
+    "llama_config",
+    "preset_model",
     "train_tokenizer",
     "write_random_llama",
 ]
@@ -207,6 +209,19 @@ def _save(model: torch.nn.Module, out_dir: Path, shards: int) -> None:
     model.save_pretrained(out_dir, **save_kwargs)
 
 
+def llama_config(
+    *,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict[str, Any] | None = None,
+    **fields: Any,
+):
+    """A ``transformers`` ``LlamaConfig`` of ``fields`` (bos=1, eos=2) and the RoPE settings."""
+    from transformers import LlamaConfig  # heavy: only writing a preset needs it
+
+    kwargs = fields | _rope_kwargs(rope_theta, rope_scaling)
+    return LlamaConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, **kwargs)
+
+
 def write_random_llama(
     out_dir: str | Path,
     *,
@@ -223,6 +238,7 @@ def write_random_llama(
     seed: int = 0,
     tokenizer_model: Path | None = None,
     shards: int = 1,
+    rms_norm_eps: float = 1e-6,
 ) -> Path:
     """Write a random-weight Llama checkpoint with ``transformers`` into ``out_dir``.
 
@@ -231,13 +247,11 @@ def write_random_llama(
     given, a copy of it as ``tokenizer.model`` (its size must equal ``vocab_size``) and a
     ``tokenizer_config.json``, so ``transformers.AutoTokenizer`` loads the directory too.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM  # heavy: only writing needs it
-
     if shards < 1:
         raise ConfigError(f"shards must be >= 1, got {shards}")
     if tokenizer_model is not None:
         _check_tokenizer(tokenizer_model, vocab_size)
-    config = LlamaConfig(
+    config = llama_config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -245,11 +259,13 @@ def write_random_llama(
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
         max_position_embeddings=max_position_embeddings,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        **_rope_kwargs(rope_theta, rope_scaling),
+        rms_norm_eps=rms_norm_eps,
     )
+    from transformers import LlamaForCausalLM  # heavy: only writing weights needs it
+
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float().eval()
     _randomize_(model, seed)  # a tied lm_head shares the embedding tensor, so stays tied
@@ -260,9 +276,14 @@ def write_random_llama(
     if tokenizer_model is not None and Path(tokenizer_model).resolve() != written.resolve():
         shutil.copyfile(tokenizer_model, written)
     if tokenizer_model is not None:
-        hf = HF_TOKENIZER_CONFIG | {"model_max_length": max_position_embeddings}
-        (out_dir / "tokenizer_config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        _write_tokenizer_config(out_dir, max_position_embeddings)
     return out_dir
+
+
+def _write_tokenizer_config(out_dir: Path, max_positions: int) -> None:
+    """``tokenizer_config.json`` beside ``tokenizer.model``, for ``transformers.AutoTokenizer``."""
+    hf = HF_TOKENIZER_CONFIG | {"model_max_length": max_positions}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(hf, indent=2) + "\n")
 
 
 @dataclass(frozen=True)
@@ -282,20 +303,31 @@ class Preset:
     seed: int = 0
     tokenizer_chars: int = 4_000_000  # characters the tokenizer is trained on
     tokenizer_text: str = "sharegpt"  # or "synthetic": seeded pseudo-words, no dataset
+    rms_norm_eps: float = 1e-6
+    # "dummy": only config.json and the tokenizer are written; engines make random weights
+    # of its shapes on their device (EngineConfig.load_format), for real model sizes
+    load_format: str = "auto"
 
     def digest(self) -> str:
         """Short hash of every field (and the format version), stable across runs."""
         fields = dataclasses.asdict(self) | {"format": PRESET_FORMAT_VERSION}
-        if self.tokenizer_text == "sharegpt":  # the default: the hashes from before it existed
-            del fields["tokenizer_text"]
+        for name, default in _LATER_FIELDS.items():  # the hashes from before they existed
+            if fields[name] == default:
+                del fields[name]
         blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:_HASH_CHARS]
 
     def model_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :func:`write_random_llama` for this preset."""
         fields = dataclasses.asdict(self)
-        del fields["name"], fields["tokenizer_chars"], fields["tokenizer_text"]
+        for name in ("name", "tokenizer_chars", "tokenizer_text", "load_format"):
+            del fields[name]
         return fields
+
+
+# Preset fields added after the first presets, with their defaults: hashed only when they
+# differ, so the presets from before keep their cache directories.
+_LATER_FIELDS = {"tokenizer_text": "sharegpt", "rms_norm_eps": 1e-6, "load_format": "auto"}
 
 
 # ~32M parameters: big enough to show real compute, small enough for a 2-core CPU.
@@ -308,6 +340,25 @@ _TINY = Preset(
     num_attention_heads=8,
     num_key_value_heads=4,
 )
+
+
+def _llama2_dummy(name: str, hidden: int, inter: int, layers: int, heads: int) -> Preset:
+    return Preset(
+        name=name,
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tokenizer_chars=2_000_000,
+        tokenizer_text="synthetic",
+        load_format="dummy",
+    )
+
+
 PRESETS: dict[str, Preset] = {
     "tiny": _TINY,
     "tiny-mha": dataclasses.replace(_TINY, name="tiny-mha", num_key_value_heads=8),
@@ -316,6 +367,11 @@ PRESETS: dict[str, Preset] = {
     "tiny-synthetic": dataclasses.replace(
         _TINY, name="tiny-synthetic", tokenizer_chars=1_000_000, tokenizer_text="synthetic"
     ),
+    # Llama-2's published configs with dummy weights (no checkpoint: benchmarks at real size);
+    # the tokenizer has Llama-2's 32000 pieces, BPE trained in about a second on seeded
+    # pseudo-words (not Llama-2's own pieces: token ids are what the model sees)
+    "llama-2-7b-dummy": _llama2_dummy("llama-2-7b-dummy", 4096, 11008, 32, 32),
+    "llama-2-13b-dummy": _llama2_dummy("llama-2-13b-dummy", 5120, 13824, 40, 40),
 }
 
 
@@ -359,6 +415,13 @@ def _build(preset: Preset, out_dir: Path) -> None:
         shutil.copyfile(DATA_DIR / shipped, tokenizer_path)
     else:
         train_tokenizer(tokenizer_path, preset.vocab_size, training_text(preset))
+    if preset.load_format == "dummy":
+        _check_tokenizer(tokenizer_path, preset.vocab_size)
+        fields = preset.model_kwargs()
+        del fields["seed"]
+        llama_config(**fields).save_pretrained(out_dir)
+        _write_tokenizer_config(out_dir, preset.max_position_embeddings)
+        return
     write_random_llama(out_dir, **preset.model_kwargs(), tokenizer_model=tokenizer_path)
 
 
@@ -396,3 +459,13 @@ def preset_dir(name: str | Preset = "tiny", cache_dir: str | Path | None = None)
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def preset_model(name_or_dir: str | Path) -> tuple[Path, str]:
+    """A model given by checkpoint directory or preset name: its directory and how its
+    weights load (``"dummy"`` for a dummy preset, else ``"auto"``). A name that is an existing
+    path is a directory; an unknown name is returned as a path, for the loader to name."""
+    path = Path(name_or_dir)
+    if path.exists() or str(name_or_dir) not in PRESETS:
+        return path, "auto"
+    return preset_dir(str(name_or_dir)), PRESETS[str(name_or_dir)].load_format

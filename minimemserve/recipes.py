@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -134,7 +135,7 @@ def _hand_off(pool, req: Request, peers: Peers, with_insert: bool) -> Outcome:
             return Outcome.FAILED
         if peer is None:
             return Outcome.LATER
-        before = _sent_bytes(pool)
+        before, began = _sent_bytes(pool), time.perf_counter()
         try:
             if with_insert:
                 got = pool.transfer_with_insert(peer.pool, tokens, src)
@@ -148,6 +149,8 @@ def _hand_off(pool, req: Request, peers: Peers, with_insert: bool) -> Outcome:
             tried.append(peer.name)
             peers.peer_failed(peer.name, e)
             continue
+        req.metrics.handoff_seconds += time.perf_counter() - began
+        req.metrics.handoff_bytes += _sent_bytes(pool) - before
         req.metrics.transferred_bytes += _sent_bytes(pool) - before
         pool.free_mem(req.blocks)
         req.blocks = got

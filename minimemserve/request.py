@@ -31,6 +31,10 @@ class RequestMetrics:
     prompt_tokens: int = 0
     output_tokens: int = 0
     transferred_bytes: int = 0
+    # its KV's move from the prefill to the decode instance: bytes, and seconds from the
+    # receiver's allocation through the copy to its commit
+    handoff_bytes: int = 0
+    handoff_seconds: float = 0.0
     preemptions: int = 0
     first_scheduled_time: float | None = None  # first admitted to a batch
     prefill_instance: str = ""  # the instance that computed the prompt

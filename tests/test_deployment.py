@@ -7,8 +7,9 @@ import argparse
 import dataclasses
 
 import pytest
+import torch
 
-from minimemserve import LLM, SamplingParams
+from minimemserve import LLM, SamplingParams, presets
 from minimemserve.cli import build_parser
 from minimemserve.config import EngineConfig
 from minimemserve.deployment import DeploymentSpec
@@ -88,3 +89,20 @@ def test_the_commands_take_their_deployment_options_from_the_spec(argv, fields):
     for field in fields:
         flag = DEPLOYMENT_FLAGS[field][0]
         assert getattr(spec, field) == argv[argv.index(flag) + 1]
+
+
+def test_llama_2_7b_dummy_by_name_builds_its_shapes_on_meta(tmp_path, monkeypatch):
+    monkeypatch.setenv(presets.CACHE_ENV, str(tmp_path))
+    llm = LLM("llama-2-7b-dummy", device="meta", dtype="bfloat16", max_num_batched_tokens=2048)
+    eng = llm.engine.instances[0].engine
+    assert eng.config.load_format == "dummy" and llm.model_dir.parent == tmp_path
+    cfg = eng.model_config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (4096, 32, 32000)
+    params = dict(eng.model.named_parameters())
+    assert sum(p.numel() for p in params.values()) == 6_738_415_616
+    assert params["layers.31.self_attn.qkv_proj.weight"].shape == (3 * 4096, 4096)
+    assert params["layers.0.mlp.gate_up_proj.weight"].shape == (2 * 11008, 4096)
+    assert all(p.device.type == "meta" and p.dtype == torch.bfloat16 for p in params.values())
+    kv = eng.pool.kv("hbm")  # the aggregated block: 16 tokens x 32 layers x K and V
+    assert kv.device.type == "meta" and kv.shape[1:] == (32, 2, 16, 32, 128)
+    assert llm.tokenizer.vocab_size == 32000

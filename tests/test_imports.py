@@ -23,7 +23,7 @@ PACKAGES = ("minimemserve", "triton_kernels")
 # line over everything.
 LAYERS = (
     ("errors", "sharegpt", "triton_kernels"),
-    ("sampling", "blocks"),
+    ("sampling", "blocks", "memory"),
     ("request", "attention", "mempool"),
     ("serving", "model", "recipes", "decode_graphs"),
     ("scheduler", "parallel", "presets"),

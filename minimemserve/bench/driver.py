@@ -71,7 +71,7 @@ from minimemserve.workloads.sessions import (
 # The DeploymentSpec fields ``bench`` takes as options (policy is a workload option, shared
 # with ``sim``), and its EngineConfig fields (seed and scheduler are workload options too).
 BENCH_FIELDS = ("model", "device", "dtype", "policy", "transport", "cost_model")
-BENCH_ENGINE_FLAGS = ("num_blocks", *PARALLEL_FLAGS)
+BENCH_ENGINE_FLAGS = ("num_blocks", "gpu_memory_utilization", "load_format", *PARALLEL_FLAGS)
 # Equal resources under the process runtime: one core per instance, and two colocated
 # instances, as many as 1P1D has.
 CORES_PER_INSTANCE = 1
@@ -473,7 +473,7 @@ def main(args: argparse.Namespace) -> int:
         max_turns=args.max_turns,
         max_output_tokens=args.max_output_tokens,
         max_context=args.max_context,
-        model_dir=args.model,
+        model_dir=options.model,
         out_dir=args.out,
         seed=args.seed,
         options=options,

@@ -63,6 +63,7 @@ class InProcessCluster:
         self.instances: list[Instance] = []
         first = None
         ecfg = engine_config or EngineConfig()
+        placed = ecfg.placed(len(deployment.instances()))  # every instance on ``device``
         for name, role in deployment.instances():
             whole = ecfg.tp_size(role) == 1  # a tensor-parallel instance loads its own shard
             eng = Engine(
@@ -72,7 +73,7 @@ class InProcessCluster:
                 peers=self,
                 device=device,
                 dtype=dtype,
-                engine_config=ecfg,
+                engine_config=placed,
                 instance_id=name,
                 share_model_with=first if whole else None,
             )

@@ -227,6 +227,7 @@ class Launcher:
         if how.start_method == "forkserver":
             ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         roles = self.spec.deployment.instances(colocated=how.num_colocated)
+        engine_config = self.spec.engine_config.placed(len(roles))  # all on ``how.device``
         for i, (name, role) in enumerate(roles):
             spec = InstanceSpec(
                 name=name,
@@ -234,7 +235,7 @@ class Launcher:
                 config=self.spec.deployment.name,
                 model_dir=str(self.spec.model_dir),
                 frontend=self.node.address,
-                engine_config=self.spec.engine_config,
+                engine_config=engine_config,
                 device=how.device,
                 dtype=how.dtype,
                 num_threads=how.cores_per_instance,

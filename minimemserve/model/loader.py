@@ -1,8 +1,11 @@
-"""Load Llama weights from a Hugging Face checkpoint directory (``*.safetensors``)."""
+"""Load Llama weights from a Hugging Face checkpoint directory (``*.safetensors``), or make
+random ones of a config's shapes on the device (``load_format="dummy"``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -143,3 +146,41 @@ def load_weights(
     if tied:
         weights[LM_HEAD_NAME] = weights[EMBED_NAME]
     return {name: weights[name] for name in expected}
+
+
+# The spread of dummy weights (Llama's initialiser range): random activations stay finite in
+# bf16 through any number of layers; norm gains are 1.
+DUMMY_INIT_STD = 0.02
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Make modules built inside hold ``dtype`` parameters from the start (no fp32 copy)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def dummy_model(
+    model_class: Callable[[ModelConfig], torch.nn.Module],
+    config: ModelConfig,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> torch.nn.Module:
+    """``model_class(config)`` with random weights made on ``device`` in ``dtype``: nothing
+    is read from disk, and the weights are never held in another dtype or on another device
+    (on ``meta`` nothing is allocated at all). Matrices are N(0, DUMMY_INIT_STD²), norm gains
+    1; ``seed`` fixes them on a real device."""
+    device = torch.device(device)
+    with torch.device(device), _default_dtype(dtype):
+        model = model_class(config)
+    generator = None if device.type == "meta" else torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, DUMMY_INIT_STD, generator=generator)
+    return model.to(dtype=dtype).eval()

@@ -12,7 +12,7 @@ from minimemserve.presets import preset_dir
 from minimemserve.workloads.results import DEFAULT_SESSIONS, PAPER_SESSIONS
 from minimemserve.workloads.sessions import WORKLOADS
 
-from . import paper
+from . import calibration, paper
 from .profiles import TRANSFER_MODES, FittedStepModel, fit_cpu_steps
 from .runner import (
     CPU_INSTANCES,
@@ -22,7 +22,6 @@ from .runner import (
     DEFAULT_TP,
     SimSetup,
     anchors,
-    calibrate,
     cpu_setup,
     gpu_setup,
     run_sim,
@@ -61,8 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--calibrate",
         default=None,
-        help="gpu_steps_7b.json or _13b.json from scripts/gpu-check.sh: measured vs predicted",
+        help="gpu_steps_7b.json[,gpu_steps_13b.json] (bench/gpu_steps.py): fit the --hardware "
+        "profile's terms to these steps, print measured vs predicted and the held-out error",
     )
+    p.add_argument("--write", default=None, help="--calibrate: where the fitted profile goes")
     p.add_argument(
         "--paper",
         nargs="?",
@@ -116,7 +117,9 @@ def main(args: argparse.Namespace) -> int:
         anchors()
         return 0
     if args.calibrate:
-        calibrate(args.calibrate, "h200" if args.hardware == "cpu" else args.hardware)
+        paths = [p for p in args.calibrate.split(",") if p]
+        hardware = "h200" if args.hardware == "cpu" else args.hardware
+        calibration.calibrate(paths, hardware, args.write)
         return 0
     if args.paper is not None:
         rates = _paper_rates(args.paper) if args.paper else None

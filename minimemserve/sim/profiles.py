@@ -22,7 +22,7 @@ import math
 import multiprocessing as mp
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,8 @@ ELEMENTWISE_PASSES = 10
 # Two all-reduces per layer under tensor parallelism (after attention, after the MLP).
 ALLREDUCES_PER_LAYER = 2
 _FIT_FORMAT = "minimemserve.sim.fitted_steps/2"
+# The efficiencies every hardware profile gives (a calibrated one adds "attention_read").
+REQUIRED_EFFICIENCIES = ("matmul", "attention", "memory", "allreduce")
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -146,18 +148,35 @@ class HardwareProfile:
     step_overhead_ms: float
     kv_memory_fraction: float = 0.9
     note: str = ""
+    # terms ``minimemserve sim --calibrate`` fits (minimemserve.sim.calibrate): host time per
+    # layer of a step (kernel launches, which overlap the device's work: a step costs the
+    # larger of the two), and the matmul efficiency by a step's tokens ({tokens: efficiency},
+    # interpolated in log(tokens); empty: efficiency["matmul"] at every size)
+    layer_overhead_us: float = 0.0
+    matmul_by_tokens: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for f in ("peak_tflops", "hbm_gb_per_s", "hbm_gb", "gpus_per_node"):
             _positive(f"hardware {self.name}: {f}", getattr(self, f))
-        for key in ("matmul", "attention", "memory", "allreduce"):
-            e = self.efficiency.get(key)
+        efficiencies = {k: self.efficiency.get(k) for k in REQUIRED_EFFICIENCIES}
+        for key, e in (efficiencies | self.efficiency).items():
             if not (isinstance(e, (int, float)) and 0 < e <= 1):
                 raise ConfigError(f"hardware {self.name}: efficiency.{key} must be in (0, 1]")
+        self._check_calibrated()
         if not 0 < self.kv_memory_fraction <= 1:
             raise ConfigError(f"hardware {self.name}: kv_memory_fraction must be in (0, 1]")
         if "nvlink" not in self.links:
             raise ConfigError(f"hardware {self.name}: links must include 'nvlink'")
+
+    def _check_calibrated(self) -> None:
+        for tokens, e in self.matmul_by_tokens.items():
+            if not (str(tokens).isdigit() and int(tokens) >= 1 and isinstance(e, int | float)):
+                raise ConfigError(f"hardware {self.name}: matmul_by_tokens needs tokens >= 1")
+            if not 0 < e <= 1:
+                raise ConfigError(f"hardware {self.name}: matmul_by_tokens.{tokens} not in (0, 1]")
+        lo = self.layer_overhead_us
+        if isinstance(lo, bool) or not (isinstance(lo, int | float) and 0 <= lo < math.inf):
+            raise ConfigError(f"hardware {self.name}: layer_overhead_us must be >= 0, got {lo!r}")
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> HardwareProfile:
@@ -169,6 +188,18 @@ class HardwareProfile:
             return cls(links=links, **d)
         except TypeError as e:
             raise ConfigError(f"hardware profile {path}: {e}") from None
+
+    def matmul_efficiency(self, tokens: int) -> float:
+        """The matmul efficiency of a step of ``tokens`` tokens."""
+        if not self.matmul_by_tokens:
+            return self.efficiency["matmul"]
+        points = sorted((int(t), e) for t, e in self.matmul_by_tokens.items())
+        x = math.log(max(tokens, 1))
+        for (t0, e0), (t1, e1) in zip(points, points[1:]):
+            if tokens < t1:
+                w = (x - math.log(t0)) / (math.log(t1) - math.log(t0))
+                return e0 + min(max(w, 0.0), 1.0) * (e1 - e0)
+        return points[-1][1]
 
     def link(self, same_node: bool) -> Link:
         """The link between two instances, in one node or across nodes."""
@@ -453,9 +484,12 @@ class RooflineStepModel:
         self.kv_bytes_per_token = 2 * layers * kv * dtype_bytes
         self.weight_bytes = (self.linear_params + 2 * self.head_params) * dtype_bytes
         e = hw.efficiency
-        self._flops = hw.peak_tflops * 1e12 * e["matmul"]
         self._attn_flops = hw.peak_tflops * 1e12 * e["attention"]
         self._bw = hw.hbm_gb_per_s * GB * e["memory"]
+        # decode attention reads KV at its own efficiency where a calibration fitted one
+        self._kv_bw = hw.hbm_gb_per_s * GB * e.get("attention_read", e["memory"])
+        self._step_overhead = hw.step_overhead_ms * 1e-3
+        self._layer_launch = hw.layer_overhead_us * 1e-6 * layers
         self._nvlink = hw.links["nvlink"]
 
     def kv_blocks(self, block_size: int) -> int:
@@ -480,18 +514,20 @@ class RooflineStepModel:
         attn_flops = 4 * shape.prefill_pairs * q_width * s.num_hidden_layers / tp
         kv_read = (sum(shape.decodes) + sum(c for c, _ in shape.prefills)) * self.kv_bytes_per_token
         elementwise = ELEMENTWISE_PASSES * t * s.hidden_size * s.num_hidden_layers * b
+        flops = self.hw.peak_tflops * 1e12 * self.hw.matmul_efficiency(t)
         out = {
-            "linear": max(lin_flops / self._flops, lin_bytes / self._bw),
-            "attention": attn_flops / self._attn_flops + kv_read / tp / self._bw,
+            "linear": max(lin_flops / flops, lin_bytes / self._bw),
+            "attention": attn_flops / self._attn_flops + kv_read / tp / self._kv_bw,
             "elementwise": elementwise / tp / self._bw,
             "allreduce": 0.0,
-            "overhead": self.hw.step_overhead_ms * 1e-3,
         }
         if tp > 1:
             calls = ALLREDUCES_PER_LAYER * s.num_hidden_layers
             ring = 2 * (tp - 1) / tp * t * s.hidden_size * b / self.hw.efficiency["allreduce"]
             out["allreduce"] = calls * self._nvlink.seconds(ring, 1)
-        return out
+        # the layers' kernel launches overlap the device's work: only what exceeds it costs
+        launches = self._layer_launch - sum(out.values())
+        return out | {"overhead": self._step_overhead + max(0.0, launches)}
 
     def step_time(self, shape: StepShape) -> float:
         """Predicted seconds of one step."""

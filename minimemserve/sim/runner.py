@@ -24,6 +24,7 @@ import torch
 from minimemserve.config import EngineConfig, parse_config_name
 from minimemserve.deployment import DeploymentSpec
 from minimemserve.errors import ConfigError
+from minimemserve.memory import DEFAULT_CPU_KV_BYTES
 from minimemserve.model.config import ModelConfig
 from minimemserve.model.tokenizer import Tokenizer
 from minimemserve.presets import preset_dir
@@ -138,7 +139,7 @@ def cpu_setup(
     mc = ModelConfig.from_hf(mdir)
     cfg = EngineConfig(scheduler=scheduler)
     block_bytes = 2 * mc.num_hidden_layers * cfg.block_size * mc.num_key_value_heads * mc.head_dim
-    blocks = cfg.hbm_blocks(block_bytes * torch.float32.itemsize, torch.device("cpu"))
+    blocks = DEFAULT_CPU_KV_BYTES // (block_bytes * torch.float32.itemsize)
     topo = Topology(
         CPU_LINK,
         CPU_LINK,
@@ -395,7 +396,7 @@ def _plot_sweep(rows: list[dict], configs: Sequence[str], png: Path, title: str)
 # --------------------------------------------------------------------------- roofline checks
 
 
-def _steps_shape(step: dict) -> StepShape:
+def steps_shape(step: dict) -> StepShape:
     """The :class:`StepShape` of one ``bench/gpu_steps.py`` result row."""
     name, prefills = step["shape"], ()
     if m := _PREFILL_NAME.fullmatch(name):
@@ -425,7 +426,7 @@ def calibrate(path: str | Path, hardware: str = "h200") -> list[dict]:
     )
     print(f"{'shape':36}{'measured ms':>13}{'predicted ms':>14}{'error':>8}")
     for step in steps:
-        pred = roof.step_time(_steps_shape(step)) * 1e3
+        pred = roof.step_time(steps_shape(step)) * 1e3
         meas = float(step["step_ms_median"])
         rows.append(
             {

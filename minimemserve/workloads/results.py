@@ -62,6 +62,8 @@ def record(
         "jct": m.latency,
         "tpot": m.tpot,
         "transferred_bytes": m.transferred_bytes,
+        "handoff_bytes": m.handoff_bytes,
+        "handoff_seconds": m.handoff_seconds,
         "preemptions": m.preemptions,
         "finish_reason": out.finish_reason if out else "error",
         "error": error,

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from minimemserve.errors import CheckpointError
 from minimemserve.model.config import ModelConfig
-from minimemserve.model.loader import expected_shapes, load_weights
+from minimemserve.model.llama import LlamaModel
+from minimemserve.model.loader import DUMMY_INIT_STD, dummy_model, expected_shapes, load_weights
 
 
 def copy_checkpoint(src: Path, dst: Path) -> Path:
@@ -283,3 +284,55 @@ def test_corrupt_shard_index_is_named(tiny_llama_dir, tmp_path, index):
     (path / "model.safetensors.index.json").write_bytes(index)
     with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json"):
         load_weights(path, ModelConfig.from_hf(path))
+
+
+# Llama-2-70B's published shape (GQA: 64 heads, 8 KV heads), for dummy weights on meta
+LLAMA2_70B = dict(
+    vocab_size=32000,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    max_position_embeddings=4096,
+)
+
+
+def _fused_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameter shapes, from the config: q/k/v and gate/up stacked."""
+    h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    layer = {
+        "self_attn.qkv_proj.weight": (q + 2 * kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_up_proj.weight": (2 * inter, h),
+        "mlp.down_proj.weight": (h, inter),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+    }
+    out = {"embed_tokens.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
+    for i in range(cfg.num_hidden_layers):
+        out |= {f"layers.{i}.{name}": shape for name, shape in layer.items()}
+    return out | {"lm_head.weight": (cfg.vocab_size, h)}
+
+
+def test_dummy_weights_of_a_gqa_70b_config_on_meta_allocate_nothing():
+    cfg = ModelConfig(**LLAMA2_70B)
+    model = dummy_model(LlamaModel, cfg, "meta", torch.bfloat16)
+    params = dict(model.named_parameters())
+    assert {n: tuple(p.shape) for n, p in params.items()} == _fused_shapes(cfg)
+    assert all(p.device.type == "meta" and p.dtype == torch.bfloat16 for p in params.values())
+    assert sum(p.numel() for p in params.values()) == cfg.num_parameters() == 68_976_648_192
+
+
+def test_dummy_weights_are_seeded_random_and_made_in_their_dtype(tiny_llama_dir):
+    cfg = ModelConfig.from_hf(tiny_llama_dir)
+    a = dummy_model(LlamaModel, cfg, "cpu", torch.bfloat16, seed=1)
+    b = dummy_model(LlamaModel, cfg, "cpu", torch.bfloat16, seed=1)
+    c = dummy_model(LlamaModel, cfg, "cpu", torch.bfloat16, seed=2)
+    w = a.layers[0].mlp.down_proj.weight
+    assert w.dtype == torch.bfloat16 and torch.equal(w, b.layers[0].mlp.down_proj.weight)
+    assert not torch.equal(w, c.layers[0].mlp.down_proj.weight)
+    assert abs(w.float().std().item() - DUMMY_INIT_STD) < 0.005
+    assert torch.equal(a.norm.weight, torch.ones_like(a.norm.weight))
+    assert torch.get_default_dtype() == torch.float32  # restored

@@ -201,3 +201,38 @@ def test_transformers_autotokenizer_loads_a_checkpoint_as_our_tokenizer(tiny_lla
         assert ids == ours.encode(text), text
         assert hf.decode(ids, skip_special_tokens=True) == text
     assert (hf.bos_token_id, hf.eos_token_id) == (ours.bos_id, ours.eos_id)
+
+
+@pytest.mark.parametrize(
+    "name, hidden, layers, params",
+    [
+        ("llama-2-7b-dummy", 4096, 32, 6_738_415_616),
+        ("llama-2-13b-dummy", 5120, 40, 13_015_864_320),
+    ],
+)
+def test_a_dummy_preset_is_llama2s_config_and_a_32000_piece_tokenizer(
+    tmp_path, name, hidden, layers, params
+):
+    preset = PRESETS[name]
+    path = preset_dir(name, cache_dir=tmp_path)
+    assert sorted(p.name for p in path.iterdir()) == [
+        "config.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+    ]
+    cfg = ModelConfig.from_hf(path)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (hidden, layers, 32000)
+    assert (cfg.max_position_embeddings, cfg.rms_norm_eps) == (4096, 1e-5)
+    assert cfg.num_parameters() == params  # Llama-2's published counts
+    tokenizer = Tokenizer.from_dir(path)
+    assert tokenizer.vocab_size == 32000 and tokenizer.bos_id == 1 and tokenizer.eos_id == 2
+    assert tokenizer.decode(tokenizer.encode("kalo mi 42 tokens!")) == "kalo mi 42 tokens!"
+    assert preset.load_format == "dummy" and presets.preset_model(name)[1] == "dummy"
+
+
+def test_fields_added_later_keep_older_presets_hashes():
+    tiny = PRESETS["tiny"]
+    assert (
+        tiny.digest() == dataclasses.replace(tiny, rms_norm_eps=1e-6, load_format="auto").digest()
+    )
+    assert tiny.digest() != dataclasses.replace(tiny, rms_norm_eps=1e-5).digest()
