@@ -19,8 +19,9 @@ from .config import EngineConfig, parse_config_name, resolve_dtype
 from .errors import ConfigError, InvalidRequest, PoolExhausted, SamplingError
 from .mempool import MemPool, PoolAccountingError
 from .model.config import ModelConfig
-from .model.llama import LlamaModel
+from .model.layers import CausalLM
 from .model.loader import load_weights
+from .model.registry import build_model
 from .model.tokenizer import Tokenizer
 from .parallel import SingleRank, TPGroup, TPShard
 from .recipes import Hook, Outcome, Peers, Recipe
@@ -42,7 +43,7 @@ class StepPlan:
 class ModelRunner:
     """Turns a scheduled batch into one forward pass and the sampled tokens."""
 
-    def __init__(self, model: LlamaModel, backend, device: torch.device, group=None):
+    def __init__(self, model: CausalLM, backend, device: torch.device, group=None):
         self.model = model
         self.backend = backend
         self.device = device
@@ -89,9 +90,9 @@ class ModelRunner:
         return [by_req.get(id(req)) for req, _ in batch], bad
 
 
-def _load_model(model_dir: Path, model_config: ModelConfig, device, dtype) -> LlamaModel:
+def _load_model(model_dir: Path, model_config: ModelConfig, device, dtype) -> CausalLM:
     """The checkpoint's model on ``device`` in ``dtype``, for inference."""
-    model = LlamaModel(model_config)
+    model = build_model(model_config)
     model.load_hf_weights(load_weights(model_dir, model_config))
     return model.to(device=device, dtype=dtype).eval()
 
@@ -201,7 +202,7 @@ class Engine:
         pool: MemPool,
         model_config: ModelConfig,
         tokenizer,
-        model: LlamaModel | None = None,
+        model: CausalLM | None = None,
         *,
         config: str = "PD",
         role: str | None = None,
@@ -251,7 +252,7 @@ class Engine:
         self._ids = itertools.count()
 
     @property
-    def model(self) -> LlamaModel | None:
+    def model(self) -> CausalLM | None:
         """The model the steps run (None for an engine without one)."""
         return None if self.runner is None else self.runner.model
 

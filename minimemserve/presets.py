@@ -57,6 +57,14 @@ _CHARACTER_COVERAGE = 0.9995
 _MAX_TRAINING_LINES = 2_000_000
 # Spread of the random RMSNorm gains around 1, so a model that ignores them is caught.
 _NORM_WEIGHT_STD = 0.1
+# Spread of the random projection biases (families that have them), so a lost bias shows.
+_BIAS_STD = 0.5
+# family -> transformers' config and model class names that write its checkpoints
+HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
 BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
 # What a synthetic tokenizer is trained on: words of one to three syllables, some capitalised,
 # some numbers, and punctuation (any other text still encodes through byte fallback).
@@ -156,7 +164,9 @@ def _randomize_(model: torch.nn.Module, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if param.dim() == 1:
+            if name.endswith(".bias"):  # q/k/v biases: clearly nonzero, of either sign
+                param.copy_(torch.randn(param.shape, generator=generator) * _BIAS_STD)
+            elif param.dim() == 1:
                 noise = torch.randn(param.shape, generator=generator) * _NORM_WEIGHT_STD
                 param.copy_(1.0 + noise)
             elif name.endswith("embed_tokens.weight"):
@@ -170,7 +180,12 @@ def _rope_kwargs(rope_theta: float, rope_scaling: dict[str, Any] | None) -> dict
     kwargs: dict[str, Any] = {"rope_theta": rope_theta}
     if rope_scaling is not None:
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
-        kwargs["rope_scaling"] = {"rope_type": rope_type, "factor": float(rope_scaling["factor"])}
+        extra = {k: v for k, v in rope_scaling.items() if k not in ("type", "rope_type", "factor")}
+        kwargs["rope_scaling"] = {
+            "rope_type": rope_type,
+            "factor": float(rope_scaling["factor"]),
+            **extra,
+        }
     return kwargs
 
 
@@ -211,20 +226,28 @@ def write_random_llama(
     seed: int = 0,
     tokenizer_model: Path | None = None,
     shards: int = 1,
+    family: str = "llama",
+    head_dim: int | None = None,
 ) -> Path:
     """Write a random-weight Llama checkpoint with ``transformers`` into ``out_dir``.
 
     The directory gets ``config.json`` (bos=1, eos=2), fp32 safetensors weights (split into
     about ``shards`` files with an index when ``shards > 1``) and, if ``tokenizer_model`` is
-    given, a copy of it as ``tokenizer.model``; its size must equal ``vocab_size``.
+    given, a copy of it as ``tokenizer.model``; its size must equal ``vocab_size``. ``family``
+    (a key of :data:`HF_CLASSES`) picks the transformers classes that write it; ``head_dim``
+    defaults to ``hidden_size / num_attention_heads``.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM  # heavy: only writing needs it
+    import transformers  # heavy: only writing needs it
+
+    if family not in HF_CLASSES:
+        raise ConfigError(f"unknown family {family!r}; known: {', '.join(HF_CLASSES)}")
+    config_class, model_class = (getattr(transformers, name) for name in HF_CLASSES[family])
 
     if shards < 1:
         raise ConfigError(f"shards must be >= 1, got {shards}")
     if tokenizer_model is not None:
         _check_tokenizer(tokenizer_model, vocab_size)
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -236,9 +259,10 @@ def write_random_llama(
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         **_rope_kwargs(rope_theta, rope_scaling),
+        **({} if head_dim is None else {"head_dim": head_dim}),
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float().eval()
+    model = model_class(config).float().eval()
     _randomize_(model, seed)  # a tied lm_head shares the embedding tensor, so stays tied
 
     out_dir = Path(out_dir)

@@ -8,7 +8,7 @@ model.safetensors, tokenizer.model), built once per test session and shared.
   ``write_random_llama`` override the defaults (vocab 512, hidden 64, intermediate 128,
   2 layers, 4 heads, 2 KV heads, 512 positions). Same overrides, same directory.
 - ``tiny_llama_dir``: the default tiny checkpoint.
-- ``hf_model_from_dir(path)``: transformers' ``LlamaForCausalLM`` for a checkpoint, fp32,
+- ``hf_model_from_dir(path)``: transformers' model of the checkpoint's family, fp32,
   eval mode, ``attn_implementation="eager"`` (plain matmul + softmax, the clearest reference).
 """
 
@@ -96,11 +96,11 @@ def tiny_llama_dir(tiny_llama_factory: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="session")
 def hf_model_from_dir() -> Callable[[Path], torch.nn.Module]:
-    """Load transformers' LlamaForCausalLM from a directory: fp32, eval, eager attention."""
-    from transformers import LlamaForCausalLM
+    """Load transformers' model of a directory's family: fp32, eval, eager attention."""
+    from transformers import AutoModelForCausalLM
 
     def load(path: Path) -> torch.nn.Module:
-        model = LlamaForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, attn_implementation="eager"
         )
         return model.eval()
