@@ -1,11 +1,19 @@
 """Every family the registry loads, against transformers: tiny random Llama-3 (llama3 RoPE
 scaling, GQA), Qwen2 (nonzero q/k/v biases) and Qwen3 (q/k norm, GQA, head_dim unlike hidden /
 heads) checkpoints give HF's logits over the paged pool and HF's greedy tokens under PD, PD-CC,
-1P1D-CC and at TP 2; a family registered from this file (one class, one call) runs too."""
+1P1D-CC and at TP 2; ``bench`` and ``serve`` run on each with an HF ``tokenizer.json`` and its
+chat template; a family registered from this file (one class, one call) runs too."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -14,10 +22,12 @@ from helpers import hf_greedy
 from minimemserve import LLM, SamplingParams
 from minimemserve.attention.base import SeqSlice
 from minimemserve.attention.torch_backend import TorchAttention
+from minimemserve.bench.driver import run_bench
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.errors import CheckpointError, ConfigError
 from minimemserve.model import Family, ModelConfig, build_model, load_weights, registry
 from minimemserve.model.layers import CausalLM
+from minimemserve.model.tokenizer import Tokenizer
 
 ATOL = 1e-4  # fp32, max abs difference of logits
 LLAMA3_ROPE = {
@@ -34,6 +44,7 @@ FAMILIES = {
 }
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8)
 ENGINE = dict(num_blocks=96, block_size=4, max_num_batched_tokens=24)
+SERVE_START_S = 180.0
 
 
 def _prompts(n: int = 3, seed: int = 0) -> list[list[int]]:
@@ -144,3 +155,97 @@ def test_a_family_from_outside_the_package_registers_and_runs(
             registry.register(Family("other", ("CountingLlamaForCausalLM",), CountingLlama))
     finally:
         registry.unregister("counting")
+
+
+def _with_fast_tokenizer(model_dir, hf_tokenizer_files, out):
+    """A copy of ``model_dir`` with the HF ``tokenizer.json`` and its chat template in place of
+    the sentencepiece model, as Qwen and Llama-3 checkpoints ship."""
+    for src in (*model_dir.iterdir(), *hf_tokenizer_files.iterdir()):
+        if src.name != "tokenizer.model":
+            (out / src.name).write_bytes(src.read_bytes())
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_bench_runs_on_each_family(tiny_llama_factory, hf_tokenizer_files, tmp_path, name):
+    model_dir = _with_fast_tokenizer(
+        tiny_llama_factory(**FAMILIES[name]), hf_tokenizer_files, tmp_path
+    )
+    result = run_bench(
+        configs=("PD-CC", "1P1D-CC"),
+        workload="sharegpt",
+        num_sessions=1,
+        rate=math.inf,
+        max_turns=2,
+        max_output_tokens=4,
+        model_dir=model_dir,
+        out_dir=tmp_path / "out",
+        progress=False,
+    )
+    for config in ("PD-CC", "1P1D-CC"):
+        records = result["records"][config]
+        assert len(records) == 2 and all(r["error"] is None for r in records)
+        assert records[1]["cached_tokens"] > 0  # the second turn reuses the first's KV
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_serve_answers_a_chat_on_each_family(
+    tiny_llama_factory, hf_tokenizer_files, tmp_path, name
+):
+    pytest.importorskip("fastapi")
+    model_dir = _with_fast_tokenizer(
+        tiny_llama_factory(**FAMILIES[name]), hf_tokenizer_files, tmp_path
+    )
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "minimemserve.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--num-blocks",
+        "64",
+        "--config",
+        "PD-CC",
+        "--served-model-name",
+        "m",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVE_START_S
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(url + "/health", timeout=5).close()
+                break
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.3)
+        messages = [{"role": "user", "content": "Pack for a hike?"}]
+        body = {"model": "m", "messages": messages, "max_tokens": 4, "temperature": 0}
+        answer = _post(url + "/v1/chat/completions", body)
+        tok = Tokenizer.from_dir(model_dir)
+        chatml = "<|im_start|>user\nPack for a hike?<|im_end|>\n<|im_start|>assistant\n"
+        assert answer["usage"]["prompt_tokens"] == len(tok.encode(chatml))  # the template's
+        assert answer["usage"]["completion_tokens"] >= 1
+        assert isinstance(answer["choices"][0]["message"]["content"], str)
+    finally:
+        proc.terminate()
+        proc.wait(30)
