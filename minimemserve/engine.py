@@ -21,8 +21,9 @@ from .errors import ConfigError, InvalidRequest, PoolExhausted, SamplingError
 from .memory import DEFAULT_CPU_KV_BYTES, PROVIDERS, MemoryPlan
 from .mempool import MemPool, PoolAccountingError
 from .model.config import ModelConfig
-from .model.llama import LlamaModel
+from .model.layers import CausalLM
 from .model.loader import dummy_model, load_weights
+from .model.registry import build_model
 from .model.tokenizer import Tokenizer
 from .parallel import SingleRank, TPGroup, TPShard
 from .recipes import Hook, Outcome, Peers, Recipe
@@ -47,7 +48,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: CausalLM,
         backend,
         device: torch.device,
         group=None,
@@ -118,8 +119,8 @@ def _load_model(model_dir: Path, model_config: ModelConfig, device, dtype, load_
     """The checkpoint's model (random weights of its shapes for ``load_format="dummy"``) on
     ``device`` in ``dtype``, for inference."""
     if load_format == "dummy":
-        return dummy_model(LlamaModel, model_config, device, dtype)
-    model = LlamaModel(model_config)
+        return dummy_model(build_model, model_config, device, dtype)
+    model = build_model(model_config)
     model.load_hf_weights(load_weights(model_dir, model_config))
     return model.to(device=device, dtype=dtype).eval()
 
@@ -323,7 +324,7 @@ class Engine:
         pool: MemPool,
         model_config: ModelConfig,
         tokenizer,
-        model: LlamaModel | None = None,
+        model: CausalLM | None = None,
         *,
         config: str = "PD",
         role: str | None = None,
@@ -372,7 +373,7 @@ class Engine:
         self._ids = itertools.count()
 
     @property
-    def model(self) -> LlamaModel | None:
+    def model(self) -> CausalLM | None:
         """The model the steps run (None for an engine without one)."""
         return None if self.runner is None else self.runner.model
 

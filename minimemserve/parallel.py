@@ -59,8 +59,9 @@ from .decode_graphs import DecodeGraphs, run_step
 from .errors import ConfigError, InstanceDied
 from .mempool import KVReceiver, MemPool
 from .mempool.tiers import DRAM, HBM
+from .model import registry
 from .model.config import ModelConfig
-from .model.llama import LlamaModel
+from .model.layers import CausalLM
 from .model.loader import EMBED_NAME, LM_HEAD_NAME, load_weights
 
 LOOPBACK = "127.0.0.1"  # the ranks of an instance share one host; the store listens nowhere else
@@ -162,8 +163,9 @@ class TPShard:
 
 
 def shard_weights(weights: Mapping[str, torch.Tensor], shard: TPShard) -> dict[str, torch.Tensor]:
-    """HF-named weights cut to ``shard``: projection rows or columns, vocabulary rows (the last
-    shard zero-padded); norms whole."""
+    """HF-named weights cut to ``shard``: projection rows or columns (a q/k/v bias by the rows
+    of its projection), vocabulary rows (the last shard zero-padded); norms whole (a q/k norm
+    acts on one head's ``head_dim`` features, the same on every rank)."""
     spans, out = shard.spans(), {}
     for name, w in weights.items():
         proj = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
@@ -240,13 +242,11 @@ class VocabParallelHead(nn.Linear):
         return self.comm.all_gather(super().forward(h))[:, : self.vocab]
 
 
-def build_model(
-    weights: Mapping[str, torch.Tensor], shard: TPShard, comm: Collectives
-) -> LlamaModel:
-    """This rank's model: the flat Llama model at the shard's sizes, with the parallel layers
-    in place of the embedding, the LM head and every ``o``/``down`` projection."""
+def build_model(weights: Mapping[str, torch.Tensor], shard: TPShard, comm: Collectives) -> CausalLM:
+    """This rank's model: the family's flat model at the shard's sizes, with the parallel
+    layers in place of the embedding, the LM head and every ``o``/``down`` projection."""
     local, hidden = shard.local_config(), shard.cfg.hidden_size
-    model = LlamaModel(local)
+    model = registry.build_model(local)
     model.embed_tokens = VocabParallelEmbedding(
         local.vocab_size, hidden, shard.spans()["vocab"][0], comm
     )

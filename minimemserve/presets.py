@@ -39,7 +39,7 @@ __all__ = [
     "Preset",
     "preset_dir",
     "synthetic_text",
-    "llama_config",
+    "hf_config",
     "preset_model",
     "train_tokenizer",
     "write_random_llama",
@@ -59,6 +59,14 @@ _CHARACTER_COVERAGE = 0.9995
 _MAX_TRAINING_LINES = 2_000_000
 # Spread of the random RMSNorm gains around 1, so a model that ignores them is caught.
 _NORM_WEIGHT_STD = 0.1
+# Spread of the random projection biases (families that have them), so a lost bias shows.
+_BIAS_STD = 0.5
+# family -> transformers' config and model class names that write its checkpoints
+HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
 BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
 # What transformers' AutoTokenizer needs beside tokenizer.model to load it (Llama's tokenizer:
 # a BOS before each text, no EOS after it; ``legacy: false`` encodes text after a special token
@@ -170,7 +178,9 @@ def _randomize_(model: torch.nn.Module, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if param.dim() == 1:
+            if name.endswith(".bias"):  # q/k/v biases: clearly nonzero, of either sign
+                param.copy_(torch.randn(param.shape, generator=generator) * _BIAS_STD)
+            elif param.dim() == 1:
                 noise = torch.randn(param.shape, generator=generator) * _NORM_WEIGHT_STD
                 param.copy_(1.0 + noise)
             elif name.endswith("embed_tokens.weight"):
@@ -184,7 +194,12 @@ def _rope_kwargs(rope_theta: float, rope_scaling: dict[str, Any] | None) -> dict
     kwargs: dict[str, Any] = {"rope_theta": rope_theta}
     if rope_scaling is not None:
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
-        kwargs["rope_scaling"] = {"rope_type": rope_type, "factor": float(rope_scaling["factor"])}
+        extra = {k: v for k, v in rope_scaling.items() if k not in ("type", "rope_type", "factor")}
+        kwargs["rope_scaling"] = {
+            "rope_type": rope_type,
+            "factor": float(rope_scaling["factor"]),
+            **extra,
+        }
     return kwargs
 
 
@@ -209,17 +224,25 @@ def _save(model: torch.nn.Module, out_dir: Path, shards: int) -> None:
     model.save_pretrained(out_dir, **save_kwargs)
 
 
-def llama_config(
+def hf_config(
+    family: str = "llama",
     *,
     rope_theta: float = 10000.0,
     rope_scaling: dict[str, Any] | None = None,
+    head_dim: int | None = None,
     **fields: Any,
 ):
-    """A ``transformers`` ``LlamaConfig`` of ``fields`` (bos=1, eos=2) and the RoPE settings."""
-    from transformers import LlamaConfig  # heavy: only writing a preset needs it
+    """A ``transformers`` config of ``family`` (a key of :data:`HF_CLASSES`) with ``fields``
+    (bos=1, eos=2), the RoPE settings and ``head_dim`` (default: hidden / heads)."""
+    import transformers  # heavy: only writing a checkpoint or preset needs it
 
+    if family not in HF_CLASSES:
+        raise ConfigError(f"unknown family {family!r}; known: {', '.join(HF_CLASSES)}")
+    config_class = getattr(transformers, HF_CLASSES[family][0])
     kwargs = fields | _rope_kwargs(rope_theta, rope_scaling)
-    return LlamaConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, **kwargs)
+    if head_dim is not None:
+        kwargs["head_dim"] = head_dim
+    return config_class(bos_token_id=BOS_ID, eos_token_id=EOS_ID, **kwargs)
 
 
 def write_random_llama(
@@ -239,6 +262,8 @@ def write_random_llama(
     tokenizer_model: Path | None = None,
     shards: int = 1,
     rms_norm_eps: float = 1e-6,
+    family: str = "llama",
+    head_dim: int | None = None,
 ) -> Path:
     """Write a random-weight Llama checkpoint with ``transformers`` into ``out_dir``.
 
@@ -246,12 +271,15 @@ def write_random_llama(
     about ``shards`` files with an index when ``shards > 1``) and, if ``tokenizer_model`` is
     given, a copy of it as ``tokenizer.model`` (its size must equal ``vocab_size``) and a
     ``tokenizer_config.json``, so ``transformers.AutoTokenizer`` loads the directory too.
+    ``family`` (a key of :data:`HF_CLASSES`) picks the transformers classes that write it;
+    ``head_dim`` defaults to ``hidden_size / num_attention_heads``.
     """
     if shards < 1:
         raise ConfigError(f"shards must be >= 1, got {shards}")
     if tokenizer_model is not None:
         _check_tokenizer(tokenizer_model, vocab_size)
-    config = llama_config(
+    config = hf_config(
+        family,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -263,11 +291,12 @@ def write_random_llama(
         rope_scaling=rope_scaling,
         tie_word_embeddings=tie_word_embeddings,
         rms_norm_eps=rms_norm_eps,
+        head_dim=head_dim,
     )
-    from transformers import LlamaForCausalLM  # heavy: only writing weights needs it
+    import transformers  # heavy: only writing weights needs it
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float().eval()
+    model = getattr(transformers, HF_CLASSES[family][1])(config).float().eval()
     _randomize_(model, seed)  # a tied lm_head shares the embedding tensor, so stays tied
 
     out_dir = Path(out_dir)
@@ -419,7 +448,7 @@ def _build(preset: Preset, out_dir: Path) -> None:
         _check_tokenizer(tokenizer_path, preset.vocab_size)
         fields = preset.model_kwargs()
         del fields["seed"]
-        llama_config(**fields).save_pretrained(out_dir)
+        hf_config(**fields).save_pretrained(out_dir)
         _write_tokenizer_config(out_dir, preset.max_position_embeddings)
         return
     write_random_llama(out_dir, **preset.model_kwargs(), tokenizer_model=tokenizer_path)

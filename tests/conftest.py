@@ -8,7 +8,7 @@ model.safetensors, tokenizer.model), built once per test session and shared.
   ``write_random_llama`` override the defaults (vocab 512, hidden 64, intermediate 128,
   2 layers, 4 heads, 2 KV heads, 512 positions). Same overrides, same directory.
 - ``tiny_llama_dir``: the default tiny checkpoint.
-- ``hf_model_from_dir(path)``: transformers' ``LlamaForCausalLM`` for a checkpoint, fp32,
+- ``hf_model_from_dir(path)``: transformers' model of the checkpoint's family, fp32,
   eval mode, ``attn_implementation="eager"`` (plain matmul + softmax, the clearest reference).
 """
 
@@ -96,11 +96,11 @@ def tiny_llama_dir(tiny_llama_factory: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="session")
 def hf_model_from_dir() -> Callable[[Path], torch.nn.Module]:
-    """Load transformers' LlamaForCausalLM from a directory: fp32, eval, eager attention."""
-    from transformers import LlamaForCausalLM
+    """Load transformers' model of a directory's family: fp32, eval, eager attention."""
+    from transformers import AutoModelForCausalLM
 
     def load(path: Path) -> torch.nn.Module:
-        model = LlamaForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, attn_implementation="eager"
         )
         return model.eval()
@@ -129,3 +129,36 @@ def every_llm_pool_balances(monkeypatch: pytest.MonkeyPatch):
             if not llm.engine.has_unfinished():
                 held = {t: s["referenced"] for t, s in pool.stats().items() if "referenced" in s}
                 assert not any(held.values()), f"blocks still referenced after the test: {held}"
+
+
+# A ChatML template, as Qwen checkpoints ship in tokenizer_config.json.
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+HF_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with a 512-id byte-level BPE ``tokenizer.json`` (trained with the
+    ``tokenizers`` library on seeded pseudo-words) and a ``tokenizer_config.json`` naming EOS
+    and a ChatML chat template, as a Qwen checkpoint has them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from minimemserve.presets import synthetic_text
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=SP_VOCAB,
+        special_tokens=HF_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(synthetic_text(SP_TRAINING_CHARS), trainer)
+    out = tmp_path_factory.mktemp("hf_tokenizer")
+    tok.save(str(out / "tokenizer.json"))
+    config = {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHATML}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out

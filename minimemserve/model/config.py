@@ -1,4 +1,8 @@
-"""The Llama model configuration, read from a Hugging Face ``config.json``."""
+"""A decoder's configuration, read from a Hugging Face ``config.json``.
+
+The fields every supported family shares (sizes, RoPE, special tokens) are read here; which
+family the checkpoint is (its ``architectures``) is recorded, and ``model/registry.py`` maps
+it to the family's model class."""
 
 from __future__ import annotations
 
@@ -19,8 +23,13 @@ LLAMA_MODEL_TYPE = "llama"
 HF_DEFAULT_RMS_NORM_EPS = 1e-6
 HF_DEFAULT_ROPE_THETA = 10000.0
 HF_DEFAULT_MAX_POSITIONS = 2048
-# RoPE variants the model implements; "default" means plain RoPE (no scaling).
-SUPPORTED_ROPE_TYPES = ("linear",)
+# RoPE variants the model implements (as HF defines them); "default" means plain RoPE.
+SUPPORTED_ROPE_TYPES = ("linear", "llama3")
+# The extra fields of each variant beyond ``factor`` (all required, as HF requires them).
+_ROPE_FIELDS = {
+    "linear": (),
+    "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 # The model builds fp32 cos and sin tables for every position when it is constructed;
 # 1 GiB of them is 1M positions at head_dim 128, so a longer context is a corrupt config.
 MAX_ROTARY_TABLE_BYTES = 2**30
@@ -48,10 +57,15 @@ def _positive_float(name: str, value: Any) -> float:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Linear RoPE scaling (position interpolation): positions are divided by ``factor``."""
+    """RoPE scaling as HF defines it: ``linear`` divides every frequency by ``factor``
+    (position interpolation); ``llama3`` divides only the low frequencies (wavelengths above
+    ``original_max_position_embeddings / low_freq_factor``) and blends the middle band."""
 
     factor: float
     rope_type: str = "linear"
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: float | None = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -60,6 +74,11 @@ class RopeScaling:
                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
         object.__setattr__(self, "factor", _positive_float("rope scaling factor", self.factor))
+        for name in _ROPE_FIELDS[self.rope_type]:
+            value = _positive_float(f"rope scaling {name}", getattr(self, name))
+            object.__setattr__(self, name, value)
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError("rope scaling high_freq_factor must exceed low_freq_factor")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> RopeScaling | None:
@@ -71,13 +90,16 @@ class RopeScaling:
         rope_type = raw.get("rope_type", raw.get("type"))
         if rope_type in ("default", None):
             return None
-        if rope_type in SUPPORTED_ROPE_TYPES and "factor" not in raw:
-            raise ConfigError(f"rope scaling {shown(rope_type)} needs a 'factor', got {shown(raw)}")
-        return cls(factor=raw.get("factor"), rope_type=rope_type)
+        needed = ("factor", *_ROPE_FIELDS.get(rope_type, ()))
+        if rope_type in SUPPORTED_ROPE_TYPES and (missing := [k for k in needed if k not in raw]):
+            raise ConfigError(f"rope scaling {shown(rope_type)} needs {missing}, got {shown(raw)}")
+        extra = {k: raw[k] for k in _ROPE_FIELDS.get(rope_type, ())}
+        return cls(factor=raw.get("factor"), rope_type=rope_type, **extra)
 
     def to_dict(self) -> dict[str, Any]:
-        """The HF form, ``{"rope_type": ..., "factor": ...}``."""
-        return {"rope_type": self.rope_type, "factor": self.factor}
+        """The HF form, ``{"rope_type": ..., "factor": ...}`` and the variant's own fields."""
+        extra = {k: getattr(self, k) for k in _ROPE_FIELDS[self.rope_type]}
+        return {"rope_type": self.rope_type, "factor": self.factor, **extra}
 
 
 _POSITIVE_INT = (lambda v: _is_int(v) and v > 0, "a positive int")
@@ -94,12 +116,18 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tie_word_embeddings": (lambda v: isinstance(v, bool), "a bool"),
     "torch_dtype": (lambda v: v is None or isinstance(v, str), "a str or None"),
     "rope_scaling": (lambda v: v is None or isinstance(v, RopeScaling), "a RopeScaling or None"),
+    "architectures": (
+        lambda v: isinstance(v, tuple) and all(isinstance(a, str) for a in v),
+        "a tuple of str",
+    ),
+    "model_type": (lambda v: v is None or isinstance(v, str), "a str or None"),
 }
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Sizes and constants of a Llama-2-family decoder, named as in HF's ``LlamaConfig``.
+    """Sizes and constants of a decoder, named as in HF's ``LlamaConfig``; ``architectures``
+    and ``model_type`` name the family (``model/registry.py`` resolves them).
     ``head_dim`` defaults to ``hidden_size // num_attention_heads``; ``eos_token_ids`` lists every
     id that ends a generation (``eos_token_id`` is the first). Types are checked and sizes bounded
     by the memory they imply, so a corrupt config fails here."""
@@ -120,6 +148,8 @@ class ModelConfig:
     eos_token_id: int | None = 2
     eos_token_ids: tuple[int, ...] = field(default=())
     torch_dtype: str | None = None
+    architectures: tuple[str, ...] = (LLAMA_ARCHITECTURE,)
+    model_type: str | None = LLAMA_MODEL_TYPE
 
     def __post_init__(self) -> None:
         self._check_fields()
@@ -139,6 +169,8 @@ class ModelConfig:
     def _check_fields(self) -> None:
         if isinstance(self.rope_scaling, dict):
             self._set("rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+        if isinstance(self.architectures, list):
+            self._set("architectures", tuple(self.architectures))
         if self.num_key_value_heads is None:
             self._set("num_key_value_heads", self.num_attention_heads)
         for name, (valid, rule) in _CHECKS.items():
@@ -194,7 +226,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:
         """Read ``config.json`` from a checkpoint directory (or the file itself). Any problem
-        (missing, not JSON, not Llama, a bad value) is a ``CheckpointError`` naming the file."""
+        (missing, not JSON, a bad value) is a ``CheckpointError`` naming the file. The family is
+        recorded, not checked: loading weights or building the model rejects an unknown one."""
         path = Path(path)
         file = path / CONFIG_FILENAME if path.is_dir() else path
         if not file.is_file():
@@ -217,16 +250,12 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
             raise CheckpointError(f"architectures must be a list of names, got {shown(archs)}")
-        model_type = raw.get("model_type")
-        if LLAMA_ARCHITECTURE not in archs and model_type != LLAMA_MODEL_TYPE:
-            named = ", ".join(archs) if archs else f"model_type {shown(model_type)}"
-            raise CheckpointError(f"unsupported architecture {named}; {LLAMA_ARCHITECTURE} only")
         hidden_act = raw.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise CheckpointError(f"unsupported hidden_act {shown(hidden_act)}; only 'silu'")
-        for flag in ("attention_bias", "mlp_bias"):
+        for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
             if raw.get(flag):
-                raise CheckpointError(f"unsupported {flag}=true; Llama-2 layers have no bias")
+                raise CheckpointError(f"unsupported {flag}=true")
         # Newer transformers keep rope_theta and the scaling together in rope_parameters.
         rope, rope_theta = raw.get("rope_parameters"), raw.get("rope_theta")
         if isinstance(rope, dict):
@@ -244,4 +273,6 @@ class ModelConfig:
             eos_token_id=None if isinstance(eos, list) else eos,
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (),
             torch_dtype=raw.get("torch_dtype", raw.get("dtype")),
+            architectures=tuple(archs),
+            model_type=raw.get("model_type"),
         )

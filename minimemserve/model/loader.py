@@ -1,5 +1,5 @@
-"""Load Llama weights from a Hugging Face checkpoint directory (``*.safetensors``), or make
-random ones of a config's shapes on the device (``load_format="dummy"``)."""
+"""Load a decoder's weights from a Hugging Face checkpoint directory (``*.safetensors``), or
+make random ones of a config's shapes on the device (``load_format="dummy"``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from minimemserve.errors import CheckpointError
 from minimemserve.model.config import ModelConfig
+from minimemserve.model.registry import family_of
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -21,32 +22,21 @@ LM_HEAD_NAME = "lm_head.weight"
 # Old checkpoints saved RoPE's inverse frequencies as buffers; the model recomputes them.
 _ROTARY_BUFFER_SUFFIX = "rotary_emb.inv_freq"
 # Weight dtypes a checkpoint may store; integer, bool, complex and fp8 tensors are not
-# Llama-2 weights (fp8 needs scales this loader does not read).
+# model weights (fp8 needs scales this loader does not read).
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 # How many names an error message lists before it says "and N more".
 _NAMES_SHOWN = 5
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint for ``config`` holds, by HF name, with its shape
-    (``lm_head.weight`` too, which a checkpoint with tied embeddings may omit)."""
-    h, inter = config.hidden_size, config.intermediate_size
-    q_size = config.num_attention_heads * config.head_dim
-    kv_size = config.num_key_value_heads * config.head_dim
-    layer = {
-        "self_attn.q_proj": (q_size, h),
-        "self_attn.k_proj": (kv_size, h),
-        "self_attn.v_proj": (kv_size, h),
-        "self_attn.o_proj": (h, q_size),
-        "mlp.gate_proj": (inter, h),
-        "mlp.up_proj": (inter, h),
-        "mlp.down_proj": (h, inter),
-        "input_layernorm": (h,),
-        "post_attention_layernorm": (h,),
-    }
+    """Every tensor a checkpoint for ``config`` holds, by HF name, with its shape, as its
+    family defines it (``lm_head.weight`` too, which a checkpoint with tied embeddings may
+    omit); an unknown family is a ``CheckpointError``."""
+    h = config.hidden_size
+    layer = family_of(config).model.layer_tensors(config)
     shapes: dict[str, tuple[int, ...]] = {EMBED_NAME: (config.vocab_size, h)}
     for i in range(config.num_hidden_layers):
-        shapes.update({f"model.layers.{i}.{name}.weight": s for name, s in layer.items()})
+        shapes.update({f"model.layers.{i}.{name}": s for name, s in layer.items()})
     return shapes | {"model.norm.weight": (h,), LM_HEAD_NAME: (config.vocab_size, h)}
 
 
@@ -125,7 +115,7 @@ def load_weights(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """Every weight of a Llama checkpoint by HF name, cast to ``dtype`` on ``device``; a
+    """Every weight of a checkpoint by HF name, cast to ``dtype`` on ``device``; a
     tied ``lm_head.weight`` the files lack is the embedding itself. All headers are checked
     against ``config`` first: a missing or corrupt file or tensor, a wrong shape or dtype, or
     an unexpected tensor raises ``CheckpointError`` naming the file."""

@@ -9,6 +9,8 @@ import pytest
 
 from minimemserve.errors import CheckpointError, ConfigError
 from minimemserve.model.config import MAX_ROTARY_TABLE_BYTES, ModelConfig, RopeScaling
+from minimemserve.model.loader import load_weights
+from minimemserve.model.registry import family_of
 
 BASE = dict(
     vocab_size=512,
@@ -100,7 +102,7 @@ def test_from_hf_default_rope_type_is_no_scaling(tmp_path):
     assert ModelConfig.from_hf(write_config(tmp_path, rope_parameters=rope)).rope_scaling is None
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "yarn", "llama3"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "yarn"])
 def test_from_hf_unsupported_rope_type_is_named(tmp_path, rope_type):
     path = write_config(tmp_path, rope_scaling={"rope_type": rope_type, "factor": 8.0})
     with pytest.raises(CheckpointError, match=rope_type):
@@ -112,15 +114,36 @@ def test_direct_unsupported_rope_type_raises_config_error():
         ModelConfig(**BASE, rope_scaling={"rope_type": "yarn", "factor": 2.0})
 
 
-def test_from_hf_foreign_architecture_is_named(tmp_path):
-    path = write_config(tmp_path, architectures=["MistralForCausalLM"], model_type="mistral")
-    with pytest.raises(CheckpointError, match="MistralForCausalLM"):
+def test_from_hf_llama3_rope_needs_its_fields(tmp_path):
+    path = write_config(tmp_path, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(CheckpointError, match="low_freq_factor"):
         ModelConfig.from_hf(path)
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    cfg = ModelConfig.from_hf(write_config(tmp_path, rope_scaling=rope))
+    assert cfg.rope_scaling.to_dict() == rope
+    with pytest.raises(CheckpointError, match="high_freq_factor"):
+        ModelConfig.from_hf(write_config(tmp_path, rope_scaling=rope | {"high_freq_factor": 1}))
+
+
+def test_foreign_architecture_is_named_with_the_supported_ones(tmp_path):
+    path = write_config(tmp_path, architectures=["MistralForCausalLM"], model_type="mistral")
+    cfg = ModelConfig.from_hf(path)  # read for its sizes; the family is checked at load
+    with pytest.raises(CheckpointError, match="MistralForCausalLM.*Qwen2ForCausalLM"):
+        family_of(cfg)
+    with pytest.raises(CheckpointError, match="MistralForCausalLM"):
+        load_weights(tmp_path, cfg)
 
 
 def test_from_hf_model_type_llama_without_architectures(tmp_path):
     cfg = ModelConfig.from_hf(write_config(tmp_path, architectures=...))
     assert cfg.hidden_size == 64
+    assert family_of(cfg).name == "llama"
 
 
 def test_from_hf_missing_file_is_named(tmp_path):

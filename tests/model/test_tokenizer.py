@@ -1,4 +1,5 @@
-"""Tokenizer: sentencepiece round trips on real ShareGPT text, special ids, errors."""
+"""Tokenizer: sentencepiece round trips on real ShareGPT text, special ids, errors; the same
+for an HF ``tokenizer.json`` (fast tokenizers)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def test_from_dir(tiny_llama_dir):
 
 
 def test_from_dir_missing_file(tmp_path):
-    with pytest.raises(CheckpointError, match="tokenizer.model"):
+    with pytest.raises(CheckpointError, match="tokenizer.model, tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
 
 
@@ -73,3 +74,40 @@ def test_bad_ids_and_input(tokenizer):
 def test_encode_empty(tokenizer):
     assert tokenizer.encode("") == [1]
     assert tokenizer.decode([]) == ""
+
+
+@pytest.fixture(scope="module")
+def fast(hf_tokenizer_files) -> Tokenizer:
+    return Tokenizer.from_dir(hf_tokenizer_files)  # no tokenizer.model there: tokenizer.json
+
+
+def test_fast_tokenizer_special_ids_from_its_config(fast, hf_tokenizer_files):
+    assert fast.vocab_size == 512
+    assert fast.bos_id is None  # Qwen-style: no BOS, so encode adds none
+    assert fast.id_to_piece(fast.eos_id) == "<|im_end|>"
+    assert fast.encode("hello world") == fast.encode("hello world", add_bos=False)
+
+
+def test_fast_tokenizer_round_trips_any_text(fast):
+    text = "  two spaces, tab\t, emoji 🦙, 漢字, zero-width \u200b end\nnew line"
+    ids = fast.encode(text)
+    assert all(0 <= i < fast.vocab_size for i in ids)
+    assert fast.decode(ids) == text
+
+
+def test_fast_tokenizer_special_tokens_are_kept_whole_and_dropped_on_decode(fast):
+    ids = fast.encode("<|im_start|>user\nhi<|im_end|>")
+    start, end = fast.encode("<|im_start|>")[0], fast.eos_id
+    assert ids[0] == start and ids[-1] == end
+    assert fast.decode(ids) == "user\nhi"
+    assert fast.decode(ids, skip_special=False) == "<|im_start|>user\nhi<|im_end|>"
+
+
+def test_fast_tokenizer_bad_files_are_named(tmp_path, hf_tokenizer_files):
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes((hf_tokenizer_files / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="tokenizer_config.json"):
+        Tokenizer.from_dir(tmp_path)
