@@ -4,7 +4,7 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 ``GET /health`` (liveness: the engine thread runs; never waits for a step), ``GET /ready``
 (readiness: every role has a live instance and there is room for work) and ``GET /metrics``
 (Prometheus). The probes read what the engine thread publishes once a second and never wait
-on it; a scrape waits at most ``METRICS_WAIT_S`` for fresh pool gauges. If the engine thread
+on it (a scrape reads the pools afresh only when no request runs). If the engine thread
 dies, the process logs it and exits (status 1) instead of serving 503s.
 Any deployment serves: in this process (``--runtime inprocess``) or one process per instance
 behind the global scheduler (``--runtime process``, the default). Tokens stream as the
@@ -21,12 +21,13 @@ import hmac
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -50,7 +51,7 @@ from ..request import RequestOutput, TokenDelta
 from ..sampling import INT64_LIMIT, SamplingParams
 from ..serving import Serving
 from . import DEFAULT_MAX_PENDING, SERVE_ENGINE_FLAGS, SERVE_FIELDS, protocol
-from .engine_loop import EngineLoop
+from .engine_loop import TICK_S, EngineLoop
 from .metrics import ServerMetrics, Snapshot
 
 logger = logging.getLogger(__name__)
@@ -59,9 +60,11 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
 # A loop iteration (one step and its calls) running longer than this is a hang: /health fails.
 STALL_S = 600.0
-# /ready needs a view of the instances at most this old (the engine thread refreshes it each
-# second between steps; an older one means the loop is stuck in one long step).
+# /ready needs a view of the instances at most this old, or three refresh periods (the engine
+# thread refreshes it between steps; an older one means the thread is held up).
 READY_STALE_S = 30.0
+# The pool snapshot may take at most 1/SNAPSHOT_SHARE of the engine thread's time under load.
+SNAPSHOT_SHARE = 20
 # How long /metrics waits for fresh pool gauges before showing the last snapshot.
 METRICS_WAIT_S = 2.0
 # How long uvicorn waits for open connections when the process shuts down.
@@ -476,8 +479,8 @@ class Server:
         if (live := self.health()).status_code != 200:
             return live
         snap = self.metrics.snapshot
-        if (age := time.monotonic() - snap.taken_at) > READY_STALE_S:
-            why = f"no view of the instances for {age:.0f} s (the engine is in a long step)"
+        if (age := time.monotonic() - snap.taken_at) > max(READY_STALE_S, 3 * snap.period_s):
+            why = f"no view of the instances for {age:.0f} s (the engine thread is held up)"
             return ApiError(503, why, "service_unavailable").response()
         if missing := set(self.roles) - {v["role"] for v in snap.load.values()}:
             why = f"no live instance for role(s) {sorted(missing)}"
@@ -488,28 +491,42 @@ class Server:
         return JSONResponse({"status": "ready"})
 
     async def metrics_text(self) -> Response:
-        """The Prometheus exposition of every metric. The pool gauges are read between two
-        steps if the engine thread gets to it within ``METRICS_WAIT_S``, else they are the
-        engine thread's last refresh (a scrape never holds up the engine, nor fails it)."""
-        try:
-            snap = await asyncio.wait_for(self.loop.call(Snapshot.of), METRICS_WAIT_S)
-            self.metrics.snapshot = snap
-        except (TimeoutError, RuntimeError) as e:  # RuntimeError: the engine is not running
-            logger.info("metrics: showing the last pool snapshot (%s)", type(e).__name__)
+        """The Prometheus exposition of every metric. While requests run, the pool gauges are
+        the engine thread's last refresh (a scrape never holds up the engine, nor fails it);
+        idle, they are read now if the engine thread gets to it within ``METRICS_WAIT_S``."""
+        if self.loop.num_streams == 0:  # idle: fresh gauges cost the instances nothing
+            try:
+                snap = await asyncio.wait_for(self.loop.call(Snapshot.of), METRICS_WAIT_S)
+                snap.period_s = self.metrics.snapshot.period_s
+                self.metrics.snapshot = snap
+            except (TimeoutError, RuntimeError) as e:  # RuntimeError: the engine stopped
+                logger.info("metrics: showing the last pool snapshot (%s)", type(e).__name__)
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def watch(metrics: ServerMetrics) -> Callable[[Serving], None]:
-    """The engine thread's periodic check: let a process runtime notice dead instances, then
-    refresh the snapshot the gauges and ``/ready`` read, and the instances' roles."""
+class Watcher:
+    """The engine thread's periodic check (its ``tick``): let a process runtime notice dead
+    instances, then refresh the snapshot the gauges and ``/ready`` read, and the instances'
+    roles. Reading the pools costs a round trip to each instance, answered between its steps,
+    so while requests run the snapshot is refreshed at most every ``period_s``, which grows
+    with what the last one cost: it takes at most ``1 / SNAPSHOT_SHARE`` of the thread."""
 
-    def tick(s: Serving) -> None:
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.period_s = TICK_S
+        self._due = -math.inf
+
+    def __call__(self, s: Serving) -> None:
         getattr(s, "monitor", lambda: None)()
+        now = time.monotonic()
+        if now < self._due and s.has_unfinished():
+            return
         snap = Snapshot.of(s)
-        metrics.roles.update((inst, v["role"]) for inst, v in snap.load.items())
-        metrics.snapshot = snap
-
-    return tick
+        self.period_s = max(TICK_S, SNAPSHOT_SHARE * (time.monotonic() - now))
+        self._due = now + self.period_s
+        snap.period_s = self.period_s
+        self.metrics.roles.update((inst, v["role"]) for inst, v in snap.load.items())
+        self.metrics.snapshot = snap
 
 
 def exit_loudly(error: BaseException) -> None:
@@ -598,7 +615,7 @@ def make_server(args: argparse.Namespace) -> Server:
     chat = protocol.ChatFormat(model_dir, tok)  # a broken template fails before the engine starts
     name = args.served_model_name or ("tiny" if args.model is None else model_dir.name)
     metrics = ServerMetrics(name)
-    loop = EngineLoop(spec.build, metrics.observe_output, watch(metrics), exit_loudly)
+    loop = EngineLoop(spec.build, metrics.observe_output, Watcher(metrics), exit_loudly)
     loop.start(STARTUP_TIMEOUT_S)
     context = ModelConfig.from_hf(model_dir).max_position_embeddings
     return Server(

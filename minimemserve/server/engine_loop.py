@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
 # How often the engine thread runs its ``tick`` between steps (a scrape interval or better).
 TICK_S = 1.0
+# With requests running, queued calls get about this long between two steps (then a step).
+CALL_SLICE_S = 0.05
 
 Event = TokenDelta | RequestOutput
 
@@ -161,12 +163,18 @@ class EngineLoop:
             logger.warning("the engine's periodic check failed: %s", e)
 
     def _run_calls(self, block: bool) -> None:
+        """Run queued calls (waiting ``IDLE_WAIT_S`` for one when ``block``). With requests
+        running, stop after ``CALL_SLICE_S`` so a burst of calls (a slow add each) does not
+        hold back the tokens of the requests already running."""
         try:
             item = self._calls.get(timeout=IDLE_WAIT_S) if block else self._calls.get_nowait()
         except queue.Empty:
             return
+        start = time.monotonic()
         while True:
             self._run_one(*item)
+            if time.monotonic() - start > CALL_SLICE_S and self.serving.has_unfinished():
+                return
             try:
                 item = self._calls.get_nowait()
             except queue.Empty:

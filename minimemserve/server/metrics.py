@@ -40,6 +40,7 @@ class Snapshot:
     pools: dict[str, dict] = field(default_factory=dict)
     audit_ok: bool = True
     taken_at: float = -math.inf  # time.monotonic() when it was read; never, by default
+    period_s: float = 1.0  # how often the server refreshes it at present
 
     @classmethod
     def of(cls, serving) -> Snapshot:

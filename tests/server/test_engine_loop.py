@@ -220,7 +220,7 @@ def served():
     """(url, serving, loop, server) of an app on a free loopback port."""
     serving = Gated()
     metrics = ServerMetrics("scripted")
-    loop = EngineLoop(lambda: serving, metrics.observe_output, app.watch(metrics))
+    loop = EngineLoop(lambda: serving, metrics.observe_output, app.Watcher(metrics))
     loop.start(5)
     server = app.Server(loop, None, None, "scripted", 64, ("colocated",), metrics, max_pending=2)
     with socket.socket() as s:
