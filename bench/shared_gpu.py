@@ -98,7 +98,7 @@ def pick_rate(args) -> float:
     base = None
     knee = SWEEP[0]
     print(f"PD, {args.workload}, {WINDOW_S} s of arrivals on {setup.describe['hardware']}:")
-    for rate in SWEEP:
+    for rate in [r for r in SWEEP if LOAD_OF_KNEE * r <= args.max_rate] or SWEEP[:1]:
         n = sessions_at(rate)
         s = _simulate(setup, ["PD"], args.workload, n, rate, args.max_turns, args.max_output)
         ttft = s["summaries"]["PD"]["ttft_mean"]
@@ -190,8 +190,8 @@ def handoffs(args) -> list[dict]:
         rows.append(row)
         print(
             f"{config}: {row['handoffs']} hand-offs, median {row['mb_median']:.1f} MB in "
-            f"{row['ms_median']:.2f} ms = {row['gb_per_s_median']:.1f} GB/s (slowest 1 %: "
-            f"{row['gb_per_s_p99_low']:.1f} GB/s), {row['gb_total']:.2f} GB in all"
+            f"{row['ms_median']:.2f} ms = {row['gb_per_s_median']:.3g} GB/s (slowest 1 %: "
+            f"{row['gb_per_s_p99_low']:.3g} GB/s), {row['gb_total']:.3g} GB in all"
         )
     if not rows:
         print("no hand-offs recorded")
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("pick-rate", help="PD's knee over a simulated rate sweep")
     p.add_argument("--workload", default="loogle")
     p.add_argument("--max-turns", type=int, default=None)
-    p.add_argument("--max-output", type=int, default=None)
+    p.add_argument("--max-output-tokens", dest="max_output", type=int, default=None)
     p.add_argument("--hardware", default="h200")
     p.add_argument("--max-rate", type=float, default=math.inf, help="cap on the rate picked")
     p.add_argument("--out", default=None, help="write 'RATE SESSIONS' here")
