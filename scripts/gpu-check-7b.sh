@@ -6,7 +6,7 @@
 #   DRY=1 OUT=DIR bash scripts/gpu-check-7b.sh   # every stage in its CPU form, for the plumbing
 #
 # Stages, each under its own cap (shortened to what is left of GPU_CHECK_7B_BUDGET_S, default
-# 600 s; skipped under 10 s):
+# 660 s; skipped under 10 s):
 #   tiny-process  the tiny-synthetic bench, process runtime, two instances on the GPU, no
 #                 --num-blocks (each sizes its pool from its share of the GPU)
 #   steps-7b      bench/gpu_steps.py: Llama-2-7B step times (what the fit reads)
@@ -41,7 +41,7 @@ SITE=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-7b-site.XXXXXX")
 STAGES=$WORK/stages.tsv
 : >"$STAGES"
 START=$(date +%s)
-DEADLINE=$((START + ${GPU_CHECK_7B_BUDGET_S:-600}))
+DEADLINE=$((START + ${GPU_CHECK_7B_BUDGET_S:-660}))
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export MINIMEMSERVE_CACHE=$WORK/cache MINIMEMSERVE_SHAREGPT=shape
 if [ "$DRY" = 1 ]; then
