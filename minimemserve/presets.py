@@ -444,11 +444,13 @@ def _build(preset: Preset, out_dir: Path) -> None:
         shutil.copyfile(DATA_DIR / shipped, tokenizer_path)
     else:
         train_tokenizer(tokenizer_path, preset.vocab_size, training_text(preset))
-    if preset.load_format == "dummy":
+    if preset.load_format == "dummy":  # config.json alone: written without transformers
         _check_tokenizer(tokenizer_path, preset.vocab_size)
         fields = preset.model_kwargs()
         del fields["seed"]
-        hf_config(**fields).save_pretrained(out_dir)
+        config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **fields}
+        config |= {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "torch_dtype": "bfloat16"}
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         _write_tokenizer_config(out_dir, preset.max_position_embeddings)
         return
     write_random_llama(out_dir, **preset.model_kwargs(), tokenizer_model=tokenizer_path)

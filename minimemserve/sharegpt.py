@@ -24,6 +24,7 @@ SOURCE_ENV = "MINIMEMSERVE_SHAREGPT"
 SHAPE_FILE = Path(__file__).resolve().parent / "data" / "sharegpt-shape.json"
 _ROLES = {"h": "human", "g": "gpt", "s": "system", "b": "bing"}
 _SYLLABLES = "ka lo mi ren tas vo dun pe shi gar ul bre no fit zel ar ion qua".split()
+_WORDS = [*_SYLLABLES, *(a + b for a in _SYLLABLES for b in _SYLLABLES)]  # words of the stand-in
 
 
 def open_sharegpt() -> IO[bytes]:
@@ -91,14 +92,9 @@ def shaped_conversations(seed: int = 0) -> Iterator[dict[str, Any]]:
     for i, shape in enumerate(json.loads(SHAPE_FILE.read_text())):
         turns = [(_ROLES.get(t[0], t[0]), int(t[1:])) for t in shape.split()]
         conversations = [
-            {"from": role, "value": " ".join(_word(rng) for _ in range(words))}
-            for role, words in turns
+            {"from": role, "value": " ".join(rng.choices(_WORDS, k=words))} for role, words in turns
         ]
         yield {"id": f"shape-{i}", "conversations": conversations}
-
-
-def _word(rng: random.Random) -> str:
-    return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
 
 
 def sharegpt_text(max_chars: int) -> list[str]:

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from minimemserve import memory
-from minimemserve.config import EngineConfig
-from minimemserve.engine import Engine, model_bytes
+from minimemserve.config import EngineConfig, parse_config_name
+from minimemserve.disagg.cluster import InProcessCluster
+from minimemserve.engine import Engine, model_bytes, pool_blocks
 from minimemserve.errors import ConfigError
 from minimemserve.model.config import ModelConfig
+from minimemserve.parallel import TPShard
 
 MiB = 1 << 20
 TINY_STEP_MAX_NUM_BATCHED_TOKENS = 64  # keeps the profiled forward short on the CPU
@@ -137,3 +139,35 @@ def test_the_default_share_is_split_among_the_instances_placed():
     assert EngineConfig().device_share == memory.DEFAULT_GPU_MEMORY_UTILIZATION
     assert EngineConfig().placed(3).device_share == pytest.approx(0.3)
     assert EngineConfig(gpu_memory_utilization=0.25).placed(2).device_share == 0.25
+
+
+def test_in_one_process_the_weights_count_once(tiny_llama_dir, monkeypatch):
+    gpu = FakeGPU(total=64 * MiB)
+    monkeypatch.setitem(memory.PROVIDERS, "cpu", gpu)
+    cluster = InProcessCluster(
+        tiny_llama_dir,
+        parse_config_name("1P1D"),
+        engine_config=EngineConfig(max_num_batched_tokens=TINY_STEP_MAX_NUM_BATCHED_TOKENS),
+    )
+    p0, d0 = (i.engine for i in cluster.instances)
+    assert d0.model is p0.model  # one copy of the weights, loaded by the first instance
+    block_bytes = p0.pool.layout.block_bytes(p0.dtype.itemsize)
+    weights = model_bytes(p0.model_config, p0.dtype)
+    extra = d0.pool.capacity("hbm") - p0.pool.capacity("hbm")
+    assert extra == pytest.approx(weights / block_bytes, abs=1)
+    cluster.check_pools()
+
+
+def test_a_tensor_parallel_instance_counts_its_shard_of_the_weights(tiny_llama_dir, monkeypatch):
+    gpu = FakeGPU(total=64 * MiB)
+    monkeypatch.setitem(memory.PROVIDERS, "cpu", gpu)
+    cfg = ModelConfig.from_hf(tiny_llama_dir)
+    engine = EngineConfig().placed(2)
+    cpu = torch.device("cpu")
+    whole = pool_blocks(engine, None, cfg, TPShard(0, 1, cfg), cpu, torch.float32)
+    half = pool_blocks(engine, None, cfg, TPShard(0, 2, cfg), cpu, torch.float32)
+    block_bytes = TPShard(0, 1, cfg).kv_layout(16).block_bytes(4)
+    budget = int(0.45 * gpu.total_bytes) - gpu.context_bytes  # no step profiled: no model here
+    assert whole == (budget - model_bytes(cfg, torch.float32)) // block_bytes
+    assert half == (budget - model_bytes(cfg, torch.float32) // 2) // (block_bytes // 2)
+    assert gpu.profiled == 0

@@ -48,6 +48,8 @@ SEARCH_END = 1e-3
 # The layer overhead a search starts from when the base profile has none (microseconds): a
 # few kernel launches of about 5 us each per layer.
 LAYER_OVERHEAD_START_US = 30.0
+# The profile a fit starts from when the one named has no GPU terms (``--hardware cpu``).
+BASE_PROFILE = "h200"
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -223,13 +225,13 @@ def _pct(x: float | None) -> str:
 
 
 def calibrate(
-    paths: Sequence[str | Path], hardware: str = "h200", write: str | None = None
+    paths: Sequence[str | Path], hardware: str = BASE_PROFILE, write: str | None = None
 ) -> Calibration:
-    """Fit ``hardware``'s profile to the measured steps in ``paths``, print measured against
-    the base and the fitted profile per shape and the held-out error, and write the fitted
-    profile to ``write`` (if given)."""
-    steps, prepare_s, device = read_steps(paths)
-    base = HardwareProfile.load(hardware)
+    """Fit ``hardware``'s profile (for ``cpu``, the simulator's machine: BASE_PROFILE's) to
+    the measured steps in ``paths``, print measured against the base and the fitted profile
+    per shape and the held-out error, and write the fitted profile to ``write`` (if given)."""
+    steps, prepare_s, device = read_steps([p for p in paths if p])
+    base = HardwareProfile.load(BASE_PROFILE if hardware == "cpu" else hardware)
     cal = fit_profile(steps, base, prepare_s)
     note = (
         f"{base.name} fitted to {len(steps)} steps measured on {device}: mean |error| "

@@ -117,9 +117,7 @@ def main(args: argparse.Namespace) -> int:
         anchors()
         return 0
     if args.calibrate:
-        paths = [p for p in args.calibrate.split(",") if p]
-        hardware = "h200" if args.hardware == "cpu" else args.hardware
-        calibration.calibrate(paths, hardware, args.write)
+        calibration.calibrate(args.calibrate.split(","), args.hardware, args.write)
         return 0
     if args.paper is not None:
         rates = _paper_rates(args.paper) if args.paper else None
