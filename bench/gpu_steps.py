@@ -165,9 +165,13 @@ def profile_step(step, device) -> tuple[float | None, int | None]:
         return None, None
     activities = [torch.profiler.ProfilerActivity.CUDA]
     torch.cuda.synchronize(device)
-    with torch.profiler.profile(activities=activities) as prof:
-        step()
-        torch.cuda.synchronize(device)
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            step()
+            torch.cuda.synchronize(device)
+    except RuntimeError as e:  # a profiler that fails costs its two numbers, not the run
+        print(f"profiler failed: {e}", file=sys.stderr)
+        return None, None
     spans = {
         (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
@@ -205,7 +209,8 @@ def time_shape(model, backend, graphs, pool, shape: Shape, device, warmup, repea
         prepare_us = [1e3 * ms for ms in timed(lambda: backend.prepare(slices), sync, 1, repeats)]
         busy, kernels = profile_step(eager, device)
         graph_ms, graph_busy, graph_kernels = [], None, None
-        if graphs is not None and graphs.run(slices, ids_host) is not None:
+        served = not shape.prefills and graphs is not None and graphs.bucket(shape.decodes)
+        if served:  # decodes only, within the largest bucket
             replay = lambda: out.__setitem__("graph_logits", graphs.run(slices, ids_host))
             graph_ms = timed(replay, sync, warmup, repeats)
             graph_busy, graph_kernels = profile_step(replay, device)
@@ -261,7 +266,7 @@ def run(dry: bool, backend_name: str | None, model_name: str = "7b", progress=No
         batch = max(s.decodes for s in shapes)
         context = cfg.max_position_embeddings
         graphs = DecodeGraphs(model, backend, batch, context, capture=device.type == "cuda")
-    warmup, repeats = (1, 2) if dry else (WARMUP, REPEATS)
+    warmup, repeats = (1, 1) if dry else (WARMUP, REPEATS)
     results: list[dict] = []
     params = sum(p.numel() for p in model.parameters())
     report = {

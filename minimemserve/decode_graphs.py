@@ -216,10 +216,16 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info(device)[0]
         pool = None
         for b in reversed(self.buckets):
-            self._forward(b)  # warm-up over the zeroed buffers (every row is padding)
+            self._forward(b)  # warm-up over the static buffers (every row is padding)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(b)
+            try:
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(b)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"capturing the decode graph of batch {b} failed ({e}); "
+                    "enforce_eager=True runs every step without graphs"
+                ) from e
             pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize(device)

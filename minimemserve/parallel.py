@@ -195,10 +195,12 @@ class Collectives:
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``x`` concatenated along the last dimension, in rank order."""
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        self.group.allgather([parts], [x.contiguous()]).wait()
-        return torch.cat(parts, dim=-1)
+        """Every rank's ``x`` concatenated along the last dimension, in rank order: one
+        gather into one buffer (the form a CUDA graph captures), then one copy."""
+        x = x.contiguous()
+        out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        self.group._allgather_base(out, x).wait()  # [size * rows, ...], rank-major
+        return out.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], -1)
 
 
 class RowParallelLinear(nn.Linear):

@@ -12,7 +12,9 @@ from minimemserve.model.llama import Rotary
 from triton_kernels import rope_store_kv
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-TOL = {F32: (1e-5, 1e-5), F16: (1e-3, 1e-3), BF16: (1e-2, 1e-2)}
+TOL = {F32: (1e-5, 1e-5), F16: (2e-3, 2e-3), BF16: (1e-2, 1e-2)}
+# compiled for a GPU, a product and the sum after it may fuse into one FMA: not bit-exact there
+EXACT = (0, 0) if DEVICE.type == "cpu" else (1e-6, 1e-6)
 
 # (block_size, tokens, heads, n_kv, head_dim, layout, dtype)
 CASES = [
@@ -42,9 +44,8 @@ def test_rope_store_kv_matches_rotary_then_store(
         t.view(tokens, -1, head_dim)
         for t in qkv.split([heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
     )
-    positions = torch.randint(0, 40, (tokens,), generator=gen, device=DEVICE) + torch.arange(
-        tokens, device=DEVICE
-    )
+    # distinct positions (so distinct slots: two writes to one slot would race on a GPU)
+    positions = torch.randperm(tokens + 40, generator=gen, device=DEVICE)[:tokens]
     slots = [p.tables[0][t // block_size] * block_size + t % block_size for t in positions.tolist()]
     slots = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
     ref_q, ref_k = rotary(q.clone(), k.clone(), positions)
@@ -60,7 +61,7 @@ def test_rope_store_kv_matches_rotary_then_store(
     torch.testing.assert_close(k, ref_k, atol=atol, rtol=rtol)
     torch.testing.assert_close(p.pool, expect, atol=atol, rtol=rtol)
     if dtype == F32:  # the same fp32 products and sums as the unfused ops
-        torch.testing.assert_close(q, ref_q, atol=0, rtol=0)
+        torch.testing.assert_close(q, ref_q, atol=EXACT[0], rtol=EXACT[1])
 
 
 def test_rope_store_kv_skips_padding_slots():
@@ -77,8 +78,8 @@ def test_rope_store_kv_skips_padding_slots():
     rope_store_kv(q, k, v, rotary.cos, rotary.sin, positions, slots, p.k_cache, p.v_cache)
     before[p.tables[0][0], 1, 0, 3] = ref_k[1]
     before[p.tables[0][0], 1, 1, 3] = v[1]
-    torch.testing.assert_close(p.pool, before, atol=0, rtol=0)
-    torch.testing.assert_close(q, ref_q, atol=0, rtol=0)
+    torch.testing.assert_close(p.pool, before, atol=EXACT[0], rtol=EXACT[1])
+    torch.testing.assert_close(q, ref_q, atol=EXACT[0], rtol=EXACT[1])
 
 
 def test_rope_store_kv_rejects_bad_input():
