@@ -38,7 +38,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -255,6 +255,20 @@ def connect(ray: Any, address: str | None) -> bool:
             "cluster's token (RAY_AUTH_TOKEN or ~/.ray/auth_token); see docs/ray.md"
         )
     return started
+
+
+@contextlib.contextmanager
+def ray_attached(address: str | None) -> Iterator[Any]:
+    """Ray attached for the ``with`` block (see :func:`connect`; ``address`` "" or None:
+    ``RAY_ADDRESS``, else a local cluster, stopped at the end): deployments built inside share
+    it. Yields the ``ray`` module."""
+    ray = import_ray()
+    started = connect(ray, address or None)
+    try:
+        yield ray
+    finally:
+        if started:
+            ray.shutdown()
 
 
 class RayCluster(ProcessCluster):
