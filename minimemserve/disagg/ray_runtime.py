@@ -49,7 +49,7 @@ from ..config import EngineConfig, parse_config_name
 from ..errors import ConfigError
 from . import rpc
 from .instance import StandaloneOptions, serve_sessions
-from .launch import unlink_segment
+from .launch import parse_address, unlink_segment
 from .membership import Membership
 from .placement import NodeView, RayOptions, Wanted, plan_nodes
 from .runtime import ProcessCluster
@@ -202,13 +202,16 @@ class RayActors:
             elif p.back is not None and ray.wait([p.back], timeout=0)[0]:
                 try:
                     where = ray.get(p.back)
+                except ray.exceptions.ActorUnavailableError:  # still restarting: ask again
+                    p.back = p.actor.where.remote()
+                    continue
                 except ray.exceptions.RayActorError as e:
                     logger.error("instance %s will not come back: %s", name, _first_line(e))
                     p.back = None
                     continue
                 p.back, p.node = None, where["node"]
                 p.watch = p.actor.wait.remote()
-                membership.returned(name, where["address"])
+                membership.returned(name, rpc.endpoint(*parse_address(where["address"])))
                 logger.warning("instance %s restarted by Ray on node %s", name, p.node[:8])
 
     def _why(self, ref: Any) -> str:
