@@ -36,6 +36,7 @@ import dataclasses
 import importlib
 import logging
 import os
+import secrets
 import socket
 import threading
 from collections.abc import Iterator, Sequence
@@ -135,6 +136,7 @@ class RayActors:
         self.ray = ray
         self.opts = opts
         self.placed: dict[str, Placed] = {}
+        self.tag = f"{os.getpid()}-{secrets.token_hex(4)}"  # names its groups and actors
 
     def place(self, wanted: Sequence[Wanted], options: Sequence[dict], key: rpc.ClusterKey):
         """Reserve a placement group per instance on the node the plan chose, start the actors
@@ -157,7 +159,7 @@ class RayActors:
             group = pg_api.placement_group(
                 [bundle] * w.ranks,
                 strategy="STRICT_PACK",
-                name=f"minimemserve-{w.name}-{os.getpid()}",
+                name=f"minimemserve-{w.name}-{self.tag}",
                 _soft_target_node_id=plan[w.name],
                 bundle_label_selector=selector,
             )
@@ -174,14 +176,31 @@ class RayActors:
                 max_restarts=self.opts.max_restarts,
                 max_concurrency=4,  # wait() blocks one thread; where() needs another
                 scheduling_strategy=strategy,
-                name=f"minimemserve-{w.name}-{os.getpid()}",
+                name=f"minimemserve-{w.name}-{self.tag}",
             ).remote(kw, key.secret, key.curve)
             self.placed[w.name].actor = actor
-        wheres = ray.get([p.actor.where.remote() for p in self.placed.values()])
+        wheres = self._discover()
         for p, where in zip(self.placed.values(), wheres):
             p.node = where["node"]
             p.watch = p.actor.wait.remote()
         return [w["address"] for w in wheres]
+
+    def _discover(self) -> list[dict]:
+        """Every actor's :meth:`InstanceActor.where`, or an error naming the one that did not
+        start (its constructor failed, or it was not running within the placement timeout)."""
+        ray, timeout_s = self.ray, self.opts.placement_timeout_s
+        refs = {name: p.actor.where.remote() for name, p in self.placed.items()}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        out = []
+        for name, ref in refs.items():
+            try:
+                out.append(ray.get(ref, timeout=0))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                raise ConfigError(
+                    f"the Ray actor of instance {name} did not start within {timeout_s:g} s: "
+                    f"{type(e).__name__}: {_first_line(e)}"
+                ) from None
+        return out
 
     def nodes_of_ranks(self, name: str) -> list[str]:
         """The node of each bundle of instance ``name``'s placement group."""
