@@ -17,13 +17,14 @@ import torch
 
 from .config import LOOPBACK, TRANSPORTS, EngineConfig, parse_config_name
 from .disagg.cluster import InProcessCluster
+from .disagg.placement import PLACEMENTS, RayOptions
 from .errors import ConfigError
 from .presets import PRESETS, preset_dir, preset_model
 from .scheduler.global_scheduler import POLICIES, Cost
 from .serving import Serving
 
-# How a deployment's instances run: all in this process, or one process each.
-RUNTIMES = ("inprocess", "process")
+# How a deployment's instances run: all in this process, one process each, or one Ray actor each.
+RUNTIMES = ("inprocess", "process", "ray")
 # The dtypes the commands offer (the engine takes any torch floating dtype).
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -39,7 +40,9 @@ class DeploymentSpec:
     configuration, ``cores_per_instance`` (None: the runtime's default), the KV
     ``transport`` between instances, the address ``cluster_host`` its control plane binds,
     and ``instances``, the ``HOST:PORT`` of standalone instances to join instead of spawning
-    (with the cluster ``key`` file)."""
+    (with the cluster ``key`` file). The Ray runtime takes the same (but ``instances`` and
+    ``key``), the cluster's ``ray_address`` ("": ``RAY_ADDRESS`` or a local cluster) and the
+    ``placement`` of instances over its nodes (``pack`` or ``spread``)."""
 
     config: str = "PD"
     model: str | Path | None = None
@@ -55,12 +58,15 @@ class DeploymentSpec:
     cluster_host: str = LOOPBACK
     instances: tuple[str, ...] = ()
     key: str | None = None
+    ray_address: str = ""
+    placement: str = "pack"
 
     def __post_init__(self) -> None:
         for name, allowed in (
             ("runtime", RUNTIMES),
             ("policy", POLICIES),
             ("transport", TRANSPORTS),
+            ("placement", PLACEMENTS),
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -86,6 +92,11 @@ class DeploymentSpec:
         ``ConfigError`` here, naming it."""
         if cluster is None and self.runtime == "process":
             from .disagg.runtime import ProcessCluster as cluster  # lazy: msgspec and ZeroMQ
+        if cluster is None and self.runtime == "ray":
+            from .disagg.ray_runtime import RayCluster as cluster  # lazy: msgspec and ZeroMQ
+
+            ray_options = RayOptions(self.ray_address or None, self.placement)
+            process_kw = {"ray_options": ray_options} | process_kw
 
         parse_config_name(self.config)
         if self.runtime == "inprocess" and (cluster is not None or process_kw):

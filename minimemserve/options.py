@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from minimemserve.config import LOAD_FORMATS, SCHEDULERS, TRANSPORTS, EngineConfig
 from minimemserve.deployment import DTYPES, RUNTIMES, DeploymentSpec
+from minimemserve.disagg.placement import PLACEMENTS
 from minimemserve.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from minimemserve.scheduler.cost_model import CostModel
 from minimemserve.scheduler.global_scheduler import POLICIES
@@ -67,7 +68,11 @@ DEPLOYMENT_FLAGS = {
     "config": ("--config", "PD, PD-CC, 1P1D, 1P1D-CC, xPyD[-CC...]", None),
     "device": ("--device", "torch device of every instance", None),
     "dtype": ("--dtype", "weights and KV dtype", DTYPES),
-    "runtime": ("--runtime", "one process per instance, or every instance in this one", RUNTIMES),
+    "runtime": (
+        "--runtime",
+        "one process per instance, every instance in this one, or one Ray actor per instance",
+        RUNTIMES,
+    ),
     "policy": ("--policy", "global scheduler policy", POLICIES),
     "cost_model": (
         "--cost-model",
@@ -99,6 +104,16 @@ DEPLOYMENT_FLAGS = {
         None,
     ),
     "key": ("--key", "cluster key file (minimemserve keygen)", None),
+    "ray_address": (
+        "--ray-address",
+        "Ray cluster of the ray runtime (empty: RAY_ADDRESS, else a local one started here)",
+        None,
+    ),
+    "placement": (
+        "--placement",
+        "ray runtime: instances on as few nodes as possible (pack) or on as many (spread)",
+        PLACEMENTS,
+    ),
 }
 # Tensor parallelism (instances in one process: ``bench --runtime inline``, ``serve --runtime
 # inprocess``, ``generate``).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv and installs minimemserve with its test, benchmark, server and NIXL extras.
+# Creates .venv and installs minimemserve with its test, benchmark, server, NIXL and Ray extras.
 # On a machine without CUDA the CPU build of torch is installed first, so that the
 # bare `torch` requirement is already satisfied and no multi-GB CUDA build is fetched.
 set -euo pipefail
@@ -14,4 +14,4 @@ if ! python -c "import torch" 2>/dev/null; then
         python -m pip install -q "torch==${MINIMEMSERVE_CPU_TORCH:-2.13.0}"
     fi
 fi
-python -m pip install -q -e ".[dev,bench,serve,nixl]"
+python -m pip install -q -e ".[dev,bench,serve,nixl,ray]"

@@ -17,7 +17,9 @@ the bench's process runtime; any other runtime plugs in the same way).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import hashlib
 import json
 import math
 import time
@@ -32,6 +34,7 @@ from minimemserve.bench.hosts import HostsCluster
 from minimemserve.bench.http_target import endpoint_factory
 from minimemserve.config import EngineConfig, parse_config_name
 from minimemserve.deployment import DeploymentSpec
+from minimemserve.disagg.ray_runtime import ray_attached
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.model.tokenizer import Tokenizer
 from minimemserve.options import (
@@ -76,6 +79,8 @@ BENCH_ENGINE_FLAGS = ("num_blocks", "gpu_memory_utilization", "load_format", *PA
 # instances, as many as 1P1D has.
 CORES_PER_INSTANCE = 1
 COLOCATED_INSTANCES = 2
+# The bench's runtimes that start a ProcessCluster (or a subclass) per configuration.
+CLUSTERS = {"process": ProcessCluster, "hosts": HostsCluster}
 # Warm-up requests run before the measured workload (compilation, allocator, caches).
 WARMUP_REQUESTS = 2
 WARMUP_PROMPT_TOKENS = 64
@@ -153,6 +158,7 @@ class _Replay:
         si, k, arrival = self.inflight.pop(out.request_id)
         session = self.sessions[si]
         rec = record(self.config, session, k, arrival - self.t0, out)
+        rec["output_sha1"] = hashlib.sha1(repr(out.token_ids).encode()).hexdigest()[:12]
         self.records.append(rec)
         self.bar.update(1)
         if rec["error"] is not None:
@@ -275,9 +281,12 @@ def _measure(
     verbose: bool,
 ) -> tuple[list[dict], dict[str, Any]]:
     """Build the config's ``Serving``, warm up, replay the workload at ``arrivals`` (rate,
-    seed), audit the pools, close; returns the records and ``{"wall_s", "pool"}``."""
+    seed), audit the pools, close; returns the records and ``{"wall_s", "startup_s", "pool",
+    "tokens"}`` (tokens: a digest of every turn's output tokens, equal across runtimes)."""
     config = spec.config
+    begin = time.perf_counter()
     serving = factory(spec)
+    startup = time.perf_counter() - begin
     try:
         warm_up(serving, tokenizer)
         start = time.perf_counter()
@@ -287,11 +296,16 @@ def _measure(
             serving.check_pools(require_idle=True)
         except Exception as exc:
             raise RuntimeError(f"KV pool balance check failed after the {config} run") from exc
-        stats = {"wall_s": wall, "pool": serving.pool_stats()}
+        stats = {"wall_s": wall, "startup_s": startup, "pool": serving.pool_stats()}
     finally:
         serving.close()
+    outputs = sorted((r["session"], r["turn"], r.get("output_sha1", "-")) for r in records)
+    stats["tokens"] = hashlib.sha1(repr(outputs).encode()).hexdigest()[:12]
     if verbose:
-        print(f"{config}: {len(records)} requests in {wall:.1f} s, pool balanced")
+        print(
+            f"{config}: started in {startup:.1f} s, {len(records)} requests in {wall:.1f} s, "
+            f"pool balanced, output tokens {stats['tokens']}"
+        )
     return records, stats
 
 
@@ -412,14 +426,15 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_engine_arguments(p, BENCH_ENGINE_FLAGS)
     p.add_argument(
         "--runtime",
-        choices=("process", "hosts", "inline"),
+        choices=("process", "hosts", "ray", "inline"),
         default="process",
         help="process: every instance its own process on one core (colocated configs run "
         "two instances, xPyD ones x+y), the equal-resources comparison; hosts: the same, as "
         "`minimemserve instance` processes a frontend joins (the multi-host runtime on this "
-        "machine); inline: one process, instances stepped in turn (default: %(default)s)",
+        "machine); ray: the same instances as Ray actors on the cluster at --ray-address (else a "
+        "local one); inline: one process, instances stepped in turn (default: %(default)s)",
     )
-    add_deployment_arguments(p, ("transport", "cost_model"))
+    add_deployment_arguments(p, ("transport", "cost_model", "ray_address", "placement"))
     p.add_argument(
         "--endpoint",
         action="append",
@@ -458,13 +473,26 @@ def main(args: argparse.Namespace) -> int:
     if args.endpoint:
         factories = endpoint_targets(args.endpoint)
         configs, runtime = list(factories), {"kind": "http", "endpoints": args.endpoint}
-    elif args.runtime in ("process", "hosts"):
+    elif args.runtime in CLUSTERS:
         equal = {"cores_per_instance": CORES_PER_INSTANCE, "num_colocated": COLOCATED_INSTANCES}
-        cluster = HostsCluster if args.runtime == "hosts" else ProcessCluster
-        factories = process_factories(configs, cluster, **equal)
+        factories = process_factories(configs, CLUSTERS[args.runtime], **equal)
         runtime.update(equal, policy=args.policy, cost_model=args.cost_model or "prompt tokens")
         runtime.update(transport=args.transport)
+    elif args.runtime == "ray":
+        equal = {"cores_per_instance": CORES_PER_INSTANCE, "num_colocated": COLOCATED_INSTANCES}
+        ray = {"ray_address": args.ray_address, "placement": args.placement}
+        options = replace(options, runtime="ray", **equal | ray)
+        runtime.update(equal | ray, policy=args.policy, transport=args.transport)
     start = time.perf_counter()
+    ray = options.runtime == "ray"
+    with ray_attached(args.ray_address) if ray else contextlib.nullcontext():  # one Ray session
+        _run(args, configs, options, factories, runtime)
+    print(f"benchmark took {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _run(args, configs, options, factories, runtime) -> None:
+    """``run_bench`` with ``bench``'s parsed ``args``."""
     run_bench(
         configs=configs,
         workload=args.workload,
@@ -481,5 +509,3 @@ def main(args: argparse.Namespace) -> int:
         factories=factories,
         runtime=runtime,
     )
-    print(f"benchmark took {time.perf_counter() - start:.1f} s")
-    return 0

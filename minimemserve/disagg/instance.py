@@ -98,6 +98,7 @@ class InstanceSpec:
     transport: str = "auto"  # the KV transport this instance asks for (rpc.Transport)
     frontend_timeout_s: float = 0.0  # standalone: end the session after this much silence
     session: str = ""  # the frontend's session id: names this deployment's pair groups
+    host_id: str = ""  # the host peers see it on ("": host_identity(); Ray: its node)
 
     @property
     def shared_pool(self) -> bool:
@@ -424,7 +425,7 @@ class InstanceServer:
             self.spec.role,
             self.node.address,
             handle,
-            host_identity(),
+            self.spec.host_id or host_identity(),
             self.spec.transport,
             self.nixl.info() if self.nixl is not None else None,
         )
@@ -509,6 +510,8 @@ class StandaloneOptions:
     engine_overrides: dict = field(default_factory=dict)  # EngineConfig sizes set on this host
     once: bool = False  # serve one frontend, then exit
     parent_pid: int = 0  # spawned by a frontend: end when it is gone, even while waiting
+    host_id: str = ""  # the host peers see it on ("": host_identity(); Ray: its node)
+    managed: bool = False  # a manager (Ray) restarts it: end when a frontend closes, or crashes
 
 
 def spawned_options(spec: InstanceSpec, address: str) -> StandaloneOptions:
@@ -579,6 +582,7 @@ def _check_join(m: rpc.Join, opts: StandaloneOptions) -> InstanceSpec:
         transport=opts.transport,
         frontend_timeout_s=m.frontend_timeout_s,
         session=m.session,
+        host_id=opts.host_id,
     )
 
 
@@ -590,7 +594,7 @@ def _await_join(
     summary, joined = _model_summary(opts.model_dir), []
     hello = {
         "role": opts.role,
-        "host": host_identity(),
+        "host": opts.host_id or host_identity(),
         "transport": opts.transport,
         "device": opts.device,
         "model": summary,
@@ -646,8 +650,8 @@ def serve_sessions(opts: StandaloneOptions, first: InstanceServer | None = None)
     one a frontend joins. After a session the frontend gave up on (it declared this instance
     dead, or went silent), wait for that frontend to join it again; after one it closed, for the
     next frontend. A spawned instance returns once its frontend closed its session, and stops
-    on a crash; with ``once``, return after one session."""
-    spawned, back = first is not None, None
+    on a crash (a ``managed`` one too); with ``once``, return after one session."""
+    spawned, back = first is not None or opts.managed, None
     while True:
         server, node, first = first, None, None
         if server is None:

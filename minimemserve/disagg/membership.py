@@ -80,6 +80,20 @@ class Membership:
             self.gone.discard(sender)
             self.back.add(sender)  # monitor() asks it to join (a handler must not call)
 
+    def declare_dead(self, name: str, reason: str) -> None:
+        """An instance its manager (Ray) reports dead: handled as a process that exited; it may
+        come back (:meth:`returned`)."""
+        if name not in self.dead:
+            self._on_death(self.instances[name], reason)
+        self.gone.add(name)
+
+    def returned(self, name: str, address: str) -> None:
+        """A dead instance its manager restarted, waiting at ``address``: ``monitor`` asks it to
+        join again."""
+        self.instances[name].address = address
+        self.gone.discard(name)
+        self.back.add(name)
+
     def _ask_back(self, inst: InstanceInfo) -> None:
         """Send a Join to a standalone instance that came back."""
         self.back.discard(inst.name)

@@ -21,6 +21,8 @@ SERVE_FIELDS = (
     "cluster_host",
     "instances",
     "key",
+    "ray_address",
+    "placement",
 )
 SERVE_ENGINE_FLAGS = tuple(f for f in ENGINE_FLAGS if f != "attention")
 

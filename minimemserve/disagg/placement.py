@@ -1,0 +1,112 @@
+"""Where a Ray deployment's instances go: the options of the Ray runtime and the plan that
+gives every instance one node with room for all its ranks, before anything is reserved.
+
+Plain data, no Ray: the runtime (:mod:`~.ray_runtime`) feeds it the live nodes Ray reports."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+from ..recipes import Role
+
+# How the deployment's instances spread over nodes: as few as possible, or as many.
+PLACEMENTS = ("pack", "spread")
+# How long Ray gets to reserve an instance's bundles (resources counted free may be taken).
+DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """How a deployment runs on Ray: the cluster's ``address`` (None: ``RAY_ADDRESS``, else a
+    local cluster started here and stopped on close), ``placement`` of the instances over
+    nodes (:data:`PLACEMENTS`), ``pin`` (role -> a custom resource, or a ``key=value`` label,
+    a node must have to hold that role), CPUs reserved per rank, ``max_restarts`` of each
+    actor, and how long a placement may take."""
+
+    address: str | None = None
+    placement: str = "pack"
+    pin: Mapping[str, str] = field(default_factory=dict)
+    cpus_per_rank: int = 1
+    max_restarts: int = 0
+    placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.cpus_per_rank < 1 or self.max_restarts < 0 or self.placement_timeout_s <= 0:
+            raise ConfigError(
+                "cpus_per_rank must be >= 1, max_restarts >= 0 and placement_timeout_s > 0"
+            )
+        if bad := [r for r in self.pin if r not in {r.value for r in Role}]:
+            raise ConfigError(f"pin names no role: {bad}")
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A live Ray node as placement sees it: its id, resources and labels."""
+
+    id: str
+    resources: Mapping[str, float]
+    labels: Mapping[str, str]
+
+    def has(self, pin: str | None) -> bool:
+        """Whether the node may hold a role pinned to ``pin`` (a resource, or ``key=value``)."""
+        if pin is None:
+            return True
+        key, eq, value = pin.partition("=")
+        return self.labels.get(key) == value if eq else self.resources.get(pin, 0) > 0
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """One instance to place: its name, role, ranks and the resources of one rank."""
+
+    name: str
+    role: str
+    ranks: int
+    bundle: Mapping[str, float]
+
+
+def plan_nodes(wanted: Sequence[Wanted], nodes: Sequence[NodeView], opts: RayOptions) -> dict:
+    """``{instance name: node id}``: every instance on one node with room for all its ranks
+    (and its role's pin), packed or spread as ``opts`` says; raises ConfigError naming the
+    first instance that fits nowhere and what each node has left."""
+    free = {n.id: dict(n.resources) for n in nodes}
+    held = dict.fromkeys(free, 0)
+    plan = {}
+    for w in wanted:
+        need = {k: v * w.ranks for k, v in w.bundle.items()}
+        fits = [
+            n.id
+            for n in nodes
+            if n.has(opts.pin.get(w.role))
+            and all(free[n.id].get(k, 0) >= v for k, v in need.items())
+        ]
+        if not fits:
+            raise ConfigError(_unplaced(w, need, nodes, free, opts.pin.get(w.role)))
+        # pack: the node already holding most; spread: the one holding fewest (first wins ties)
+        sign = -1 if opts.placement == "pack" else 1
+        node = min(fits, key=lambda n: sign * held[n])
+        plan[w.name] = node
+        held[node] += 1
+        for k, v in need.items():
+            free[node][k] -= v
+    return plan
+
+
+def _unplaced(w: Wanted, need: dict, nodes: Sequence[NodeView], free: dict, pin) -> str:
+    keys = sorted(need)
+    left = "; ".join(
+        f"{n.id[:8]}: "
+        + ", ".join(f"{k} {free[n.id].get(k, 0):g}" for k in keys)
+        + ("" if n.has(pin) else f" (not {pin})")
+        for n in nodes
+    )
+    want = ", ".join(f"{k} {v:g}" for k, v in sorted(need.items()))
+    where = f" with {pin}" if pin else ""
+    return (
+        f"cannot place {w.role} instance {w.name}: its {w.ranks} rank(s) need {want} on one "
+        f"node{where}; free per node: {left or 'no live node'}"
+    )
