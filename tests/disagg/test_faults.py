@@ -237,3 +237,89 @@ def test_a_spawned_instance_declared_dead_by_mistake_rejoins(tiny_llama_dir):
         (out,) = c.run_until_done(timeout_s=WAIT_S)
         assert out.token_ids == ref[0].token_ids and out.metrics.decode_instance == "D0"
         c.check_pools(require_idle=True)
+
+
+# Loaded by every process started with its directory on PYTHONPATH: once minimemserve.engine
+# is imported there, an engine of a role in SLOW_ROLES takes SLOW_LOAD_S longer to build and
+# SLOW_STEP_S longer per step (sleeping, as a step waiting on a GPU would).
+SLOW_HOOK = """
+import importlib.abc, importlib.util, os, sys, time
+
+class SlowEngines(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "minimemserve.engine":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            slow(module.Engine)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+def slow(cls):
+    roles = os.environ["SLOW_ROLES"].split(",")
+    init, step = cls.__init__, cls.step
+
+    def slow_init(self, *args, **kwargs):
+        if kwargs.get("role") in roles:
+            time.sleep(float(os.environ["SLOW_LOAD_S"]))
+        init(self, *args, **kwargs)
+
+    def slow_step(self):
+        if self.role in roles:
+            time.sleep(float(os.environ["SLOW_STEP_S"]))
+        return step(self)
+
+    cls.__init__, cls.step = slow_init, slow_step
+
+sys.meta_path.insert(0, SlowEngines())
+"""
+HEARTBEAT_TIMEOUT_S = 1.0  # shorter than every slow load and step below
+SLOW_S = 4.0  # longer than the heartbeat timeout and the control-request timeout
+
+
+@pytest.fixture
+def slow_engines(tmp_path, monkeypatch):
+    """Instances spawned from now on load their model and run each step (of the roles given
+    to the returned function) ``SLOW_S`` slower."""
+    (tmp_path / "sitecustomize.py").write_text(SLOW_HOOK)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("SLOW_LOAD_S", str(SLOW_S))
+    monkeypatch.setenv("SLOW_STEP_S", str(SLOW_S))
+    return lambda *roles: monkeypatch.setenv("SLOW_ROLES", ",".join(roles))
+
+
+@pytest.mark.parametrize("config, slow", [("PD", "colocated"), ("1P1D", "prefill")])
+def test_a_busy_instance_is_not_a_dead_one(tiny_llama_dir, slow_engines, config, slow):
+    """Loading the model and every step of the entry instance take 4 s, four times the
+    heartbeat timeout and longer than a control request may wait: the requests all finish,
+    nobody is declared dead, nothing re-runs, and a request added during a step is queued
+    without waiting for the step to end."""
+    slow_engines(slow)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    ps = prompts(2, seed=6)
+    ref = LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS).generate(ps, params)
+    with ProcessCluster(
+        tiny_llama_dir,
+        config,
+        num_colocated=1,
+        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        timeout_s=TIMEOUT_S,
+        heartbeat_s=0.2,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+    ) as c:
+        c.add_request(ps[0], params, request_id="r0")
+        time.sleep(1.0)  # the entry instance is in its first step
+        t0 = time.monotonic()
+        c.add_request(ps[1], params, request_id="r1")
+        assert time.monotonic() - t0 < SLOW_S / 4
+        outs = {o.request_id: o for o in c.run_until_done(timeout_s=60)}
+        assert not c.dead and c.num_reruns == 0 and c.num_rejoins == 0
+        for i, r in enumerate(ref):
+            assert outs[f"r{i}"].finish_reason == "length", outs[f"r{i}"].error
+            assert outs[f"r{i}"].token_ids == r.token_ids
+        c.check_pools(require_idle=True)
