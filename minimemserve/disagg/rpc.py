@@ -603,12 +603,15 @@ class RpcNode:
     def disconnect(self, peer: str) -> None:
         """Close the sending socket towards ``peer``, if any; what was sent to it with
         :meth:`send` and not answered yet is answered with an ``InstanceDied`` error."""
+        self._give_up(peer, f"the connection to {peer} was closed")
         if (old := self._peers.pop(peer, None)) is not None:
             old[0].close(linger=0)
-        self._give_up(peer, f"the connection to {peer} was closed")
 
     def _give_up(self, peer: str, why: str) -> None:
-        """Answer every request :meth:`send` sent to ``peer`` that is still open with ``why``."""
+        """Answer every request :meth:`send` sent to ``peer`` that is still open with ``why``,
+        after taking the replies that came already."""
+        if (out := self._peers.get(peer)) is not None:
+            self._reply_to(peer, out[0], 0)
         for key in [k for k in self._sent if k[0] == peer]:
             self._answers.append((self._sent.pop(key), Error("InstanceDied", why)))
 
