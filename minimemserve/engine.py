@@ -255,11 +255,13 @@ def check_request(
     tokenizer,
     vocab: int,
     max_model_len: int,
-    pool,
+    block_size: int,
+    hbm_blocks: int,
 ) -> list[int]:
     """Token ids of ``prompt``, or a ``ValueError``/``PoolExhausted`` naming what is wrong with
     the request: its parameters, a token outside the vocabulary, a prompt the context cannot
-    hold, more KV blocks than ``pool`` has in all. ``vocab`` is the model's vocabulary."""
+    hold, more KV blocks (of ``block_size`` tokens) than the pool's ``hbm_blocks`` in all.
+    ``vocab`` is the model's vocabulary."""
     if not isinstance(params, SamplingParams):
         raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
     ids = tokenizer.prompt_ids(prompt)
@@ -274,10 +276,10 @@ def check_request(
             f"prompt too long: {len(ids)} tokens, the context holds {max_model_len} "
             "(prompt plus at least one generated token)"
         )
-    need = pool.layout.num_blocks_for(min(len(ids) + params.max_tokens, max_model_len))
-    if need > (total := pool.capacity("hbm")):
+    need = -(-min(len(ids) + params.max_tokens, max_model_len) // block_size)
+    if need > hbm_blocks:
         raise PoolExhausted(
-            f"request needs {need} KV blocks but the pool has only {total} in all; "
+            f"request needs {need} KV blocks but the pool has only {hbm_blocks} in all; "
             "give the engine more KV memory or ask for fewer tokens"
         )
     return ids
@@ -385,7 +387,8 @@ class Engine:
     def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         """Token ids of ``prompt``, or a ``ValueError``/``PoolExhausted`` naming the problem."""
         vocab = self.model_config.vocab_size
-        return check_request(prompt, params, self.tokenizer, vocab, self.max_model_len, self.pool)
+        blocks = (self.pool.block_size, self.pool.capacity())
+        return check_request(prompt, params, self.tokenizer, vocab, self.max_model_len, *blocks)
 
     def add_request(
         self,

@@ -4,8 +4,10 @@
 its role's recipe, puts the hbm pool tensor in shared memory so peers on this host can
 write KV into it one-sided, reports ``Ready`` to the frontend, and then loops: answer
 control messages, step the engine while it has work, push finished outputs (and
-hand-offs) to the frontend, send heartbeats. Its peers (:mod:`~.peering`) are reached as
-``RemotePool`` proxies, a peer's MemPool as a transfer sees it, so
+hand-offs) to the frontend. Heartbeats go to the frontend from a thread (``rpc.Beacon``),
+started before the engine is built: loading the model and a long step are work, not
+silence, and only a stopped or vanished process goes quiet. Its peers (:mod:`~.peering`)
+are reached as ``RemotePool`` proxies, a peer's MemPool as a transfer sees it, so
 ``MemPool.transfer(remote, ...)`` works across processes unchanged.
 
 What each instance holds for a peer is tracked (``Grants``: blocks it allocated for the
@@ -56,7 +58,7 @@ from .peering import Grants, PeerLinks, RemotePool
 logger = logging.getLogger(__name__)
 
 PEER = "peer"  # any instance the frontend announced
-# How long an idle instance blocks on its socket before checking its parent and heartbeat.
+# How long an idle instance blocks on its socket before checking its parent and the frontend.
 IDLE_POLL_S = 0.02
 # How often the loop checks that the launching process still exists.
 PARENT_CHECK_S = 0.5
@@ -159,7 +161,8 @@ class SharedMemPool(MemPool):
 
 class SessionOver(Exception):
     """A standalone instance's frontend went silent: the session ends, the instance waits for
-    the next frontend."""
+    the next frontend. The error a waiting instance answers its frontend's requests with (the
+    frontend then knows the session is over)."""
 
 
 def _control_node(
@@ -208,19 +211,30 @@ class InstanceServer:
     """One instance: engine, RPC node, peers, and the loop that drives them."""
 
     def __init__(self, spec: InstanceSpec, node: rpc.RpcNode | None = None) -> None:
-        """Build the engine and bind the control socket, or take over ``node`` (a standalone
-        instance's, already bound); does not announce itself yet."""
+        """Start the heartbeats, build the engine and bind the control socket, or take over
+        ``node`` (a standalone instance's, already bound); does not announce itself yet."""
         self.spec = spec
         self.name = spec.name
         self.stopping = False
         self.stop_reason = ""
         self.inbox: list[Request] = []
-        self.last_frontend = time.monotonic()  # when the frontend was last heard
+        self.last_frontend = time.monotonic()  # when the frontend was last heard (see announce)
         # recent hand-offs (request id -> decode instance), so the frontend can find the
         # requests a dead decode instance held even if our Handoff notice is still in flight
         self.handed: OrderedDict[str, str] = OrderedDict()
-        self._last_beat = self._last_parent_check = 0.0
+        self._last_parent_check = 0.0
         self._ppid = os.getppid()  # the frontend, or the forkserver that ends with it
+        # beats while the model loads and while a step runs; only a stopped process is silent
+        self.beacon = rpc.Beacon(spec.name, rpc.Codec(spec.secret), spec.heartbeat_s, spec.curve)
+        self.beacon.add(rpc.FRONTEND, spec.frontend)
+        try:
+            self._build(spec, node)
+        except BaseException:
+            self.beacon.close()
+            raise
+
+    def _build(self, spec: InstanceSpec, node: rpc.RpcNode | None) -> None:
+        """The engine, the control node and the peers."""
         self.engine = Engine(
             spec.model_dir,
             config=spec.config,
@@ -236,7 +250,7 @@ class InstanceServer:
         self.cache_events: list = []  # for the frontend's prompt tree of this instance
         if spec.role == parse_config_name(spec.config).milestone.roles[0]:
             self.pool.on_change = lambda added, toks: self.cache_events.append((added, toks))
-        self.node = node = _control_node(spec, node, self._handle, self._heartbeat)
+        self.node = node = _control_node(spec, node, self._handle, self._watch_parent)
         self.node.connect(rpc.FRONTEND, spec.frontend)
         self.nixl = nixl_endpoint(spec, self.pool)
         self.peers = PeerLinks(spec, node, self.pool, self._peer_down, self.nixl)
@@ -350,8 +364,6 @@ class InstanceServer:
         self.inbox.append(req)
 
     def _on_query(self, sender: str, m: rpc.Query) -> rpc.Info:
-        if m.what == "validate":  # engine.validate refuses params=None
-            return rpc.Info({"ids": self.engine.validate(m.prompt, m.params)})
         if m.what == "check":
             try:
                 self.pool.check()
@@ -429,16 +441,14 @@ class InstanceServer:
             self.spec.transport,
             self.nixl.info() if self.nixl is not None else None,
         )
-        self.node.push(rpc.FRONTEND, rpc.Ready(info, os.getpid()))
+        ready = rpc.Ready(info, os.getpid(), self.engine.max_model_len, self.pool.capacity())
+        self.node.push(rpc.FRONTEND, ready)
+        self.last_frontend = time.monotonic()  # the session's silence clock starts now
 
-    def _heartbeat(self) -> None:
-        """Runs between steps and while waiting on a call: beat, and quit if orphaned."""
+    def _watch_parent(self) -> None:
+        """Runs between steps and while waiting on a call: quit if orphaned."""
         if not self._parent_alive():  # the frontend died without shutting us down
             raise SystemExit(f"{self.name}: the launching process is gone")
-        now = time.monotonic()
-        if now - self._last_beat >= self.spec.heartbeat_s:
-            self._last_beat = now
-            self.node.try_push(rpc.FRONTEND, rpc.Heartbeat())
 
     def _flush(self, outputs=()) -> None:
         if self.cache_events:  # first: the frontend reads them before the outputs they follow
@@ -459,7 +469,7 @@ class InstanceServer:
     def run(self) -> None:
         """Serve until told to stop, or until the launching process is gone."""
         while not self.stopping:
-            self._heartbeat()
+            self._watch_parent()
             if self.peers.pending:
                 self.peers.form()
             busy = bool(self.inbox) or self.engine.has_unfinished()
@@ -484,7 +494,8 @@ class InstanceServer:
         return os.getppid() == self._ppid and not process_gone(self.spec.parent_pid)
 
     def close(self) -> None:
-        """Release sockets and links, and unlink the shared pool segment."""
+        """Stop the heartbeats, release sockets and links, and unlink the shared pool segment."""
+        self.beacon.close()
         for link in self.peers.links.values():
             link.close()
         if self.nixl is not None:
@@ -601,8 +612,10 @@ def _await_join(
     }
 
     def handle(sender: str, msg: rpc.Msg) -> rpc.Msg | None:
-        if sender != rpc.FRONTEND or not isinstance(msg, rpc.Hello | rpc.Join) or joined:
+        if sender != rpc.FRONTEND or joined:
             raise PermissionError(f"a waiting instance takes no {type(msg).__name__}")
+        if not isinstance(msg, rpc.Hello | rpc.Join):  # a frontend that has not noticed yet
+            raise SessionOver(f"{node.name} has no session: it waits to be joined")
         if isinstance(msg, rpc.Hello):
             return rpc.Info(hello)
         joined.append(_check_join(msg, opts))

@@ -34,7 +34,8 @@ SHUTDOWN_GRACE_S = 5.0
 FORKSERVER_PRELOAD = ("minimemserve.disagg.instance",)
 # How long a frontend waits for a standalone instance's answer before asking again.
 HELLO_RETRY_S = 2.0
-# Missed heartbeats tolerated: a long CPU prefill step sends none while it runs.
+# Silence after which an instance is declared dead: its heartbeats come from a thread, so
+# only a stopped, wedged or cut-off process is this quiet, never a busy one.
 DEFAULT_HEARTBEAT_TIMEOUT_S = 20.0
 # pair transports whose links an instance forms (and reports in its "links")
 LINKED = ("gloo", "nixl")
@@ -54,6 +55,8 @@ class InstanceInfo:
     host: str = ""  # its host's identity (instance.host_identity)
     transport: str = "auto"  # the KV transport it asks for
     nixl: rpc.NixlInfo | None = None  # its NIXL agent, when it has one
+    max_model_len: int = 0  # the longest context it holds (from Ready)
+    hbm_blocks: int = 0  # the blocks of its hbm pool (from Ready)
 
     def peer_info(self) -> rpc.PeerInfo:
         """How its peers reach it."""
@@ -378,5 +381,6 @@ class Launcher:
             info.transport,
             info.nixl,
         )
+        inst.max_model_len, inst.hbm_blocks = msg.max_model_len, msg.hbm_blocks
         inst.ready = True
         self.beacon.add(inst.name, inst.address)

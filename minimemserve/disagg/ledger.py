@@ -30,6 +30,7 @@ class Inflight:
 
     req: Request
     where: str = ""
+    answer_from: str = ""  # the instance whose answer to its Submit has not come yet
     reruns: int = 0
     streamed: int = 0  # output tokens taken by take_deltas() so far
     pending: dict[int, tuple[int, Any]] = field(default_factory=dict)  # position -> (token, lp)
@@ -80,9 +81,10 @@ class Ledger:
                 f.where = to
 
     def lost(self, name: str, error: str) -> None:
-        """Instance ``name`` died: re-run or end every request it held."""
+        """Instance ``name`` died: re-run or end every request it held. One whose Submit it
+        has not answered is left to that answer (a refusal means it never started there)."""
         for rid, f in list(self.inflight.items()):
-            if f.where == name:
+            if f.where == name and f.answer_from != name:
                 self.recover(rid, f, error)
 
     def on_output(self, sender: str, msg: rpc.Output) -> None:

@@ -1,6 +1,14 @@
 """Who in a process deployment is alive: exit codes and heartbeats watched, a death told to
 every survivor and to the request ledger, and standalone instances that come back after
-being declared dead taken back (asked to join again, relinked, routed to)."""
+being declared dead taken back (asked to join again, relinked, routed to).
+
+The rule: any authentic frame from an instance (a heartbeat, a reply, a report) shows it is
+alive, and its heartbeats come from a thread that does not wait for its model to load or its
+step to end; so an instance is declared dead only when its process exited, or when nothing
+came from it for ``heartbeat_timeout_s`` (stopped, wedged, cut off). A step that hangs
+inside, on a peer or a collective, ends on that wait's own deadline. An instance that ended
+its session on its own (it says so with ``Rejoin``, or refuses a request as waiting) counts
+as dead until it has joined again: nothing is routed to it meanwhile."""
 
 from __future__ import annotations
 
@@ -32,53 +40,68 @@ class Membership:
         self.ledger = ledger
         self.entry_role = entry_role
         self.dead = ledger.dead  # instance name -> why it died
-        self.last_heard = dict.fromkeys(launcher.instances, time.monotonic())
+        self.started = time.monotonic()  # silence counts from here for one never heard
         # standalone instances declared dead, that may come back: gone (nothing heard),
-        # back (it said it is waiting again), joining (asked to join again, at a time)
+        # back (it said it is waiting again), joining (asked to join again, at a time);
+        # ended: live ones that said they ended their session (name -> why), to be declared dead
         self.gone: set[str] = set()
         self.back: set[str] = set()
         self.joining: dict[str, float] = {}
+        self.ended: dict[str, str] = {}
         self.num_rejoins = 0  # instances taken back after they were declared dead
 
     def admits(self, sender: str, msg: rpc.Msg) -> bool:
-        """Whether ``sender`` may send ``msg`` now (a dead instance only its way back); a
-        message admitted counts as hearing from it."""
+        """Whether ``sender`` may send ``msg`` now (a dead instance only its way back)."""
         back = (type(msg) is rpc.Rejoin and sender in self.gone) or (
             type(msg) is rpc.Ready and sender in self.joining
         )
-        if sender not in self.instances or (sender in self.dead and not back):
-            return False
-        self.last_heard[sender] = time.monotonic()
-        return True
+        return sender in self.instances and (sender not in self.dead or back)
+
+    def silent(self, name: str, since: float) -> float:
+        """How long nothing came from ``name``, up to the frontend's last read of its socket
+        (not up to now: a caller that has not stepped for a while has not read the heartbeats,
+        and blames nobody), counting from ``since`` at the earliest."""
+        return self.node.drained_at - max(since, self.node.heard.get(name, since))
 
     def monitor(self) -> dict[str, str]:
-        """Check every instance (exit code, heartbeat); handle deaths. Returns :attr:`dead`.
-        Silence counts up to the frontend's last read of its socket, not up to now: a caller
-        that has not stepped for a while has not read the heartbeats, and blames nobody."""
-        now, read = time.monotonic(), self.node.drained_at
+        """Check every instance (exit code, heartbeat); handle deaths. Returns :attr:`dead`."""
+        timeout = self.spec.heartbeat_timeout_s
+        for name, why in list(self.ended.items()):
+            del self.ended[name]
+            self.end_session(name, why)
         for inst in [i for i in self.instances.values() if i.name not in self.dead]:
             if inst.process is not None and not inst.process.is_alive():
                 self._on_death(inst, f"process exited with code {inst.process.exitcode}")
-            elif read - self.last_heard.get(inst.name, read) > self.spec.heartbeat_timeout_s:
+            elif self.silent(inst.name, self.started) > timeout:
                 # should it wake up, it drops this session and rejoins (spawned ones too)
                 self.node.try_push(inst.name, rpc.Shutdown("declared dead: no heartbeat"))
                 self.gone.add(inst.name)
-                self._on_death(inst, f"no heartbeat for {self.spec.heartbeat_timeout_s:g} s")
+                self._on_death(inst, f"no heartbeat for {timeout:g} s")
         for name in list(self.back):
             self._ask_back(self.instances[name])
         for name, asked in list(self.joining.items()):
             if self.instances[name].ready:
                 self._revive(self.instances[name])
-            elif now - asked > self.spec.timeout_s:  # it never got ready: wait for its next Rejoin
+            elif self.silent(name, asked) > timeout:  # gone while it loaded: wait for a Rejoin
                 del self.joining[name]
                 self.gone.add(name)
         return self.dead
 
     def on_rejoin(self, sender: str, msg: rpc.Rejoin) -> None:
-        """A standalone instance declared dead is waiting again: ``monitor`` asks it back."""
+        """A standalone instance is waiting: one declared dead is asked back by ``monitor``;
+        one thought alive ended its session, and ``monitor`` declares it dead first."""
         if sender in self.gone:
             self.gone.discard(sender)
             self.back.add(sender)  # monitor() asks it to join (a handler must not call)
+        elif sender not in self.dead:
+            self.ended[sender] = "it ended its session"
+
+    def end_session(self, name: str, why: str) -> None:
+        """Instance ``name`` ended its session on its own (``why``): it is dead until it has
+        joined again, which it is asked to do."""
+        if name not in self.dead:
+            self._on_death(self.instances[name], why)
+            self.back.add(name)
 
     def declare_dead(self, name: str, reason: str) -> None:
         """An instance its manager (Ray) reports dead: handled as a process that exited; it may
@@ -130,7 +153,7 @@ class Membership:
             self.gone.add(inst.name)
             return
         del self.dead[inst.name]
-        self.last_heard[inst.name] = time.monotonic()
+        self.node.heard[inst.name] = time.monotonic()
         if inst.role == self.entry_role:
             self.scheduler.add(inst.name)
         logger.warning("instance %s (%s) rejoined", inst.name, inst.role)

@@ -1,15 +1,23 @@
 """Routing of a process deployment's requests: the global scheduler picks an entry instance
 among the live ones (after the prefix push it may ask for, from the instance holding most of
-the prompt), and the request is submitted there and entered in the ledger."""
+the prompt), and the request is submitted there and entered in the ledger.
+
+A submission does not wait for the instance's answer: an instance answers between its steps,
+and one step can take seconds (a long prompt on a CPU) or more. The request is queued on its
+instance at once, and the answer is handled when it comes, at a later ``serve`` of the
+frontend: an instance that ended its session refused it, so it goes elsewhere (it had not
+started); any other refusal ends it with the error. The frontend checks every request before
+it is submitted, so that refusal does not happen to a request it could check."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import InstanceDied, MiniMemServeError, TransferError
 from ..scheduler.global_scheduler import GlobalScheduler, Route
 from . import rpc
+from .instance import SessionOver
 from .launch import InstanceInfo
 from .ledger import Inflight, Ledger
 
@@ -18,7 +26,9 @@ logger = logging.getLogger(__name__)
 
 class Router:
     """Routes and submits requests through ``node`` with ``scheduler``; ``roles`` must each
-    have a live instance of ``instances`` (the ledger's ``dead`` says which died)."""
+    have a live instance of ``instances`` (the ledger's ``dead`` says which died);
+    ``ended(name, why)`` is told of an instance that refused a request because it ended its
+    session."""
 
     def __init__(
         self,
@@ -27,8 +37,10 @@ class Router:
         ledger: Ledger,
         instances: Mapping[str, InstanceInfo],
         roles: Sequence[str],
+        ended: Callable[[str, str], None],
     ) -> None:
         self.node = node
+        self.ended = ended
         self.scheduler = scheduler
         self.ledger = ledger
         self.instances = instances
@@ -63,17 +75,47 @@ class Router:
         return self.scheduler.landed(route, prompt)
 
     def submit(self, route: Route, rid: str, f: Inflight) -> None:
-        """Send a request where ``route`` says; it is in flight from before the call."""
+        """Send a request where ``route`` says, without waiting for the answer (see the
+        module's docstring); it is in flight from before it is sent."""
         self.ledger.inflight[rid] = f
-        f.where = route.instance
-        # before the call: the instance may report on it as soon as it has the request
+        f.where = f.answer_from = route.instance
+        # before sending: the instance may report on it as soon as it has the request
         self.scheduler.dispatched(rid, route, f.req.num_prompt, f.req.params.max_tokens)
+        to, msg = route.instance, rpc.Submit(rpc.RequestState.of(f.req))
         try:
-            self.node.call(route.instance, rpc.Submit(rpc.RequestState.of(f.req)))
+            self.node.send(to, msg, lambda reply: self._answered(rid, f, to, reply))
         except BaseException:
             self.ledger.inflight.pop(rid, None)
             self.scheduler.finished(rid)
             raise
+
+    def _answered(self, rid: str, f: Inflight, to: str, reply: rpc.Msg) -> None:
+        """``to``'s answer to the Submit of ``f``: taken, the request runs there (and is
+        recovered if ``to`` died meanwhile, see ``Ledger.lost``); refused by an instance that
+        ended its session, it goes elsewhere; refused otherwise, it ends with the error."""
+        if self.ledger.inflight.get(rid) is not f or f.answer_from != to:
+            return  # ended or aborted meanwhile
+        f.answer_from = ""
+        refused = isinstance(reply, rpc.Error)
+        if refused and reply.kind == SessionOver.__name__:
+            self.ledger.inflight.pop(rid)
+            self.scheduler.finished(rid)
+            logger.warning("%s refused %s: %s; routing it again", to, rid, reply.message)
+            self.ended(to, f"it ended its session ({reply.message})")
+            self._reroute(rid, f)
+        elif to in self.dead and f.where == to:  # taken, or not, by an instance that died
+            self.ledger.recover(rid, f, f"InstanceDied: instance {to} died ({self.dead[to]})")
+        elif refused:
+            self.ledger.inflight.pop(rid)
+            self.scheduler.finished(rid)
+            self.ledger.done.append(f.end("error", f"{reply.kind}: {reply.message}"))
+
+    def _reroute(self, rid: str, f: Inflight) -> None:
+        """Submit a request no instance started elsewhere, or end it if none can take it."""
+        try:
+            self.resubmit(rid, f)
+        except (TransferError, MiniMemServeError) as e:
+            self.ledger.done.append(f.end("error", f"{type(e).__name__}: {e}"))
 
     def resubmit(self, rid: str, f: Inflight) -> str:
         """Route and send a request again; the instance it went to."""

@@ -147,10 +147,13 @@ class PeerInfo(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Ready(Msg):
-    """An instance is up (sent to the frontend)."""
+    """An instance is up (sent to the frontend), with the longest context it holds and the
+    blocks of its hbm pool (the frontend checks requests against them)."""
 
     info: PeerInfo
     pid: Count
+    max_model_len: Count
+    hbm_blocks: Count
 
 
 class Peers(Msg):
@@ -299,11 +302,9 @@ class AbortRequest(Msg):
 
 
 class Query(Msg):
-    """Ask for ``what``; ``validate`` checks ``prompt`` with ``params`` against the instance."""
+    """Ask for ``what``: the instance's stats, its pool's audit, or its links once formed."""
 
-    what: Literal["stats", "check", "validate", "links"]
-    prompt: Ids = []
-    params: SamplingParams | None = None
+    what: Literal["stats", "check", "links"]
 
 
 class Info(Msg):
@@ -523,8 +524,10 @@ class RpcNode:
     that arrives while this node waits on a :meth:`call` is queued, and handled (and answered)
     by the next :meth:`serve` made outside a call: its handler may call, and never runs inside
     another handler's or the owner's call; the others are handled at once and must not call.
+    The replies to requests sent with :meth:`send` are handed to their callbacks the same way.
     Frames addressed to another name than :attr:`name` (unless ``any_recipient``: a standalone
-    instance waiting to be named) or not fresh are dropped unanswered. Not thread-safe."""
+    instance waiting to be named) or not fresh are dropped unanswered; every other authentic
+    frame, reply or not, counts as hearing from its sender (:attr:`heard`). Not thread-safe."""
 
     def __init__(
         self,
@@ -557,8 +560,11 @@ class RpcNode:
         self.any_recipient = False
         self.drained_at = time.monotonic()  # when every frame sent to us before was read
         self.dead: dict[str, str] = {}  # peer name -> why it is considered dead
+        self.heard: dict[str, float] = {}  # sender -> when its last authentic frame was read
         self.deferred: frozenset[type[Msg]] = frozenset()  # handled outside calls only
         self._queued: deque[tuple[bytes, Envelope]] = deque()
+        self._sent: dict[tuple[str, int], Callable[[Msg], None]] = {}  # (peer, seq) -> callback
+        self._answers: deque[tuple[Callable[[Msg], None], Msg]] = deque()
         self._calls = 0  # calls this node is waiting on (nested through handlers)
         self._fresh = Freshness()
         self._peers: dict[str, tuple[zmq.Socket, Stream]] = {}
@@ -595,22 +601,37 @@ class RpcNode:
         self._peers[peer] = (sock, Stream())
 
     def disconnect(self, peer: str) -> None:
-        """Close the sending socket towards ``peer``, if any."""
+        """Close the sending socket towards ``peer``, if any; what was sent to it with
+        :meth:`send` and not answered yet is answered with an ``InstanceDied`` error."""
+        self._give_up(peer, f"the connection to {peer} was closed")
         if (old := self._peers.pop(peer, None)) is not None:
             old[0].close(linger=0)
+
+    def _give_up(self, peer: str, why: str) -> None:
+        """Answer every request :meth:`send` sent to ``peer`` that is still open with ``why``,
+        after taking the replies that came already."""
+        if (out := self._peers.get(peer)) is not None:
+            self._reply_to(peer, out[0], 0)
+        for key in [k for k in self._sent if k[0] == peer]:
+            self._answers.append((self._sent.pop(key), Error("InstanceDied", why)))
 
     def serve(self, timeout_s: float = 0.0) -> int:
         """Wait up to ``timeout_s`` for a message, then handle every queued one; the count.
         A wait shorter than the poll's one-millisecond grain waits that millisecond rather
-        than spinning."""
+        than spinning. Outside a call, the replies to :meth:`send` read so far go to their
+        callbacks first."""
         horizon = self._horizon()
         n = 0
-        while self._queued and not self._calls:  # what arrived while the owner waited
-            self._dispatch(*self._queued.popleft())
+        while (self._queued or self._answers) and not self._calls:  # what came while it waited
+            if self._answers:
+                callback, reply = self._answers.popleft()
+                callback(reply)
+            else:
+                self._dispatch(*self._queued.popleft())
             n += 1
         if n:
             timeout_s = 0.0
-        if not self._server.poll(max(0, math.ceil(timeout_s * 1000)), zmq.POLLIN):
+        if not self._poll_sent(timeout_s):
             self.drained_at = time.monotonic()
             return n
         while True:
@@ -623,6 +644,24 @@ class RpcNode:
             if len(frames) == 2:
                 self._handle(*frames, horizon)
 
+    def _poll_sent(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a frame on the listening socket or for a reply to a
+        :meth:`send` (read into the callbacks' queue); whether the listening socket has one."""
+        wait_ms = max(0, math.ceil(timeout_s * 1000))
+        if not self._sent:
+            return bool(self._server.poll(wait_ms, zmq.POLLIN))
+        for peer in {p for p, _ in self._sent if p in self.dead}:
+            self._give_up(peer, f"instance {peer} is dead ({self.dead[peer]})")
+        socks = {self._peers[p][0]: p for p, _ in self._sent if p in self._peers}
+        poller = zmq.Poller()
+        poller.register(self._server, zmq.POLLIN)
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
+        events = dict(poller.poll(wait_ms))
+        for sock in socks.keys() & events.keys():
+            self._reply_to(socks[sock], sock, 0)
+        return self._server in events
+
     def _horizon(self) -> float:
         """When this node last read every queued frame, on the wall clock (senders' clock)."""
         return time.time() - (time.monotonic() - self.drained_at)
@@ -630,6 +669,7 @@ class RpcNode:
     def _admit(self, env: Envelope, horizon: float) -> bool:
         """Whether an authentic frame is for this node and fresh; counts it if not."""
         if (env.to == self.name or self.any_recipient) and self._fresh.admit(env, horizon):
+            self.heard[env.sender] = time.monotonic()
             return True
         self.replayed += 1
         return False
@@ -694,6 +734,15 @@ class RpcNode:
             return False
         return True
 
+    def send(self, peer: str, msg: Msg, on_reply: Callable[[Msg], None]) -> None:
+        """Send a request to ``peer`` without waiting for its reply: a later :meth:`serve`
+        made outside a call hands ``on_reply`` the reply (an :class:`Error` if it failed), or
+        an ``Error`` of kind ``InstanceDied`` once ``peer`` is known dead or disconnected.
+        Raises as :meth:`push` when it cannot be sent."""
+        seq = next(self._seq)
+        self._send(peer, "req", seq, msg)
+        self._sent[(peer, seq)] = on_reply
+
     def call(self, peer: str, msg: Msg, timeout_s: float | None = None) -> Msg:
         """Send a request to ``peer`` and return its reply, serving incoming messages (queueing
         the :attr:`deferred` ones) and running ``on_wait`` meanwhile. Raises ``InstanceDied``
@@ -721,15 +770,16 @@ class RpcNode:
                 raise TransferError(f"instance {peer} did not answer {op} within {timeout_s:g} s")
             events = dict(poller.poll(int(min(left, WAIT_SLICE_S) * 1000) + 1))
             self.serve()  # also records that nothing waits unread
-            if sock in events and (reply := self._reply_to(sock, seq)) is not None:
+            if sock in events and (reply := self._reply_to(peer, sock, seq)) is not None:
                 if isinstance(reply, Error):
                     raise RemoteError(peer, op, reply.kind, reply.message)
                 return reply
             if self.on_wait is not None:
                 self.on_wait()
 
-    def _reply_to(self, sock: zmq.Socket, seq: int) -> Msg | None:
-        """The reply numbered ``seq`` among the frames waiting on ``sock``, if it came."""
+    def _reply_to(self, peer: str, sock: zmq.Socket, seq: int) -> Msg | None:
+        """The reply numbered ``seq`` among the frames waiting on ``sock`` (from ``peer``), if
+        it came; replies to :meth:`send` read on the way are queued for their callbacks."""
         while True:
             try:
                 env = self.codec.decode(sock.recv(zmq.NOBLOCK))
@@ -740,8 +790,13 @@ class RpcNode:
                 continue
             if not self._admit(env, self._horizon()):
                 continue
-            if env.kind == "rep" and env.seq == seq:  # others answer calls that timed out
+            if env.kind != "rep":
+                continue
+            if env.seq == seq:
                 return env.msg
+            if (callback := self._sent.pop((peer, env.seq), None)) is not None:
+                self._answers.append((callback, env.msg))
+            # any other reply answers a call that timed out
 
     def close(self) -> None:
         """Close every socket and the context. Idempotent. ``destroy`` also closes a socket an

@@ -16,7 +16,12 @@ it, sends it the deployment (``Join``) and treats it like a spawned one. KV move
 instances through shared memory when they are on one host, else over a torch.distributed pair
 group formed through a ``TCPStore`` the frontend hosts; ``transport`` forces one.
 
-Faults: the frontend watches exit codes and heartbeats. When an instance dies it is named
+Requests are checked here, against the limits every instance reported when it got ready,
+and submitted without waiting for the instance's answer (see :mod:`~.routing`): an instance
+in the middle of a long step does not hold up the frontend.
+
+Faults: the frontend watches exit codes and heartbeats (see :mod:`~.membership` for the
+rule: a busy instance is alive, a silent one is not). When an instance dies it is named
 (log, :attr:`ProcessCluster.dead`, the error of affected requests), its shared segment
 unlinked, every other instance told (they release what they held for it), and its requests
 re-run elsewhere when possible, else ended with ``finish_reason="error"``."""
@@ -36,18 +41,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import EngineConfig, parse_config_name
+from ..engine import check_request
 from ..errors import (
     ConfigError,
     InstanceDied,
     InvalidRequest,
-    PoolExhausted,
-    RemoteError,
 )
 from ..mempool import TIERS, PoolAccountingError
 from ..model.config import ModelConfig
 from ..model.tokenizer import Tokenizer
 from ..request import Request, RequestOutput, TokenDelta
-from ..sampling import INT64_LIMIT, SamplingParams
+from ..sampling import SamplingParams
 from ..scheduler.global_scheduler import (
     DEFAULT_TTL_S,
     Cost,
@@ -74,8 +78,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
 # How long step() waits for a finished request before returning an empty list.
 STEP_WAIT_S = 0.005
-# Exceptions an instance may raise for a bad request, re-raised here under their own class.
-_REQUEST_ERRORS = {c.__name__: c for c in (InvalidRequest, PoolExhausted, ConfigError)}
 
 
 class ProcessCluster:
@@ -188,7 +190,12 @@ class ProcessCluster:
             lambda rid, f: self.router.resubmit(rid, f),
         )
         self.router = Router(
-            self.node, self.scheduler, self.ledger, self.instances, milestone.roles
+            self.node,
+            self.scheduler,
+            self.ledger,
+            self.instances,
+            milestone.roles,
+            lambda name, why: self.membership.end_session(name, why),
         )
         self._handlers |= {
             rpc.Output: self.ledger.on_output,
@@ -280,17 +287,14 @@ class ProcessCluster:
 
     # ---- engine API ------------------------------------------------------------------------
     def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        """Token ids of ``prompt``, or the instance's exception naming the problem."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = _prompt_ids(self.tokenizer, prompt)
-        if not (live := [n for n in self.instances if n not in self.dead]):
+        """Token ids of ``prompt``, or an exception naming the problem; checked here (no
+        instance is asked) against the smallest context and pool of the live instances."""
+        if not (live := [i for i in self.instances.values() if i.name not in self.dead]):
             raise InstanceDied(f"every instance died: {self.dead}")
-        try:
-            info = self.node.call(live[0], rpc.Query("validate", ids, params))
-        except RemoteError as e:
-            _raise_remote(e)
-        return list(info.data["ids"])
+        mml = min(i.max_model_len for i in live)
+        blocks = (self.engine_config.block_size, min(i.hbm_blocks for i in live))
+        vocab = self.ledger.vocab_size
+        return check_request(prompt, params, self.tokenizer, vocab, mml, *blocks)
 
     def add_request(
         self,
@@ -302,18 +306,13 @@ class ProcessCluster:
         """Route and queue a request; returns its id. Bad requests raise here."""
         if self._closed:
             raise RuntimeError("the cluster is closed")
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = _prompt_ids(self.tokenizer, prompt)
+        self.monitor()
+        ids = self.validate(prompt, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.ledger.inflight:
             raise InvalidRequest(f"request id {rid!r} is already in use")
-        self.monitor()
         f = Inflight(Request(rid, ids, params, arrival_time or time.perf_counter()))
-        try:
-            self.router.submit(self.router.route(ids, params.max_tokens), rid, f)
-        except RemoteError as e:
-            _raise_remote(e)
+        self.router.submit(self.router.route(ids, params.max_tokens), rid, f)
         return rid
 
     def step(self) -> list[RequestOutput]:
@@ -396,13 +395,6 @@ def _sigterm_as_interrupt():
     return signal.signal(signal.SIGTERM, on_term)
 
 
-def _raise_remote(e: RemoteError) -> None:
-    """Raise an instance's error for a bad request under its own class, else ``e``."""
-    if (cls := _REQUEST_ERRORS.get(e.kind)) is not None:
-        raise cls(e.remote_message) from None
-    raise e
-
-
 def _pool_problems(reports: dict[str, dict], require_idle: bool) -> list[str]:
     """What the instances' pool audits found wrong (with ``require_idle``, blocks still
     referenced outside the cache index too)."""
@@ -414,12 +406,3 @@ def _pool_problems(reports: dict[str, dict], require_idle: bool) -> list[str]:
             if require_idle and tier in TIERS and counts["referenced"]:
                 problems.append(f"{name}: {counts['referenced']} {tier} blocks referenced")
     return problems
-
-
-def _prompt_ids(tokenizer: Tokenizer, prompt: str | Sequence[int]) -> list[int]:
-    """Token ids of ``prompt``; ids no message may carry are refused here (the instance
-    checks the model's vocabulary)."""
-    ids = tokenizer.prompt_ids(prompt)
-    if bad := [t for t in ids if not 0 <= t < INT64_LIMIT]:
-        raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary")
-    return ids

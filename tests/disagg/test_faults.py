@@ -205,30 +205,35 @@ def _alive(pid: int) -> bool:
     return _state(pid) not in ("", "Z", "X")
 
 
-def test_a_spawned_instance_declared_dead_by_mistake_rejoins(tiny_llama_dir):
+@pytest.mark.parametrize("load", ["fast", "slow"])
+def test_a_spawned_instance_declared_dead_by_mistake_rejoins(tiny_llama_dir, slow_engines, load):
     """D0 stalls (SIGSTOP) past the heartbeat timeout while a request runs on it: it is
-    declared dead and its request ends naming it; woken, it drops that session, waits, is
-    joined again, and serves with the same tokens as before; pools balance."""
+    declared dead within the timeout and a beat, and its request ends naming it; woken, it
+    drops that session, waits, is joined again (rebuilding its engine, slower than the
+    timeout with ``slow``), and serves with the same tokens as before; pools balance."""
     params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     short = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     ref = LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS).generate(prompts(1), short)
+    if load == "slow":
+        slow_engines("decode", load_s=2 * SLOW_S, step_s=0)
     with ProcessCluster(
         tiny_llama_dir,
         "1P1D-CC",
         engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
         timeout_s=TIMEOUT_S,
         heartbeat_timeout_s=2.0,
-        start_method="forkserver",
+        start_method="forkserver" if load == "fast" else "spawn",
     ) as c:
         rid = c.add_request(prompts(1, seed=5)[0], params)
         wait_until_on_decode(c, [rid])
         pid = c.instances["D0"].process.pid
         os.kill(pid, signal.SIGSTOP)
-        outs, deadline = [], time.monotonic() + WAIT_S
+        outs, t0, deadline = [], time.monotonic(), time.monotonic() + WAIT_S
         while "D0" not in c.dead and time.monotonic() < deadline:
             outs += c.step()
+        assert time.monotonic() - t0 < c.heartbeat_timeout_s + 1.0, c.dead
         os.kill(pid, signal.SIGCONT)
-        while "D0" in c.dead and time.monotonic() < deadline + WAIT_S:
+        while "D0" in c.dead and time.monotonic() < deadline + WAIT_S + 2 * SLOW_S:
             outs += c.step()
         assert not c.dead and c.num_rejoins == 1 and c.instances["D0"].process.pid == pid
         (out,) = outs + c.run_until_done(timeout_s=WAIT_S)
@@ -236,4 +241,134 @@ def test_a_spawned_instance_declared_dead_by_mistake_rejoins(tiny_llama_dir):
         c.add_request(prompts(1)[0], short)
         (out,) = c.run_until_done(timeout_s=WAIT_S)
         assert out.token_ids == ref[0].token_ids and out.metrics.decode_instance == "D0"
+        c.check_pools(require_idle=True)
+
+
+# Loaded by every process started with its directory on PYTHONPATH: once minimemserve.engine
+# is imported there, an engine of a role in SLOW_ROLES takes SLOW_LOAD_S longer to build and
+# SLOW_STEP_S longer per step (sleeping, as a step waiting on a GPU would).
+SLOW_HOOK = """
+import importlib.abc, importlib.util, os, sys, time
+
+class SlowEngines(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "minimemserve.engine":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            slow(module.Engine)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+def slow(cls):
+    roles = os.environ["SLOW_ROLES"].split(",")
+    init, step = cls.__init__, cls.step
+
+    def slow_init(self, *args, **kwargs):
+        if kwargs.get("role") in roles:
+            time.sleep(float(os.environ["SLOW_LOAD_S"]))
+        init(self, *args, **kwargs)
+
+    def slow_step(self):
+        if self.role in roles:
+            time.sleep(float(os.environ["SLOW_STEP_S"]))
+        return step(self)
+
+    cls.__init__, cls.step = slow_init, slow_step
+
+sys.meta_path.insert(0, SlowEngines())
+"""
+HEARTBEAT_TIMEOUT_S = 1.0  # shorter than every slow load and step below
+SLOW_S = 4.0  # longer than the heartbeat timeout and the control-request timeout
+
+
+@pytest.fixture
+def slow_engines(tmp_path, monkeypatch):
+    """``slow(*roles, load_s, step_s)``: the engines of ``roles`` in instances spawned from
+    now on (start method ``spawn``) take ``load_s`` longer to build and ``step_s`` longer
+    per step."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_HOOK)
+
+    def slow(*roles: str, load_s: float = SLOW_S, step_s: float = SLOW_S) -> None:
+        path = f"{hook}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+        monkeypatch.setenv("PYTHONPATH", path)
+        monkeypatch.setenv("SLOW_ROLES", ",".join(roles))
+        monkeypatch.setenv("SLOW_LOAD_S", str(load_s))
+        monkeypatch.setenv("SLOW_STEP_S", str(step_s))
+
+    return slow
+
+
+@pytest.mark.parametrize("config, slow", [("PD", "colocated"), ("1P1D", "prefill")])
+def test_a_busy_instance_is_not_a_dead_one(tiny_llama_dir, slow_engines, config, slow):
+    """Loading the model and every step of the entry instance take 4 s, four times the
+    heartbeat timeout and longer than a control request may wait: the requests all finish,
+    nobody is declared dead, nothing re-runs, and a request added during a step is queued
+    without waiting for the step to end."""
+    slow_engines(slow)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    ps = prompts(2, seed=6)
+    ref = LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS).generate(ps, params)
+    with ProcessCluster(
+        tiny_llama_dir,
+        config,
+        num_colocated=1,
+        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        timeout_s=TIMEOUT_S,
+        heartbeat_s=0.2,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+    ) as c:
+        c.add_request(ps[0], params, request_id="r0")
+        time.sleep(1.0)  # the entry instance is in its first step
+        t0 = time.monotonic()
+        c.add_request(ps[1], params, request_id="r1")
+        assert time.monotonic() - t0 < SLOW_S / 4
+        outs = {o.request_id: o for o in c.run_until_done(timeout_s=60)}
+        assert not c.dead and c.num_reruns == 0 and c.num_rejoins == 0
+        for i, r in enumerate(ref):
+            assert outs[f"r{i}"].finish_reason == "length", outs[f"r{i}"].error
+            assert outs[f"r{i}"].token_ids == r.token_ids
+        c.check_pools(require_idle=True)
+
+
+def test_an_instance_that_ended_its_session_is_not_routed_to_until_it_rejoined(tiny_llama_dir):
+    """C0 stops hearing the frontend and ends its session on its own: the requests the
+    frontend sent it before it noticed are refused as "waiting" and go to C1 (nothing ran
+    on C0, so nothing re-runs); C0 is declared dead for it, joined again, and serves."""
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    ps = prompts(4, seed=7)
+    ref = LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS).generate(ps, params)
+    with ProcessCluster(
+        tiny_llama_dir,
+        "PD",
+        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        timeout_s=TIMEOUT_S,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+        start_method="forkserver",
+    ) as c:
+        c.launcher.beacon.remove("C0")  # C0 hears nothing more from the frontend
+        time.sleep(3 * HEARTBEAT_TIMEOUT_S)  # it gives up; the frontend reads nothing meanwhile
+        rids = [c.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(ps)]
+        assert "C0" in {c.location(r) for r in rids}  # the frontend has not noticed yet
+        outs = {o.request_id: o for o in c.run_until_done(timeout_s=WAIT_S)}
+        assert c.num_reruns == 0
+        for i, r in enumerate(ref):
+            assert outs[f"r{i}"].finish_reason == "length", outs[f"r{i}"].error
+            assert outs[f"r{i}"].token_ids == r.token_ids
+            assert outs[f"r{i}"].metrics.prefill_instance == "C1"
+        deadline = time.monotonic() + WAIT_S
+        while (c.dead or not c.num_rejoins) and time.monotonic() < deadline:
+            c.step()
+        assert not c.dead and c.num_rejoins == 1
+        rids = [c.add_request(p, params) for p in ps]
+        assert {c.location(r) for r in rids} == {"C0", "C1"}
+        outs = c.run_until_done(timeout_s=WAIT_S)
+        assert [o.finish_reason for o in outs] == ["length"] * len(ps)
         c.check_pools(require_idle=True)

@@ -489,3 +489,45 @@ def test_every_pool_a_transfer_writes_into_speaks_one_protocol() -> None:
         assert remote.pool is remote and remote.model_layout == local.model_layout
     finally:
         remote.node.close()
+
+
+def test_a_request_sent_without_waiting_is_answered_at_a_later_serve() -> None:
+    """``send`` returns at once; the reply (or the error) goes to its callback at the next
+    ``serve`` outside a call, also when a ``call`` read it first; what a peer declared dead
+    never answered is given up with ``InstanceDied``; every frame counts as hearing from its
+    sender."""
+    receiver = _Receiver()
+    server = node("d", receiver)
+    client = node("c", lambda s, m: None)
+    client.connect("d", server.address)
+    got: list[tuple[str, rpc.Msg]] = []
+    try:
+        client.send("d", AllocRequest("a", None, 2), lambda m: got.append(("a", m)))
+        client.send("d", Abort("b", []), lambda m: got.append(("b", m)))
+        assert got == [] and "d" not in client.heard
+        deadline = time.monotonic() + JOIN_S
+        while server.serve(0.01) < 2 and time.monotonic() < deadline:
+            pass
+        while len(got) < 2 and time.monotonic() < deadline:
+            client.serve(0.01)
+        assert got[0] == ("a", AllocReply([], [100, 101]))
+        assert got[1][0] == "b" and got[1][1].kind == "KeyError"
+        assert "d" in client.heard and "c" in server.heard
+
+        client.send("d", AllocRequest("c", None, 1), lambda m: got.append(("c", m)))
+        thread = threading.Thread(target=lambda: [server.serve(0.2) for _ in range(10)])
+        thread.start()
+        assert client.call("d", Probe([1])).data == {"heard": ["c"]}  # read the reply to "c"
+        thread.join(JOIN_S)
+        assert len(got) == 2  # handed over at the next serve, not inside the call
+        client.serve()
+        assert got[2] == ("c", AllocReply([], [102]))
+
+        client.send("d", AllocRequest("d", None, 1), lambda m: got.append(("d", m)))
+        client.dead["d"] = "declared dead in a test"
+        client.serve()  # gives it up (the server never read it)
+        client.serve()
+        assert got[3][0] == "d" and got[3][1].kind == "InstanceDied"
+    finally:
+        client.close()
+        server.close()

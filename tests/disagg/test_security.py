@@ -46,7 +46,7 @@ def forged_messages(victim_file: str) -> list[tuple[str, rpc.Msg]]:
     out = RequestOutput("r-victim", [1], [66, 66], "forged", "stop", RequestMetrics(0.0))
     return [
         ("P0", rpc.Peers([fake])),  # attach a "segment" at an arbitrary path, reroute hand-offs
-        ("frontend", rpc.Ready(rpc.PeerInfo("D0", "decode", "tcp://127.0.0.1:9", handle), 1)),
+        ("frontend", rpc.Ready(rpc.PeerInfo("D0", "decode", "tcp://127.0.0.1:9", handle), 1, 9, 9)),
         ("P0", rpc.Shutdown("forged")),
         ("D0", rpc.Accept(state)),  # an out-of-vocabulary token
         ("frontend", rpc.Output(out)),  # a spoofed result
