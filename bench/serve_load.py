@@ -46,13 +46,14 @@ DRAIN_TIMEOUT_S = 120.0
 NUM_BLOCKS = 1024  # KV blocks per instance: 64 requests of up to 288 tokens fit
 
 
-def prompts(tok: Tokenizer, n: int) -> list[list[int]]:
-    """The first human message of ``n`` real ShareGPT conversations, as token ids."""
+def prompts(tok: Tokenizer, n: int, max_len: int = MAX_PROMPT_TOKENS) -> list[list[int]]:
+    """The first human message of ``n`` real ShareGPT conversations, as at most ``max_len``
+    token ids."""
     out = []
     for conv in iter_sharegpt():
         turns = [m["value"] for m in conv["conversations"] if m.get("from") == "human"]
         if turns and turns[0].strip():
-            out.append(tok.encode(turns[0])[:MAX_PROMPT_TOKENS])
+            out.append(tok.encode(turns[0])[:max_len])
             if len(out) == n:
                 return out
     raise RuntimeError("not enough ShareGPT conversations")
@@ -101,15 +102,19 @@ class Poller:
         return all(st and set(st) == {"200"} for st in self.status.values())
 
 
-def burst(url: str, tok: Tokenizer, pool: list[list[int]], n: int, params, poll_s: float) -> dict:
-    """``n`` streams started at once, /health and /metrics polled meanwhile; their outcome."""
-    target = HttpServing(url, tok)
+def burst(
+    url: str, tok: Tokenizer, pool: list[list[int]], n: int, params, poll_s: float, limit_s: float
+) -> dict:
+    """``n`` streams started at once, /health and /metrics polled meanwhile, for at most
+    ``limit_s`` (each stream may wait that long for its next bytes: queued ones wait long on
+    a busy machine); their outcome."""
+    target = HttpServing(url, tok, timeout_s=limit_s)
     start = time.perf_counter()
     with Poller(url, ("/health", "/metrics"), poll_s) as poller:
         rids = [target.add_request(pool[i % len(pool)], params, f"b{i}") for i in range(n)]
         outs = []
         with tqdm(total=n, desc=f"burst of {n}", unit="req") as bar:
-            while target.has_unfinished() and time.perf_counter() - start < DRAIN_TIMEOUT_S * 4:
+            while target.has_unfinished() and time.perf_counter() - start < limit_s:
                 got = target.step()
                 outs += got
                 bar.update(len(got))
@@ -266,9 +271,11 @@ def main() -> None:
     ap.add_argument("--poll-s", type=float, default=1.0, help="probe and scrape period")
     ap.add_argument("--burst", type=int, default=0, help="only N streams at once, polled")
     ap.add_argument("--num-blocks", type=int, default=NUM_BLOCKS, help="KV blocks per instance")
+    ap.add_argument("--prompt-tokens", type=int, default=MAX_PROMPT_TOKENS, help="prompt cut")
+    ap.add_argument("--limit-s", type=float, default=1200.0, help="longest a burst may run")
     args = ap.parse_args()
     tok = Tokenizer.from_dir(preset_dir("tiny"))
-    pool = prompts(tok, 512)
+    pool = prompts(tok, 512, args.prompt_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     if args.burst:
         return run_burst(args, tok, pool, params)
@@ -339,7 +346,7 @@ def run_burst(args, tok: Tokenizer, pool: list[list[int]], params: SamplingParam
         proc = start_server(config, port, args.num_blocks)
         try:
             rows[config] = burst(
-                f"http://127.0.0.1:{port}", tok, pool, args.burst, params, args.poll_s
+                f"http://127.0.0.1:{port}", tok, pool, args.burst, params, args.poll_s, args.limit_s
             )
         finally:
             proc.terminate()
