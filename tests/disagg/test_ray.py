@@ -6,6 +6,7 @@ restarted, and a deployment that cannot be placed."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import secrets
 import signal
@@ -78,6 +79,20 @@ def test_importing_the_package_imports_no_ray():
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 
+def test_ray_without_token_authentication_is_refused():
+    if importlib.util.find_spec("ray") is None:  # not imported here: see ray_cluster
+        pytest.skip("the ray extra is not installed")
+    code = (
+        "import types;"
+        "from minimemserve.disagg.ray_runtime import connect;"
+        "connect(types.SimpleNamespace(is_initialized=lambda: True), None)"
+    )
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path), "RAY_AUTH_MODE": "disabled"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
+    assert run.returncode != 0
+    assert b"ConfigError: Ray runs without token authentication" in run.stderr
+
+
 # ---- on a two-node Ray cluster ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_cluster():
@@ -85,7 +100,7 @@ def ray_cluster():
     ``decode_node``), with token authentication; torn down at the end."""
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # before Ray is imported: it reads them once
+    os.environ.update(env)  # before Ray is imported: it reads them once (no test imports it)
     ray = pytest.importorskip("ray", reason="the ray extra is not installed")
     from ray.cluster_utils import Cluster
 
