@@ -231,12 +231,9 @@ def write_random_llama(
 ) -> Path:
     """Write a random-weight Llama checkpoint with ``transformers`` into ``out_dir``.
 
-    The directory gets ``config.json`` (bos=1, eos=2), fp32 safetensors weights (split into
-    about ``shards`` files with an index when ``shards > 1``) and, if ``tokenizer_model`` is
-    given, a copy of it as ``tokenizer.model``; its size must equal ``vocab_size``. ``family``
-    (a key of :data:`HF_CLASSES`) picks the transformers classes that write it; ``head_dim``
-    defaults to ``hidden_size / num_attention_heads``.
-    """
+    The directory gets ``config.json`` (bos=1, eos=2), fp32 safetensors weights (in about
+    ``shards`` files) and, if ``tokenizer_model`` is given, a copy of it as ``tokenizer.model``
+    (of ``vocab_size`` pieces). ``family``, a key of :data:`HF_CLASSES`, picks the classes."""
     import transformers  # heavy: only writing needs it
 
     if family not in HF_CLASSES:
