@@ -115,7 +115,7 @@ def test_tensor_parallel_2_equals_hf_generate(tiny_llama_factory, hf_model_from_
 
 
 def test_a_family_from_outside_the_package_registers_and_runs(
-    tiny_llama_factory, hf_model_from_dir, tmp_path
+    tiny_llama_factory, hf_model_from_dir, tmp_path, monkeypatch
 ):
     """One class and one registration: a checkpoint naming the new architecture loads with it
     (here: Llama's math under another name, whose forward passes are counted)."""
@@ -137,17 +137,15 @@ def test_a_family_from_outside_the_package_registers_and_runs(
     with pytest.raises(CheckpointError, match="CountingLlamaForCausalLM.*LlamaForCausalLM"):
         LLM(tmp_path, num_blocks=32)
 
+    monkeypatch.setattr(registry, "_FAMILIES", dict(registry._FAMILIES))  # undone after
     registry.register(Family("counting", ("CountingLlamaForCausalLM",), CountingLlama))
-    try:
-        prompts = _prompts(2)
-        expected = hf_greedy(hf_model_from_dir(source), prompts, GREEDY.max_tokens)
-        with LLM(tmp_path, config="PD-CC", num_blocks=64) as llm:
-            assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
-        assert CountingLlama.forwards > 0
-        with pytest.raises(ConfigError, match="already"):
-            registry.register(Family("other", ("CountingLlamaForCausalLM",), CountingLlama))
-    finally:
-        registry.unregister("counting")
+    prompts = _prompts(2)
+    expected = hf_greedy(hf_model_from_dir(source), prompts, GREEDY.max_tokens)
+    with LLM(tmp_path, config="PD-CC", num_blocks=64) as llm:
+        assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
+    assert CountingLlama.forwards > 0
+    with pytest.raises(ConfigError, match="already"):
+        registry.register(Family("other", ("CountingLlamaForCausalLM",), CountingLlama))
 
 
 def _with_fast_tokenizer(model_dir, hf_tokenizer_files, out):
