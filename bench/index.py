@@ -38,6 +38,7 @@ import statistics
 import time
 from array import array
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -152,17 +153,29 @@ def summary(times: list[float]) -> dict[str, float]:
     return {"median_us": statistics.median(ordered), "p99_us": p99, "reps": len(ordered)}
 
 
-def bench_length(n: int, rng: random.Random, budget_s: float) -> dict[str, dict]:
-    """Match and insert times of every index for prompts of ``n`` tokens."""
+@dataclass
+class Indexes:
+    """Every index under test, each holding the background prompts and ``target``; ``fresh``
+    is a prompt none holds (what inserts add). ``pool`` holds ``held`` blocks to insert."""
+
+    target: array
+    fresh: array
+    values: list[int]
+    radix: RadixTree
+    turns: RadixTree  # target inserted in growing turns, as a conversation does
+    pool: MemPool
+    held: list[int]
+    chains: dict[str, HashChainIndex]
+
+
+def build_indexes(n: int, rng: random.Random) -> Indexes:
+    """The indexes for prompts of ``n`` tokens, filled."""
     bs = BLOCK_SIZE
     nb = n // bs
     background = [random_prompt(rng, n) for _ in range(BACKGROUND)]
     target = random_prompt(rng, n)
     fresh = random_prompt(rng, n)
     values = list(range(nb))
-    target_list = target.tolist()
-    fresh_list = fresh.tolist()
-
     radix = RadixTree(bs)
     turns = RadixTree(bs)
     for p in background:
@@ -178,68 +191,77 @@ def bench_length(n: int, rng: random.Random, budget_s: float) -> dict[str, dict]
         blocks = pool.alloc_mem(nb)
         pool.insert(p, blocks)
         pool.free_mem(blocks)
-    held = pool.alloc_mem(nb)
-    chains = {}
-    for kind in ("builtin", "sha256"):
-        chains[kind] = HashChainIndex(bs, kind)
+    chains = {kind: HashChainIndex(bs, kind) for kind in ("builtin", "sha256")}
+    for chain in chains.values():
         for p in background + [target]:
-            chains[kind].insert(p, values)
+            chain.insert(p, values)
+    return Indexes(target, fresh, values, radix, turns, pool, pool.alloc_mem(nb), chains)
 
-    def undo_radix(tree: RadixTree) -> Callable[[object], None]:
-        def undo(_: object) -> None:
-            node = tree.match_prefix(fresh, touch=False).nodes[0]
-            tree.remove(node)
 
-        return undo
+def _undo_radix(tree: RadixTree, fresh: array) -> Callable[[object], None]:
+    def undo(_: object) -> None:
+        tree.remove(tree.match_prefix(fresh, touch=False).nodes[0])
 
-    # name -> (match, undo of a match, insert, undo of an insert)
+    return undo
+
+
+def index_cases(ix: Indexes) -> dict[str, tuple]:
+    """name -> (match, undo of a match, insert, undo of an insert)."""
+    target, fresh, values, pool = ix.target, ix.fresh, ix.values, ix.pool
+    target_list, fresh_list = target.tolist(), fresh.tolist()
     cases = {
         "radix": (
-            lambda: radix.match_prefix(target),
+            lambda: ix.radix.match_prefix(target),
             None,
-            lambda: radix.insert(fresh, values),
-            undo_radix(radix),
+            lambda: ix.radix.insert(fresh, values),
+            _undo_radix(ix.radix, fresh),
         ),
         "radix (list)": (
-            lambda: radix.match_prefix(target_list),
+            lambda: ix.radix.match_prefix(target_list),
             None,
-            lambda: radix.insert(fresh_list, values),
-            undo_radix(radix),
+            lambda: ix.radix.insert(fresh_list, values),
+            _undo_radix(ix.radix, fresh),
         ),
         "radix (8 turns)": (
-            lambda: turns.match_prefix(target),
+            lambda: ix.turns.match_prefix(target),
             None,
-            lambda: turns.insert(fresh, values),
-            undo_radix(turns),
+            lambda: ix.turns.insert(fresh, values),
+            _undo_radix(ix.turns, fresh),
         ),
         "MemPool": (
             lambda: pool.match(target),
             pool.free_mem,
-            lambda: pool.insert(fresh, held),
+            lambda: pool.insert(fresh, ix.held),
             lambda _: pool.delete(fresh),
         ),
         "MemPool (cycle)": (
             lambda: pool.free_mem(pool.match(target)),
             None,
-            lambda: pool.insert(fresh, held),
+            lambda: pool.insert(fresh, ix.held),
             lambda _: pool.delete(fresh),
         ),
     }
-    for kind, chain in chains.items():
+    for kind, chain in ix.chains.items():
         cases[f"chain {kind}"] = (
             lambda c=chain: c.match(target),
             None,
             lambda c=chain: c.insert(fresh, values),
             chain.remove,
         )
-    # every index must find the whole target
-    assert len(radix.match_prefix(target).values) == nb
-    assert len(turns.match_prefix(target).values) == nb
-    assert pool.cached_prefix_len(target) == n
-    assert all(len(c.match(target)) == nb for c in chains.values())
+    return cases
 
+
+def bench_length(n: int, rng: random.Random, budget_s: float) -> dict[str, dict]:
+    """Match and insert times of every index for prompts of ``n`` tokens."""
+    ix = build_indexes(n, rng)
+    nb = n // BLOCK_SIZE
+    # every index must find the whole target
+    assert len(ix.radix.match_prefix(ix.target).values) == nb
+    assert len(ix.turns.match_prefix(ix.target).values) == nb
+    assert ix.pool.cached_prefix_len(ix.target) == n
+    assert all(len(c.match(ix.target)) == nb for c in ix.chains.values())
     out = {}
-    for name, (match, match_undo, insert, insert_undo) in cases.items():
+    for name, (match, match_undo, insert, insert_undo) in index_cases(ix).items():
         out[name] = {
             "match": summary(time_calls(match, match_undo, budget_s)),
             "insert": summary(time_calls(insert, insert_undo, budget_s)),
@@ -247,20 +269,8 @@ def bench_length(n: int, rng: random.Random, budget_s: float) -> dict[str, dict]
     return out
 
 
-def main() -> None:
-    """Time every index at every prompt length; print the table and targets, write JSON and
-    a plot."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="shorter timing per cell")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    budget_s = QUICK_CELL_BUDGET_S if args.quick else CELL_BUDGET_S
-    rng = random.Random(args.seed)
-
-    results: dict[int, dict] = {}
-    for n in tqdm(LENGTHS, desc="prompt lengths"):
-        results[n] = bench_length(n, rng, budget_s)
-
+def table_lines(results: dict[int, dict]) -> list[str]:
+    """The table of every index at every length, each beside radix."""
     header = (
         f"{'tokens':>6} {'index':<16} {'match med':>10} {'match p99':>10} "
         f"{'insert med':>10} {'insert p99':>10} {'match ×radix':>12} {'insert ×radix':>13}"
@@ -279,6 +289,24 @@ def main() -> None:
                 f"{m['median_us'] / base['match']['median_us']:>12.1f} "
                 f"{i['median_us'] / base['insert']['median_us']:>13.1f}"
             )
+    return lines
+
+
+def main() -> None:
+    """Time every index at every prompt length; print the table and targets, write JSON and
+    a plot."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter timing per cell")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    budget_s = QUICK_CELL_BUDGET_S if args.quick else CELL_BUDGET_S
+    rng = random.Random(args.seed)
+
+    results: dict[int, dict] = {}
+    for n in tqdm(LENGTHS, desc="prompt lengths"):
+        results[n] = bench_length(n, rng, budget_s)
+
+    lines = table_lines(results)
     at = results[TARGET_LENGTH]
     radix_match = at["radix"]["match"]["median_us"]
     pool_match = at["MemPool"]["match"]["median_us"]

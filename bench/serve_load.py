@@ -261,7 +261,39 @@ def plot(rows: dict[str, dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def print_table(rows: dict[str, dict]) -> None:
+    """The Markdown table of every configuration's row."""
+    head = (
+        "config",
+        "done",
+        "failed",
+        "lost",
+        "req/s",
+        "tok/s",
+        "in-proc tok/s (before, after)",
+        "LLM.generate tok/s",
+        "overhead",
+        "TTFT p50/p99 ms",
+        "ITL p50/p99 ms",
+        "TPOT p50/p99 ms",
+        "probes all 200",
+    )
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for c, r in rows.items():
+        print(
+            f"| {c} | {r['completed']} | {r['failed']} | {r['lost']} | {r['requests_per_s']:.2f} "
+            f"| {r['output_tokens_per_s']:.0f} | {r['in_process_tokens_per_s']:.0f} "
+            f"({', '.join(f'{v:.0f}' for v in r['in_process_runs_tokens_per_s'])}) "
+            f"| {r['generate_tokens_per_s']:.0f} "
+            f"| {100 * r['overhead']:.1f}% | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
+            f"| {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} "
+            f"| {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | {r['polls_ok']} |"
+        )
+        print(f"{c}: server / in-process output tokens/s = {1 - r['overhead']:.3f}")
+
+
 def main() -> None:
+    """Load-test each configuration over HTTP beside the in-process engine; print and write."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--duration", type=float, default=60.0)
@@ -301,33 +333,7 @@ def main() -> None:
         row["generate_tokens_per_s"] = generate_rate(llm, row.pop("prompts"), params)
         row["overhead"] = 1 - row["output_tokens_per_s"] / row["in_process_tokens_per_s"]
         rows[config] = row
-    head = (
-        "config",
-        "done",
-        "failed",
-        "lost",
-        "req/s",
-        "tok/s",
-        "in-proc tok/s (before, after)",
-        "LLM.generate tok/s",
-        "overhead",
-        "TTFT p50/p99 ms",
-        "ITL p50/p99 ms",
-        "TPOT p50/p99 ms",
-        "probes all 200",
-    )
-    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    for c, r in rows.items():
-        print(
-            f"| {c} | {r['completed']} | {r['failed']} | {r['lost']} | {r['requests_per_s']:.2f} "
-            f"| {r['output_tokens_per_s']:.0f} | {r['in_process_tokens_per_s']:.0f} "
-            f"({', '.join(f'{v:.0f}' for v in r['in_process_runs_tokens_per_s'])}) "
-            f"| {r['generate_tokens_per_s']:.0f} "
-            f"| {100 * r['overhead']:.1f}% | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
-            f"| {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} "
-            f"| {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | {r['polls_ok']} |"
-        )
-        print(f"{c}: server / in-process output tokens/s = {1 - r['overhead']:.3f}")
+    print_table(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     setup = {"clients": args.clients, "duration_s": args.duration, "max_tokens": args.max_tokens}

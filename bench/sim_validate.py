@@ -364,6 +364,26 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def simulate_runs(runs, points, contention, fitted, args, out: Path) -> list[dict]:
+    """The summary of each real run ``(repeat, config)`` simulated with the calibrations
+    before and after it."""
+    predicted = []
+    for (k, c), before, after in zip(runs, points, points[1:]):
+        setup = cpu_setup(fitted, **bracket(before, after, contention), scheduler=args.scheduler)
+        predicted.append(
+            run_sim(
+                setup,
+                [c],
+                num_sessions=args.sessions,
+                rate=args.rate,
+                seed=args.seed,
+                out_dir=out / "sim" / f"{c}-{k}",
+                verbose=False,
+            )["summaries"][c]
+        )
+    return predicted
+
+
 def main() -> None:
     """Fit (or load), run for real, simulate, compare."""
     args = parse_args()
@@ -390,20 +410,7 @@ def main() -> None:
     print(f"load average (1, 5, 15 min) before the real runs {load_before}, after {load_after}")
     factors = [p["contention"] for p in points]
     contention = Contention(**{k: float(np.median([f[k] for f in factors])) for k in factors[0]})
-    predicted = []
-    for (k, c), before, after in zip(runs, points, points[1:]):
-        setup = cpu_setup(fitted, **bracket(before, after, contention), scheduler=args.scheduler)
-        predicted.append(
-            run_sim(
-                setup,
-                [c],
-                num_sessions=args.sessions,
-                rate=args.rate,
-                seed=args.seed,
-                out_dir=out / "sim" / f"{c}-{k}",
-                verbose=False,
-            )["summaries"][c]
-        )
+    predicted = simulate_runs(runs, points, contention, fitted, args, out)
     mean = lambda summaries, c: {
         key: float(np.mean([s[key] for (_, ck), s in zip(runs, summaries) if ck == c]))
         for key, _ in METRICS

@@ -257,8 +257,8 @@ def print_mix(name: str, mix: dict, args) -> dict:
     return ratios
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Run both mixes, print the tables, write ``bench/results/throughput.json`` and a plot."""
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command's options (``--quick`` shrinks the run)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=64)
@@ -280,6 +280,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.prompts, args.output_tokens, args.hf_batch_sizes = 16, 16, "16"
     args.batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run both mixes, print the tables, write ``bench/results/throughput.json`` and a plot."""
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else preset_dir("tiny")
     tokenizer = Tokenizer.from_dir(model_dir)

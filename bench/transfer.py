@@ -523,33 +523,13 @@ def measure(fn, budget_s: float, min_reps: int, max_reps: int) -> list[float]:
     return [timed(fn) for _ in range(reps)]
 
 
-class Bench:
-    """P's side of the benchmark."""
+class RemoteDecoder:
+    """D as P reaches it: its process, the control node to it and the transports open to it
+    (shared-memory views of its pools, a gloo pair, a NIXL agent with D's pools loaded)."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, src: dict[str, torch.Tensor]) -> None:
         self.args = args
-        self.dtype = DTYPES[args.dtype]
-        self.layout = KVLayout(args.layers, args.block_size, args.kv_heads, args.head_dim)
-        self.n = self.layout.num_blocks_for(args.tokens)
-        self.max_c = max(args.concurrency)
-        self.pool_blocks = self.n * self.max_c
-        self.block_bytes = self.layout.block_bytes(self.dtype.itemsize)
-        self.request_bytes = self.n * self.block_bytes
-        g = torch.Generator().manual_seed(0)
-        src = torch.randn(self.layout.pool_shape(self.pool_blocks), generator=g)
-        self.src = {"agg": src.to(self.dtype)}  # [N, L, 2, bs, h, d]
-        # [L, 2, N, bs, h, d]: the same values in the per-layer layout
-        self.src["per_layer"] = self.src["agg"].permute(1, 2, 0, 3, 4, 5).contiguous()
-        self.src_ids = self._disjoint_ids(seed=1)
-        if args.dst_ids == "alloc":
-            self.dst_ids = self._allocated_ids(seed=2)
-        else:
-            self.dst_ids = self._disjoint_ids(seed=2)
-        self.dst_runs = sum(is_run(ids) for ids in self.dst_ids)
-        self.cells: list[Cell] = []
-        self.src_sums: dict[str, torch.Tensor] = {}  # layout -> [N, L, 2] piece checksums
-        self.memcpy_ms: dict[int, list[float]] = {}  # every baseline run, by concurrency
-        self.memcpy_bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.src = src
         self.node: rpc.RpcNode | None = None
         self.child: mp.Process | None = None
         self.shm: dict[str, torch.Tensor] = {}
@@ -558,27 +538,7 @@ class Bench:
         self.nixl_peer: Any = None  # D's agent as NIXL names it
         self.nixl_pools: dict[str, int] = {}  # D's pool addresses
 
-    def _disjoint_ids(self, seed: int) -> list[list[int]]:
-        g = torch.Generator().manual_seed(seed)
-        perm = torch.randperm(self.pool_blocks, generator=g).tolist()
-        return [perm[i * self.n : (i + 1) * self.n] for i in range(self.max_c)]
-
-    def _allocated_ids(self, seed: int) -> list[list[int]]:
-        """D's blocks as its pool hands them to incoming transfers: from an allocator whose
-        free list churn has put in random order, asking for one run per request."""
-        alloc = BlockAllocator(self.pool_blocks)
-        held = alloc.alloc(self.pool_blocks)
-        g = torch.Generator().manual_seed(seed)
-        alloc.decref([held[i] for i in torch.randperm(len(held), generator=g).tolist()])
-        return [alloc.alloc(self.n, contiguous=True) for _ in range(self.max_c)]
-
-    def key(self, mode: str) -> str:
-        """Pool layout ``mode`` uses: "per_layer" for by_request, else "agg"."""
-        return "per_layer" if mode == TransferMode.BY_REQUEST.value else "agg"
-
-    # -- D process
-
-    def start_decoder(self, link: Link) -> None:
+    def start(self, link: Link) -> None:
         """Spawn D (in ``link``'s namespace), connect to it, have it create its pools, and open
         the shm / gloo transports asked for."""
         ctx = mp.get_context("spawn")
@@ -624,7 +584,7 @@ class Bench:
             self.nixl_peer = self.nixl.load(pools.metadata)
             self.nixl_pools = {"agg": pools.agg, "per_layer": pools.per_layer}
 
-    def stop_decoder(self) -> None:
+    def stop(self) -> None:
         """Close the transports, tell D to stop and wait for it (killed after 30 s, or at once
         when it does not answer: an error or a signal that cut a gloo round short leaves D
         waiting inside that round)."""
@@ -658,6 +618,54 @@ class Bench:
         """Send ``msg`` to D and return its reply."""
         return self.node.call("D", msg, timeout_s=timeout_s)
 
+
+class Bench:
+    """P's side of the benchmark."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.dtype = DTYPES[args.dtype]
+        self.layout = KVLayout(args.layers, args.block_size, args.kv_heads, args.head_dim)
+        self.n = self.layout.num_blocks_for(args.tokens)
+        self.max_c = max(args.concurrency)
+        self.pool_blocks = self.n * self.max_c
+        self.block_bytes = self.layout.block_bytes(self.dtype.itemsize)
+        self.request_bytes = self.n * self.block_bytes
+        g = torch.Generator().manual_seed(0)
+        src = torch.randn(self.layout.pool_shape(self.pool_blocks), generator=g)
+        self.src = {"agg": src.to(self.dtype)}  # [N, L, 2, bs, h, d]
+        # [L, 2, N, bs, h, d]: the same values in the per-layer layout
+        self.src["per_layer"] = self.src["agg"].permute(1, 2, 0, 3, 4, 5).contiguous()
+        self.src_ids = self._disjoint_ids(seed=1)
+        if args.dst_ids == "alloc":
+            self.dst_ids = self._allocated_ids(seed=2)
+        else:
+            self.dst_ids = self._disjoint_ids(seed=2)
+        self.dst_runs = sum(is_run(ids) for ids in self.dst_ids)
+        self.cells: list[Cell] = []
+        self.src_sums: dict[str, torch.Tensor] = {}  # layout -> [N, L, 2] piece checksums
+        self.memcpy_ms: dict[int, list[float]] = {}  # every baseline run, by concurrency
+        self.memcpy_bufs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.d = RemoteDecoder(args, self.src)
+
+    def _disjoint_ids(self, seed: int) -> list[list[int]]:
+        g = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(self.pool_blocks, generator=g).tolist()
+        return [perm[i * self.n : (i + 1) * self.n] for i in range(self.max_c)]
+
+    def _allocated_ids(self, seed: int) -> list[list[int]]:
+        """D's blocks as its pool hands them to incoming transfers: from an allocator whose
+        free list churn has put in random order, asking for one run per request."""
+        alloc = BlockAllocator(self.pool_blocks)
+        held = alloc.alloc(self.pool_blocks)
+        g = torch.Generator().manual_seed(seed)
+        alloc.decref([held[i] for i in torch.randperm(len(held), generator=g).tolist()])
+        return [alloc.alloc(self.n, contiguous=True) for _ in range(self.max_c)]
+
+    def key(self, mode: str) -> str:
+        """Pool layout ``mode`` uses: "per_layer" for by_request, else "agg"."""
+        return "per_layer" if mode == TransferMode.BY_REQUEST.value else "agg"
+
     # -- measurements
 
     def run_memcpy(self, c: int, budget_s: float) -> list[float]:
@@ -688,7 +696,7 @@ class Bench:
                 list(pool.map(write, range(c)))
             cell.data_ms.append((time.perf_counter() - t0) * 1e3)
             if transport == "shm":
-                self.call(rpc.Commit(f"round{c}", None, sum(self.dst_ids[:c], [])))
+                self.d.call(rpc.Commit(f"round{c}", None, sum(self.dst_ids[:c], [])))
 
         self._zero_dst(transport, mode, c, dst)
         cell.times_ms = measure(one_round, self.args.cell_budget_s, MIN_REPS, MAX_REPS)
@@ -707,21 +715,21 @@ class Bench:
 
         def one_round() -> None:
             pending = [
-                self.gloo.send_blocks(
+                self.d.gloo.send_blocks(
                     src, self.src_ids[i], mode=mode, tag=i, wait=False, staging=stagings[i]
                 )
                 for i in range(c)
             ]
             for p in pending:
                 p.wait()
-            self.gloo.recv_tensor(ack, tag=ACK_TAG)
+            self.d.gloo.recv_tensor(ack, tag=ACK_TAG)
 
         ids = self.dst_ids[:c]
-        self.call(Prepare("gloo", mode, ids, rounds=1))
+        self.d.call(Prepare("gloo", mode, ids, rounds=1))
         first = timed(one_round)
         budget_ms = self.args.cell_budget_s * 1e3
         reps = int(min(MAX_REPS, max(MIN_REPS, budget_ms / max(first, 1e-3))))
-        self.call(Prepare("gloo", mode, ids, rounds=reps))
+        self.d.call(Prepare("gloo", mode, ids, rounds=reps))
         cell.times_ms = [timed(one_round) for _ in range(reps)]
         cell.verified = self._verify("gloo", mode, c, None)
         return cell
@@ -729,7 +737,7 @@ class Bench:
     def nixl_writes(self, mode: str, i: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """The WRITEs of transfer ``i`` in ``mode``: (P's descriptors, D's descriptors) each."""
         key, layers = self.key(mode), self.layout.num_layers
-        src, dst = self.src[key].data_ptr(), self.nixl_pools[key]
+        src, dst = self.src[key].data_ptr(), self.d.nixl_pools[key]
         s, d = (np.asarray(ids, dtype=np.uint64) for ids in (self.src_ids[i], self.dst_ids[i]))
         if mode == TransferMode.BY_REQUEST.value:  # piece (layer, kv, block) of [L, 2, N, ...]
             size = self.block_bytes // (2 * layers)
@@ -758,17 +766,17 @@ class Bench:
 
         def one_round() -> None:
             handles = [
-                self.nixl.post(self.nixl_peer, local, "DRAM", remote, "DRAM", b"round")
+                self.d.nixl.post(self.d.nixl_peer, local, "DRAM", remote, "DRAM", b"round")
                 for local, remote in writes
             ]
-            self.nixl.wait(handles, CONTROL_TIMEOUT_S, f"nixl {mode} round")
-            self.call(rpc.Commit(f"round{c}", None, []))
+            self.d.nixl.wait(handles, CONTROL_TIMEOUT_S, f"nixl {mode} round")
+            self.d.call(rpc.Commit(f"round{c}", None, []))
 
-        self.call(Prepare("nixl", mode, self.dst_ids[:c], rounds=len(writes)))
+        self.d.call(Prepare("nixl", mode, self.dst_ids[:c], rounds=len(writes)))
         cell.times_ms = measure(one_round, self.args.cell_budget_s, MIN_REPS, MAX_REPS)
         cell.verified = self._verify("nixl", mode, c, None)
         if mode == TransferMode.AGGREGATED.value and not self.args.netns:  # UCX's cma copy
-            cma = functools.partial(process_vm_writev, self.child.pid, writes)
+            cma = functools.partial(process_vm_writev, self.d.child.pid, writes)
             cell.cma_ms = measure(cma, MEMCPY_BUDGET_S, MIN_REPS, MAX_REPS)
         return cell
 
@@ -778,7 +786,7 @@ class Bench:
 
     def _zero_dst(self, transport: str, mode: str, c: int, dst: torch.Tensor) -> None:
         if transport == "shm":
-            self.call(Prepare("shm", mode, self.dst_ids[:c], rounds=0))
+            self.d.call(Prepare("shm", mode, self.dst_ids[:c], rounds=0))
         else:
             dst.zero_()
 
@@ -791,7 +799,7 @@ class Bench:
             sums = piece_checksums(dst, mode)
             got = [sums[self.dst_ids[i]].tolist() for i in range(c)]
         else:
-            got = self.call(Verify(mode, self.dst_ids[:c])).sums
+            got = self.d.call(Verify(mode, self.dst_ids[:c])).sums
         return got == want
 
     def run(self, links: list[Link]) -> None:
@@ -807,7 +815,7 @@ class Bench:
         cells = [(t, m, c) for t in a.transports for m in a.modes for c in a.concurrency]
         cells = [(t, m, c) for t, m, c in cells if t != "nixl" or m in NIXL_MODES]
         if remote:
-            self.start_decoder(link)
+            self.d.start(link)
         local_dst: dict[str, torch.Tensor] = {}
         try:
             for t, m, c in tqdm(cells, desc=f"transfer cells {link.name}".strip()):
@@ -817,7 +825,7 @@ class Bench:
                         local_dst[k] = torch.zeros_like(self.src[k])
                     cell = self.run_local("copy", m, c, local_dst[k])
                 elif t == "shm":
-                    cell = self.run_local("shm", m, c, self.shm[self.key(m)])
+                    cell = self.run_local("shm", m, c, self.d.shm[self.key(m)])
                 elif t == "nixl":
                     cell = self.run_nixl(m, c)
                 else:
@@ -828,7 +836,7 @@ class Bench:
                 self.cells.append(cell)
         finally:
             if remote:
-                self.stop_decoder()
+                self.d.stop()
 
     # -- report
 
@@ -1011,29 +1019,11 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-def main() -> None:
-    """Run the cells, print the report, write JSON and a plot; fail if a transfer was not
-    bit-exact."""
-    args = parse_args()
-    if args.netns:
-        if why := netns_unavailable():
-            print(f"skipping --netns: {why}", file=sys.stderr)
-            return
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        os.environ["UCX_TLS"] = "tcp,self"  # as between hosts (see the module docstring)
-    torch.set_num_threads(args.threads)
-    start = time.perf_counter()
-    bench = Bench(args)
-    with veth_namespace() if args.netns else contextlib.nullcontext() as veth:
-        if veth is None:
-            links = [Link("", args.host, args.host)]
-        else:  # loopback first, then across the namespaces, under the same conditions
-            links = [Link("lo", rpc.LOOPBACK, rpc.LOOPBACK), veth]
-        bench.run(links)
-    rows = bench.rows()
-    summary = bench.summary(rows)
-    print_report(bench, rows, summary)
-    result = {
+def result_json(
+    args: argparse.Namespace, bench: Bench, rows: list[dict], summary: dict, wall_s: float
+) -> dict:
+    """What the run writes: its configuration, the machine, the request, memcpy, the rows."""
+    return {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "machine": {
             "load_average_at_end": os.getloadavg(),
@@ -1068,8 +1058,33 @@ def main() -> None:
             f"({bench.dst_runs} of {len(bench.dst_ids)} requests in one run); "
             "vs_memcpy = memcpy time / transfer time",
         ],
-        "wall_s": time.perf_counter() - start,
+        "wall_s": wall_s,
     }
+
+
+def main() -> None:
+    """Run the cells, print the report, write JSON and a plot; fail if a transfer was not
+    bit-exact."""
+    args = parse_args()
+    if args.netns:
+        if why := netns_unavailable():
+            print(f"skipping --netns: {why}", file=sys.stderr)
+            return
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        os.environ["UCX_TLS"] = "tcp,self"  # as between hosts (see the module docstring)
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    bench = Bench(args)
+    with veth_namespace() if args.netns else contextlib.nullcontext() as veth:
+        if veth is None:
+            links = [Link("", args.host, args.host)]
+        else:  # loopback first, then across the namespaces, under the same conditions
+            links = [Link("lo", rpc.LOOPBACK, rpc.LOOPBACK), veth]
+        bench.run(links)
+    rows = bench.rows()
+    summary = bench.summary(rows)
+    print_report(bench, rows, summary)
+    result = result_json(args, bench, rows, summary, time.perf_counter() - start)
     if args.netns:
         result["links"] = [asdict(link) for link in links]
         result["notes"].append(

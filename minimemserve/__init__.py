@@ -1,4 +1,4 @@
-"""minimemserve: a compact Llama-2 serving engine built on one elastic KV memory pool.
+"""minimemserve: a compact Llama and Qwen serving engine built on one elastic KV memory pool.
 
 Context caching and prefill/decode disaggregation are compositions of MemPool calls (the
 table in ``minimemserve.recipes``). Importing this package touches no device, and

@@ -285,6 +285,22 @@ def check_request(
     return ids
 
 
+def new_request(
+    rid: str,
+    ids: Sequence[int],
+    params: SamplingParams,
+    arrival: float,
+    max_model_len: int,
+    instance_id: str,
+) -> Request:
+    """A request of validated ``ids`` to be prefilled on ``instance_id``, its length capped by
+    ``max_tokens`` and the context (the one place the cap is set)."""
+    req = Request(rid, ids, params, arrival_time=arrival)
+    req.max_total_tokens = min(len(ids) + params.max_tokens, max_model_len)
+    req.prefill_instance = instance_id
+    return req
+
+
 class Engine:
     """A ``Serving`` instance over one MemPool. ``role`` picks the recipe of ``config``'s
     milestone (default: its only role); ``peers`` serve the recipe's transfer calls; ``clock``
@@ -403,9 +419,7 @@ class Engine:
         if rid in self.requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         arrival = self.clock() if arrival_time is None else arrival_time
-        req = Request(rid, ids, params, arrival_time=arrival)
-        req.max_total_tokens = min(len(ids) + params.max_tokens, self.max_model_len)
-        req.prefill_instance = self.pool.instance_id
+        req = new_request(rid, ids, params, arrival, self.max_model_len, self.pool.instance_id)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid

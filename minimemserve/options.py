@@ -89,7 +89,7 @@ DEPLOYMENT_FLAGS = {
     "transport": (
         "--transport",
         "KV transport between instances of the process runtime (auto: shared memory within "
-        "a host, gloo between hosts)",
+        "a host; between hosts NIXL when both sides have an agent, else gloo, NCCL on CUDA)",
         TRANSPORTS,
     ),
     "cluster_host": (

@@ -26,12 +26,13 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
-from .errors import PoolExhausted, RemoteError, TransferError
+from .blocks.layout import KVLayout
+from .errors import InstanceDied, PoolExhausted, RemoteError, TransferError
 from .mempool.transfer import KVReceiver
 from .request import Request
 
@@ -81,9 +82,12 @@ class Peer(Protocol):
 class Peers(Protocol):
     """What the transfer calls of a recipe need from the instance's surroundings."""
 
-    def pick_decode(self, req: Request, exclude: Sequence[str]) -> Peer | None:
-        """The decode instance, not in ``exclude``, with room to continue all of ``req``; None
-        when every live one is full (backpressure); raises ``InstanceDied`` if none is alive."""
+    def decodes(self) -> Mapping[str, Peer]:
+        """The live decode instances a request may be handed to, by name."""
+
+    def offer(self, peer: Peer, blocks: int, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """``(load, cached tokens of tokens)`` of ``peer`` if it has room for ``blocks`` more
+        blocks; None when it is full or did not answer."""
 
     def prefill_pool(self, req: Request) -> KVReceiver:
         """The pool of the instance that prefilled ``req`` (for sending decode-phase KV back)."""
@@ -97,6 +101,22 @@ def decode_preference(load: int, cached_tokens: int) -> tuple[int, int]:
     loaded, then the one holding most of the request. Where it decodes weighs on every step of
     the answer; what it holds saves only part of one copy."""
     return (-load, cached_tokens)
+
+
+def pick_decode(
+    peers: Peers, req: Request, exclude: Sequence[str], layout: KVLayout
+) -> Peer | None:
+    """The decode instance, not in ``exclude``, with room to continue all of ``req``, by
+    ``decode_preference``; None when every live one is full (backpressure); raises
+    ``InstanceDied`` when none is left."""
+    live = {name: p for name, p in peers.decodes().items() if name not in exclude}
+    if not live:
+        raise InstanceDied(f"no live decode instance left to continue the request ({exclude})")
+    blocks = layout.num_blocks_for(req.max_total_tokens)
+    tokens = req.tokens[: req.num_computed]
+    offers = {n: o for n, p in live.items() if (o := peers.offer(p, blocks, tokens)) is not None}
+    best = max(offers, key=lambda n: decode_preference(*offers[n]), default=None)
+    return None if best is None else live[best]
 
 
 def _match(pool, req: Request, peers: Peers | None) -> None:
@@ -129,7 +149,7 @@ def _hand_off(pool, req: Request, peers: Peers, with_insert: bool) -> Outcome:
     tried: list[str] = []
     while True:
         try:
-            peer = peers.pick_decode(req, tried)
+            peer = pick_decode(peers, req, tried, pool.layout)
         except TransferError as e:  # no decode instance left
             req.error = f"{type(e).__name__}: {e}"
             return Outcome.FAILED

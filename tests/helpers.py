@@ -11,6 +11,7 @@ import torch
 
 from minimemserve.attention.base import SeqSlice
 from minimemserve.blocks.layout import AGGREGATED, KVLayout
+from minimemserve.model import ModelConfig, build_model, load_weights
 
 TCP_LISTEN = "0A"  # the LISTEN state in /proc/net/tcp
 
@@ -26,6 +27,14 @@ def hf_greedy(hf, prompts: list[list[int]], max_new_tokens: int) -> list[list[in
             )
             outs.append(full[0, len(p) :].tolist())
     return outs
+
+
+def our_model(model_dir) -> tuple[ModelConfig, torch.nn.Module]:
+    """A checkpoint's config and our model of its family with its weights, fp32, eval mode."""
+    cfg = ModelConfig.from_hf(model_dir)
+    model = build_model(cfg)
+    model.load_hf_weights(load_weights(model_dir, cfg))
+    return cfg, model.eval()
 
 
 def assert_pool_clean(pool) -> None:

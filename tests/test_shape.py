@@ -1,6 +1,7 @@
-"""The package's shape: no class over 300 lines and no function over 60 in ``minimemserve/``,
-and no constructor packing several attributes into one tuple assignment (complexity is
-ruff's C901, at most 10, in CI's ``ruff check``)."""
+"""The code's shape: no class over 300 lines and no function over 60 in ``minimemserve/``,
+``bench/`` and ``triton_kernels/`` (each exception named below, with its reason), and no
+constructor packing several attributes into one tuple assignment (complexity is ruff's C901,
+at most 10, in CI's ``ruff check`` of the whole tree)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MAX_CLASS_LINES = 300
 MAX_FUNCTION_LINES = 60
+CHECKED = ("minimemserve", "bench", "triton_kernels")
+# "path:name" -> why it may be longer. A @triton.jit kernel is one GPU program: its loads,
+# masks and accumulators live in registers across the whole body, and splitting it into
+# jit helpers only moves lines (they are inlined back), so each kernel stands whole.
+EXCEPTIONS = {
+    "triton_kernels/paged_decode.py:_paged_decode_kernel": "one Triton program (see above)",
+    "triton_kernels/prefix_prefill.py:_prefix_prefill_kernel": "one Triton program (see above)",
+}
 
 
 def oversized(root: Path) -> list[str]:
@@ -24,14 +33,26 @@ def oversized(root: Path) -> list[str]:
             else:
                 continue
             lines = node.end_lineno - node.lineno + 1
-            if lines > limit:
-                where = path.relative_to(root.parent)
+            where = path.relative_to(root.parent)
+            if lines > limit and f"{where}:{node.name}" not in EXCEPTIONS:
                 found.append(f"{where}:{node.lineno} {node.name}: {lines} lines")
     return found
 
 
 def test_no_class_or_function_is_oversized():
-    assert oversized(ROOT / "minimemserve") == []
+    assert [f for part in CHECKED for f in oversized(ROOT / part)] == []
+
+
+def test_every_exception_is_still_needed():
+    """An exception that no longer exceeds its limit (or no longer exists) is dropped."""
+    lengths = {}
+    for key in EXCEPTIONS:
+        path, name = key.split(":")
+        tree = ast.parse((ROOT / path).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name == name:
+                lengths[key] = node.end_lineno - node.lineno + 1
+    assert all(lengths.get(k, 0) > MAX_FUNCTION_LINES for k in EXCEPTIONS), lengths
 
 
 def test_the_shape_check_sees_a_long_function(tmp_path):

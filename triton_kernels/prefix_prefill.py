@@ -274,6 +274,36 @@ def launch_prefill(
     )
 
 
+def _check_shapes(q, k, v, k_cache) -> tuple[int, int, int]:
+    """``(tokens, heads, head_dim)`` of ``q``, after checking k and v against the cache."""
+    n_kv, head_dim = k_cache.shape[2:]
+    if q.dim() != 3 or q.shape[2] != head_dim:
+        raise ValueError(f"q must be [T, H, {head_dim}], got {tuple(q.shape)}")
+    num_tokens, num_heads, _ = q.shape
+    if k.shape != (num_tokens, n_kv, head_dim) or v.shape != k.shape:
+        raise ValueError(
+            f"k and v must be [{num_tokens}, {n_kv}, {head_dim}], "
+            f"got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if num_heads % n_kv != 0:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {n_kv} KV heads")
+    return num_tokens, num_heads, head_dim
+
+
+def _check_batch(q, block_tables, query_start_loc, context_lens) -> int:
+    """The batch size the three index tensors agree on."""
+    check_index("block_tables", block_tables, 2, q.device)
+    check_index("query_start_loc", query_start_loc, 1, q.device)
+    check_index("context_lens", context_lens, 1, q.device)
+    batch = context_lens.shape[0]
+    if query_start_loc.shape[0] != batch + 1 or block_tables.shape[0] != batch:
+        raise ValueError(
+            f"query_start_loc {tuple(query_start_loc.shape)}, block_tables "
+            f"{tuple(block_tables.shape)} and context_lens ({batch},) disagree on the batch"
+        )
+    return batch
+
+
 def prefix_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -306,26 +336,8 @@ def prefix_prefill(
     check_cache_views(k_cache, v_cache)
     check_same(k_cache, q=q, k=k, v=v)
     check_scale(scale)
-    n_kv, head_dim = k_cache.shape[2:]
-    if q.dim() != 3 or q.shape[2] != head_dim:
-        raise ValueError(f"q must be [T, H, {head_dim}], got {tuple(q.shape)}")
-    num_tokens, num_heads, _ = q.shape
-    if k.shape != (num_tokens, n_kv, head_dim) or v.shape != k.shape:
-        raise ValueError(
-            f"k and v must be [{num_tokens}, {n_kv}, {head_dim}], "
-            f"got {tuple(k.shape)} and {tuple(v.shape)}"
-        )
-    if num_heads % n_kv != 0:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {n_kv} KV heads")
-    check_index("block_tables", block_tables, 2, q.device)
-    check_index("query_start_loc", query_start_loc, 1, q.device)
-    check_index("context_lens", context_lens, 1, q.device)
-    batch = context_lens.shape[0]
-    if query_start_loc.shape[0] != batch + 1 or block_tables.shape[0] != batch:
-        raise ValueError(
-            f"query_start_loc {tuple(query_start_loc.shape)}, block_tables "
-            f"{tuple(block_tables.shape)} and context_lens ({batch},) disagree on the batch"
-        )
+    num_tokens, num_heads, head_dim = _check_shapes(q, k, v, k_cache)
+    batch = _check_batch(q, block_tables, query_start_loc, context_lens)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0 or num_tokens == 0:
         return out

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from ..config import Deployment, EngineConfig
 from ..engine import Engine
-from ..errors import InstanceDied, PoolExhausted
-from ..recipes import Role, decode_preference
+from ..errors import PoolExhausted
+from ..recipes import Role
 from ..request import Request, RequestOutput, TokenDelta
 from ..sampling import SamplingParams
 from ..scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler, Route
@@ -109,16 +108,15 @@ class InProcessCluster:
         """Every instance's MemPool, entry role first."""
         return [i.pool for i in self.instances]
 
-    def pick_decode(self, req: Request, exclude: Sequence[str]) -> Instance | None:
-        """The decode instance with room for ``req`` by ``decode_preference``; None if all are
-        full."""
-        if not (live := [i for i in self.role(Role.DECODE) if i.name not in exclude]):
-            raise InstanceDied(f"no decode instance left to continue the request ({exclude})")
-        blocks = self.pool.layout.num_blocks_for(req.max_total_tokens)
-        roomy = [i for i in live if i.engine.has_room(blocks)]
-        toks = req.tokens[: req.num_computed]
-        key = lambda i: decode_preference(i.load(), i.pool.cached_prefix_len(toks))
-        return max(roomy, key=key) if roomy else None
+    def decodes(self) -> dict[str, Instance]:
+        """The decode instances, by name (in one process none dies)."""
+        return {i.name: i for i in self.role(Role.DECODE)}
+
+    def offer(self, peer: Instance, blocks: int, tokens) -> tuple[int, int] | None:
+        """Its load and cached prefix of ``tokens`` if it has room for ``blocks`` blocks."""
+        if not peer.engine.has_room(blocks):
+            return None
+        return peer.load(), peer.pool.cached_prefix_len(tokens)
 
     def prefill_pool(self, req: Request):
         """The pool of the instance that prefilled ``req``."""

@@ -36,7 +36,6 @@ import socket
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -44,12 +43,12 @@ import torch
 import zmq
 
 from ..config import EngineConfig, parse_config_name
-from ..engine import Engine
+from ..engine import Engine, new_request
 from ..errors import ConfigError, InstanceDied, InvalidRequest, RemoteError, TransferError
 from ..mempool import MemPool
 from ..mempool.shared import SharedPoolTensor
 from ..model.config import ModelConfig
-from ..recipes import Role, decode_preference
+from ..recipes import Role
 from ..request import Request, logprobs_fit
 from . import rpc
 from .nixl import NixlEndpoint, nixl_missing
@@ -280,20 +279,17 @@ class InstanceServer:
         }
 
     # ---- what recipes need (``Peers``) -------------------------------------------------------
-    def pick_decode(self, req: Request, exclude: Sequence[str]) -> RemotePool | None:
-        """The live decode peer with room for ``req`` by ``decode_preference``, or None."""
-        decodes = [n for n, p in self.peers.remotes.items() if p.role == Role.DECODE]
-        if not (live := [d for d in decodes if d not in self.node.dead and d not in exclude]):
-            gone = ", ".join(f"{d}: {self.node.dead.get(d, 'refused')}" for d in decodes)
-            raise InstanceDied(f"no live decode instance to continue the request ({gone})")
-        blocks = self.pool.layout.num_blocks_for(req.max_total_tokens)
-        scores = {}
-        for d in live:
-            with contextlib.suppress(TransferError):
-                rep = self.peers.remotes[d].probe(req.tokens[: req.num_computed], blocks)
-                if rep.room:
-                    scores[d] = decode_preference(rep.load, rep.cached)
-        return self.peers.remotes[max(scores, key=scores.__getitem__)] if scores else None
+    def decodes(self) -> dict[str, RemotePool]:
+        """The live decode peers, by name."""
+        remotes = self.peers.remotes.items()
+        return {n: p for n, p in remotes if p.role == Role.DECODE and n not in self.node.dead}
+
+    def offer(self, peer: RemotePool, blocks: int, tokens) -> tuple[int, int] | None:
+        """Its load and cached prefix of ``tokens`` if it answers that it has room."""
+        with contextlib.suppress(TransferError):
+            rep = peer.probe(tokens, blocks)
+            return (rep.load, rep.cached) if rep.room else None
+        return None
 
     def prefill_pool(self, req: Request) -> RemotePool:
         """The pool of the instance that prefilled ``req``."""
@@ -358,10 +354,8 @@ class InstanceServer:
         rid = s.request_id
         if rid in self.engine.requests or any(r.request_id == rid for r in self.inbox):
             raise InvalidRequest(f"request id {rid!r} is already in use on {self.name}")
-        req = Request(rid, ids, s.params, s.metrics.arrival_time)
-        req.max_total_tokens = min(len(ids) + s.params.max_tokens, self.engine.max_model_len)
-        req.prefill_instance = self.name
-        self.inbox.append(req)
+        arrival, limit = s.metrics.arrival_time, self.engine.max_model_len
+        self.inbox.append(new_request(rid, ids, s.params, arrival, limit, self.name))
 
     def _on_query(self, sender: str, m: rpc.Query) -> rpc.Info:
         if m.what == "check":
@@ -572,6 +566,13 @@ def _check_join(m: rpc.Join, opts: StandaloneOptions) -> InstanceSpec:
             "a standalone instance runs tensor-parallel ranks only over the nixl transport "
             "(--transport nixl)"
         )
+    return instance_spec(m, opts, config)
+
+
+def instance_spec(m: rpc.Join, opts: StandaloneOptions, config: EngineConfig) -> InstanceSpec:
+    """The spec of the instance ``opts`` describes, joined to a deployment by ``m`` with engine
+    ``config``: what the frontend decides (``m``) and what its own host does (``opts``). The
+    one place a spec is built, for spawned and standalone instances alike."""
     return InstanceSpec(
         name=m.name,
         role=opts.role,

@@ -26,7 +26,7 @@ from ..model.config import ModelConfig
 from ..parallel import HostStore
 from ..scheduler.global_scheduler import MOVES_PREFIXES
 from . import rpc
-from .instance import DEFAULT_HEARTBEAT_S, InstanceSpec, instance_main
+from .instance import DEFAULT_HEARTBEAT_S, StandaloneOptions, instance_main, instance_spec
 
 # Time a process gets to exit after Shutdown before it is terminated, then killed.
 SHUTDOWN_GRACE_S = 5.0
@@ -225,34 +225,27 @@ class Launcher:
 
     def spawn(self, how: SpawnSpec, secret: bytes, curve) -> None:
         """Start one process per instance of the deployment on this host."""
-        linked, transport = self.spec.linked, self.spec.transport
+        transport = self.spec.transport
+        key = rpc.ClusterKey(secret, curve or rpc.ClusterKey.generate().curve)  # loopback: unused
         ctx = mp.get_context(how.start_method)
         if how.start_method == "forkserver":
             ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         roles = self.spec.deployment.instances(colocated=how.num_colocated)
         engine_config = self.spec.engine_config.placed(len(roles))  # all on ``how.device``
         for i, (name, role) in enumerate(roles):
-            spec = InstanceSpec(
-                name=name,
+            opts = StandaloneOptions(
                 role=role,
-                config=self.spec.deployment.name,
                 model_dir=str(self.spec.model_dir),
-                frontend=self.node.address,
-                engine_config=engine_config,
+                host=how.host,
+                port=how.base_port + 1 + i if how.base_port else 0,
+                key=key,
+                transport="shm" if transport == "auto" else transport,  # one host: no NIXL agent
                 device=how.device,
                 dtype=how.dtype,
                 num_threads=how.cores_per_instance,
-                host=how.host,
-                port=how.base_port + 1 + i if how.base_port else 0,
-                timeout_s=self.spec.timeout_s,
-                heartbeat_s=self.spec.heartbeat_s,
                 parent_pid=os.getpid(),
-                frontend_timeout_s=self.spec.heartbeat_timeout_s,
-                linked=linked,
-                secret=secret,
-                curve=curve,
-                transport="shm" if transport == "auto" else transport,  # one host: no NIXL agent
             )
+            spec = instance_spec(self.join_message(name), opts, engine_config)
             proc = ctx.Process(target=instance_main, args=(spec,), name=f"mms-{name}")
             proc.daemon = True
             proc.start()

@@ -33,7 +33,7 @@ _ROPE_FIELDS = {
 # The model builds fp32 cos and sin tables for every position when it is constructed;
 # 1 GiB of them is 1M positions at head_dim 128, so a longer context is a corrupt config.
 MAX_ROTARY_TABLE_BYTES = 2**30
-# Far above any Llama-2-family model (70B); a larger count means a corrupt config.json.
+# Far above any supported model (70B); a larger count means a corrupt config.json.
 MAX_PARAMETERS = 2**40
 
 # Fields config.json must give, and fields that keep ModelConfig's default when it does not.

@@ -27,11 +27,6 @@ def register(family: Family) -> None:
     _FAMILIES[family.name] = family
 
 
-def unregister(name: str) -> None:
-    """Remove the family ``name`` (a no-op if it is not registered)."""
-    _FAMILIES.pop(name, None)
-
-
 def supported() -> list[str]:
     """Every HF architecture name the registry loads."""
     return [a for f in _FAMILIES.values() for a in f.architectures]

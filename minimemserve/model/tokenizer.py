@@ -127,8 +127,9 @@ class FastTokenizer:
         return self._tok.decode(ids, skip_special_tokens=False)
 
     def piece(self, token_id: int) -> str:
-        """The token string of one id."""
-        return self._tok.id_to_token(token_id)
+        """The text of one id (``" the"``, not the byte-level ``"Ġthe"``; a special token's
+        own name)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
 
 
 # what a checkpoint directory may hold, in the order it is looked for -> the library reading it
@@ -220,7 +221,8 @@ class Tokenizer:
         )
 
     def id_to_piece(self, token_id: int) -> str:
-        """The piece of one id (``"▁the"``, ``"<0x0A>"``, ``"</s>"``, ``"Ġthe"``...)."""
+        """The piece of one id (sentencepiece: ``"▁the"``, ``"<0x0A>"``, ``"</s>"``; HF: its
+        text, ``" the"``, ``"<|im_end|>"``)."""
         if not 0 <= token_id < self.vocab_size:
             raise InvalidRequest(f"token id {token_id} outside the vocabulary")
         return self._pieces.piece(token_id)

@@ -31,11 +31,11 @@ from tqdm.auto import tqdm
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.config import Deployment, EngineConfig, parse_config_name
 from minimemserve.engine import Engine, StepPlan
-from minimemserve.errors import ConfigError, InstanceDied, PoolExhausted
+from minimemserve.errors import ConfigError, PoolExhausted
 from minimemserve.mempool import KVReceiver, MemPool
 from minimemserve.model.config import ModelConfig
 from minimemserve.parallel import TPShard
-from minimemserve.recipes import Role, decode_preference
+from minimemserve.recipes import Role
 from minimemserve.request import Request, RequestOutput
 from minimemserve.scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler
 from minimemserve.workloads.results import greedy_params, record
@@ -439,16 +439,16 @@ class SimCluster:
         return out
 
     # ---- what recipes need (Peers) -----------------------------------------------------------
-    def pick_decode(self, req: Request, exclude: Sequence[str]) -> SimInstance | None:
-        """The decode instance with room for ``req`` by ``decode_preference``, or None."""
-        live = [i for i in self.instances if i.role == Role.DECODE and i.name not in exclude]
-        if not live:
-            raise InstanceDied(f"no decode instance left to continue the request ({exclude})")
-        blocks = self.instances[0].pool.layout.num_blocks_for(req.max_total_tokens)
-        roomy = [i for i in live if i.engine.has_room(blocks, i.incoming)]
-        toks = req.tokens[: req.num_computed]
-        key = lambda i: decode_preference(i.load(), i.pool.cached_prefix_len(toks))
-        return max(roomy, key=key) if roomy else None
+    def decodes(self) -> dict[str, SimInstance]:
+        """The decode instances, by name (simulated ones do not die)."""
+        return {i.name: i for i in self.instances if i.role == Role.DECODE}
+
+    def offer(self, peer: SimInstance, blocks: int, tokens) -> tuple[int, int] | None:
+        """Its load and cached prefix of ``tokens`` if it has room for ``blocks`` blocks (KV
+        on the wire to it counted)."""
+        if not peer.engine.has_room(blocks, peer.incoming):
+            return None
+        return peer.load(), peer.pool.cached_prefix_len(tokens)
 
     def prefill_pool(self, req: Request) -> MemPool:
         """The pool of the instance that prefilled ``req``."""

@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 import torch
-from helpers import hf_greedy
+from helpers import hf_greedy, our_model
 
 from minimemserve import LLM, SamplingParams
 from minimemserve.attention.base import SeqSlice
@@ -25,7 +25,7 @@ from minimemserve.attention.torch_backend import TorchAttention
 from minimemserve.bench.driver import run_bench
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.errors import CheckpointError, ConfigError
-from minimemserve.model import Family, ModelConfig, build_model, load_weights, registry
+from minimemserve.model import Family, ModelConfig, load_weights, registry
 from minimemserve.model.layers import CausalLM
 from minimemserve.model.tokenizer import Tokenizer
 
@@ -52,18 +52,11 @@ def _prompts(n: int = 3, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, 512, (9 + 11 * i,), generator=g).tolist() for i in range(n)]
 
 
-def _ours(model_dir):
-    cfg = ModelConfig.from_hf(model_dir)
-    model = build_model(cfg)
-    model.load_hf_weights(load_weights(model_dir, cfg))
-    return cfg, model.eval()
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_logits_over_the_paged_pool_match_hf(tiny_llama_factory, hf_model_from_dir, name):
     model_dir = tiny_llama_factory(**FAMILIES[name])
     hf = hf_model_from_dir(model_dir)
-    cfg, model = _ours(model_dir)
+    cfg, model = our_model(model_dir)
     assert type(model).__name__ == {"llama3": "LlamaModel"}.get(name, name.title() + "Model")
     tokens = torch.tensor(_prompts(1, seed=3)[0] + _prompts(1, seed=4)[0] * 3)  # 36 tokens
     with torch.no_grad():
@@ -122,7 +115,7 @@ def test_tensor_parallel_2_equals_hf_generate(tiny_llama_factory, hf_model_from_
 
 
 def test_a_family_from_outside_the_package_registers_and_runs(
-    tiny_llama_factory, hf_model_from_dir, tmp_path
+    tiny_llama_factory, hf_model_from_dir, tmp_path, monkeypatch
 ):
     """One class and one registration: a checkpoint naming the new architecture loads with it
     (here: Llama's math under another name, whose forward passes are counted)."""
@@ -144,17 +137,15 @@ def test_a_family_from_outside_the_package_registers_and_runs(
     with pytest.raises(CheckpointError, match="CountingLlamaForCausalLM.*LlamaForCausalLM"):
         LLM(tmp_path, num_blocks=32)
 
+    monkeypatch.setattr(registry, "_FAMILIES", dict(registry._FAMILIES))  # undone after
     registry.register(Family("counting", ("CountingLlamaForCausalLM",), CountingLlama))
-    try:
-        prompts = _prompts(2)
-        expected = hf_greedy(hf_model_from_dir(source), prompts, GREEDY.max_tokens)
-        with LLM(tmp_path, config="PD-CC", num_blocks=64) as llm:
-            assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
-        assert CountingLlama.forwards > 0
-        with pytest.raises(ConfigError, match="already"):
-            registry.register(Family("other", ("CountingLlamaForCausalLM",), CountingLlama))
-    finally:
-        registry.unregister("counting")
+    prompts = _prompts(2)
+    expected = hf_greedy(hf_model_from_dir(source), prompts, GREEDY.max_tokens)
+    with LLM(tmp_path, config="PD-CC", num_blocks=64) as llm:
+        assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
+    assert CountingLlama.forwards > 0
+    with pytest.raises(ConfigError, match="already"):
+        registry.register(Family("other", ("CountingLlamaForCausalLM",), CountingLlama))
 
 
 def _with_fast_tokenizer(model_dir, hf_tokenizer_files, out):
@@ -211,22 +202,8 @@ def test_serve_answers_a_chat_on_each_family(
         tiny_llama_factory(**FAMILIES[name]), hf_tokenizer_files, tmp_path
     )
     port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "minimemserve.cli",
-        "serve",
-        "--model",
-        str(model_dir),
-        "--port",
-        str(port),
-        "--num-blocks",
-        "64",
-        "--config",
-        "PD-CC",
-        "--served-model-name",
-        "m",
-    ]
+    flags = f"--port {port} --num-blocks 64 --config PD-CC --served-model-name m".split()
+    cmd = [sys.executable, "-m", "minimemserve.cli", "serve", "--model", str(model_dir), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

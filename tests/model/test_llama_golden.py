@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import our_model
 
 from minimemserve.attention.base import SeqSlice
 from minimemserve.attention.torch_backend import TorchAttention
 from minimemserve.blocks.layout import KVLayout
-from minimemserve.model.config import ModelConfig
 from minimemserve.model.llama import LlamaModel
-from minimemserve.model.loader import load_weights
 
 ATOL = 1e-4  # fp32, max abs difference of logits
 DECODE_STEPS = 64
@@ -24,20 +23,14 @@ CASES = [  # (kv heads, block size, rope scaling); 4 heads in all, so kv=4 is MH
 ]
 
 
-def ours(model_dir):
-    cfg = ModelConfig.from_hf(model_dir)
-    model = LlamaModel(cfg)
-    model.load_hf_weights(load_weights(model_dir, cfg))
-    return cfg, model.eval()
-
-
 @pytest.mark.parametrize("kv_heads,block_size,rope", CASES)
 def test_prefill_and_paged_decode_logits_match_hf(
     tiny_llama_factory, hf_model_from_dir, kv_heads, block_size, rope
 ):
     model_dir = tiny_llama_factory(num_key_value_heads=kv_heads, rope_scaling=rope)
     hf = hf_model_from_dir(model_dir)
-    cfg, model = ours(model_dir)
+    cfg, model = our_model(model_dir)
+    assert isinstance(model, LlamaModel)
     g = torch.Generator().manual_seed(kv_heads * 100 + block_size)
     prompt = torch.randint(3, cfg.vocab_size, (37,), generator=g)
     with torch.no_grad():

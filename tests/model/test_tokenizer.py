@@ -111,3 +111,9 @@ def test_fast_tokenizer_bad_files_are_named(tmp_path, hf_tokenizer_files):
     (tmp_path / "tokenizer_config.json").write_text("[1, 2]")
     with pytest.raises(CheckpointError, match="tokenizer_config.json"):
         Tokenizer.from_dir(tmp_path)
+
+
+def test_fast_tokenizer_pieces_are_text(fast):
+    """A byte-level piece reads as its text (a leading space, not ``Ġ``), as logprobs show it."""
+    first = fast.encode(" hello there", add_bos=False)[0]
+    assert fast.id_to_piece(first).startswith(" ") and "Ġ" not in fast.id_to_piece(first)
