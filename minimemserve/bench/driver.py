@@ -303,8 +303,8 @@ def _measure(
     stats["tokens"] = hashlib.sha1(repr(outputs).encode()).hexdigest()[:12]
     if verbose:
         print(
-            f"{config}: started in {startup:.1f} s, {len(records)} requests in {wall:.1f} s, "
-            f"pool balanced, output tokens {stats['tokens']}"
+            f"{config}: {len(records)} requests in {wall:.1f} s, pool balanced (started in "
+            f"{startup:.1f} s; output tokens {stats['tokens']})"
         )
     return records, stats
 

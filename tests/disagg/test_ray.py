@@ -97,7 +97,8 @@ def test_ray_without_token_authentication_is_refused():
 @pytest.fixture(scope="module")
 def ray_cluster():
     """Two Ray nodes on this machine (two CPUs each, one with ``prefill_node``, the other with
-    ``decode_node``), with token authentication; torn down at the end."""
+    ``decode_node`` and the label ``role=decode``), with token authentication; torn down at the
+    end."""
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # before Ray is imported: it reads them once (no test imports it)
@@ -107,7 +108,7 @@ def ray_cluster():
     head = {"num_cpus": 2, "resources": {PREFILL_NODE: 1}}
     cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
-        cluster.add_node(num_cpus=2, resources={DECODE_NODE: 1})
+        cluster.add_node(num_cpus=2, resources={DECODE_NODE: 1}, labels={"role": "decode"})
         cluster.wait_for_nodes(timeout=60)
         ray.init(address=cluster.address, logging_level="warning")
         yield ray
@@ -186,11 +187,12 @@ def test_tensor_parallel_ranks_on_one_node(ray_cluster, tiny_llama_dir):
     prompts = [prompt(i) for i in range(2)]
     want = reference(tiny_llama_dir, "PD", prompts)
     engine = EngineConfig(num_blocks=128, tensor_parallel_size=2)
-    with ray_cluster_of(
-        tiny_llama_dir, "PD", RayOptions(), num_colocated=1, engine_config=engine
-    ) as c:
+    opts = RayOptions(pin={"colocated": "role=decode"})  # by the second node's label
+    with ray_cluster_of(tiny_llama_dir, "PD", opts, num_colocated=1, engine_config=engine) as c:
         ranks = c.actors.nodes_of_ranks("C0")
         assert len(ranks) == 2 and set(ranks) == {c.node_of("C0")}
+        labelled = [n["NodeID"] for n in ray_cluster.nodes() if DECODE_NODE in n["Resources"]]
+        assert ranks[0] in labelled
         assert c.stats()["C0"]["ranks"] == 2
         assert [o.token_ids for o in generate(c, prompts)] == want
         c.check_pools()
