@@ -85,6 +85,9 @@ class Peers(Protocol):
     def decodes(self) -> Mapping[str, Peer]:
         """The live decode instances a request may be handed to, by name."""
 
+    def decodes_down(self) -> Mapping[str, str]:
+        """The decode instances that died, and why (for the error when none is left)."""
+
     def offer(self, peer: Peer, blocks: int, tokens: Sequence[int]) -> tuple[int, int] | None:
         """``(load, cached tokens of tokens)`` of ``peer`` if it has room for ``blocks`` more
         blocks; None when it is full or did not answer."""
@@ -111,7 +114,9 @@ def pick_decode(
     ``InstanceDied`` when none is left."""
     live = {name: p for name, p in peers.decodes().items() if name not in exclude}
     if not live:
-        raise InstanceDied(f"no live decode instance left to continue the request ({exclude})")
+        gone = {name: "refused" for name in exclude} | dict(peers.decodes_down())
+        why = ", ".join(f"{name}: {reason}" for name, reason in gone.items()) or "none"
+        raise InstanceDied(f"no live decode instance left to continue the request ({why})")
     blocks = layout.num_blocks_for(req.max_total_tokens)
     tokens = req.tokens[: req.num_computed]
     offers = {n: o for n, p in live.items() if (o := peers.offer(p, blocks, tokens)) is not None}

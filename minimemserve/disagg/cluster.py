@@ -112,6 +112,10 @@ class InProcessCluster:
         """The decode instances, by name (in one process none dies)."""
         return {i.name: i for i in self.role(Role.DECODE)}
 
+    def decodes_down(self) -> dict[str, str]:
+        """None is down."""
+        return {}
+
     def offer(self, peer: Instance, blocks: int, tokens) -> tuple[int, int] | None:
         """Its load and cached prefix of ``tokens`` if it has room for ``blocks`` blocks."""
         if not peer.engine.has_room(blocks):

@@ -284,6 +284,11 @@ class InstanceServer:
         remotes = self.peers.remotes.items()
         return {n: p for n, p in remotes if p.role == Role.DECODE and n not in self.node.dead}
 
+    def decodes_down(self) -> dict[str, str]:
+        """The decode peers that died, and why."""
+        decodes = [n for n, p in self.peers.remotes.items() if p.role == Role.DECODE]
+        return {n: self.node.dead[n] for n in decodes if n in self.node.dead}
+
     def offer(self, peer: RemotePool, blocks: int, tokens) -> tuple[int, int] | None:
         """Its load and cached prefix of ``tokens`` if it answers that it has room."""
         with contextlib.suppress(TransferError):

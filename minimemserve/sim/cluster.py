@@ -443,6 +443,10 @@ class SimCluster:
         """The decode instances, by name (simulated ones do not die)."""
         return {i.name: i for i in self.instances if i.role == Role.DECODE}
 
+    def decodes_down(self) -> dict[str, str]:
+        """None is down."""
+        return {}
+
     def offer(self, peer: SimInstance, blocks: int, tokens) -> tuple[int, int] | None:
         """Its load and cached prefix of ``tokens`` if it has room for ``blocks`` blocks (KV
         on the wire to it counted)."""
