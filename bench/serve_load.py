@@ -317,7 +317,7 @@ def main() -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         # in process before and after the server, so a drift of the machine shows and averages
-        llm = LLM(None, config=config, num_blocks=NUM_BLOCKS)
+        llm = LLM(None, config=config, num_blocks=args.num_blocks)
         llm.generate(pool[:4], params)  # warm-up
         before = in_process_closed(llm, pool, args.clients, args.duration, params)
         proc = start_server(config, port, args.num_blocks)
