@@ -38,9 +38,8 @@ __all__ = [
     "PRESETS",
     "Preset",
     "preset_dir",
-    "synthetic_text",
-    "llama_config",
     "preset_model",
+    "synthetic_text",
     "train_tokenizer",
     "write_random_llama",
 ]
@@ -197,19 +196,6 @@ def _save(model: torch.nn.Module, out_dir: Path, shards: int) -> None:
     model.save_pretrained(out_dir, **save_kwargs)
 
 
-def llama_config(
-    *,
-    rope_theta: float = 10000.0,
-    rope_scaling: dict[str, Any] | None = None,
-    **fields: Any,
-):
-    """A ``transformers`` ``LlamaConfig`` of ``fields`` (bos=1, eos=2) and the RoPE settings."""
-    from transformers import LlamaConfig  # heavy: only writing a preset needs it
-
-    kwargs = fields | _rope_kwargs(rope_theta, rope_scaling)
-    return LlamaConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, **kwargs)
-
-
 def write_random_llama(
     out_dir: str | Path,
     *,
@@ -234,11 +220,13 @@ def write_random_llama(
     about ``shards`` files with an index when ``shards > 1``) and, if ``tokenizer_model`` is
     given, a copy of it as ``tokenizer.model``; its size must equal ``vocab_size``.
     """
+    from transformers import LlamaConfig, LlamaForCausalLM  # heavy: only writing needs it
+
     if shards < 1:
         raise ConfigError(f"shards must be >= 1, got {shards}")
     if tokenizer_model is not None:
         _check_tokenizer(tokenizer_model, vocab_size)
-    config = llama_config(
+    config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -246,13 +234,12 @@ def write_random_llama(
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
         max_position_embeddings=max_position_embeddings,
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
         tie_word_embeddings=tie_word_embeddings,
         rms_norm_eps=rms_norm_eps,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        **_rope_kwargs(rope_theta, rope_scaling),
     )
-    from transformers import LlamaForCausalLM  # heavy: only writing weights needs it
-
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float().eval()
     _randomize_(model, seed)  # a tied lm_head shares the embedding tensor, so stays tied
