@@ -38,9 +38,9 @@ __all__ = [
     "PRESETS",
     "Preset",
     "preset_dir",
-    "synthetic_text",
     "hf_config",
     "preset_model",
+    "synthetic_text",
     "train_tokenizer",
     "write_random_llama",
 ]

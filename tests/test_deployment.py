@@ -106,3 +106,18 @@ def test_llama_2_7b_dummy_by_name_builds_its_shapes_on_meta(tmp_path, monkeypatc
     kv = eng.pool.kv("hbm")  # the aggregated block: 16 tokens x 32 layers x K and V
     assert kv.device.type == "meta" and kv.shape[1:] == (32, 2, 16, 32, 128)
     assert llm.tokenizer.vocab_size == 32000
+
+
+def test_a_dummy_presets_name_sets_the_load_format_for_every_command(tmp_path, monkeypatch):
+    monkeypatch.setenv(presets.CACHE_ENV, str(tmp_path))
+    spec = DeploymentSpec(model="llama-2-13b-dummy", engine=EngineConfig(num_blocks=4))
+    assert spec.engine == EngineConfig(num_blocks=4, load_format="dummy")
+    assert spec.model == spec.model_dir == presets.preset_dir("llama-2-13b-dummy")
+    for command in ("bench", "generate"):
+        argv = [command, "--model", "llama-2-7b-dummy"] + ["--prompt", "hi"] * (
+            command == "generate"
+        )
+        args = build_parser().parse_args(argv)
+        spec = deployment_options(args, ["model"], EngineConfig(load_format=args.load_format))
+        assert spec.engine.load_format == "dummy" and spec.model_dir.parent == tmp_path
+    assert DeploymentSpec(model=str(tmp_path)).engine.load_format == "auto"  # a directory

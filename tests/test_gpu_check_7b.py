@@ -78,3 +78,6 @@ def test_the_dry_run_gets_through_every_stage(tmp_path):
     assert all(s["errors"] == 0 for s in bench["summaries"].values())
     handed = [r for r in bench["records"]["1P1D"] if r["handoff_bytes"]]
     assert handed and all(r["handoff_seconds"] > 0 for r in handed)
+    tiny = json.loads((out / "e2e_tiny.json").read_text())  # the process runtime's hand-offs
+    assert tiny["setup"]["runtime"]["kind"] == "process"
+    assert [r for r in tiny["records"]["1P1D"] if r["handoff_bytes"] and r["handoff_seconds"]]
