@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_reference import DEVICE, GPU
 
-from minimemserve.model.llama import RMSNorm
+from minimemserve.model.layers import RMSNorm
 from triton_kernels import add_rmsnorm
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16

@@ -8,7 +8,7 @@ import torch
 from kernel_reference import DEVICE, GPU, make_pool
 
 from minimemserve.blocks.layout import AGGREGATED, PER_LAYER
-from minimemserve.model.llama import Rotary
+from minimemserve.model.layers import Rotary
 from triton_kernels import rope_store_kv
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -36,7 +36,7 @@ def test_rope_store_kv_matches_rotary_then_store(
     block_size, tokens, heads, n_kv, head_dim, kind, dtype
 ):
     p = make_pool([tokens + 40], block_size, n_kv, head_dim, dtype, kind, seed=tokens)
-    rotary = Rotary(head_dim, 512, 10000.0, 1.0).to(DEVICE)
+    rotary = Rotary(head_dim, 512, 10000.0, None).to(DEVICE)
     gen = torch.Generator(DEVICE).manual_seed(heads)
     width = (heads + 2 * n_kv) * head_dim
     qkv = torch.randn(tokens, width, generator=gen, device=DEVICE).to(dtype)  # a fused output
@@ -67,7 +67,7 @@ def test_rope_store_kv_matches_rotary_then_store(
 def test_rope_store_kv_skips_padding_slots():
     """A negative slot (padding row) writes no cache slot; its q and k are still rotated."""
     p = make_pool([4], 16, 1, 64, F32, AGGREGATED, seed=0)
-    rotary = Rotary(64, 64, 10000.0, 1.0).to(DEVICE)
+    rotary = Rotary(64, 64, 10000.0, None).to(DEVICE)
     before = p.pool.clone()
     q = torch.randn(2, 2, 64, device=DEVICE)
     k, v = torch.randn(2, 2, 1, 64, device=DEVICE)
@@ -84,7 +84,7 @@ def test_rope_store_kv_skips_padding_slots():
 
 def test_rope_store_kv_rejects_bad_input():
     p = make_pool([4], 16, 2, 64, F32, AGGREGATED, seed=0)
-    rotary = Rotary(64, 64, 10000.0, 1.0).to(DEVICE)
+    rotary = Rotary(64, 64, 10000.0, None).to(DEVICE)
     q = torch.randn(2, 4, 64, device=DEVICE)
     k = torch.randn(2, 2, 64, device=DEVICE)
     idx = torch.tensor([0, 1], device=DEVICE)
