@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -98,6 +97,9 @@ class Peers(Protocol):
     def peer_failed(self, name: str, error: TransferError) -> None:
         """A transfer to ``name`` failed with ``error`` (the peer may be dead)."""
 
+    def clock(self) -> float:
+        """Now in seconds (hand-offs are timed with it): wall time, or a simulator's."""
+
 
 def decode_preference(load: int, cached_tokens: int) -> tuple[int, int]:
     """How hand-offs choose among decode instances with room (the largest wins): the least
@@ -160,7 +162,7 @@ def _hand_off(pool, req: Request, peers: Peers, with_insert: bool) -> Outcome:
             return Outcome.FAILED
         if peer is None:
             return Outcome.LATER
-        before, began = _sent_bytes(pool), time.perf_counter()
+        before, began = _sent_bytes(pool), peers.clock()
         try:
             if with_insert:
                 got = pool.transfer_with_insert(peer.pool, tokens, src)
@@ -174,7 +176,7 @@ def _hand_off(pool, req: Request, peers: Peers, with_insert: bool) -> Outcome:
             tried.append(peer.name)
             peers.peer_failed(peer.name, e)
             continue
-        req.metrics.handoff_seconds += time.perf_counter() - began
+        req.metrics.handoff_seconds += peers.clock() - began
         req.metrics.handoff_bytes += _sent_bytes(pool) - before
         req.metrics.transferred_bytes += _sent_bytes(pool) - before
         pool.free_mem(req.blocks)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 from pathlib import Path
 
 import torch
@@ -128,6 +129,10 @@ class InProcessCluster:
 
     def peer_failed(self, name: str, error: Exception) -> None:
         """In one process a failed copy is a bug, not a dead peer: nothing to mark."""
+
+    def clock(self) -> float:
+        """Wall seconds (hand-offs are timed with it)."""
+        return time.perf_counter()
 
     def validate(self, prompt, params: SamplingParams) -> list[int]:
         """Validate against every role (each instance must be able to hold the request)."""

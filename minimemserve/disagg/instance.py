@@ -307,6 +307,10 @@ class InstanceServer:
         if not isinstance(error, RemoteError) and name not in self.node.dead:
             self._peer_down(name, f"stopped answering: {error}")
 
+    def clock(self) -> float:
+        """Wall seconds (hand-offs are timed with it)."""
+        return time.perf_counter()
+
     # ---- control messages -----------------------------------------------------------------
     def _handle(self, sender: str, msg: rpc.Msg) -> rpc.Msg | None:
         who, handler = self.handlers.get(type(msg), (None, None))
