@@ -4,7 +4,7 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 ``GET /health`` (liveness: the engine thread runs; never waits for a step), ``GET /ready``
 (readiness: every role has a live instance and there is room for work) and ``GET /metrics``
 (Prometheus). The probes read what the engine thread publishes once a second and never wait
-on it (a scrape reads the pools afresh only when no request runs). If the engine thread
+on it (a scrape waits at most ``METRICS_WAIT_S`` for fresh pool gauges). If the engine thread
 dies, the process logs it and exits (status 1) instead of serving 503s.
 Any deployment serves: in this process (``--runtime inprocess``) or one process per instance
 behind the global scheduler (``--runtime process``, the default). Tokens stream as the
@@ -161,6 +161,7 @@ class Generation:
     choices: list[Choice]
     events: asyncio.Queue
     t0: float  # when the request arrived
+    checked_at: float = 0.0  # when its client's connection was last checked (monotonic)
 
 
 def usage(parsed: protocol.Parsed, choices: list[Choice]) -> dict:
@@ -293,15 +294,21 @@ class Server:
             raise protocol.BadField(named or ("messages" if chat else "prompt"), str(e)) from None
         return gen
 
-    async def _next_event(self, events: asyncio.Queue, request: Request | None):
-        if request is None:  # streaming: the response is cancelled when the client goes
-            return await events.get()
+    async def _next_event(self, gen: Generation, request: Request | None):
+        """The next event of ``gen``; a non-streaming request's client is checked every
+        ``DISCONNECT_POLL_S`` meanwhile, also while events keep coming (a streaming response
+        is cancelled by the server when its client goes)."""
+        if request is None:
+            return await gen.events.get()
         while True:
-            try:
-                return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
+            if time.monotonic() - gen.checked_at > DISCONNECT_POLL_S:
+                gen.checked_at = time.monotonic()
                 if await request.is_disconnected():
-                    raise ClientGone("client disconnected") from None
+                    raise ClientGone("client disconnected")
+            try:
+                return await asyncio.wait_for(gen.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                continue
 
     async def run(
         self, gen: Generation, request: Request | None
@@ -313,7 +320,7 @@ class Server:
         try:
             left = len(choices)
             while left:
-                ev = await self._next_event(gen.events, request)
+                ev = await self._next_event(gen, request)
                 c = by_rid[ev.request_id]
                 if c.finish_reason is not None:
                     continue  # ended by a stop string; what was still queued for it
@@ -491,16 +498,15 @@ class Server:
         return JSONResponse({"status": "ready"})
 
     async def metrics_text(self) -> Response:
-        """The Prometheus exposition of every metric. While requests run, the pool gauges are
-        the engine thread's last refresh (a scrape never holds up the engine, nor fails it);
-        idle, they are read now if the engine thread gets to it within ``METRICS_WAIT_S``."""
-        if self.loop.num_streams == 0:  # idle: fresh gauges cost the instances nothing
-            try:
-                snap = await asyncio.wait_for(self.loop.call(Snapshot.of), METRICS_WAIT_S)
-                snap.period_s = self.metrics.snapshot.period_s
-                self.metrics.snapshot = snap
-            except (TimeoutError, RuntimeError) as e:  # RuntimeError: the engine stopped
-                logger.info("metrics: showing the last pool snapshot (%s)", type(e).__name__)
+        """The Prometheus exposition of every metric. The pool gauges are read between two
+        steps if the engine thread gets to it within ``METRICS_WAIT_S``, else they are the
+        engine thread's last refresh (a scrape that gives up is skipped by the engine)."""
+        try:
+            snap = await asyncio.wait_for(self.loop.call(Snapshot.of), METRICS_WAIT_S)
+            snap.period_s = self.metrics.snapshot.period_s
+            self.metrics.snapshot = snap
+        except (TimeoutError, RuntimeError) as e:  # RuntimeError: the engine stopped
+            logger.info("metrics: showing the last pool snapshot (%s)", type(e).__name__)
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

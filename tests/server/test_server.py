@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -75,10 +77,11 @@ class Server:
             "1",
             *extra,
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.log_file = tempfile.NamedTemporaryFile(prefix="serve-", suffix=".log")
+        self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
-            assert self.proc.poll() is None, self.proc.stdout.read().decode()[-3000:]
+            assert self.proc.poll() is None, self.log()[-3000:]
             try:
                 if _get(self.url + "/health")[0] == 200:
                     break
@@ -87,6 +90,10 @@ class Server:
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.3)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def log(self) -> str:
+        """What the server printed and logged so far."""
+        return open(self.log_file.name, encoding="utf-8", errors="replace").read()
 
     def metrics(self) -> dict[tuple[str, str], float]:
         """``{(name, labels): value}`` of /metrics."""
@@ -469,3 +476,22 @@ def test_a_server_over_instances_started_on_their_own(tiny_llama_dir, reference,
             srv.wait_released()
         finally:
             srv.close()
+
+
+def test_a_client_that_leaves_a_request_is_one_log_line(server):
+    prompt = "A client that leaves early asks for a long story about lighthouses"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "ignore_eos": True}
+    before = server.log().count("client disconnected")
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=0.5)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    with pytest.raises(OSError):  # the client gives up long before 400 tokens
+        conn.getresponse()
+    conn.close()
+    server.wait_released()
+    deadline = time.monotonic() + 10
+    while server.log().count("client disconnected") == before:
+        assert time.monotonic() < deadline, server.log()[-2000:]
+        time.sleep(0.2)
+    log = server.log()
+    assert log.count("client disconnected") == before + 1
+    assert "Traceback" not in log and "Exception in ASGI" not in log, log[-3000:]
