@@ -298,8 +298,10 @@ class ProcessCluster:
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        session_id: str | None = None,
     ) -> str:
-        """Route and queue a request; returns its id. Bad requests raise here."""
+        """Route (``session_id``: its conversation, for the ``session`` policy) and queue a
+        request; returns its id. Bad requests raise here."""
         if self._closed:
             raise RuntimeError("the cluster is closed")
         if not isinstance(params, SamplingParams):
@@ -311,7 +313,7 @@ class ProcessCluster:
         self.monitor()
         f = Inflight(Request(rid, ids, params, arrival_time or time.perf_counter()))
         try:
-            self.router.submit(self.router.route(ids, params.max_tokens), rid, f)
+            self.router.submit(self.router.route(ids, params.max_tokens, session_id), rid, f)
         except RemoteError as e:
             _raise_remote(e)
         return rid
