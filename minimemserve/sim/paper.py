@@ -20,7 +20,7 @@ from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExe
 from pathlib import Path
 
 from minimemserve.mempool.radix import RadixTree
-from minimemserve.workloads.results import STABLE_GROWTH, STABLE_SLACK, summarize
+from minimemserve.workloads.results import STABLE_GROWTH, STABLE_NOISE, STABLE_SLACK, summarize
 from minimemserve.workloads.sessions import build_prompt
 
 from .runner import DEFAULT_HARDWARE, DEFAULT_MODEL, DEFAULT_TP, SimSetup, gpu_setup, simulate
@@ -391,8 +391,8 @@ def reproduce(
 
 STABILITY_RULE = (
     f"stable: the mean number of requests in system over the last quarter of the arrival "
-    f"window is at most {STABLE_GROWTH} x that over its second quarter + {STABLE_SLACK}; a "
-    f"point is stable when every seed's run is"
+    f"window, q4, is at most {STABLE_GROWTH} q2 + {STABLE_NOISE} sqrt(q2) + {STABLE_SLACK}, q2 "
+    f"being that over its second quarter; a point is stable when every seed's run is"
 )
 
 
