@@ -32,7 +32,7 @@ from minimemserve.sim import (
 from minimemserve.sim.cluster import scaled_deployment
 from minimemserve.sim.profiles import DATA_DIR, FEATURES, with_overhead
 from minimemserve.sim.runner import CPU_LINK, anchor_time, anchors
-from minimemserve.sim.sweep import Curve, Plan, bracket, knee_chain
+from minimemserve.sim.sweep import Curve, Plan, bracket, knee_chain, ratio
 from minimemserve.workloads.results import OVERLOADED
 from minimemserve.workloads.sessions import make_workload, total_turns
 
@@ -418,10 +418,16 @@ def test_knee_chain_bisects_towards_the_knee():
     assert Curve({r: {"stable": r < 5.0} for r in rates}).knee == max(r for r in rates if r < 5)
     assert 4.5 < max(r for r in rates if r < 5) < 5.0  # two midpoints in (4, 8)
     assert bracket({1.0: True, 2.0: False, 4.0: True}) == (1.0, 2.0)
+    run = lambda ok, jct: {"stability": {"stable": ok}, "steady": {"jct_mean": jct}}
+    assert ratio([run(True, 2.0), run(True, 3.0)], [run(True, 1.0)] * 2, "jct_mean") == {
+        "mean": 2.5,
+        "ci95": pytest.approx(12.706 * 0.5),  # t at 1 degree of freedom, std 0.71 / sqrt(2)
+    }
+    assert ratio([run(True, 2.0)] * 2, [run(True, 1.0), run(False, 1.0)], "jct_mean") == OVERLOADED
 
 
 def test_paper_reproduction_never_prints_a_gain_over_an_unstable_side(tmp_path, capsys):
-    plan = Plan(seeds=(0, 1), ladders={"react": (0.5, 32.0)}, bisections=1, extend=0, scale=0.05)
+    plan = Plan(seeds=(0, 1), ladders={"react": (0.5, 64.0)}, bisections=1, extend=0, scale=0.3)
     configs = ("PD", "PD-CC", "2P2D", "2P2D-CC")
     res = paper.reproduce(
         out_dir=tmp_path, plan=plan, progress=False, jobs=1, workloads=("react",), configs=configs
@@ -429,8 +435,9 @@ def test_paper_reproduction_never_prints_a_gain_over_an_unstable_side(tmp_path, 
     curves = res["workloads"]["react"]
     assert set(curves) == set(configs)
     for c, cv in curves.items():
-        assert len(cv["points"]) == 3 and not cv["points"]["32"]["stable"], c
+        assert len(cv["points"]) == 3 and not cv["points"]["64"]["stable"], c
         assert cv["knee"] is not None and all(p["seeds"] == 2 for p in cv["points"].values())
+        assert all(s["stable"] for s in cv["points"][f"{cv['knee']:g}"]["stability"])
     assert len(res["rows"]) == 6 and len(res["routing"]) == 3
     assert sum(len(r["cells"]) for r in res["rows"]) == 6 * 3  # one layout at three loads
     out = capsys.readouterr().out
