@@ -19,11 +19,9 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from pathlib import Path
 
-from minimemserve.mempool.radix import RadixTree
-from minimemserve.workloads.results import STABLE_GROWTH, STABLE_NOISE, STABLE_SLACK, summarize
-from minimemserve.workloads.sessions import build_prompt
+from minimemserve.workloads.results import STABLE_GROWTH, STABLE_NOISE, STABLE_SLACK
 
-from .runner import DEFAULT_HARDWARE, DEFAULT_MODEL, DEFAULT_TP, SimSetup, gpu_setup, simulate
+from .runner import DEFAULT_HARDWARE, DEFAULT_MODEL, DEFAULT_TP, SimSetup, gpu_setup
 from .sweep import (
     SLO_ATTAINMENT,
     SLO_TPOT_S,
@@ -86,12 +84,6 @@ LOAD_RULE = (
     "knee; its capacity is the highest rate at which every seed's run is stable. Each gain is "
     "measured at 50, 70 and 90 % of the capacity of the weaker of its two sides."
 )
-
-
-def simulate_one(setup: SimSetup, config: str, sessions, rate: float, seed: int):
-    """One configuration's summary and simulator stats (a worker process runs it)."""
-    records, stats = simulate(setup, [config], sessions, rate, seed, progress=False)
-    return summarize(records[config]), stats[config]
 
 
 class Points:
@@ -294,46 +286,6 @@ def spread(dispatches: dict[str, int], instances: int) -> float:
     """The busiest of ``instances``' requests over an even share (1.0: perfectly even)."""
     total = sum(dispatches.values())
     return max(dispatches.values()) * instances / total if total else 0.0
-
-
-def workload_stats(sessions, block_size: int = 16) -> dict:
-    """What the paper's Figure 7 shows of a workload: prompt and answer lengths (mean, median,
-    P99), turns per session, and the shared-prefix fraction: of all prompt tokens, those (in
-    whole blocks) that begin an earlier request's prompt plus answer, the most any cache could
-    hit. Answers are stand-in tokens of their planned length, distinct per request."""
-    tree = RadixTree(block_size, clock=lambda: 0.0)
-    prompts, answers, turns, shared = [], [], [], 0
-    fresh = 1 << 40  # stand-in answer ids, beyond any vocabulary
-    for session in sessions:
-        turns.append(len(session.turns))
-        history: list[int] = []
-        for k, turn in enumerate(session.turns):
-            prompt = build_prompt(session, k, history)
-            shared += tree.match_prefix(prompt).num_tokens
-            answer = list(range(fresh, fresh + turn.max_tokens))
-            fresh += turn.max_tokens
-            history = [*prompt, *answer]
-            whole = len(history) - len(history) % block_size
-            tree.insert(history[:whole], [0] * (whole // block_size))
-            prompts.append(len(prompt))
-            answers.append(turn.max_tokens)
-
-    def spread(xs: list[int]) -> dict:
-        xs = sorted(xs)
-        return {
-            "mean": sum(xs) / len(xs),
-            "p50": xs[len(xs) // 2],
-            "p99": xs[int(0.99 * (len(xs) - 1))],
-        }
-
-    return {
-        "sessions": len(sessions),
-        "requests": len(prompts),
-        "prompt": spread(prompts),
-        "answer": spread(answers),
-        "turns": spread(turns),
-        "shared_prefix": shared / sum(prompts),
-    }
 
 
 def reproduce(
