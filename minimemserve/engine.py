@@ -265,8 +265,9 @@ def check_request(
     if not isinstance(params, SamplingParams):
         raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
     ids = tokenizer.prompt_ids(prompt)
-    if bad := [t for t in ids if not 0 <= t < vocab]:
-        raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+    if ids and not (0 <= min(ids) and max(ids) < vocab):
+        bad = next(t for t in ids if not 0 <= t < vocab)
+        raise InvalidRequest(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
     if bad := [t for t, _ in params.logit_bias if t >= vocab]:
         raise InvalidRequest(
             f"SamplingParams.logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})"
@@ -412,8 +413,10 @@ class Engine:
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        session_id: str | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id."""
+        """Validate and queue a request; returns its id (one instance: ``session_id`` routes
+        nothing)."""
         ids = self.validate(prompt, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:

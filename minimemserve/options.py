@@ -19,7 +19,6 @@ from minimemserve.workloads.results import (
     DEFAULT_RATE,
     DEFAULT_SESSIONS,
     DEFAULT_WORKLOAD,
-    PAPER_SESSIONS,
 )
 from minimemserve.workloads.sessions import WORKLOADS
 
@@ -134,7 +133,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParse
         type=int,
         default=None,
         help="sessions (ShareGPT conversations, LooGLE documents, ReAct questions; default "
-        f"{DEFAULT_SESSIONS}, sim --paper {PAPER_SESSIONS})",
+        f"{DEFAULT_SESSIONS}; sim --paper sizes its own runs)",
     )
     p.add_argument("--rate", type=float, default=DEFAULT_RATE, help="session arrivals per second")
     p.add_argument(

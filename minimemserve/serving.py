@@ -26,8 +26,10 @@ class Serving(Protocol):
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        session_id: str | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id."""
+        """Validate and queue a request; returns its id. ``session_id`` names the conversation
+        it belongs to (the ``session`` routing policy keeps a conversation on one instance)."""
 
     def step(self) -> list[RequestOutput]:
         """Step (or briefly await remote results); return requests finished since the last call."""

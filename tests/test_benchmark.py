@@ -15,7 +15,14 @@ from minimemserve.bench.driver import run_bench, run_workload
 from minimemserve.request import RequestMetrics, RequestOutput
 from minimemserve.sampling import SamplingParams
 from minimemserve.serving import Serving
-from minimemserve.workloads.results import caching_ratios, format_table, summarize, write_plots
+from minimemserve.workloads.results import (
+    OVERLOADED,
+    caching_ratios,
+    format_table,
+    gain,
+    summarize,
+    write_plots,
+)
 from minimemserve.workloads.sessions import Session, Turn, poisson_arrivals
 
 
@@ -43,13 +50,15 @@ class ScriptedServing:
         self.balanced = balanced
         self.audits: list[bool] = []  # require_idle of each check_pools call
         self.closed = False
+        self.sessions: dict[str, str | None] = {}  # request id -> the session id it carried
 
     def validate(self, prompt, params):
         if self.reject_longer_than is not None and len(prompt) > self.reject_longer_than:
             raise ValueError("prompt too long")
         return list(prompt)
 
-    def add_request(self, prompt, params, request_id=None, arrival_time=None):
+    def add_request(self, prompt, params, request_id=None, arrival_time=None, session_id=None):
+        self.sessions[request_id] = session_id
         self.added_at.append(time.perf_counter())
         prompt = self.validate(prompt, params)
         arrival = self.added_at[-1] if arrival_time is None else arrival_time
@@ -147,6 +156,7 @@ def test_run_workload_chains_history_and_own_output():
     assert order.index("a/0") < order.index("a/1") < order.index("a/2")
     arrivals = {rid: t for rid, _, t in engine.added}
     assert arrivals["a/0"] < arrivals["a/1"] < arrivals["a/2"]
+    assert engine.sessions == {"a/0": "a", "a/1": "a", "a/2": "a", "b/0": "b"}
 
 
 def test_run_workload_respects_poisson_arrivals():
@@ -173,11 +183,12 @@ def test_run_workload_rejected_turn_ends_its_session():
     assert by_key["a", 0]["error"] is None and by_key["b", 0]["error"] is None
 
 
-def _rec(turn, ttft, jct, tpot, prompt=100, cached=0, error=None, nbytes=0):
+def _rec(turn, ttft, jct, tpot, prompt=100, cached=0, error=None, nbytes=0, arrival=0.0):
     return {
         "config": "X",
         "session": "s",
         "turn": turn,
+        "arrival": arrival,
         "prompt_tokens": prompt,
         "output_tokens": 10,
         "cached_tokens": cached,
@@ -220,6 +231,29 @@ def test_caching_ratios_and_table():
     assert caching_ratios(summaries) == {"PD/PD-CC": pytest.approx(3.0)}
     table = format_table(summaries)
     assert "PD-CC" in table and "900.0" in table and "25.0%" in table
+
+
+def _queue(jct_of) -> list[dict]:
+    """One single-turn session a second for 100 s; request k takes ``jct_of(k)`` s."""
+    return [_rec(0, 0.1, jct_of(k), 0.01, arrival=float(k)) for k in range(101)]
+
+
+def test_stability_rule_flags_a_growing_queue_and_gains_over_it():
+    flat = summarize(_queue(lambda k: 3.0))  # three in system all along
+    growing = summarize(_queue(lambda k: 3.0 + 0.5 * k))  # the wait grows with every arrival
+    st = flat["stability"]
+    assert st["stable"] and st["window_s"] == 100 and st["in_system"] == [3, 3, 3, 3]
+    assert st["mean_in_system"][3] == pytest.approx(3.0, abs=0.2)
+    assert st["makespan_ratio"] == pytest.approx(1.03) and st["ttft_trend"] == pytest.approx(
+        [0.1] * 4
+    )
+    g = growing["stability"]
+    assert not g["stable"] and g["in_system"][3] > 1.5 * g["in_system"][1]
+    assert gain(flat, growing, "jct_mean") == OVERLOADED == gain(growing, flat, "jct_mean")
+    assert gain(flat, flat, "jct_mean") == pytest.approx(0.0)
+    ratios = caching_ratios({"PD": growing, "PD-CC": flat, "1P1D": flat, "1P1D-CC": flat})
+    assert ratios == {"PD/PD-CC": OVERLOADED, "1P1D/1P1D-CC": None}  # no later turns
+    assert "NO" in format_table({"PD": growing}) and summarize([])["stability"]["stable"]
 
 
 def test_write_plots(tmp_path):

@@ -143,7 +143,11 @@ class _Replay:
         rid = f"{session.id}/{k}"
         try:
             self.serving.add_request(
-                prompt, self.params_for(session.turns[k]), request_id=rid, arrival_time=arrival
+                prompt,
+                self.params_for(session.turns[k]),
+                request_id=rid,
+                arrival_time=arrival,
+                session_id=session.id,
             )
         except ValueError as exc:
             rejected = f"rejected: {exc}"
@@ -388,7 +392,7 @@ def _compare(
     if verbose:
         print(format_table(summaries))
         for pair, ratio in ratios.items():
-            shown = "-" if ratio is None else f"{ratio:.2f}x"
+            shown = ratio if isinstance(ratio, str) else "-" if ratio is None else f"{ratio:.2f}x"
             print(f"mean TTFT of turns after the first, {pair}: {shown}")
     return result
 

@@ -92,6 +92,7 @@ class HttpServing:
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        session_id: str | None = None,
     ) -> str:
         """Start streaming the request in a thread; returns its id."""
         ids = self.validate(prompt, params)
@@ -113,6 +114,7 @@ class HttpServing:
             "stream": True,
             "return_token_ids": True,
             "stream_options": {"include_usage": True},
+            **({"user": session_id} if session_id else {}),
         }
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         args = (rid, ids, body, RequestMetrics(arrival, prompt_tokens=len(ids)))

@@ -147,13 +147,15 @@ class InProcessCluster:
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        session_id: str | None = None,
     ) -> str:
-        """Route by the global scheduler (after the prefix push it may ask for) and queue."""
+        """Route by the global scheduler (after the prefix push it may ask for; ``session_id``
+        for the ``session`` policy) and queue."""
         ids = self.validate(prompt, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if any(rid in i.engine.requests for i in self.instances):
             raise ValueError(f"request id {rid!r} is already in use")
-        route = self.scheduler.route(ids, params.max_tokens)
+        route = self.scheduler.route(ids, params.max_tokens, session_id)
         if route.transfer_from is not None:
             route = self._push_prefix(ids, route)
         self.scheduler.dispatched(rid, route, len(ids), params.max_tokens)

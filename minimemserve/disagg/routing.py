@@ -48,13 +48,14 @@ class Router:
         self.dead = ledger.dead
         self.prefix_tokens_moved = 0  # tokens of KV moved by the scheduler's prefix transfers
 
-    def route(self, prompt: Sequence[int], max_tokens: int) -> Route:
-        """The scheduler's route for a prompt, after the prefix push it asks for."""
+    def route(self, prompt: Sequence[int], max_tokens: int, session_id: str | None = None) -> Route:
+        """The scheduler's route for a prompt (of conversation ``session_id``), after the
+        prefix push it asks for."""
         live = {i.role for i in self.instances.values() if i.name not in self.dead}
         if not live.issuperset(self.roles):
             raise InstanceDied(f"a role has no live instance left: {self.dead}")
         try:
-            route = self.scheduler.route(prompt, max_tokens)
+            route = self.scheduler.route(prompt, max_tokens, session_id)
         except InstanceDied:
             raise InstanceDied(f"every instance taking new requests died: {self.dead}") from None
         if route.transfer_from is not None:

@@ -302,8 +302,10 @@ class ProcessCluster:
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        session_id: str | None = None,
     ) -> str:
-        """Route and queue a request; returns its id. Bad requests raise here."""
+        """Route (``session_id``: its conversation, for the ``session`` policy) and queue a
+        request; returns its id. Bad requests raise here."""
         if self._closed:
             raise RuntimeError("the cluster is closed")
         self.monitor()
@@ -312,7 +314,7 @@ class ProcessCluster:
         if rid in self.ledger.inflight:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         f = Inflight(Request(rid, ids, params, arrival_time or time.perf_counter()))
-        self.router.submit(self.router.route(ids, params.max_tokens), rid, f)
+        self.router.submit(self.router.route(ids, params.max_tokens, session_id), rid, f)
         return rid
 
     def step(self) -> list[RequestOutput]:

@@ -40,6 +40,8 @@ MOVES_PREFIXES = ("prompt_tree",)
 # How long a prompt-tree entry is trusted after its request finished (instances evict on
 # their own; a stale entry costs one misrouted request, a short one forgets useful caches).
 DEFAULT_TTL_S = 600.0
+# The longest session id a request may carry (the ``session`` policy hashes it).
+MAX_SESSION_ID = 256
 # Without a fitted model, time is counted in prompt tokens. A step costs this many on top
 # of its new tokens (the model fitted for the tiny preset on this CPU: a lone decode step
 # ~7.5 ms, a prefill token ~0.6 ms), so a decode is not mistaken for nearly free.
@@ -240,9 +242,19 @@ class GlobalScheduler:
         """Unfinished requests routed to ``name``."""
         return sum(1 for q in self._queued.values() if q.instance == name and q.active)
 
-    def route(self, tokens: Sequence[int], max_tokens: int | None = None) -> Route:
-        """Pick the instance for a prompt that may be answered in up to ``max_tokens``;
-        raises ``InstanceDied`` when none is live."""
+    def route(
+        self, tokens: Sequence[int], max_tokens: int | None = None, session_id: str | None = None
+    ) -> Route:
+        """Pick the instance for a prompt that may be answered in up to ``max_tokens``, sent in
+        the conversation ``session_id`` (None: unknown); raises ``InstanceDied`` when none is
+        live."""
+        if session_id is not None and not (
+            isinstance(session_id, str) and 0 < len(session_id) <= MAX_SESSION_ID
+        ):
+            raise InvalidRequest(
+                f"session_id must be a string of 1 to {MAX_SESSION_ID} characters, "
+                f"got {session_id!r:.80}"
+            )
         if not self.live:
             raise InstanceDied("no live instance to route to")
         toks = as_tokens(tokens)
@@ -256,8 +268,8 @@ class GlobalScheduler:
         elif self.policy == "least_load":
             name = min(self.live, key=lambda p: (self.queued_requests(p), self.live.index(p)))
         elif self.policy == "session":
-            head = toks[: self.block_size].tobytes()
-            name = self.live[zlib.crc32(head) % len(self.live)]
+            key = session_id.encode() if session_id else toks[: self.block_size].tobytes()
+            name = self.live[zlib.crc32(key) % len(self.live)]
         else:
             cached = {p: self.cached_tokens(p, toks) for p in self.live}
             return self._by_cost(len(toks), cached, max_tokens)

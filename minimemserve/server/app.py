@@ -258,7 +258,9 @@ class Server:
                 for p in prompts:
                     s.validate(p, gen.parsed.params)
             for c in choices:
-                s.add_request(prompts[c.prompt], self._params(gen, c), c.rid, gen.t0)
+                s.add_request(
+                    prompts[c.prompt], self._params(gen, c), c.rid, gen.t0, gen.parsed.session_id
+                )
                 self.loop.register(c.rid, aio, gen.events)
                 c.started = True
 
@@ -400,6 +402,8 @@ class Server:
         except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
             raise protocol.BadField("body", f"malformed JSON: {e}") from None
         parsed = protocol.parse(body, self.tok, self.chat if chat else None, self.max_model_len)
+        if header := request.headers.get("x-session-id"):
+            parsed.session_id = protocol.session_id(header, "X-Session-Id")
         if parsed.model != self.model_name:
             raise ApiError(
                 404,

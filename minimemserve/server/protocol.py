@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import CheckpointError, InvalidRequest
 from ..model.tokenizer import Tokenizer
 from ..sampling import MAX_LOGPROBS, SamplingParams
+from ..scheduler.global_scheduler import MAX_SESSION_ID
 
 # Choices one request may ask for (n), and stop strings it may give.
 MAX_N = 16
@@ -94,6 +95,7 @@ class Parsed:
     include_usage: bool = False
     stop: list[str] = field(default_factory=list)
     return_token_ids: bool = False  # an extension: the generated ids beside the text
+    session_id: str | None = None  # ``user`` (or the X-Session-Id header): session routing
 
 
 def _get(body: dict, name: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
@@ -284,6 +286,7 @@ def parse(body: Any, tok: Tokenizer, chat: ChatFormat | None, max_model_len: int
         include_usage=_get(stream_options, "include_usage", bool, False),
         stop=stop,
         return_token_ids=_get(body, "return_token_ids", bool, False),
+        session_id=session_id(_get(body, "user", str), "user"),
     )
 
 
@@ -306,6 +309,14 @@ def _logit_bias(body: dict) -> dict[int, Any]:
     if not all(isinstance(k, str) and k.isascii() and k.isdigit() for k in bias):
         raise BadField("logit_bias", "'logit_bias' keys must be token ids (decimal digits)")
     return {int(k): v for k, v in bias.items()}
+
+
+def session_id(value: str | None, name: str) -> str | None:
+    """A request's session id (``user`` or the X-Session-Id header), at most
+    ``MAX_SESSION_ID`` characters; None when absent or empty."""
+    if value and len(value) > MAX_SESSION_ID:
+        raise BadField(name, f"'{name}' must be at most {MAX_SESSION_ID} characters")
+    return value or None
 
 
 def _sampling(body: dict, chat: bool, room: int) -> SamplingParams:

@@ -112,7 +112,7 @@ class _TokenIds:
         """The ids, as ints."""
         if isinstance(prompt, str):
             raise ConfigError("the simulator takes prompts as token ids, not text")
-        return [int(t) for t in prompt]
+        return list(map(int, prompt))
 
     @staticmethod
     def decode(ids: Sequence[int]) -> None:
@@ -559,7 +559,7 @@ class SimCluster:
         prompt = build_prompt(session, k, history)
         rid, params = f"{session.id}/{k}", self._params_for(session.turns[k])
         t0 = time.perf_counter()
-        route = self.scheduler.route(prompt, params.max_tokens)
+        route = self.scheduler.route(prompt, params.max_tokens, session.id)
         self.route_wall_s += time.perf_counter() - t0
         self.route_calls += 1
         pushed = None

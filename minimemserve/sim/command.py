@@ -9,8 +9,7 @@ from pathlib import Path
 from minimemserve.errors import ConfigError
 from minimemserve.options import add_workload_arguments
 from minimemserve.presets import preset_dir
-from minimemserve.workloads.results import DEFAULT_SESSIONS, PAPER_SESSIONS
-from minimemserve.workloads.sessions import WORKLOADS
+from minimemserve.workloads.results import DEFAULT_SESSIONS
 
 from . import calibration, paper
 from .profiles import TRANSFER_MODES, FittedStepModel, fit_cpu_steps
@@ -66,18 +65,21 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--write", default=None, help="--calibrate: where the fitted profile goes")
     p.add_argument(
         "--paper",
-        nargs="?",
-        const="",
-        default=None,
-        help="the paper's 19 relative gains on its three workloads, simulated at loads the "
-        "load rule picks, or at workload=rate,... given here (e.g. sharegpt=4,react=2); "
+        action="store_true",
+        help="the paper's evaluation: every configuration's load sweep on its three workloads "
+        "(steady windows, three seeds, stability), then its 19 gains at matched loads; "
         "scheduler prefill_first unless --scheduler says otherwise",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="--paper: two workloads and four configurations only (each point as in the full run)",
     )
     p.add_argument(
         "--jobs",
         type=int,
         default=None,
-        help="--paper: configurations simulated at once, each in a process (default: cores)",
+        help="--paper: runs simulated at once, each in a process (default: cores)",
     )
     p.add_argument(
         "--anchors",
@@ -119,19 +121,13 @@ def main(args: argparse.Namespace) -> int:
     if args.calibrate:
         calibration.calibrate(args.calibrate.split(","), args.hardware, args.write)
         return 0
-    if args.paper is not None:
-        rates = _paper_rates(args.paper) if args.paper else None
+    if args.paper:
         paper.reproduce(
-            args.model,
-            args.hardware,
-            args.tp,
             args.scheduler or "prefill_first",
-            args.sessions or PAPER_SESSIONS,
-            args.seed,
-            rates,
             args.out,
-            not args.no_progress,
-            args.jobs,
+            quick=args.quick,
+            progress=not args.no_progress,
+            jobs=args.jobs,
         )
         return 0
     setup = setup_from_args(args)
@@ -171,14 +167,3 @@ def main(args: argparse.Namespace) -> int:
         **kw,
     )
     return 0
-
-
-def _paper_rates(text: str) -> dict[str, float]:
-    """``workload=rate,...`` as a dict, or a ``ConfigError`` naming what is wrong."""
-    try:
-        rates = {w: float(r) for w, r in (kv.split("=") for kv in text.split(","))}
-    except ValueError:
-        raise ConfigError(f"--paper takes workload=rate pairs, got {text!r}") from None
-    if bad := set(rates) - set(WORKLOADS):
-        raise ConfigError(f"--paper: unknown workloads {sorted(bad)}; choose from {WORKLOADS}")
-    return rates

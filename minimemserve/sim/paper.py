@@ -2,10 +2,11 @@
 
 The paper serves Llama-2-13B on 8 GPUs at tensor parallelism 2 and reports 19 relative
 gains over three workloads (:data:`PAPER`): disaggregation against colocated PD, caching on
-top of disaggregation, and prompt-tree against session routing. :func:`reproduce` simulates
-each at one load per workload chosen by one rule (:func:`knee_rate`), for every
-disaggregated ratio the 8 GPUs allow (1P3D, 2P2D) and for the paper's 1P2D on 6 GPUs,
-prints the 19 numbers beside the paper's, and writes them with two plots."""
+top of disaggregation, and prompt-tree against session routing. It states no request rates.
+:func:`reproduce` sweeps every configuration's load to past its knee (``sim.sweep``: steady
+windows, three seeds, a stability verdict per run), then measures each gain at 50, 70 and
+90 % of the weaker side's capacity, as the ratio of (1 + gain) with its 95 % interval; a
+comparison with an unstable side is reported as overloaded, never as a number."""
 
 from __future__ import annotations
 
@@ -15,15 +16,24 @@ import multiprocessing
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import Executor, Future, ProcessPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from pathlib import Path
 
-from minimemserve.mempool.radix import RadixTree
-from minimemserve.workloads.results import PAPER_SESSIONS, summarize
-from minimemserve.workloads.sessions import build_prompt
+from minimemserve.workloads.results import STABLE_GROWTH, STABLE_NOISE, STABLE_SLACK
 
-from .runner import SimSetup, gpu_setup, simulate, workload_sessions
+from .runner import DEFAULT_HARDWARE, DEFAULT_MODEL, DEFAULT_TP, SimSetup, gpu_setup
+from .sweep import (
+    SLO_ATTAINMENT,
+    SLO_TPOT_S,
+    SLO_TTFT_S,
+    Curve,
+    Plan,
+    aggregate,
+    knee_chain,
+    plot_sweep,
+    ratio,
+    run_point,
+)
 
 # (workload, comparison, metric) -> the paper's relative change (Figures 8-10, Section 6).
 PAPER = {
@@ -45,251 +55,438 @@ PAPER = {
     ("react", "disagg-CC vs disagg", "jct_p99"): -0.214,
     ("react", "disagg-CC vs disagg", "ttft_mean"): -0.785,
     ("react", "disagg-CC vs disagg", "ttft_p99"): -0.849,
-    # The paper does not name this one's workload. Prompt trees exist for prefixes that
-    # sessions share, which ReAct's few-shot block is; a router that knows a session only by
-    # its first block (ours) sends every ReAct question to one instance. In ShareGPT sessions
-    # share nothing but their own history, so session affinity already finds every hit: the
-    # other workloads' values are printed beside it.
+    # The paper does not name this one's workload; ReAct's shared few-shot block is what
+    # prompt trees exist for. Session routing hashes each request's session id.
     ("react", "prompt_tree vs session", "ttft_p99"): -0.59,
 }
 WORKLOADS = ("sharegpt", "loogle", "react")
-# Disaggregated layouts: name -> (GPUs, its colocated baseline on as many GPUs).
-RATIOS = {"1P3D": 8, "2P2D": 8, "1P2D": 6}
+# The disaggregated layouts of the paper's 8 GPUs at TP 2 (3P1D starves every workload's decode
+# side and is left out), each with and without caching, and colocated PD and PD-CC.
+LAYOUTS = ("1P3D", "2P2D")
+CONFIGS = ("PD", "PD-CC", *LAYOUTS, *(f"{x}-CC" for x in LAYOUTS))
+GPUS = 8
 # ShareGPT's real answers, capped where the paper's 4k-token model leaves room anyway; the
 # synthetic workloads keep their own answer lengths (LooGLE 8-32, ReAct 20-100 tokens).
 MAX_OUTPUT_TOKENS = {"sharegpt": 1024}
-# The load rule: from LIGHT_RATE sessions/s, doubling, the first rate at which colocated PD's
-# mean JCT is KNEE times its light-load value (queueing has doubled it), at most MAX_DOUBLINGS.
-LIGHT_RATE = 0.25
-KNEE = 2.0
-MAX_DOUBLINGS = 9
+# The loads each comparison is made at: these fractions of the weaker side's capacity.
+LOADS = (0.5, 0.7, 0.9)
+# Routing compared on PD-CC at the same loads: the paper's prompt trees, session affinity and
+# the shortest queue.
+ROUTING = ("prompt_tree", "session", "least_load")
+# A simulated (1 + gain) matches the paper's when its mean is within MATCH of it (relative).
+MATCH = 0.10
+# ``--quick``: two workloads, four configurations, every point of them as the full run has it.
+QUICK_WORKLOADS = ("loogle", "react")
+QUICK_CONFIGS = ("PD", "1P3D", "2P2D", "2P2D-CC")
+POLICY = "prompt_tree"
+LOAD_RULE = (
+    "The paper states no request rates. Each configuration is swept from light load past its "
+    "knee; its capacity is the highest rate at which every seed's run is stable. Each gain is "
+    "measured at 50, 70 and 90 % of the capacity of the weaker of its two sides."
+)
 
 
-@dataclass
-class Workload:
-    """One workload's sessions and the load chosen for it, with the ladder that chose it."""
+class Points:
+    """Every point of one reproduction: each seed's run submitted once to ``pool``, the seeds
+    aggregated once (and printed as they complete, with ``progress``)."""
 
-    name: str
-    sessions: list
-    rate: float
-    ladder: list[tuple[float, float]]  # (rate, PD mean JCT)
+    def __init__(self, pool: Executor, setup: SimSetup, plan: Plan, progress: bool) -> None:
+        self.pool = pool
+        self.setup = setup
+        self.plan = plan
+        self.progress = progress
+        self.futures: dict[tuple, list[Future]] = {}  # (workload, config, policy, rate)
+        self._points: dict[tuple, dict] = {}
+        self.t0 = time.perf_counter()
+
+    def submit(self, workload: str, config: str, policy: str, rate: float) -> tuple:
+        """Simulate the point (once); returns its key."""
+        key = (workload, config, policy, float(rate))
+        if key not in self.futures:
+            setup = self.setup.with_deployment(policy=policy)
+            n = self.plan.sessions(workload, rate)
+            cap = MAX_OUTPUT_TOKENS.get(workload)
+            self.futures[key] = [
+                self.pool.submit(run_point, setup, workload, config, rate, seed, n, cap)
+                for seed in self.plan.seeds
+            ]
+        return key
+
+    def done(self, key: tuple) -> bool:
+        """Whether every seed of ``key`` has finished."""
+        return all(f.done() for f in self.futures[key])
+
+    def runs(self, key: tuple) -> list[dict]:
+        """Each seed's run of ``key`` (waits for them)."""
+        return [f.result() for f in self.futures[key]]
+
+    def point(self, key: tuple) -> dict:
+        """``key``'s seeds aggregated (waits for them)."""
+        if key not in self._points:
+            self._points[key] = p = aggregate(self.runs(key))
+            if self.progress:
+                print(f"  {point_line(key, p)} [{time.perf_counter() - self.t0:.0f} s]", flush=True)
+        return self._points[key]
 
 
-def workload_stats(sessions, block_size: int = 16) -> dict:
-    """What the paper's Figure 7 shows of a workload: prompt and answer lengths (mean, median,
-    P99), turns per session, and the shared-prefix fraction: of all prompt tokens, those (in
-    whole blocks) that begin an earlier request's prompt plus answer, the most any cache could
-    hit. Answers are stand-in tokens of their planned length, distinct per request."""
-    tree = RadixTree(block_size, clock=lambda: 0.0)
-    prompts, answers, turns, shared = [], [], [], 0
-    fresh = 1 << 40  # stand-in answer ids, beyond any vocabulary
-    for session in sessions:
-        turns.append(len(session.turns))
-        history: list[int] = []
-        for k, turn in enumerate(session.turns):
-            prompt = build_prompt(session, k, history)
-            shared += tree.match_prefix(prompt).num_tokens
-            answer = list(range(fresh, fresh + turn.max_tokens))
-            fresh += turn.max_tokens
-            history = [*prompt, *answer]
-            whole = len(history) - len(history) % block_size
-            tree.insert(history[:whole], [0] * (whole // block_size))
-            prompts.append(len(prompt))
-            answers.append(turn.max_tokens)
+def _fmt(value: dict | str | None, scale: float = 1.0, digits: int = 2) -> str:
+    """``mean ±ci`` of an interval, or the string it is."""
+    if not isinstance(value, dict):
+        return str(value)
+    if value["mean"] is None:
+        return "-"
+    return f"{scale * value['mean']:.{digits}f} ±{scale * value['ci95']:.{digits}f}"
 
-    def spread(xs: list[int]) -> dict:
-        xs = sorted(xs)
-        return {
-            "mean": sum(xs) / len(xs),
-            "p50": xs[len(xs) // 2],
-            "p99": xs[int(0.99 * (len(xs) - 1))],
-        }
 
+def point_line(key: tuple, p: dict) -> str:
+    """One point in a line: JCT and TTFT means, stability, in-system growth, drift."""
+    workload, config, policy, rate = key
+    grow = " ".join("/".join(f"{x:.0f}" for x in s["mean_in_system"][1::2]) for s in p["stability"])
+    drift = max(abs(d) for d in p["drift"].values() if d is not None)
+    return (
+        f"{workload} {config} ({policy}) {rate:g}/s: JCT {_fmt(p['jct_mean'])} s, TTFT "
+        f"{_fmt(p['ttft_mean'], 1e3, 0)} ms, {'stable' if p['stable'] else 'UNSTABLE'} (in "
+        f"system, 2nd / 4th quarter: {grow}), moves {drift:.1%} from N to 2N"
+    )
+
+
+def sweep(points: Points, workloads: Sequence[str], configs: Sequence[str]) -> dict:
+    """Every configuration's :func:`knee_chain` walked on ``points`` at once:
+    ``{workload: {config: Curve}}``."""
+    chains, rates, pending = {}, {}, {}
+    for w in workloads:
+        for c in configs:
+            chains[w, c] = knee_chain(
+                points.plan.ladders[w], points.plan.extend, points.plan.bisections
+            )
+            rates[w, c] = list(next(chains[w, c]))
+            pending[w, c] = [points.submit(w, c, POLICY, r) for r in rates[w, c]]
+    while pending:
+        futures = [f for keys in pending.values() for k in keys for f in points.futures[k]]
+        wait(futures, return_when=FIRST_COMPLETED)
+        for (w, c), keys in list(pending.items()):
+            if not all(points.done(k) for k in keys):
+                continue
+            verdicts = {r: points.point((w, c, POLICY, r))["stable"] for r in rates[w, c]}
+            try:
+                more = chains[w, c].send(verdicts)
+            except StopIteration:
+                del pending[w, c]
+                continue
+            rates[w, c] += more
+            pending[w, c] = [points.submit(w, c, POLICY, r) for r in more]
     return {
-        "sessions": len(sessions),
-        "requests": len(prompts),
-        "prompt": spread(prompts),
-        "answer": spread(answers),
-        "turns": spread(turns),
-        "shared_prefix": shared / sum(prompts),
+        w: {c: Curve({r: points.point((w, c, POLICY, r)) for r in rates[w, c]}) for c in configs}
+        for w in workloads
     }
 
 
-def simulate_one(setup: SimSetup, config: str, sessions, rate: float, seed: int):
-    """One configuration's summary and simulator stats (a worker process runs it)."""
-    records, stats = simulate(setup, [config], sessions, rate, seed, progress=False)
-    return summarize(records[config]), stats[config]
+def _pairs(layout: str) -> dict[str, tuple[str, str]]:
+    """The paper's comparisons for one layout: name -> (new, base)."""
+    return {"disagg vs PD": (layout, "PD"), "disagg-CC vs disagg": (f"{layout}-CC", layout)}
 
 
-def knee_rate(
-    pool: Executor, setup: SimSetup, sessions, seed: int, width: int = 2
-) -> tuple[float, list[tuple[float, float]]]:
-    """The load rule, the same for every workload: colocated PD's mean JCT at
-    :data:`LIGHT_RATE` and at doubling rates; the first rate where it reaches :data:`KNEE`
-    times the light-load value (else the last tried). Returns it and the ladder walked.
-    ``width`` rates are simulated at once on ``pool``."""
-    rates = [LIGHT_RATE * 2**k for k in range(MAX_DOUBLINGS)]
-    ladder: list[tuple[float, float]] = []
-    for k in range(0, len(rates), width):
-        batch = rates[k : k + width]
-        futures = [pool.submit(simulate_one, setup, "PD", sessions, r, seed) for r in batch]
-        for rate, f in zip(batch, futures):
-            ladder.append((rate, f.result()[0]["jct_mean"]))
-            if ladder[-1][1] >= KNEE * ladder[0][1]:
-                return rate, ladder
-    return ladder[-1][0], ladder
+def _rate(curves: dict, new: str, base: str, load: float) -> float | None:
+    """``load`` times the weaker side's capacity (None: either has no stable rate)."""
+    knees = [curves[c].knee if c in curves else None for c in (new, base)]
+    return None if None in knees else round(load * min(knees), 3)
 
 
-def _gains(summ: dict[str, dict], new: str, base: str, metrics: Sequence[str]) -> dict:
-    return {m: summ[new][m] / summ[base][m] - 1 for m in metrics}
+def cell(points: Points, workload: str, pair: tuple, policy_pair: tuple, rate, metric, paper):
+    """One comparison at one rate: the simulated (1 + gain) with its interval against the
+    paper's, a verdict and the reason for a miss."""
+    if rate is None:
+        return {"rate": None, "ratio": "no stable load", "verdict": "no stable load"}
+    (new, base), (pnew, pbase) = pair, policy_pair
+    r = ratio(
+        points.runs(points.submit(workload, new, pnew, rate)),
+        points.runs(points.submit(workload, base, pbase, rate)),
+        metric,
+    )
+    if isinstance(r, str):
+        return {"rate": rate, "ratio": r, "verdict": r}
+    want = 1 + paper
+    hit = abs(r["mean"] / want - 1) <= MATCH
+    held = abs(r["mean"] - want) <= r["ci95"]  # the paper's value lies inside the interval
+    return {
+        "rate": rate,
+        "ratio": r,
+        "verdict": "match" if hit else "miss" + (" (interval holds it)" if held else ""),
+        "reason": None if hit else "not explained",
+    }
 
 
-def run_workload(
-    pool: Executor, setups: dict[int, SimSetup], w: Workload, seed: int, progress: bool
-) -> tuple[dict, dict]:
-    """Every configuration the comparisons need at ``w.rate``, run on ``pool``: ``(summaries
-    by run name, simulator stats by run name)``."""
-    runs: dict[str, tuple[int, str, str]] = {}  # run name -> (gpus, config, routing)
-    for ratio, gpus in RATIOS.items():
-        runs[f"PD@{gpus}"] = (gpus, "PD", "prompt_tree")
-        runs[ratio] = (gpus, ratio, "prompt_tree")
-        runs[f"{ratio}-CC"] = (gpus, f"{ratio}-CC", "prompt_tree")
-    runs["PD-CC@8"] = (8, "PD-CC", "prompt_tree")
-    runs["PD-CC@8 session"] = (8, "PD-CC", "session")
-    t0 = time.perf_counter()
-    futures = {}
-    for name, (gpus, config, routing) in runs.items():
-        setup = setups[gpus].with_deployment(policy=routing)
-        futures[name] = pool.submit(simulate_one, setup, config, w.sessions, w.rate, seed)
-    summaries, stats = {}, {}
-    for name, future in futures.items():
-        summaries[name], st = future.result()
-        stats[name] = {
-            k: st[k] for k in ("simulated_s", "wall_s", "prefill_share", "decode_stall_s")
-        }
-        if progress:
-            s = summaries[name]
-            print(
-                f"  {w.name} {name:16} JCT {s['jct_mean']:7.2f} s (P99 {s['jct_p99']:6.1f}), "
-                f"TTFT {1e3 * s['ttft_mean']:8.1f} ms (P99 {1e3 * s['ttft_p99']:8.1f}), "
-                f"TPOT {1e3 * s['tpot_mean']:5.1f} ms, cached {s['cached_ratio']:.0%}, prefill "
-                f"{st['prefill_share']:.0%} of busy time, decodes held up "
-                f"{st['decode_stall_s']:.2f} s [{st['wall_s']:.1f} s; "
-                f"{time.perf_counter() - t0:.0f} s]",
-                flush=True,
-            )
-    return summaries, stats
-
-
-def comparisons(workload: str, summ: dict[str, dict]) -> list[dict]:
-    """The paper's rows of ``workload``, each with the simulated change per ratio."""
+def matched_rows(points: Points, curves: dict, workloads: Sequence[str]) -> list[dict]:
+    """The paper's 18 disaggregation and caching numbers, each at :data:`LOADS` of the weaker
+    side's capacity for every layout swept (all points submitted before any is awaited)."""
+    for w in workloads:
+        for new, base in (pair for x in LAYOUTS for pair in _pairs(x).values()):
+            for rate in (_rate(curves[w], new, base, load) for load in LOADS):
+                if rate is not None:
+                    points.submit(w, new, POLICY, rate)
+                    points.submit(w, base, POLICY, rate)
     rows = []
     for (w, comparison, metric), paper in PAPER.items():
-        if w != workload:
+        if w not in workloads or comparison not in _pairs("x"):
             continue
-        sim = {}
-        for ratio, gpus in RATIOS.items():
-            if comparison == "disagg vs PD":
-                new, base = ratio, f"PD@{gpus}"
-            elif comparison == "disagg-CC vs disagg":
-                new, base = f"{ratio}-CC", ratio
-            else:  # routing is a colocated comparison: one value, on the 8 GPUs
-                new, base = "PD-CC@8", "PD-CC@8 session"
-            sim[ratio] = _gains(summ, new, base, [metric])[metric]
+        cells = {}
+        for layout in LAYOUTS:
+            pair = _pairs(layout)[comparison]
+            if not set(pair) <= set(curves[w]):
+                continue
+            for load in LOADS:
+                rate = _rate(curves[w], *pair, load)
+                cells[f"{layout}@{load:.0%}"] = cell(
+                    points, w, pair, (POLICY, POLICY), rate, metric, paper
+                )
         rows.append(
-            {"workload": w, "comparison": comparison, "metric": metric, "paper": paper, **sim}
+            {
+                "workload": w,
+                "comparison": comparison,
+                "metric": metric,
+                "paper": paper,
+                "paper_ratio": 1 + paper,
+                "cells": cells,
+            }
         )
     return rows
 
 
-def best_ratio(rows: list[dict]) -> str:
-    """The ratio whose changes are closest to the paper's (mean absolute difference)."""
-    errs = {r: sum(abs(row[r] - row["paper"]) for row in rows) for r in RATIOS}
-    return min(errs, key=errs.get)
+def routing_rows(points: Points, curves: dict, workloads: Sequence[str]) -> list[dict]:
+    """PD-CC's routing policies at :data:`LOADS` of its capacity under prompt trees: prompt
+    trees against session affinity (the paper's row 19 on ReAct) and against the shortest
+    queue, P99 and mean TTFT, and how evenly ``session`` spread the requests."""
+    plan = []
+    for w in workloads:
+        if "PD-CC" not in curves[w]:
+            continue
+        for load in LOADS:
+            rate = _rate(curves[w], "PD-CC", "PD-CC", load)
+            for policy in ROUTING if rate is not None else ():
+                points.submit(w, "PD-CC", policy, rate)
+            plan.append((w, load, rate))
+    rows = []
+    paper = PAPER["react", "prompt_tree vs session", "ttft_p99"]
+    for w, load, rate in plan:
+        row = {"workload": w, "load": load, "rate": rate}
+        for base in ROUTING[1:]:
+            for metric in ("ttft_p99", "ttft_mean"):
+                row[f"vs {base} {metric}"] = cell(
+                    points, w, ("PD-CC", "PD-CC"), (POLICY, base), rate, metric, paper
+                )
+        if rate is not None:
+            runs = points.runs(points.submit(w, "PD-CC", "session", rate))
+            n = points.setup.instances
+            row["session_max_share"] = max(spread(r["dispatches"], n) for r in runs)
+        rows.append(row)
+    return rows
+
+
+def spread(dispatches: dict[str, int], instances: int) -> float:
+    """The busiest of ``instances``' requests over an even share (1.0: perfectly even)."""
+    total = sum(dispatches.values())
+    return max(dispatches.values()) * instances / total if total else 0.0
 
 
 def reproduce(
-    model: str = "llama2-13b",
-    hardware: str = "h800",
-    tp: int = 2,
     scheduler: str = "prefill_first",
-    num_sessions: int = PAPER_SESSIONS,
-    seed: int = 0,
-    rates: dict[str, float] | None = None,
     out_dir: str | Path | None = None,
+    quick: bool = False,
+    plan: Plan | None = None,
     progress: bool = True,
     jobs: int | None = None,
+    workloads: Sequence[str] = WORKLOADS,
+    configs: Sequence[str] = CONFIGS,
 ) -> dict:
-    """Simulate the paper's evaluation under the local ``scheduler`` policy (the paper's base,
-    vLLM 0.4.0, is ``prefill_first``) at ``rates`` per workload (default: the load rule);
-    prints the table; with ``out_dir``, writes ``sim_paper.json``, ``sim_paper.png`` and
-    ``sim_paper_fig8.png`` there; returns the result. Configurations run ``jobs`` at a time
-    (default: one per core), each in its own process."""
+    """The paper's evaluation under the local ``scheduler`` policy (its base, vLLM 0.4.0, is
+    ``prefill_first``): every configuration swept (:func:`sweep`), the 18 gains at matched
+    loads, routing; prints the tables; with ``out_dir`` writes ``sim_paper.json``, the table
+    in markdown (``sim_paper.md``), a sweep plot per workload and the gains plot. ``quick``
+    runs :data:`QUICK_WORKLOADS` x :data:`QUICK_CONFIGS` only, each point as the full run has
+    it. Runs go ``jobs`` at a time (default: one per core), each in its own process."""
     t0 = time.perf_counter()
-    setups = {}
-    for gpus in sorted(set(RATIOS.values())):
-        s = gpu_setup(model, hardware, gpus, tp)
-        cfg = dataclasses.replace(s.engine_config, scheduler=scheduler)
-        setups[gpus] = s.with_deployment(engine=cfg)
-    result: dict = {
-        "setup": {**setups[8].describe, "scheduler": scheduler, "sessions": num_sessions},
-        "load_rule": f"from {LIGHT_RATE}/s doubling, the first rate where colocated PD's mean "
-        f"JCT reaches {KNEE}x its value at {LIGHT_RATE}/s (at most {MAX_DOUBLINGS} rates)",
-        "workloads": {},
-        "rows": [],
-        "routing": {},  # prompt_tree vs session, P99 TTFT, on each workload
-    }
+    plan = plan or Plan()
+    if quick:
+        workloads, configs = QUICK_WORKLOADS, QUICK_CONFIGS
+    base = gpu_setup(DEFAULT_MODEL, DEFAULT_HARDWARE, GPUS, DEFAULT_TP)
+    setup = base.with_deployment(
+        engine=dataclasses.replace(base.engine_config, scheduler=scheduler)
+    )
     jobs = jobs or os.cpu_count() or 1
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(jobs, mp_context=spawn) if jobs > 1 else _Inline() as pool:
-        for name in WORKLOADS:
-            _one_workload(pool, setups, name, num_sessions, seed, rates, progress, result)
-    disagg = [r for r in result["rows"] if r["comparison"] != "prompt_tree vs session"]
-    result["best_ratio"] = best_ratio(disagg)
-    result["wall_s"] = time.perf_counter() - t0
-    print_table(result)
-    result["files"] = []
-    if out_dir is None:
-        return result
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    files = [out / "sim_paper.json", out / "sim_paper.png", out / "sim_paper_fig8.png"]
-    result["files"] = list(map(str, files))
-    files[0].write_text(json.dumps(result, indent=1))
-    plot_gains(result, files[1])
-    plot_fig8(result, files[2])
-    print(f"wrote {', '.join(result['files'])} ({result['wall_s']:.0f} s)")
+        points = Points(pool, setup, plan, progress)
+        curves = sweep(points, workloads, configs)
+        if out_dir is not None:  # the sweep alone first: it is most of the time
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            done = {w: _curves_json(curves[w]) for w in workloads}
+            (Path(out_dir) / "sim_paper_sweep.json").write_text(json.dumps(done, indent=1))
+        rows = matched_rows(points, curves, workloads)
+        routing = routing_rows(points, curves, workloads)
+    result = {
+        "setup": {**setup.describe, "scheduler": scheduler, "quick": quick},
+        "plan": dataclasses.asdict(plan),
+        "load_rule": LOAD_RULE,
+        "stability_rule": STABILITY_RULE,
+        "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S, "attainment": SLO_ATTAINMENT},
+        "workloads": {w: _curves_json(curves[w]) for w in workloads},
+        "rows": rows,
+        "routing": routing,
+        "wall_s": time.perf_counter() - t0,
+        "files": [],
+    }
+    print(markdown(result))
+    if out_dir is not None:
+        write(result, curves, Path(out_dir))
     return result
 
 
-def _one_workload(pool, setups, name, num_sessions, seed, rates, progress, result) -> None:
-    cap = MAX_OUTPUT_TOKENS.get(name)
-    sessions = workload_sessions(setups[8], name, num_sessions, seed, None, cap, None)
-    if rates and name in rates:
-        w = Workload(name, sessions, rates[name], [])
-    else:
-        w = Workload(name, sessions, *knee_rate(pool, setups[8], sessions, seed))
-    if progress:
-        ladder = ", ".join(f"{r:g}/s: {j:.2f} s" for r, j in w.ladder)
-        print(f"{name}: {len(sessions)} sessions at {w.rate:g}/s (PD mean JCT {ladder})")
-    wstats = workload_stats(sessions, setups[8].engine_config.block_size)
-    if progress:
-        p, a = wstats["prompt"], wstats["answer"]
-        print(
-            f"  {wstats['requests']} requests; prompt mean {p['mean']:.0f} (P99 {p['p99']}), "
-            f"answer mean {a['mean']:.0f} (P99 {a['p99']}), turns {wstats['turns']['mean']:.1f}, "
-            f"shared prefix {wstats['shared_prefix']:.0%}"
-        )
-    summ, stats = run_workload(pool, setups, w, seed, progress)
-    result["rows"] += comparisons(name, summ)
-    result["routing"][name] = summ["PD-CC@8"]["ttft_p99"] / summ["PD-CC@8 session"]["ttft_p99"] - 1
-    result["workloads"][name] = {
-        "rate": w.rate,
-        "ladder": w.ladder,
-        "workload_stats": wstats,
-        "summaries": summ,
-        "stats": stats,
+STABILITY_RULE = (
+    f"stable: the mean number of requests in system over the last quarter of the arrival "
+    f"window, q4, is at most {STABLE_GROWTH} q2 + {STABLE_NOISE} sqrt(q2) + {STABLE_SLACK}, q2 "
+    f"being that over its second quarter; a point is stable when every seed's run is"
+)
+
+
+def _curves_json(curves: dict[str, Curve]) -> dict:
+    return {
+        c: {
+            "knee": cv.knee,
+            "goodput": cv.goodput,
+            "points": {f"{r:g}": cv.points[r] for r in sorted(cv.points)},
+        }
+        for c, cv in curves.items()
     }
+
+
+def write(result: dict, curves: dict, out: Path) -> None:
+    """The JSON, the markdown tables and the plots into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "sim_paper.json", out / "sim_paper.md", out / "sim_paper.png"]
+    for w, cv in curves.items():
+        files.append(out / f"paper_sweep_{w}.png")
+        plot_sweep(cv, files[-1], f"{w}, simulated ({result['setup']['scheduler']})")
+    result["files"] = list(map(str, files))
+    files[0].write_text(json.dumps(result, indent=1))
+    files[1].write_text(markdown(result) + "\n")
+    plot_gains(result, files[2])
+    print(f"wrote {', '.join(result['files'])} ({result['wall_s']:.0f} s)")
+
+
+def _cell_md(c: dict) -> str:
+    text = _fmt(c["ratio"])
+    return f"**{text}**" if c["verdict"] == "match" else text
+
+
+def markdown(result: dict) -> str:
+    """The reproduction's tables: knees and goodput, the 18 gains at matched load as ratios
+    of (1 + gain) with 95 % intervals, and routing (row 19)."""
+    lines = [LOAD_RULE, "", knees_md(result), "", rows_md(result["rows"]), "", routing_md(result)]
+    return "\n".join(lines)
+
+
+def knees_md(result: dict) -> str:
+    """Per workload and configuration: capacity (knee), goodput, the rates swept."""
+    slo = result["slo"]
+    lines = [
+        f"| workload | config | knee (sessions/s) | goodput (TTFT <= {slo['ttft_s']} s, TPOT <= "
+        f"{1e3 * slo['tpot_s']:.0f} ms, {slo['attainment']:.0%}) | rates swept (unstable in "
+        "italics) |",
+        "|---|---|---|---|---|",
+    ]
+    for w, curves in result["workloads"].items():
+        for c, cv in curves.items():
+            rates = ", ".join(f"{r}" if p["stable"] else f"*{r}*" for r, p in cv["points"].items())
+            lines.append(f"| {w} | {c} | {cv['knee']} | {cv['goodput']} | {rates} |")
+    return "\n".join(lines)
+
+
+def rows_md(rows: list[dict]) -> str:
+    """The 18 numbers: paper's (1 + gain) against the simulated one per layout and load."""
+    if not rows:
+        return ""
+    keys = list(rows[0]["cells"])
+    lines = [
+        "| workload | comparison | metric | paper | " + " | ".join(keys) + " |",
+        "|---" * (4 + len(keys)) + "|",
+    ]
+    for r in rows:
+        cells = " | ".join(_cell_md(r["cells"][k]) if k in r["cells"] else "" for k in keys)
+        lines.append(
+            f"| {r['workload']} | {r['comparison']} | {r['metric']} | {r['paper_ratio']:.3f} | "
+            f"{cells} |"
+        )
+    rates = "; ".join(
+        f"{r['workload']} {r['comparison']}: "
+        + ", ".join(f"{k} = {c['rate']}/s" for k, c in r["cells"].items())
+        for r in rows
+        if r["metric"] == "jct_mean"
+    )
+    return "\n".join(lines) + f"\n\nRates: {rates}."
+
+
+def routing_md(result: dict) -> str:
+    """PD-CC's prompt trees against session affinity and least-load, (1 + gain)."""
+    paper = 1 + PAPER["react", "prompt_tree vs session", "ttft_p99"]
+    lines = [
+        f"| workload | load | rate | vs session, TTFT P99 (paper, ReAct: {paper:.2f}) | "
+        "vs session, TTFT mean | vs least_load, TTFT P99 | vs least_load, TTFT mean | "
+        "session: busiest instance / even share |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["routing"]:
+        cells = " | ".join(
+            _cell_md(r[f"vs {b} {m}"]) for b in ROUTING[1:] for m in ("ttft_p99", "ttft_mean")
+        )
+        share = r.get("session_max_share")
+        lines.append(
+            f"| {r['workload']} | {r['load']:.0%} | {r['rate']} | {cells} | "
+            f"{'-' if share is None else f'{share:.2f}'} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_gains(result: dict, png: Path) -> None:
+    """Each of the 18 numbers: the paper's (1 + gain) beside the simulated ones with their
+    intervals, per layout and load; an overloaded comparison is written, not drawn."""
+    from matplotlib.figure import Figure  # slow to import: only plots need it
+
+    rows = result["rows"]
+    if not rows:
+        return
+    keys = list(rows[0]["cells"])
+    fig = Figure(figsize=(15, 6), layout="tight")
+    ax = fig.subplots()
+    width = 0.8 / (len(keys) + 1)
+    ax.bar(range(len(rows)), [r["paper_ratio"] for r in rows], width, label="paper", color="k")
+    for k, key in enumerate(keys, 1):
+        for i, r in enumerate(rows):
+            c, x = r["cells"].get(key), i + k * width
+            if c is None:
+                continue
+            if isinstance(c["ratio"], dict):
+                ax.errorbar(
+                    x,
+                    c["ratio"]["mean"],
+                    yerr=c["ratio"]["ci95"],
+                    fmt="o",
+                    color=f"C{k}",
+                    label=key if i == 0 else None,
+                    ms=4,
+                )
+            else:
+                ax.text(x, 0.05, c["ratio"], rotation=90, fontsize=6, color=f"C{k}")
+    labels = [f"{r['workload']} {r['metric']}\n{r['comparison']}" for r in rows]
+    ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=40, ha="right")
+    ax.axhline(1, color="black", linewidth=0.5)
+    ax.set_ylim(0, 2)
+    ax.set_ylabel("1 + gain (new / base), 95 % interval")
+    ax.legend(fontsize=7, ncol=4)
+    ax.set_title(
+        f"MemServe's gains at matched load, paper vs simulated "
+        f"({result['setup']['scheduler']}); text: no number (overloaded)"
+    )
+    fig.savefig(png, dpi=110)
 
 
 class _Inline(Executor):
@@ -303,73 +500,3 @@ class _Inline(Executor):
         except BaseException as e:
             future.set_exception(e)
         return future
-
-
-def print_table(result: dict) -> None:
-    """The 19 numbers: the paper's beside the simulated one per ratio, with each load."""
-    ratios = list(RATIOS)
-    head = "".join(f"{r + ('' if RATIOS[r] == 8 else f' ({RATIOS[r]} GPUs)'):>16}" for r in ratios)
-    print(f"\n{'workload':9}{'load':>8}  {'comparison':24}{'metric':10}{'paper':>8}{head}")
-    for r in result["rows"]:
-        rate = result["workloads"][r["workload"]]["rate"]
-        sims = "".join(f"{r[x]:>+16.1%}" for x in ratios)
-        if r["comparison"] == "prompt_tree vs session":
-            sims = f"{r[ratios[0]]:>+16.1%}{'(8 GPUs, PD-CC)':>32}"
-        print(
-            f"{r['workload']:9}{rate:>6g}/s  {r['comparison']:24}{r['metric']:10}"
-            f"{r['paper']:>+8.1%}{sims}"
-        )
-    routing = ", ".join(f"{w} {g:+.1%}" for w, g in result["routing"].items())
-    print(f"prompt_tree vs session, P99 TTFT, PD-CC on 8 GPUs: {routing}")
-    print(f"closest to the paper: {result['best_ratio']}; load rule: {result['load_rule']}")
-
-
-def plot_gains(result: dict, png: Path) -> None:
-    """Bars: each of the 19 changes, the paper's beside the simulated ones. Bars beyond
-    +-100 % are cut there and carry their value."""
-    from matplotlib.figure import Figure  # slow to import: only plots need it
-
-    rows = result["rows"]
-    fig = Figure(figsize=(14, 6), layout="tight")
-    ax = fig.subplots()
-    series = [("paper", "paper")] + [(r, f"{r} ({RATIOS[r]} GPUs)") for r in RATIOS]
-    width = 0.8 / len(series)
-    for k, (key, label) in enumerate(series):
-        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(rows))]
-        values = [100 * r[key] for r in rows]
-        ax.bar(xs, [max(-100.0, min(v, 100.0)) for v in values], width, label=label)
-        for x, v in zip(xs, values):
-            if v > 100:
-                ax.text(x, 101, f"+{v:.0f}", rotation=90, fontsize=6, ha="center", va="bottom")
-    labels = [f"{r['workload']} {r['metric']}\n{r['comparison']}" for r in rows]
-    ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=40, ha="right")
-    ax.set_ylim(-105, 140)
-    ax.set_ylabel("change (%, cut at +100)")
-    ax.axhline(0, color="black", linewidth=0.5)
-    ax.legend(fontsize=7, loc="upper left")
-    ax.set_title(f"MemServe's gains, paper vs simulated ({result['setup']['scheduler']})")
-    fig.savefig(png, dpi=110)
-
-
-def plot_fig8(result: dict, png: Path) -> None:
-    """Like the paper's Figure 8: per workload, JCT and TTFT (mean, P99) of colocated PD,
-    disaggregated and disaggregated with caching, normalized to PD, for the closest ratio."""
-    from matplotlib.figure import Figure  # slow to import: only plots need it
-
-    ratio = result["best_ratio"]
-    gpus = RATIOS[ratio]
-    metrics = ("jct_mean", "jct_p99", "ttft_mean", "ttft_p99")
-    fig = Figure(figsize=(12, 3.6), layout="tight")
-    axes = fig.subplots(1, len(WORKLOADS))
-    for ax, (name, w) in zip(axes, result["workloads"].items()):
-        summ = w["summaries"]
-        runs = (f"PD@{gpus}", ratio, f"{ratio}-CC")
-        for k, run in enumerate(runs):
-            vals = [summ[run][m] / summ[runs[0]][m] for m in metrics]
-            ax.bar([i + (k - 1) * 0.27 for i in range(len(metrics))], vals, 0.27, label=run)
-        ax.set_xticks(range(len(metrics)), [m.replace("_", " ") for m in metrics], fontsize=7)
-        ax.set_title(f"{name} at {w['rate']:g}/s", fontsize=9)
-        ax.set_ylabel("relative to PD")
-        ax.legend(fontsize=7)
-    fig.suptitle(f"simulated, {result['setup']['scheduler']}, {ratio} on {gpus} GPUs", fontsize=9)
-    fig.savefig(png, dpi=110)

@@ -252,6 +252,7 @@ def simulate(
             "decode_stall_s": cluster.decode_stall_s / max(len(records[config]), 1),
             "instances": [f"{i.name}:{i.role}" for i in cluster.instances],
             "route_us_mean": 1e6 * cluster.route_wall_s / max(cluster.route_calls, 1),
+            "dispatches": dict(cluster.scheduler.dispatches),
         }
     return records, stats
 

@@ -21,13 +21,22 @@ from .sessions import Session, Turn
 DEFAULT_CONFIGS = ("PD", "PD-CC", "1P1D", "1P1D-CC")
 DEFAULT_WORKLOAD = "sharegpt"
 DEFAULT_SESSIONS = 16
-PAPER_SESSIONS = 600  # sim --paper: enough sessions to load 4 Llama-2-13B instances past their knee
 DEFAULT_RATE = 1.0  # sessions per second
 # Percentile reported beside the mean.
 TAIL_PERCENTILE = 99.0
 # A config is compared with its context-caching variant named "<config>-CC".
 CACHING_SUFFIX = "-CC"
 _METRICS = ("ttft", "jct", "tpot")
+# The stability rule (docs/simulator.md, "Stability"): a run is stable when the mean number of
+# requests in system over the last quarter of its arrival window, q4, is at most
+# STABLE_GROWTH * q2 + STABLE_NOISE * sqrt(q2) + STABLE_SLACK, q2 being that over the second
+# quarter. A queue that grows for the whole run fails it; time averages, not counts at one
+# instant, and the square-root term (a Poisson count's spread) keep chance from failing it.
+STABLE_GROWTH = 1.25
+STABLE_NOISE = 2.0
+STABLE_SLACK = 2.0
+# What a gain or ratio prints as when either side of it is unstable: never a number.
+OVERLOADED = "overloaded"
 
 
 def greedy_params(turn: Turn) -> SamplingParams:
@@ -103,18 +112,87 @@ def summarize(records: Iterable[dict]) -> dict[str, Any]:
     out["output_tokens"] = sum(r["output_tokens"] for r in ok)
     out["cached_tokens"] = sum(r["cached_tokens"] for r in ok)
     out["transferred_bytes"] = sum(r["transferred_bytes"] for r in ok)
+    out["stability"] = stability(records)
     return out
 
 
-def caching_ratios(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
-    """``{"X/X-CC": mean TTFT of later turns under X / under X-CC}`` for every such pair."""
-    ratios: dict[str, float | None] = {}
+def _ends(records: list[dict]) -> list[float]:
+    """When each request left the system: its end, or its arrival when it failed."""
+    return [r["arrival"] + (r["jct"] if r.get("error") is None else 0.0) for r in records]
+
+
+def stability(records: Iterable[dict]) -> dict[str, Any]:
+    """Whether a replay reached a steady state: the arrival window (first to last session
+    start, ``window_s``), ``makespan_ratio`` (first start to last end, over the window), the
+    requests in system (arrived, not finished) at the end of each quarter of the window and
+    their mean over each quarter, the mean TTFT of the requests arriving in each quarter, and
+    ``stable`` by the one rule (:data:`STABLE_GROWTH`, :data:`STABLE_SLACK`); a window of
+    zero is stable."""
+    records = [r for r in records if r.get("jct") is not None or r.get("error") is not None]
+    starts = [r["arrival"] for r in records if r["turn"] == 0]
+    if not starts:
+        return {
+            "window_s": 0.0,
+            "makespan_ratio": None,
+            "in_system": [],
+            "mean_in_system": [],
+            "ttft_trend": [],
+            "stable": True,
+        }
+    t0, window = min(starts), max(starts) - min(starts)
+    ends = _ends(records)
+    marks = [t0 + window * q / 4 for q in (0, 1, 2, 3, 4)]
+    in_system = [sum(1 for r, e in zip(records, ends) if r["arrival"] <= m < e) for m in marks[1:]]
+    mean_in_system = [
+        sum(max(0.0, min(e, hi) - max(r["arrival"], lo)) for r, e in zip(records, ends)) / (hi - lo)
+        if hi > lo
+        else 0.0
+        for lo, hi in zip(marks, marks[1:])
+    ]
+    quarters: list[list[float]] = [[], [], [], []]  # TTFTs by the quarter they arrived in
+    for r in records:
+        if r.get("ttft") is not None and r["arrival"] <= marks[-1]:
+            q = min(int(4 * (r["arrival"] - t0) / window), 3) if window > 0 else 3
+            quarters[q].append(r["ttft"])
+    trend = [_mean(q) for q in quarters]
+    q2, q4 = mean_in_system[1], mean_in_system[3]
+    stable = window <= 0 or q4 <= STABLE_GROWTH * q2 + STABLE_NOISE * q2**0.5 + STABLE_SLACK
+    return {
+        "window_s": window,
+        "makespan_ratio": (max(ends) - t0) / window if window > 0 else None,
+        "in_system": in_system,
+        "mean_in_system": mean_in_system,
+        "ttft_trend": trend,
+        "stable": bool(stable),
+    }
+
+
+def is_stable(summary: Mapping[str, Any]) -> bool:
+    """A summary's stability verdict (one without a record of it counts as stable)."""
+    return bool(summary.get("stability", {}).get("stable", True))
+
+
+def gain(new: Mapping[str, Any], base: Mapping[str, Any], metric: str) -> float | str | None:
+    """``new``'s ``metric`` over ``base``'s, minus one: :data:`OVERLOADED` when either run is
+    unstable, None when either value is missing."""
+    if not (is_stable(new) and is_stable(base)):
+        return OVERLOADED
+    a, b = new.get(metric), base.get(metric)
+    return a / b - 1 if a is not None and b else None
+
+
+def caching_ratios(
+    summaries: Mapping[str, Mapping[str, Any]],
+) -> dict[str, float | str | None]:
+    """``{"X/X-CC": mean TTFT of later turns under X / under X-CC}`` for every such pair
+    (:data:`OVERLOADED` when either run is unstable)."""
+    ratios: dict[str, float | str | None] = {}
     for name, base in summaries.items():
         cc = summaries.get(name + CACHING_SUFFIX)
         if cc is None:
             continue
-        a, b = base.get("ttft_mean_later"), cc.get("ttft_mean_later")
-        ratios[f"{name}/{name}{CACHING_SUFFIX}"] = a / b if a and b else None
+        g = gain(base, cc, "ttft_mean_later")
+        ratios[f"{name}/{name}{CACHING_SUFFIX}"] = g + 1 if isinstance(g, float) else g
     return ratios
 
 
@@ -135,6 +213,7 @@ def format_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
         "cached",
         "bytes",
         "errors",
+        "stable",
     )
     rows = [header]
     for name, s in summaries.items():
@@ -151,6 +230,7 @@ def format_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
                 "-" if ratio is None else f"{ratio:.1%}",
                 f"{s['transferred_bytes']:,}",
                 str(s["errors"]),
+                "yes" if is_stable(s) else "NO",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]

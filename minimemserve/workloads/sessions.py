@@ -273,11 +273,10 @@ class _TextMaker:
     _tokens_per_word: float = field(default=2.0)
 
     def words(self, n: int) -> str:
-        out = []
-        for _ in range(n):
-            word = "".join(self.rng.choice(_SYLLABLES) for _ in range(self.rng.randint(1, 3)))
-            out.append(word)
-        return " ".join(out)
+        """``n`` words of one to three syllables each."""
+        sizes = self.rng.choices((1, 2, 3), k=n)
+        syllables = iter(self.rng.choices(_SYLLABLES, k=sum(sizes)))
+        return " ".join("".join(next(syllables) for _ in range(k)) for k in sizes)
 
     def tokens(self, n: int, label: str = "") -> tuple[int, ...]:
         """Exactly ``n`` token ids (no BOS) of fresh pseudo-text, starting with ``label``."""

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from minimemserve.errors import ConfigError, InstanceDied, InvalidRequest
 from minimemserve.scheduler.global_scheduler import (
+    MAX_SESSION_ID,
     UNIT_TRANSFER_COST,
     GlobalScheduler,
     PromptTrees,
@@ -55,6 +58,22 @@ def test_session_affinity_follows_the_first_block():
     assert len(first) > 1  # different conversations spread out
     for b in range(12):
         assert s.route(toks(b, 5)).instance == s.route(toks(b, 6, 6, 6)).instance
+
+
+def test_session_affinity_hashes_the_session_id_when_there_is_one():
+    s = sched("session", names=("A", "B", "C", "D"))
+    shared = toks(9, 9)  # every prompt opens with the same block, as ReAct's few-shot one
+    by_id = Counter(s.route(shared + toks(k), session_id=f"q-{k}").instance for k in range(400))
+    assert set(by_id) == {"A", "B", "C", "D"} and max(by_id.values()) < 2 * 100
+    assert len({s.route(shared + toks(k)).instance for k in range(40)}) == 1  # head only
+    for k in range(20):  # a session stays where its first request went, whatever it sends
+        assert (
+            s.route(toks(k), session_id="s").instance
+            == s.route(toks(k + 1, 3), session_id="s").instance
+        )
+    for bad in ("", "x" * (MAX_SESSION_ID + 1), 7):
+        with pytest.raises(InvalidRequest, match="session_id"):
+            s.route(shared, session_id=bad)
 
 
 def test_prompt_tree_goes_where_the_prefix_is_cached():

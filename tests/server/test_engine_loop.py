@@ -33,7 +33,7 @@ class Scripted:
         self.steps, self.fail_at_step, self.closed = 0, fail_at_step, False
         self.step_s = step_s  # how long each step takes
 
-    def add_request(self, prompt, params, request_id, arrival_time=None) -> str:
+    def add_request(self, prompt, params, request_id, arrival_time=None, session_id=None) -> str:
         self.left[request_id] = TOKENS
         return request_id
 

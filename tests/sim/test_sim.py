@@ -26,11 +26,14 @@ from minimemserve.sim import (
     cpu_setup,
     gpu_setup,
     load_model_shape,
+    paper,
     simulate,
 )
 from minimemserve.sim.cluster import scaled_deployment
 from minimemserve.sim.profiles import DATA_DIR, FEATURES, with_overhead
 from minimemserve.sim.runner import CPU_LINK, anchor_time, anchors
+from minimemserve.sim.sweep import Curve, Plan, bracket, knee_chain, ratio
+from minimemserve.workloads.results import OVERLOADED
 from minimemserve.workloads.sessions import make_workload, total_turns
 
 # A step model in the range the tiny preset measures on this CPU (seconds per feature).
@@ -403,29 +406,65 @@ def test_meta_pools_hold_no_storage():
     assert pool.capacity() == setup.num_blocks > 1000
 
 
-def test_cli_paper_prints_the_19_numbers_and_is_deterministic(tmp_path, capsys):
-    common = ["sim", "--sessions", "3", "--no-progress", "--jobs", "1"]
-    args = build_parser().parse_args([*common, "--out", str(tmp_path / "a"), "--paper"])
-    assert args.fn(args) == 0
+def test_knee_chain_bisects_towards_the_knee():
+    chain = knee_chain((1.0, 2.0, 4.0, 8.0, 16.0))
+    rates = next(chain)
+    while True:
+        try:
+            rates += chain.send({r: r < 5.0 for r in rates})
+        except StopIteration:
+            break
+    assert len(rates) == 7 and len(set(rates)) == 7
+    assert Curve({r: {"stable": r < 5.0} for r in rates}).knee == max(r for r in rates if r < 5)
+    assert 4.5 < max(r for r in rates if r < 5) < 5.0  # two midpoints in (4, 8)
+    assert bracket({1.0: True, 2.0: False, 4.0: True}) == (1.0, 2.0)
+    run = lambda ok, jct: {"stability": {"stable": ok}, "steady": {"jct_mean": jct}}
+    assert ratio([run(True, 2.0), run(True, 3.0)], [run(True, 1.0)] * 2, "jct_mean") == {
+        "mean": 2.5,
+        "ci95": pytest.approx(12.706 * 0.5),  # t at 1 degree of freedom, std 0.71 / sqrt(2)
+    }
+    assert ratio([run(True, 2.0)] * 2, [run(True, 1.0), run(False, 1.0)], "jct_mean") == OVERLOADED
+
+
+def test_paper_reproduction_never_prints_a_gain_over_an_unstable_side(tmp_path, capsys):
+    plan = Plan(seeds=(0, 1), ladders={"react": (0.5, 64.0)}, bisections=1, extend=0, scale=0.3)
+    configs = ("PD", "PD-CC", "2P2D", "2P2D-CC")
+    res = paper.reproduce(
+        out_dir=tmp_path, plan=plan, progress=False, jobs=1, workloads=("react",), configs=configs
+    )
+    curves = res["workloads"]["react"]
+    assert set(curves) == set(configs)
+    for c, cv in curves.items():
+        assert len(cv["points"]) == 3 and not cv["points"]["64"]["stable"], c
+        assert cv["knee"] is not None and all(p["seeds"] == 2 for p in cv["points"].values())
+        assert all(s["stable"] for s in cv["points"][f"{cv['knee']:g}"]["stability"])
+    assert len(res["rows"]) == 6 and len(res["routing"]) == 3
+    assert sum(len(r["cells"]) for r in res["rows"]) == 6 * 3  # one layout at three loads
     out = capsys.readouterr().out
-    data = json.loads((tmp_path / "a" / "sim_paper.json").read_text())
-    assert len(data["rows"]) == 19 and data["setup"]["scheduler"] == "prefill_first"
-    for name, w in data["workloads"].items():  # the load rule walked a ladder for each
-        assert w["ladder"] and w["rate"] == w["ladder"][-1][0], name
-        assert f"{name:9}" in out
-    assert data["best_ratio"] in ("1P3D", "2P2D", "1P2D") and "closest to the paper" in out
-    for png in ("sim_paper.png", "sim_paper_fig8.png"):
-        assert (tmp_path / "a" / png).stat().st_size > 0
-    again = []
-    for run in ("b", "c"):
-        fixed = [*common, "--out", str(tmp_path / run), "--paper", "sharegpt=1,loogle=1,react=2"]
-        args = build_parser().parse_args(fixed)
-        assert args.fn(args) == 0
-        again.append(json.loads((tmp_path / run / "sim_paper.json").read_text())["rows"])
-    assert again[0] == again[1] and all(isinstance(r["1P3D"], float) for r in again[0])
-    bad = build_parser().parse_args([*common, "--paper", "chat=1"])
-    with pytest.raises(ConfigError, match="unknown workloads"):
-        bad.fn(bad)
+    for row in res["rows"]:
+        for cell in row["cells"].values():
+            if isinstance(cell["ratio"], dict):  # a number: both sides stable at that rate
+                assert cell["verdict"].startswith(("match", "miss")) and cell["ratio"]["ci95"] >= 0
+            else:
+                assert cell["ratio"] in (OVERLOADED, "no stable load")
+                assert cell["verdict"] == cell["ratio"] and cell["ratio"] in out
+    for f in ("sim_paper.json", "sim_paper.md", "sim_paper.png", "paper_sweep_react.png"):
+        assert (tmp_path / f).stat().st_size > 0
+    assert json.loads((tmp_path / "sim_paper.json").read_text())["rows"] == res["rows"]
+    args = build_parser().parse_args(["sim", "--paper", "--quick", "--jobs", "1"])
+    assert args.paper and args.quick
+
+
+def test_react_sessions_spread_over_every_instance_under_session_routing():
+    """Every ReAct prompt opens with the same few-shot block: hashing the prompt's head would
+    send them all to one instance; hashing the session id spreads them."""
+    setup = gpu_setup("llama2-13b", "h800", 8, 2, policy="session")
+    tok = Tokenizer.from_dir(setup.tokenizer_dir)
+    sessions = make_workload("react", tok, 60, 4096, seed=0, max_turns=3)
+    _, stats = simulate(setup, ["PD-CC"], sessions, 4.0, 0, progress=False)
+    sent = stats["PD-CC"]["dispatches"]
+    assert set(sent) == {"C0", "C1", "C2", "C3"} and sum(sent.values()) == total_turns(sessions)
+    assert paper.spread(sent, 4) < 2.0  # none gets more than twice its share
 
 
 def test_hand_offs_spread_over_decode_instances_that_all_hold_the_shared_prefix():

@@ -1,0 +1,242 @@
+"""Load sweeps that a researcher can trust: steady states, seeds, stability and knees.
+
+A *point* is one configuration (and routing policy) of one workload at one session rate. It is
+simulated once per seed (:data:`SEEDS`), each time with ``2N`` sessions (:func:`sessions_for`),
+and measured over a steady window: the requests of the sessions that started after the first
+``N / 4`` (the warm-up). The same statistics over the sessions ``N / 4 .. N`` show how much the
+numbers still move between ``N`` and ``2N`` sessions (``drift``; a point is ``converged`` when
+every one moves less than :data:`STEADY_TOLERANCE`). Each seed's run also carries the stability
+record of the whole run (``workloads.results.stability``); a point is stable when every seed's
+run is. Numbers are the mean over seeds with a 95 % interval (Student's t).
+
+:func:`knee_chain` walks one configuration's rates: a coarse ladder, then bisection between the
+highest stable and the lowest unstable rate, so rates are densest at the knee; the knee (the
+configuration's capacity) is its highest stable rate. Goodput is the highest stable rate at which
+:data:`SLO_ATTAINMENT` of the window's requests meet both :data:`SLO_TTFT_S` and
+:data:`SLO_TPOT_S` (DistServe's measure)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minimemserve.workloads.results import OVERLOADED, summarize
+
+from .runner import SimSetup, simulate, workload_sessions
+
+SEEDS = (0, 1, 2)
+# Sessions per run: 2N, with N at least N_MIN and enough for a window of T_MIN seconds at the
+# rate, at most N_MAX. ShareGPT's sessions last 16 s on average at light load (LooGLE's and
+# ReAct's 2-3 s), so its window must be longer; a LooGLE session holds 8 requests. Sized so the
+# whole evaluation ran on two CPU cores shared with other jobs; the drift between N and 2N
+# sessions says where that is too few.
+N_MIN = {"sharegpt": 100, "loogle": 40, "react": 60}
+T_MIN_S = {"sharegpt": 60.0, "loogle": 20.0, "react": 15.0}
+N_MAX = {"sharegpt": 500, "loogle": 120, "react": 180}
+WARMUP = 0.25  # of the first N sessions, by start
+STEADY_TOLERANCE = 0.05
+METRICS = ("jct_mean", "jct_p99", "ttft_mean", "ttft_p99", "tpot_mean")
+DRIFT_METRICS = ("jct_mean", "jct_p99", "ttft_mean", "ttft_p99")
+# The goodput SLO, one pair for every workload.
+SLO_TTFT_S, SLO_TPOT_S, SLO_ATTAINMENT = 1.0, 0.1, 0.9
+# The first rates of each workload's ladder (sessions/s), then BISECTIONS between the knee's
+# neighbours; at most EXTEND more rates beyond either end when no knee lies inside it.
+LADDER = {
+    "sharegpt": (1.0, 2.0, 4.0, 6.0, 8.0, 12.0),
+    "loogle": (0.5, 1.0, 1.5, 2.0, 3.0, 4.0),
+    "react": (1.0, 2.0, 4.0, 6.0, 8.0, 12.0),
+}
+BISECTIONS = 2
+EXTEND = 2
+# Student's t at 97.5 % by degrees of freedom (seeds - 1).
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much a sweep simulates: seeds, the ladders and bisections of :func:`knee_chain`,
+    and the sessions per run (``scale`` times :func:`sessions_for`'s; tests shrink it)."""
+
+    seeds: tuple[int, ...] = SEEDS
+    ladders: dict = field(default_factory=lambda: dict(LADDER))
+    bisections: int = BISECTIONS
+    extend: int = EXTEND
+    scale: float = 1.0
+
+    def sessions(self, workload: str, rate: float) -> int:
+        """N for ``workload`` at ``rate``: each run replays twice as many sessions."""
+        n = min(N_MAX[workload], max(N_MIN[workload], math.ceil(rate * T_MIN_S[workload])))
+        return max(4, round(n * self.scale))
+
+
+_SESSIONS: dict[tuple, list] = {}  # a worker's workloads, built once (tokenizing is slow)
+
+
+def _sessions(setup: SimSetup, workload: str, n: int, seed: int, cap: int | None) -> list:
+    """The first ``n`` of the most sessions a sweep replays of ``workload`` (a build of more
+    sessions begins with those of a build of fewer)."""
+    key = (str(setup.tokenizer_dir), setup.model_config.max_position_embeddings, workload)
+    key += (seed, cap)
+    if key not in _SESSIONS:
+        most = max(n, 2 * N_MAX[workload])
+        _SESSIONS[key] = workload_sessions(setup, workload, most, seed, None, cap, None)
+    if len(_SESSIONS[key]) < n:
+        _SESSIONS[key] = workload_sessions(setup, workload, n, seed, None, cap, None)
+    return _SESSIONS[key][:n]
+
+
+def _measure(records: list[dict]) -> dict:
+    s = summarize(records)
+    ok = [r for r in records if r.get("error") is None and r.get("ttft") is not None]
+    met = sum(1 for r in ok if r["ttft"] <= SLO_TTFT_S and (r["tpot"] or 0.0) <= SLO_TPOT_S)
+    return {
+        **{m: s[m] for m in METRICS},
+        "cached_ratio": s["cached_ratio"],
+        "slo_attainment": met / len(records) if records else None,
+        "requests": len(records),
+    }
+
+
+def run_point(
+    setup: SimSetup, workload: str, config: str, rate: float, seed: int, n: int, cap: int | None
+) -> dict:
+    """One seed of one point (a worker process runs it) with ``2 n`` sessions: the steady
+    window's statistics at ``n`` (``half``) and ``2 n`` sessions (``steady``), and the whole
+    run's stability."""
+    sessions = _sessions(setup, workload, 2 * n, seed, cap)
+    records, stats = simulate(setup, [config], sessions, rate, seed, progress=False)
+    recs = records[config]
+    index = {s.id: i for i, s in enumerate(sessions)}  # sessions start in list order
+    warm = int(WARMUP * n)
+    steady = [r for r in recs if index[r["session"]] >= warm]
+    half = [r for r in steady if index[r["session"]] < n]
+    return {
+        "sessions": n,
+        "stability": summarize(recs)["stability"],
+        "steady": _measure(steady),
+        "half": _measure(half),
+        "wall_s": stats[config]["wall_s"],
+        "dispatches": stats[config]["dispatches"],
+    }
+
+
+def interval(values: Sequence[float]) -> dict:
+    """Mean and 95 % interval half-width (Student's t) of ``values`` (None ignored)."""
+    xs = [v for v in values if v is not None]
+    if not xs:
+        return {"mean": None, "ci95": None}
+    half = _T975[len(xs) - 1] * float(np.std(xs, ddof=1)) / math.sqrt(len(xs)) if len(xs) > 1 else 0
+    return {"mean": float(np.mean(xs)), "ci95": half}
+
+
+def aggregate(runs: Sequence[dict]) -> dict:
+    """A point's seeds together: each metric's mean and interval, the drift between N and 2N
+    sessions, ``converged``, ``stable`` (every seed's run) and each seed's stability record."""
+    out = {m: interval([r["steady"][m] for r in runs]) for m in (*METRICS, "slo_attainment")}
+    drift = {}
+    for m in DRIFT_METRICS:
+        a = np.mean([r["half"][m] for r in runs])
+        b = np.mean([r["steady"][m] for r in runs])
+        drift[m] = float(b / a - 1) if a else None
+    return {
+        **out,
+        "cached_ratio": float(np.mean([r["steady"]["cached_ratio"] or 0.0 for r in runs])),
+        "sessions": runs[0]["sessions"],
+        "seeds": len(runs),
+        "drift": drift,
+        "converged": all(d is not None and abs(d) < STEADY_TOLERANCE for d in drift.values()),
+        "stable": all(r["stability"]["stable"] for r in runs),
+        "stability": [r["stability"] for r in runs],
+        "wall_s": sum(r["wall_s"] for r in runs),
+    }
+
+
+def ratio(new: Sequence[dict], base: Sequence[dict], metric: str) -> dict | str:
+    """``new``'s ``metric`` over ``base``'s, paired by seed: the mean ratio (1 + gain) and its
+    95 % interval, or :data:`OVERLOADED` when any run of either side is unstable."""
+    if not all(r["stability"]["stable"] for r in (*new, *base)):
+        return OVERLOADED
+    return interval([a["steady"][metric] / b["steady"][metric] for a, b in zip(new, base)])
+
+
+def knee_chain(
+    ladder: Sequence[float], extend: int = EXTEND, bisections: int = BISECTIONS
+) -> Generator[list[float], dict[float, bool], None]:
+    """The rates one configuration is simulated at, batch by batch: it yields rates and is
+    sent back ``{rate: stable}`` for every rate so far. A coarse ``ladder``, at most
+    ``extend`` rates beyond whichever end holds no knee, then ``bisections`` geometric
+    midpoints between the highest stable and the lowest unstable rate."""
+    verdicts = yield list(ladder)
+    for _ in range(extend):
+        rates = sorted(verdicts)
+        if all(verdicts.values()):
+            verdicts = yield [rates[-1] * 2]
+        elif not any(verdicts.values()):
+            verdicts = yield [rates[0] / 2]
+    for _ in range(bisections):
+        lo, hi = bracket(verdicts)
+        if lo is None or hi is None:
+            return
+        verdicts = yield [round(math.sqrt(lo * hi), 3)]
+
+
+def bracket(verdicts: dict[float, bool]) -> tuple[float | None, float | None]:
+    """The lowest unstable rate and the highest stable rate below it (None: none)."""
+    unstable = [r for r, ok in verdicts.items() if not ok]
+    hi = min(unstable, default=None)
+    stable = [r for r, ok in verdicts.items() if ok and (hi is None or r < hi)]
+    return max(stable, default=None), hi
+
+
+@dataclass
+class Curve:
+    """One configuration's sweep: its aggregated points by rate."""
+
+    points: dict[float, dict]
+
+    @property
+    def knee(self) -> float | None:
+        """The capacity: the highest stable rate below the lowest unstable one."""
+        return bracket({r: p["stable"] for r, p in self.points.items()})[0]
+
+    @property
+    def goodput(self) -> float | None:
+        """The highest stable rate whose mean SLO attainment reaches :data:`SLO_ATTAINMENT`
+        (an unstable run's attainment falls the longer it runs)."""
+        good = [
+            r
+            for r, p in self.points.items()
+            if p["stable"] and (p["slo_attainment"]["mean"] or 0.0) >= SLO_ATTAINMENT
+        ]
+        return max(good, default=None)
+
+
+def plot_sweep(curves: dict[str, Curve], png, title: str) -> None:
+    """JCT and TTFT (mean, P99) against the rate, one line per configuration with its 95 %
+    interval and its knee circled; unstable points hollow."""
+    from matplotlib.figure import Figure  # slow to import: only plots need it
+
+    fig = Figure(figsize=(12, 8), layout="tight")
+    axes = fig.subplots(2, 2)
+    for ax, key in zip(axes.flat, ("jct_mean", "jct_p99", "ttft_mean", "ttft_p99")):
+        for k, (name, curve) in enumerate(curves.items()):
+            rates = sorted(curve.points)
+            ys = [curve.points[r][key]["mean"] for r in rates]
+            err = [curve.points[r][key]["ci95"] for r in rates]
+            line = ax.errorbar(rates, ys, yerr=err, label=name, capsize=2, color=f"C{k}")
+            for r, y in zip(rates, ys):
+                if not curve.points[r]["stable"]:
+                    ax.plot(r, y, "o", mfc="white", color=line[0].get_color())
+            if curve.knee is not None:
+                y = curve.points[curve.knee][key]["mean"]
+                ax.plot(curve.knee, y, "o", ms=12, mfc="none", mew=2, color=line[0].get_color())
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("session arrival rate (1/s)")
+        ax.set_ylabel(f"{key.replace('_', ' ')} (s)")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{title}; big circle: knee (highest stable rate); hollow: unstable", fontsize=9)
+    fig.savefig(png, dpi=100)
