@@ -301,12 +301,18 @@ def write_random_llama(
 
     out_dir = Path(out_dir)
     _save(model, out_dir, shards)
-    written = out_dir / TOKENIZER_FILENAME
-    if tokenizer_model is not None and Path(tokenizer_model).resolve() != written.resolve():
-        shutil.copyfile(tokenizer_model, written)
     if tokenizer_model is not None:
-        _write_tokenizer_config(out_dir, max_position_embeddings)
+        _write_tokenizer(out_dir, Path(tokenizer_model), max_position_embeddings)
     return out_dir
+
+
+def _write_tokenizer(out_dir: Path, tokenizer_model: Path, max_positions: int) -> None:
+    """``tokenizer_model`` copied in as ``tokenizer.model`` (unless it is that file), and the
+    ``tokenizer_config.json`` beside it."""
+    written = out_dir / TOKENIZER_FILENAME
+    if tokenizer_model.resolve() != written.resolve():
+        shutil.copyfile(tokenizer_model, written)
+    _write_tokenizer_config(out_dir, max_positions)
 
 
 def _write_tokenizer_config(out_dir: Path, max_positions: int) -> None:
