@@ -6,7 +6,7 @@ batch 1 and 64, eager (``enforce_eager=True``) against the decode CUDA graphs.
 
 No checkpoint is read: a directory holds Llama-2-7B's ``config.json`` and the package's
 8000-piece tokenizer, and ``random_model`` builds the weights on the device (it stands in
-for the engine's checkpoint loader; a ``load_format="dummy"`` option replaces it). The LM
+for the engine's checkpoint loader). The LM
 head's rows past the tokenizer's pieces are zero, so greedy decoding (a random model's
 logits have a positive maximum) only emits tokens the tokenizer can decode; the whole
 32000-row product still runs. Each run: prompts of ``PROMPT_TOKENS`` random ids, greedy,
@@ -64,8 +64,10 @@ def write_config_dir(sizes: dict, path: Path) -> Path:
     return path
 
 
-def random_model(model_dir, model_config, device, dtype) -> LlamaModel:
-    """The engine's model with random weights built on ``device`` (no checkpoint)."""
+def random_model(model_dir, model_config, device, dtype, load_format=None) -> LlamaModel:
+    """The engine's model with random weights built on ``device`` (no checkpoint), whatever
+    ``load_format`` says; unlike ``load_format="dummy"``, LM-head rows past the tokenizer's
+    pieces are zero (see the module's docstring)."""
     with torch.device(device):
         model = LlamaModel(model_config)
     pieces = Tokenizer.from_dir(model_dir).vocab_size
