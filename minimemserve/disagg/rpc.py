@@ -566,6 +566,8 @@ class RpcNode:
         self._sent: dict[tuple[str, int], Callable[[Msg], None]] = {}  # (peer, seq) -> callback
         self._answers: deque[tuple[Callable[[Msg], None], Msg]] = deque()
         self._calls = 0  # calls this node is waiting on (nested through handlers)
+        # (peer, seq) of every open call -> its reply, once read while serving a send's socket
+        self._early: dict[tuple[str, int], Msg | None] = {}
         self._fresh = Freshness()
         self._peers: dict[str, tuple[zmq.Socket, Stream]] = {}
         self._replies = Stream()  # what the ROUTER socket sends
@@ -752,10 +754,12 @@ class RpcNode:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         sock = self._send(peer, "req", seq := next(self._seq), msg)
         self._calls += 1
+        self._early[(peer, seq)] = None
         try:
             return self._await_reply(peer, op, sock, seq, timeout_s)
         finally:
             self._calls -= 1
+            del self._early[(peer, seq)]
 
     def _await_reply(self, peer: str, op: str, sock: zmq.Socket, seq: int, timeout_s: float) -> Msg:
         poller = zmq.Poller()
@@ -770,7 +774,10 @@ class RpcNode:
                 raise TransferError(f"instance {peer} did not answer {op} within {timeout_s:g} s")
             events = dict(poller.poll(int(min(left, WAIT_SLICE_S) * 1000) + 1))
             self.serve()  # also records that nothing waits unread
-            if sock in events and (reply := self._reply_to(peer, sock, seq)) is not None:
+            reply = self._early[(peer, seq)]  # read by serve() among a send's replies
+            if reply is None and sock in events:
+                reply = self._reply_to(peer, sock, seq)
+            if reply is not None:
                 if isinstance(reply, Error):
                     raise RemoteError(peer, op, reply.kind, reply.message)
                 return reply
@@ -796,6 +803,8 @@ class RpcNode:
                 return env.msg
             if (callback := self._sent.pop((peer, env.seq), None)) is not None:
                 self._answers.append((callback, env.msg))
+            elif (peer, env.seq) in self._early:  # an open call's, read on a send's behalf
+                self._early[(peer, env.seq)] = env.msg
             # any other reply answers a call that timed out
 
     def close(self) -> None:
