@@ -517,6 +517,15 @@ def endpoint(host: str = LOOPBACK, port: int = 0) -> str:
 Handler = Callable[[str, Msg], "Msg | None"]
 
 
+def _context() -> zmq.Context:
+    """A ZeroMQ context whose options are the defaults of every socket it opens."""
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.LINGER, 0)
+    ctx.setsockopt(zmq.SNDHWM, SEND_HWM)
+    ctx.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    return ctx
+
+
 class RpcNode:
     """One process's end: a ROUTER socket peers send to, a DEALER socket per peer it sends to.
     ``handler(sender, msg)`` answers every request and push (a ``None`` reply is sent as
@@ -566,16 +575,12 @@ class RpcNode:
         self._sent: dict[tuple[str, int], Callable[[Msg], None]] = {}  # (peer, seq) -> callback
         self._answers: deque[tuple[Callable[[Msg], None], Msg]] = deque()
         self._calls = 0  # calls this node is waiting on (nested through handlers)
-        # (peer, seq) of every open call -> its reply, once read while serving a send's socket
-        self._early: dict[tuple[str, int], Msg | None] = {}
+        self._early: dict[tuple[str, int], Msg | None] = {}  # open call -> reply read early
         self._fresh = Freshness()
         self._peers: dict[str, tuple[zmq.Socket, Stream]] = {}
         self._replies = Stream()  # what the ROUTER socket sends
         self._seq = itertools.count(1)
-        self._ctx = zmq.Context()  # its options are the defaults of every socket it opens
-        self._ctx.setsockopt(zmq.LINGER, 0)
-        self._ctx.setsockopt(zmq.SNDHWM, SEND_HWM)
-        self._ctx.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._ctx = _context()
         self._auth: ThreadAuthenticator | None = None
         self._server = self._ctx.socket(zmq.ROUTER)
         self._server.setsockopt(zmq.ROUTER_MANDATORY, 1)
