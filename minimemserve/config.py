@@ -22,6 +22,9 @@ _DISAGG_MILESTONES = {"": "PD-Basic", "CC": "PD-Caching-3"} | {
 # How an instance gets its weights: the checkpoint's safetensors, or random ones of the
 # shapes its config.json gives, made on the device (vLLM's names)
 LOAD_FORMATS = ("auto", "dummy")
+# When a prefill instance hands a request off: "overlap", while its next step computes (the
+# step ends when both have); "inline", inside the step that prefilled it (the step waits)
+HANDOFF_MODES = ("overlap", "inline")
 _COLOCATED = ("PD", "PD-CC")  # config names that are their milestone's name
 NAME_PREFIX = {Role.COLOCATED: "C", Role.PREFILL: "P", Role.DECODE: "D"}  # names: P0, D1, ...
 # Where a process deployment's control plane binds unless told, and its KV transports
@@ -108,10 +111,13 @@ class EngineConfig:
     collective_timeout_s: float = 60.0
     # run every step eagerly: no CUDA graphs for decode steps (vLLM's name; graphs are CUDA-only)
     enforce_eager: bool = False
+    handoff: str = "overlap"  # one of HANDOFF_MODES
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
             raise ConfigError(f"unknown scheduler {self.scheduler!r}; choose from {SCHEDULERS}")
+        if self.handoff not in HANDOFF_MODES:
+            raise ConfigError(f"handoff must be one of {HANDOFF_MODES}, got {self.handoff!r}")
         self._check_memory()
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")

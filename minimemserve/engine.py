@@ -5,9 +5,11 @@ tokens, the runner turns that into tensors, postprocess checks stops and runs th
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +61,33 @@ class ModelRunner:
         self.device = device
         self.group = group or SingleRank()  # tensor-parallel ranks that run each step too
         self.graphs = graphs
+        self._thread: ThreadPoolExecutor | None = None
+
+    def forward(self, batch: list[tuple[Request, int]], generator: torch.Generator) -> tuple:
+        """:meth:`run`, a failure of the pass failing each of its rows (the engine lives)."""
+        try:
+            return self.run(batch, generator) if batch else ([], {})
+        except Exception as e:
+            return [None] * len(batch), {r: f"{type(e).__name__}: {e}" for r, _ in batch}
+
+    def start(self, batch: list[tuple[Request, int]], generator: torch.Generator) -> Future:
+        """:meth:`forward` on the runner's own thread (made on first use), while the caller
+        does other work; on a tensor-parallel instance, whose ranks share one control channel
+        with the caller's transfers, the pass runs now and the future is done."""
+        if not isinstance(self.group, SingleRank):
+            done = Future()
+            done.set_result(self.forward(batch, generator))
+            return done
+        if self._thread is None:
+            cuda = self.device.type == "cuda"
+            init = functools.partial(torch.cuda.set_device, self.device) if cuda else None
+            self._thread = ThreadPoolExecutor(1, "forward", initializer=init)
+        return self._thread.submit(self.forward, batch, generator)
+
+    def close(self) -> None:
+        """Stop the runner's thread, if it made one."""
+        if self._thread is not None:
+            self._thread.shutdown()
 
     @torch.inference_mode()
     def run(
@@ -388,6 +417,8 @@ class Engine:
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.requests: dict[str, Request] = {}
         self.handoffs: list[Request] = []  # prefilled here, decoding elsewhere; the owner drains
+        # hand-offs wait for the next step and move while it runs (see step())
+        self.overlap = cfg.handoff == "overlap" and recipe.hands_off
         self.deltas: dict[str, TokenDelta] = {}  # tokens since the last take_deltas()
         self._ids = itertools.count()
 
@@ -487,26 +518,29 @@ class Engine:
         return {self.pool.instance_id: self.pool.stats()}
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (nothing else to release in process)."""
+        """Stop the tensor-parallel workers and the runner's thread, if any."""
         self.tp.close()
+        if self.runner is not None:
+            self.runner.close()
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule → run model → postprocess. Returns finished requests."""
+        """One iteration: schedule → run model → postprocess. Returns finished requests.
+        Under ``handoff="overlap"`` the requests prefilled by the step before are handed off
+        while the model runs (see :meth:`ModelRunner.start`); the step ends when both have."""
         if self.runner is None:
             raise RuntimeError("this engine has no model: its owner computes the steps")
         plan = self.schedule()
-        try:
-            tokens, bad = self.runner.run(plan.batch, self.generator) if plan.batch else ([], {})
-        except Exception as e:  # the forward pass failed: its requests fail, the engine lives
-            tokens, bad = (
-                [None] * len(plan.batch),
-                {r: f"{type(e).__name__}: {e}" for r, _ in plan.batch},
-            )
-        return self.postprocess(plan, tokens, bad)
+        if not (self.overlap and self.scheduler.parked):
+            return self.postprocess(plan, *self.runner.forward(plan.batch, self.generator))
+        running = self.runner.start(plan.batch, self.generator)
+        plan.done.extend(self.send_parked())
+        return self.postprocess(plan, *running.result())
 
     def schedule(self) -> StepPlan:
-        """Hand parked requests on where room appeared, then pick this step's batch."""
-        done = self._retry_parked()
+        """Pick this step's batch; parked requests are handed on first where room appeared,
+        unless hand-offs overlap the step (then its owner calls :meth:`send_parked` while the
+        step runs)."""
+        done = [] if self.overlap else self.send_parked()
         batch, failed = self.scheduler.schedule()
         return StepPlan(batch, failed, done)
 
@@ -530,26 +564,18 @@ class Engine:
             req.tokens.append(tok)
             req.metrics.output_tokens = req.num_output
             if self.streams:
-                self._record_delta(req, tok)
+                _record_delta(self.deltas, req, tok)
             req.metrics.first_token_time = req.metrics.first_token_time or now
             if (reason := self._stop_reason(req, tok)) is not None:
                 self.scheduler.remove(req)
                 done.append(self._finish(req, Hook.FINISH, reason, now))
             elif not req.prefilled:
                 req.prefilled = True
-                done += self._prefilled(req)
+                if self.overlap:  # handed off while the next step runs
+                    self.scheduler.park(req)
+                else:
+                    done += self._prefilled(req)
         return done
-
-    def _record_delta(self, req: Request, tok: int) -> None:
-        d = self.deltas.get(req.request_id)
-        if d is None:
-            lps = None if req.logprobs is None else []
-            d = self.deltas[req.request_id] = TokenDelta(
-                req.request_id, req.num_output - 1, [], lps
-            )
-        d.token_ids.append(tok)
-        if d.logprobs is not None and req.logprobs:
-            d.logprobs.append(req.logprobs[-1])
 
     def _prefilled(self, req: Request) -> list[RequestOutput]:
         """Run the prefilled hook: keep decoding, hand off, park (decode side full) or fail."""
@@ -568,8 +594,9 @@ class Engine:
             return [self._finish(req, Hook.FAILURE, "error")]
         return []
 
-    def _retry_parked(self) -> list[RequestOutput]:
-        """Hand off parked requests in arrival order while decode instances have room."""
+    def send_parked(self) -> list[RequestOutput]:
+        """Hand off parked requests in arrival order while decode instances have room; the
+        outputs of those that failed."""
         done: list[RequestOutput] = []
         parked = self.scheduler.parked
         while parked and (head := parked[0]).status is Status.PARKED:
@@ -598,6 +625,17 @@ class Engine:
         self.requests.pop(req.request_id, None)
         self.deltas.pop(req.request_id, None)  # the output carries every token
         return req.to_output(self.tokenizer.decode(req.output_token_ids))
+
+
+def _record_delta(deltas: dict[str, TokenDelta], req: Request, tok: int) -> None:
+    """Add ``req``'s new token ``tok`` (and its logprobs) to its delta in ``deltas``."""
+    d = deltas.get(req.request_id)
+    if d is None:
+        lps = None if req.logprobs is None else []
+        d = deltas[req.request_id] = TokenDelta(req.request_id, req.num_output - 1, [], lps)
+    d.token_ids.append(tok)
+    if d.logprobs is not None and req.logprobs:
+        d.logprobs.append(req.logprobs[-1])
 
 
 def _role_recipe(config: str, role: str | None) -> tuple[str, Recipe]:

@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 
-from minimemserve.config import LOAD_FORMATS, SCHEDULERS, TRANSPORTS, EngineConfig
+from minimemserve.config import HANDOFF_MODES, LOAD_FORMATS, SCHEDULERS, TRANSPORTS, EngineConfig
 from minimemserve.deployment import DTYPES, RUNTIMES, DeploymentSpec
 from minimemserve.disagg.placement import PLACEMENTS
 from minimemserve.memory import DEFAULT_GPU_MEMORY_UTILIZATION
@@ -48,6 +48,12 @@ ENGINE_FLAGS = {
         "--decode-tensor-parallel-size",
         "ranks per decode instance (default: --tensor-parallel-size)",
         None,
+    ),
+    "handoff": (
+        "--handoff",
+        "when a prefill instance hands a request off: while its next step computes "
+        "(overlap), or inside the step that prefilled it (inline)",
+        list(HANDOFF_MODES),
     ),
     "collective_timeout_s": (
         "--collective-timeout",

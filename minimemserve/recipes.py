@@ -213,7 +213,8 @@ OPS = {
     "transfer": partial(_hand_off, with_insert=False),
     "transfer_with_insert": partial(_hand_off, with_insert=True),
 }
-TRANSFER_OPS = frozenset({"transfer", "transfer_with_insert", "send_back"})
+HANDOFF_OPS = frozenset({"transfer", "transfer_with_insert"})
+TRANSFER_OPS = HANDOFF_OPS | {"send_back"}
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,11 @@ class Recipe:
     def hooks(self) -> dict[str, tuple[str, ...]]:
         """``{hook name: pool calls}``."""
         return {h.value: getattr(self, h.value) for h in Hook}
+
+    @property
+    def hands_off(self) -> bool:
+        """Whether this role hands requests to another instance once prefilled."""
+        return bool(set(self.prefilled) & HANDOFF_OPS)
 
     @property
     def caches(self) -> bool:

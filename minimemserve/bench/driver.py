@@ -74,7 +74,13 @@ from minimemserve.workloads.sessions import (
 # The DeploymentSpec fields ``bench`` takes as options (policy is a workload option, shared
 # with ``sim``), and its EngineConfig fields (seed and scheduler are workload options too).
 BENCH_FIELDS = ("model", "device", "dtype", "policy", "transport", "cost_model")
-BENCH_ENGINE_FLAGS = ("num_blocks", "gpu_memory_utilization", "load_format", *PARALLEL_FLAGS)
+BENCH_ENGINE_FLAGS = (
+    "num_blocks",
+    "gpu_memory_utilization",
+    "load_format",
+    "handoff",
+    *PARALLEL_FLAGS,
+)
 # Equal resources under the process runtime: one core per instance, and two colocated
 # instances, as many as 1P1D has.
 CORES_PER_INSTANCE = 1

@@ -7,7 +7,9 @@ storage). Only the forward pass and the data movement are replaced: a step is sp
 schedule (at the step's start) and its postprocess (at its end), the clock advancing by the
 step model's time; a transfer (a :class:`Transfer`) takes its link's time, one at a time per
 link, between the control calls its receiver answers between steps where the topology says
-so, and a handed-off request reaches its decode instance when it has landed. New requests
+so, and a handed-off request reaches its decode instance when it has landed; a prefill
+instance's hand-offs move while its next step computes (``handoff="overlap"``, that step
+ending once both have) or after the step that prefilled them (``"inline"``). New requests
 are routed by the real ``GlobalScheduler`` whose prompt trees follow what entry instances
 report they cache, as in the process runtime. Output tokens are deterministic stand-ins (a
 hash of request id and position), so a request's prompt and output lengths, cache hits and
@@ -75,6 +77,11 @@ class Transfer:
         self.done: list[Callable[[], None]] = []
 
 
+def _moving(inst: SimInstance) -> list[Transfer]:
+    """The transfers ``inst`` sends that have not landed yet, in order."""
+    return [t for t in inst.sending if t.steps]
+
+
 class SimPool(MemPool):
     """A ``MemPool`` on the ``meta`` device that reports each transfer it sends:
     ``on_send(src, dst, blocks_sent)`` books it and returns its :class:`Transfer`."""
@@ -137,9 +144,13 @@ class SimEngine(Engine):
         return {}  # request id -> the hash its stand-in tokens start from
 
     def begin_step(self) -> StepShape | None:
-        """Schedule one step; its shape, or None when there is nothing to do."""
+        """Schedule one step and, when hand-offs overlap steps, send the parked requests
+        (their transfers move while it computes); its shape, or None when there is nothing
+        to do."""
         plan = self.schedule()
-        if not (plan.batch or plan.failed or plan.done):
+        if self.overlap:
+            plan.done.extend(self.send_parked())
+        if not (plan.batch or plan.failed or plan.done or self.handoffs):
             return None
         self._pending = plan
         return StepShape.of_batch(plan.batch)
@@ -194,6 +205,7 @@ class SimInstance:
         self.incoming: list[Request] = []  # handed over, KV still on the wire
         self.sending: collections.deque[Transfer] = collections.deque()  # the engine waits
         self.asked: list[Transfer] = []  # transfers whose next call waits for this step's end
+        self.beside: list[Transfer] = []  # hand-offs begun with the step: it ends after them
 
     def load(self) -> int:
         """Requests waiting, running or arriving here."""
@@ -310,7 +322,11 @@ class Network:
             tail = link.seconds(nbytes / layout.num_layers, 1)
         t = Transfer(a, b, link.seconds(nbytes, copies), calls, tail)
         self.transfers += 1
-        if not (link.sender_blocks or any(calls)):
+        # a hand-off by request holds its sender's step loop as the runtime's does (the step
+        # after it, or the one it overlaps); layers streamed from the step that computed them
+        # do not
+        handoff = b.role == Role.DECODE and tail is None and self.transfer_mode != "by_layer"
+        if not (link.sender_blocks or any(calls) or handoff):
             self.advance(t)
             return t
         a.sending.append(t)  # the engine waits, one transfer at a time
@@ -493,6 +509,7 @@ class SimCluster:
                 continue
             inst.busy, inst.step_began = True, self.now
             shape = inst.engine.begin_step()
+            inst.beside = list(inst.sending)  # hand-offs that move while the step computes
             inst.prefilling = bool(shape and shape.prefills)
             if shape is None:  # parked behind full decode instances: wait for one to free
                 inst.busy = False
@@ -501,7 +518,7 @@ class SimCluster:
             started.append((inst, shape))
         for inst, shape in started:
             self.steps += 1
-            seconds = self.step_time(shape) * self._slowdown(inst)
+            seconds = self.step_time(shape) * self._slowdown(inst) if shape.tokens else 0.0
             inst.step_ends = self.now + seconds
             self.at(inst.step_ends, self._end_step, (inst,))
             self.busy_s += seconds
@@ -605,7 +622,14 @@ class SimCluster:
         return src.last
 
     def _end_step(self, inst: SimInstance) -> None:
+        """``inst``'s step computed; it ends once the transfers it began have landed (the
+        hand-offs of the step before, when they overlap steps), answering calls meanwhile."""
         inst.busy = False
+        if beside := [t for t in inst.beside if t.steps]:
+            self.net.answer(inst)
+            beside[-1].done.append(functools.partial(self._end_step, inst))
+            return
+        inst.beside = []
         outs, first = inst.engine.end_step()
         for rid in first:  # the frontend sees a first token as it streams
             self.scheduler.started(rid)
@@ -614,8 +638,8 @@ class SimCluster:
         self.net.answer(inst)
         self.dirty[inst] = None
         report = functools.partial(self._report, outs, handoffs)
-        if inst.sending:  # the step's transfers go first (the runtime reports after its step)
-            inst.sending[-1].done.append(report)
+        if moving := _moving(inst):  # the step's transfers go first (the runtime reports after)
+            moving[-1].done.append(report)
         else:
             report()
 

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from minimemserve.errors import ConfigError
-from minimemserve.options import add_workload_arguments
+from minimemserve.options import add_engine_arguments, add_workload_arguments
 from minimemserve.presets import preset_dir
 from minimemserve.workloads.results import DEFAULT_SESSIONS
 
@@ -50,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor parallelism per instance")
     add_workload_arguments(p)  # as `minimemserve bench`; xPyD configs repeat to fill the GPUs
     p.add_argument("--transfer-mode", choices=TRANSFER_MODES, default="by_request_aggregated")
+    add_engine_arguments(p, ("handoff",))
     p.add_argument(
         "--cpu-model",
         default=None,
@@ -101,6 +102,7 @@ def setup_from_args(args: argparse.Namespace) -> SimSetup:
             args.policy,
             args.transfer_mode,
             scheduler=scheduler,
+            handoff=args.handoff,
         )
     if args.cpu_model:
         fitted = FittedStepModel.load(args.cpu_model)
@@ -110,7 +112,7 @@ def setup_from_args(args: argparse.Namespace) -> SimSetup:
         )
         print(f"wrote {fitted.save(Path(args.out) / 'sim_cpu_steps.json')}")
     model_dir = args.model if Path(args.model).is_dir() else None
-    return cpu_setup(fitted, model_dir, args.policy, scheduler=scheduler)
+    return cpu_setup(fitted, model_dir, args.policy, scheduler=scheduler, handoff=args.handoff)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -125,6 +125,7 @@ def cpu_setup(
     contention: Contention | float = 1.0,
     scheduler: str = "chunked",
     prefill_scale: float = 1.0,
+    handoff: str = "overlap",
 ) -> SimSetup:
     """The default ``minimemserve bench`` layout: tiny preset (or ``model_dir``), fp32, the
     bench's engine options, two one-core instances, the token-count routing cost; each step
@@ -137,7 +138,7 @@ def cpu_setup(
     step_model = with_overhead(step_model, *runtime_overhead_s)
     step_model = replace(step_model, prefill_scale=prefill_scale)
     mc = ModelConfig.from_hf(mdir)
-    cfg = EngineConfig(scheduler=scheduler)
+    cfg = EngineConfig(scheduler=scheduler, handoff=handoff)
     block_bytes = 2 * mc.num_hidden_layers * cfg.block_size * mc.num_key_value_heads * mc.head_dim
     blocks = DEFAULT_CPU_KV_BYTES // (block_bytes * torch.float32.itemsize)
     topo = Topology(
@@ -155,6 +156,7 @@ def cpu_setup(
         "prefill_scale": prefill_scale,
         "instances": CPU_INSTANCES,
         "scheduler": scheduler,
+        "handoff": handoff,
     }
     return SimSetup(
         mc,
@@ -179,6 +181,7 @@ def gpu_setup(
     max_num_seqs: int = GPU_MAX_NUM_SEQS,
     max_batched_tokens: int = GPU_MAX_BATCHED_TOKENS,
     scheduler: str = "chunked",
+    handoff: str = "overlap",
 ) -> SimSetup:
     """``gpus // tp`` instances of ``model`` on ``hardware`` with the roofline step model."""
     if not isinstance(gpus, int) or gpus < 1 or gpus % tp:
@@ -186,7 +189,11 @@ def gpu_setup(
     hw, mc = HardwareProfile.load(hardware), load_model_shape(model)
     roof = RooflineStepModel(hw, mc, tp, GPU_DTYPE.itemsize)
     cfg = EngineConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens, scheduler=scheduler
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_batched_tokens,
+        scheduler=scheduler,
+        # layers streamed during the step that computes them need no later hand-off
+        handoff="inline" if transfer_mode == "by_layer" else handoff,
     )
     blocks = roof.kv_blocks(cfg.block_size)
     nvlink = hw.links["nvlink"]
@@ -201,6 +208,7 @@ def gpu_setup(
         "kv_blocks_per_instance": blocks,
         "weights_gb": roof.weight_bytes / 1e9,
         "scheduler": scheduler,
+        "handoff": cfg.handoff,
     }
     return SimSetup(
         mc,
