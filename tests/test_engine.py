@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from helpers import assert_pool_clean, hf_greedy
@@ -342,3 +344,44 @@ def test_abort_on_the_decode_instance_of_a_disaggregated_cluster(tiny_llama_dir)
     assert out.finish_reason == "abort" and out.token_ids
     assert not cluster.has_unfinished() and cluster.abort(rid) is None
     cluster.check_pools(require_idle=True)
+
+
+def test_hand_offs_move_while_the_next_prompt_computes_and_change_no_token(tiny_llama_dir):
+    """handoff="overlap": a prefill instance hands a request off while its next forward pass
+    runs (on the runner's thread); tokens equal the inline order's, every pool balances."""
+    prompts = prompts_of_lengths(512, [40, 33, 57, 21, 64, 18], seed=3)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    tokens, beside = {}, {}
+    for mode in ("inline", "overlap"):
+        llm = LLM(
+            tiny_llama_dir,
+            config="1P1D-CC",
+            num_blocks=256,
+            handoff=mode,
+            max_num_batched_tokens=64,  # a prompt or two per step: hand-offs have steps beside
+        )
+        prefill = llm.engine.instances[0].engine
+        passes, sends = [], []  # (start, end) of each forward pass and each hand-off's send
+
+        def timed(fn, spans, pause):
+            def wrapped(*args):
+                began = time.monotonic()
+                time.sleep(pause)  # long enough that what runs beside it runs inside it
+                try:
+                    return fn(*args)
+                finally:
+                    spans.append((began, time.monotonic()))
+
+            return wrapped
+
+        prefill.runner.run = timed(prefill.runner.run, passes, 0.1)
+        send = prefill.pool.transfer_with_insert
+        prefill.pool.transfer_with_insert = timed(send, sends, 0.05)
+        tokens[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+        beside[mode] = [any(a < d and c < b for c, d in passes) for a, b in sends]
+        llm.engine.check_pools()
+        llm.close()
+    assert tokens["overlap"] == tokens["inline"]
+    assert len(beside["inline"]) == len(beside["overlap"]) == len(prompts)
+    assert not any(beside["inline"])  # inline: each hand-off inside the step that prefilled it
+    assert sum(beside["overlap"]) >= len(prompts) // 2  # most beside the next forward pass
