@@ -73,7 +73,10 @@ def _standalone_options(args: argparse.Namespace) -> StandaloneOptions:
     if args.transport != AUTO and args.device.split(":")[0] not in (
         moves := kv_link(args.transport).devices
     ):
-        raise ConfigError(f"--transport {args.transport} moves {'/'.join(moves)} tensors only")
+        raise ConfigError(
+            f"--transport {args.transport} moves {'/'.join(moves).upper()} tensors only: "
+            f"give a --device {moves[0]}"
+        )
     sizes = {"num_blocks": args.num_blocks, "dram_blocks": args.dram_blocks}
     return StandaloneOptions(
         role=args.role,

@@ -4,14 +4,18 @@
 from __future__ import annotations
 
 import time
+import types
 
+import msgspec
 import pytest
 from helpers import sharegpt_user_turns
 
 from minimemserve import LLM, SamplingParams
 from minimemserve.config import EngineConfig
+from minimemserve.disagg import rpc
 from minimemserve.disagg.launch import InstanceInfo, pair_transport
 from minimemserve.disagg.links import KV_LINKS, Counts, candidates, kv_link, transport_names
+from minimemserve.disagg.peering import PeerLinks
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.errors import ConfigError
 from minimemserve.mempool.shared import attach
@@ -123,3 +127,10 @@ def test_auto_takes_the_first_link_of_the_table_that_fits_the_pair():
         kv_link("carrier")
     assert [c.name for c in candidates("auto")] == ["shm", "nixl", "gloo", "gloo"]
     assert [c.name for c in candidates("nccl")] == ["gloo"] and kv_link("nccl").devices == ("cuda",)
+    peer = {"name": "D0", "role": "decode", "address": "tcp://127.0.0.1:1", "handle": None}
+    with pytest.raises(msgspec.ValidationError, match="transport"):  # never a module path
+        msgspec.convert(peer | {"transport": "os:system"}, rpc.PeerInfo)
+    peers = PeerLinks(types.SimpleNamespace(name="P0", kv_links=dict(KV_LINKS)), None, None, None)
+    with pytest.raises(ValueError, match="unknown KV transport 'carrier'"):
+        peers.on_peers(rpc.FRONTEND, rpc.Peers([rpc.PeerInfo(**peer, transport="carrier")]))
+    assert not peers.names and not peers.links  # refused whole, before reaching anyone
