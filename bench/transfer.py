@@ -77,7 +77,9 @@ import torch
 from tqdm.auto import tqdm
 
 from minimemserve.bench.transports import (
+    BenchGlooTransport,
     SharedMemoryTransport,
+    TransferMode,
     copy_blocks,
     pieces_per_transfer,
     start_store,
@@ -87,11 +89,7 @@ from minimemserve.blocks.copy import is_run
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.disagg import rpc
 from minimemserve.disagg.nixl import POLL_S, Agent, descs, nixl_missing
-from minimemserve.disagg.transports import (
-    GlooTransport,
-    Staging,
-    TransferMode,
-)
+from minimemserve.disagg.transports import Staging
 from minimemserve.errors import TransferError
 from minimemserve.mempool.shared import SharedPoolTensor
 
@@ -218,7 +216,7 @@ class Decoder:
 
     def __init__(self) -> None:
         self.pools: dict[str, SharedPoolTensor] = {}
-        self.gloo: GlooTransport | None = None
+        self.gloo: BenchGlooTransport | None = None
         self.nixl: Agent | None = None
         self.notifs = 0  # nixl: notifications a Commit waits for
         self.job: tuple | None = None  # work to run after the reply went out
@@ -299,7 +297,7 @@ class Decoder:
         kind, msg = self.job
         self.job = None
         if kind == "join":
-            self.gloo = GlooTransport(
+            self.gloo = BenchGlooTransport(
                 1, msg.host, msg.port, bind_host=msg.bind_host, timeout_s=CONTROL_TIMEOUT_S
             )
             return
@@ -533,7 +531,7 @@ class RemoteDecoder:
         self.node: rpc.RpcNode | None = None
         self.child: mp.Process | None = None
         self.shm: dict[str, torch.Tensor] = {}
-        self.gloo: GlooTransport | None = None
+        self.gloo: BenchGlooTransport | None = None
         self.nixl: Agent | None = None
         self.nixl_peer: Any = None  # D's agent as NIXL names it
         self.nixl_pools: dict[str, int] = {}  # D's pool addresses
@@ -573,7 +571,7 @@ class RemoteDecoder:
         if "gloo" in a.transports:
             store = start_store(link.p_host, a.gloo_port, timeout_s=CONTROL_TIMEOUT_S)
             self.call(JoinGloo(link.p_host, store.port, link.d_host))
-            self.gloo = GlooTransport(
+            self.gloo = BenchGlooTransport(
                 0, link.p_host, store=store, bind_host=link.p_host, timeout_s=CONTROL_TIMEOUT_S
             )
         if "nixl" in a.transports:

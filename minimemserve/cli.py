@@ -10,10 +10,11 @@ from dataclasses import fields
 
 from minimemserve import server
 from minimemserve.bench import driver
-from minimemserve.config import TRANSPORTS, EngineConfig
+from minimemserve.config import EngineConfig
 from minimemserve.disagg import rpc
 from minimemserve.disagg.instance import StandaloneOptions, standalone_main
 from minimemserve.disagg.launch import parse_address
+from minimemserve.disagg.links import AUTO, kv_link, transport_names
 from minimemserve.errors import ConfigError, MiniMemServeError
 from minimemserve.llm import LLM
 from minimemserve.options import (
@@ -69,8 +70,13 @@ def _standalone_options(args: argparse.Namespace) -> StandaloneOptions:
     host, port = parse_address(args.listen)
     if host in ("0.0.0.0", "::", "*"):
         raise ConfigError("--listen needs the address peers reach this host at, not a wildcard")
-    if args.transport == "nccl" and not args.device.startswith("cuda"):
-        raise ConfigError("--transport nccl moves CUDA tensors: give a --device cuda")
+    if args.transport != AUTO and args.device.split(":")[0] not in (
+        moves := kv_link(args.transport).devices
+    ):
+        raise ConfigError(
+            f"--transport {args.transport} moves {'/'.join(moves).upper()} tensors only: "
+            f"give a --device {moves[0]}"
+        )
     sizes = {"num_blocks": args.num_blocks, "dram_blocks": args.dram_blocks}
     return StandaloneOptions(
         role=args.role,
@@ -137,9 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--model", default=None, help="HF checkpoint dir (default: the tiny preset)")
     i.add_argument(
         "--transport",
-        default="auto",
-        choices=TRANSPORTS,
-        help="KV transport to peers (auto: shm on this host, else gloo)",
+        default=AUTO,
+        choices=transport_names(),
+        help="KV transport to peers (auto: shm on this host, else nixl where both sides have "
+        "an agent, else gloo)",
     )
     i.add_argument("--device", default="cpu")
     i.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])

@@ -27,11 +27,8 @@ LOAD_FORMATS = ("auto", "dummy")
 HANDOFF_MODES = ("overlap", "inline")
 _COLOCATED = ("PD", "PD-CC")  # config names that are their milestone's name
 NAME_PREFIX = {Role.COLOCATED: "C", Role.PREFILL: "P", Role.DECODE: "D"}  # names: P0, D1, ...
-# Where a process deployment's control plane binds unless told, and its KV transports
-# between instances (auto: shared memory within a host; between hosts NIXL where both
-# instances have it, else gloo).
+# Where a process deployment's control plane binds unless told
 LOOPBACK = "127.0.0.1"
-TRANSPORTS = ("auto", "shm", "gloo", "nccl", "nixl")
 # EngineConfig size field -> its smallest valid value
 _MINIMUM = {
     **dict.fromkeys(["num_blocks", "kv_memory_bytes", "max_num_seqs", "max_num_batched_tokens"], 1),

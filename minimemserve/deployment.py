@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from .config import LOOPBACK, TRANSPORTS, EngineConfig, parse_config_name
+from .config import LOOPBACK, EngineConfig, parse_config_name
 from .disagg.cluster import InProcessCluster
+from .disagg.links import AUTO, transport_names
 from .disagg.placement import PLACEMENTS, RayOptions
 from .errors import ConfigError
 from .presets import PRESETS, preset_dir, preset_model
@@ -54,7 +55,7 @@ class DeploymentSpec:
     cost_model: Cost | None = None
     num_colocated: int = 2
     cores_per_instance: int | None = None
-    transport: str = "auto"
+    transport: str = AUTO
     cluster_host: str = LOOPBACK
     instances: tuple[str, ...] = ()
     key: str | None = None
@@ -65,7 +66,7 @@ class DeploymentSpec:
         for name, allowed in (
             ("runtime", RUNTIMES),
             ("policy", POLICIES),
-            ("transport", TRANSPORTS),
+            ("transport", transport_names()),
             ("placement", PLACEMENTS),
         ):
             if getattr(self, name) not in allowed:

@@ -8,8 +8,9 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 
-from minimemserve.config import HANDOFF_MODES, LOAD_FORMATS, SCHEDULERS, TRANSPORTS, EngineConfig
+from minimemserve.config import HANDOFF_MODES, LOAD_FORMATS, SCHEDULERS, EngineConfig
 from minimemserve.deployment import DTYPES, RUNTIMES, DeploymentSpec
+from minimemserve.disagg.links import transport_names
 from minimemserve.disagg.placement import PLACEMENTS
 from minimemserve.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from minimemserve.scheduler.cost_model import CostModel
@@ -95,7 +96,7 @@ DEPLOYMENT_FLAGS = {
         "--transport",
         "KV transport between instances of the process runtime (auto: shared memory within "
         "a host; between hosts NIXL when both sides have an agent, else gloo, NCCL on CUDA)",
-        TRANSPORTS,
+        transport_names(),
     ),
     "cluster_host": (
         "--cluster-host",

@@ -8,11 +8,13 @@ receiver has already allocated. Paths, fastest first:
 * same host -> :class:`SharedMemoryTransport`: the receiver's pool tensor lives in shared
   memory (:class:`SharedPoolTensor`: a POSIX segment for CPU, CUDA IPC for one GPU) and the
   sender writes into it directly, one-sided;
-* different hosts -> :class:`~minimemserve.disagg.transports.GlooTransport`:
-  ``torch.distributed`` point-to-point, two-sided.
+* different hosts -> :class:`BenchGlooTransport`: the runtime's
+  :class:`~minimemserve.disagg.transports.GlooTransport` (``torch.distributed``
+  point-to-point, two-sided), with the ways of cutting a transfer the benchmark compares
+  (:class:`TransferMode`) beside the runtime's packed one.
 
-The runtime picks between shared memory and torch.distributed per pair of instances, by their
-hosts' identity (``disagg.launch.pair_transport``)."""
+The runtime picks a KV link per pair of instances from its table
+(:mod:`minimemserve.disagg.links`)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import contextlib
 import os
 import socket
 from collections.abc import Sequence
+from enum import Enum
 from typing import Any, Protocol
 
 import torch
@@ -28,10 +31,10 @@ from minimemserve.blocks.copy import is_run
 from minimemserve.disagg.rpc import LOOPBACK
 from minimemserve.disagg.transports import (
     GLOO_TIMEOUT_S,
+    GlooTransport,
     IdList,
+    Pending,
     Staging,
-    TransferMode,
-    TransportKind,
     as_index,
     ids_list,
 )
@@ -43,6 +46,33 @@ from minimemserve.mempool.shared import (
     attach,
 )
 from minimemserve.parallel import HostStore
+
+
+class TransportKind(str, Enum):
+    """Data paths, fastest first for a given pair."""
+
+    COPY = "copy"  # same process
+    CUDA_IPC = "cuda_ipc"  # same host, same GPU, one-sided
+    SHM = "shm"  # same host, CPU memory, one-sided
+    NCCL = "nccl"  # CUDA tensors across hosts or GPUs
+    GLOO = "gloo"  # CPU tensors across hosts
+
+    @property
+    def one_sided(self) -> bool:
+        """True when the sender writes the receiver's memory without the receiver acting."""
+        return self in (TransportKind.COPY, TransportKind.CUDA_IPC, TransportKind.SHM)
+
+
+class TransferMode(str, Enum):
+    """How a request's blocks are cut into pieces: ``by_layer`` sends each layer's K/V as that
+    layer finishes, ``by_request`` the 2*L per-layer pieces of each block (per-layer layout
+    ``[L, 2, num_blocks, ...]``), ``by_request_aggregated`` one piece per aggregated block and
+    ``packed`` (the runtime's) gathers all blocks into one buffer sent once."""
+
+    BY_LAYER = "by_layer"
+    BY_REQUEST = "by_request"
+    AGGREGATED = "by_request_aggregated"
+    PACKED = "packed"
 
 
 def pieces_per_transfer(mode: TransferMode | str, num_layers: int, num_blocks: int) -> int:
@@ -335,3 +365,136 @@ def start_store(
     """Start the rendezvous store (rank 0 does this), listening on ``host`` only;
     ``store.port`` is the port it got."""
     return HostStore(host, timeout_s, port).store
+
+
+def in_place_pieces(pool: torch.Tensor, ids: list[int], mode: TransferMode) -> list[torch.Tensor]:
+    """The views that travel as they are: one ``[L, 2, bs, h, d]`` block each
+    (``by_request_aggregated``), or the 2*L ``[bs, h, d]`` pieces of each block of a
+    per-layer pool (``by_request``)."""
+    if mode is TransferMode.AGGREGATED:
+        return [pool[b] for b in ids]
+    if mode is not TransferMode.BY_REQUEST:
+        raise ValueError(f"{mode.value} blocks do not travel in place")
+    layers = range(pool.shape[0])
+    return [pool[layer, kv, b] for b in ids for layer in layers for kv in range(2)]
+
+
+def _contiguous(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    if any(not p.is_contiguous() for p in pieces):
+        raise ValueError("point-to-point pieces must be contiguous: pass a contiguous pool tensor")
+    return pieces
+
+
+class BenchGlooTransport(GlooTransport):
+    """The runtime's two-rank transport with every :class:`TransferMode`, one layer at a time
+    (:meth:`send_layer`) and plain tensors (acknowledgements), for ``bench/transfer.py``.
+
+    ``send_blocks(src, src_ids, mode=...)`` pairs with ``recv_blocks(dst, dst_ids, mode)``
+    of the same mode and number of blocks; ``by_request`` takes per-layer pools
+    (``[L, 2, num_blocks, ...]``), the other modes aggregated ones."""
+
+    @property
+    def one_sided(self) -> bool:
+        """Always false: the receiver posts matching receives."""
+        return False
+
+    def send_blocks(
+        self,
+        src: torch.Tensor,
+        src_ids: IdList,
+        dst_ids: IdList | None = None,
+        mode: TransferMode | str = TransferMode.PACKED,
+        *,
+        tag: int = 0,
+        wait: bool = True,
+        staging: Staging | None = None,
+    ) -> Pending:
+        """Send ``src[src_ids]`` cut as ``mode`` says (``dst_ids`` is the receiver's business)."""
+        mode = TransferMode(mode)
+        if mode is TransferMode.PACKED:
+            return super().send_blocks(src, src_ids, tag=tag, wait=wait, staging=staging)
+        self._check(src)
+        ids = ids_list(src_ids)
+        if mode is TransferMode.BY_LAYER:
+            num_layers = src.shape[1]
+            shape = (num_layers, len(ids), *src.shape[2:])  # [L, n, 2, bs, h, d]
+            buf = staging.get(shape, src.dtype, src.device) if staging else src.new_empty(shape)
+            idx = as_index(ids, src.device)
+            for layer in range(num_layers):
+                torch.index_select(src[:, layer], 0, idx, out=buf[layer])
+            pieces = list(buf)
+        else:
+            pieces = _contiguous(in_place_pieces(src, ids, mode))
+        return self._posted(pieces, True, tag, None, f"send {mode.value}", wait)
+
+    def recv_blocks(
+        self,
+        dst: torch.Tensor,
+        dst_ids: IdList,
+        mode: TransferMode | str = TransferMode.PACKED,
+        *,
+        tag: int = 0,
+        wait: bool = True,
+        staging: Staging | None = None,
+    ) -> Pending:
+        """Receive into ``dst[dst_ids]`` what the peer sends with ``send_blocks`` in ``mode``:
+        ``by_request_aggregated`` and ``by_request`` land in place, ``by_layer`` in a buffer
+        (``staging``, or a fresh one) scattered by ``wait``."""
+        mode = TransferMode(mode)
+        if mode is TransferMode.PACKED:
+            return super().recv_blocks(dst, dst_ids, tag=tag, wait=wait, staging=staging)
+        self._check(dst)
+        ids = ids_list(dst_ids)
+        finish = None
+        if mode is TransferMode.BY_LAYER:
+            num_layers = dst.shape[1]
+            shape = (num_layers, len(ids), *dst.shape[2:])  # [L, n, 2, bs, h, d]
+            buf = staging.get(shape, dst.dtype, dst.device) if staging else dst.new_empty(shape)
+            idx = as_index(ids, dst.device)
+            pieces = list(buf)
+
+            def finish() -> None:
+                for layer in range(num_layers):
+                    dst[:, layer].index_copy_(0, idx, buf[layer])
+
+        else:
+            pieces = _contiguous(in_place_pieces(dst, ids, mode))  # in place, no staging
+        return self._posted(pieces, False, tag, finish, f"receive {mode.value}", wait)
+
+    def send_layer(
+        self, src: torch.Tensor, layer: int, src_ids: IdList, *, tag: int = 0, wait: bool = True
+    ) -> Pending:
+        """Send K and V of ``layer`` for blocks ``src_ids`` (aggregated pool) as one piece."""
+        self._check(src)
+        piece = torch.index_select(src[:, layer], 0, as_index(src_ids, src.device))  # [n, 2, ...]
+        return self._posted([piece], True, tag, None, f"send layer {layer}", wait)
+
+    def recv_layer(
+        self, dst: torch.Tensor, layer: int, dst_ids: IdList, *, tag: int = 0, wait: bool = True
+    ) -> Pending:
+        """Receive one layer sent by :meth:`send_layer` into blocks ``dst_ids``."""
+        self._check(dst)
+        ids = ids_list(dst_ids)
+        piece = torch.empty((len(ids), *dst.shape[2:]), dtype=dst.dtype, device=dst.device)
+        idx = as_index(ids, dst.device)
+
+        def finish() -> None:
+            dst[:, layer].index_copy_(0, idx, piece)
+
+        return self._posted([piece], False, tag, finish, f"receive layer {layer}", wait)
+
+    def send_tensor(self, t: torch.Tensor, tag: int = 0) -> None:
+        """Send one contiguous tensor (small signals, acknowledgements)."""
+        self._posted([t], True, tag, None, "send", True)
+
+    def recv_tensor(self, t: torch.Tensor, tag: int = 0) -> None:
+        """Receive one contiguous tensor into ``t``."""
+        self._posted([t], False, tag, None, "receive", True)
+
+    def _posted(self, pieces, send: bool, tag: int, finish, what: str, wait: bool) -> Pending:
+        way = "to" if send else "from"
+        what = f"{what} {way} rank {self.peer}"
+        result = Pending(self._post(pieces, send, tag), finish, self.timeout_s, what)
+        if wait:
+            result.wait()
+        return result

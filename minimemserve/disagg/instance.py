@@ -14,11 +14,10 @@ What each instance holds for a peer is tracked (``Grants``: blocks it allocated 
 peer's transfers and references the peer has not returned yet), so when the frontend
 reports the peer dead, every such block is released and nothing leaks.
 
-KV reaches a peer one of two ways, chosen per pair by the frontend: written one-sided into
-the peer's pool tensor mapped here (same host), or over a two-rank torch.distributed group
-(:class:`~minimemserve.disagg.transports.GlooTransport`; gloo on CPU, NCCL on CUDA) that the
-pair forms through the frontend's store: one ``packed`` message per transfer, posted before
-a ``KVData`` call tells the peer which of its blocks to receive it into.
+KV reaches a peer over a KV link of the transport the frontend chose for the pair, from the
+table in :mod:`~.links`: written one-sided into the peer's pool tensor mapped here (same
+host), by NIXL, or over a two-rank torch.distributed group the pair forms through the
+frontend's store.
 
 ``minimemserve instance`` runs :func:`standalone_main`: an instance started on its own (any
 host) that waits for a frontend's ``Hello`` and ``Join``, serves that frontend's deployment
@@ -51,7 +50,8 @@ from ..model.config import ModelConfig
 from ..recipes import Role
 from ..request import Request, logprobs_fit
 from . import rpc
-from .nixl import NixlEndpoint, nixl_missing
+from .links import AUTO, KV_LINKS, candidates, kv_link
+from .nixl import NixlEndpoint, NixlLink, nixl_missing
 from .peering import Grants, PeerLinks, RemotePool
 
 logger = logging.getLogger(__name__)
@@ -96,15 +96,17 @@ class InstanceSpec:
     linked: bool = False  # peers move KV into its pool (over whichever transport)
     secret: bytes = field(default=b"", repr=False)  # the cluster's control-plane key
     curve: tuple[bytes, bytes] | None = field(default=None, repr=False)  # off loopback
-    transport: str = "auto"  # the KV transport this instance asks for (rpc.Transport)
+    transport: str = AUTO  # the KV transport this instance asks for (links.transport_names)
     frontend_timeout_s: float = 0.0  # standalone: end the session after this much silence
     session: str = ""  # the frontend's session id: names this deployment's pair groups
     host_id: str = ""  # the host peers see it on ("": host_identity(); Ray: its node)
+    kv_links: dict[str, str] = field(default_factory=lambda: dict(KV_LINKS), repr=False)
 
     @property
     def shared_pool(self) -> bool:
         """Whether its hbm pool lives in shared memory, for peers on its host to write into."""
-        return self.linked and self.transport in ("auto", "shm")
+        links = candidates(self.transport, self.kv_links)
+        return self.linked and any(link.shares_pool for link in links)
 
 
 def host_identity() -> str:
@@ -195,10 +197,10 @@ def nixl_endpoint(spec: InstanceSpec, pool: MemPool) -> NixlEndpoint | None:
     """This instance's NIXL agent over ``pool``: when it asks for NIXL (which must then load
     here), or under "auto" (a standalone instance: peers may be on other hosts) when NIXL
     loads and peers move KV into its pool; else None."""
-    if spec.transport not in ("nixl", "auto"):
+    if NixlLink not in candidates(spec.transport, spec.kv_links):
         return None
     missing = nixl_missing()
-    if missing is not None and spec.transport == "nixl":
+    if missing is not None and spec.transport != AUTO:
         raise ConfigError(f"{spec.name} asks for the nixl KV transport, but {missing}")
     if missing is not None or not spec.linked:
         return None
@@ -517,7 +519,7 @@ class StandaloneOptions:
     host: str
     port: int
     key: rpc.ClusterKey
-    transport: str = "auto"
+    transport: str = AUTO
     device: str = "cpu"
     dtype: str = "float32"
     num_threads: int = 1
@@ -526,6 +528,9 @@ class StandaloneOptions:
     parent_pid: int = 0  # spawned by a frontend: end when it is gone, even while waiting
     host_id: str = ""  # the host peers see it on ("": host_identity(); Ray: its node)
     managed: bool = False  # a manager (Ray) restarts it: end when a frontend closes, or crashes
+    # the KV links it knows, by transport name: this process's table when it was made (a
+    # spawned instance gets its frontend's, links registered there included)
+    kv_links: dict[str, str] = field(default_factory=lambda: dict(KV_LINKS), repr=False)
 
 
 def spawned_options(spec: InstanceSpec, address: str) -> StandaloneOptions:
@@ -544,6 +549,7 @@ def spawned_options(spec: InstanceSpec, address: str) -> StandaloneOptions:
         dtype=spec.dtype,
         num_threads=spec.num_threads,
         parent_pid=spec.parent_pid,
+        kv_links=spec.kv_links,
     )
 
 
@@ -570,10 +576,11 @@ def _check_join(m: rpc.Join, opts: StandaloneOptions) -> InstanceSpec:
         config = msgspec.convert(m.engine_config | opts.engine_overrides, EngineConfig)
     except (msgspec.ValidationError, ValueError) as e:
         raise ValueError(f"bad engine config: {e}") from None
-    if config.tp_size(opts.role) != 1 and opts.transport != "nixl":
-        raise ValueError(  # its ranks' KV reaches peers whole only through a NIXL landing tensor
-            "a standalone instance runs tensor-parallel ranks only over the nixl transport "
-            "(--transport nixl)"
+    whole = [name for name in opts.kv_links if kv_link(name, opts.kv_links).whole_model]
+    if config.tp_size(opts.role) != 1 and opts.transport not in whole:
+        raise ValueError(  # its ranks' KV reaches peers whole only through a landing tensor
+            f"a standalone instance runs tensor-parallel ranks only over the {'/'.join(whole)} "
+            f"transport (--transport {whole[0]})"
         )
     return instance_spec(m, opts, config)
 
@@ -604,6 +611,7 @@ def instance_spec(m: rpc.Join, opts: StandaloneOptions, config: EngineConfig) ->
         frontend_timeout_s=m.frontend_timeout_s,
         session=m.session,
         host_id=opts.host_id,
+        kv_links=opts.kv_links,
     )
 
 

@@ -1,8 +1,8 @@
 """Start-up of a process deployment: spawn its instances here, or join instances started on
 their own (``minimemserve instance``, any host) given their addresses, wait until each is
-ready, and link them: tell every instance its peers and the KV transport of each pair (shared
-memory within a host, else a torch.distributed pair group formed through a store hosted
-here)."""
+ready, and link them: tell every instance its peers and the KV transport of each pair (a KV
+link of :mod:`~.links`' table: shared memory within a host, NIXL, or a torch.distributed pair
+group formed through a store hosted here)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from ..config import NAME_PREFIX, TRANSPORTS, Deployment, EngineConfig
+from ..config import NAME_PREFIX, Deployment, EngineConfig
 from ..errors import ConfigError, InstanceDied, RemoteError, TransferError
 from ..mempool.shared import segment_path
 from ..model.config import ModelConfig
@@ -27,6 +27,7 @@ from ..parallel import HostStore
 from ..scheduler.global_scheduler import MOVES_PREFIXES
 from . import rpc
 from .instance import DEFAULT_HEARTBEAT_S, StandaloneOptions, instance_main, instance_spec
+from .links import AUTO, KV_LINKS, ONE_HOST, kv_link, transport_names
 
 # Time a process gets to exit after Shutdown before it is terminated, then killed.
 SHUTDOWN_GRACE_S = 5.0
@@ -37,8 +38,6 @@ HELLO_RETRY_S = 2.0
 # Silence after which an instance is declared dead: its heartbeats come from a thread, so
 # only a stopped, wedged or cut-off process is this quiet, never a busy one.
 DEFAULT_HEARTBEAT_TIMEOUT_S = 20.0
-# pair transports whose links an instance forms (and reports in its "links")
-LINKED = ("gloo", "nixl")
 
 
 @dataclass
@@ -53,7 +52,7 @@ class InstanceInfo:
     pid: int = 0
     ready: bool = False
     host: str = ""  # its host's identity (instance.host_identity)
-    transport: str = "auto"  # the KV transport it asks for
+    transport: str = AUTO  # the KV transport it asks for
     nixl: rpc.NixlInfo | None = None  # its NIXL agent, when it has one
     max_model_len: int = 0  # the longest context it holds (from Ready)
     hbm_blocks: int = 0  # the blocks of its hbm pool (from Ready)
@@ -65,38 +64,35 @@ class InstanceInfo:
         )
 
     def seen_over(self, way: str) -> rpc.PeerInfo:
-        """How a peer that reaches it over transport ``way`` sees it (the pool handle only
-        for shared memory, the agent only for NIXL)."""
-        handle = self.handle if way == "shm" else None
-        nixl = self.nixl if way == "nixl" else None
-        return msgspec.structs.replace(self.peer_info(), transport=way, handle=handle, nixl=nixl)
+        """How a peer that reaches it over transport ``way`` sees it: what that link needs of
+        it (the pool handle for shared memory, the agent for NIXL), nothing else."""
+        told = {"handle": None, "nixl": None} | kv_link(way).metadata(self)
+        return msgspec.structs.replace(self.peer_info(), transport=way, **told)
 
 
-def pair_transport(a: InstanceInfo, b: InstanceInfo, forced: str = "auto") -> str:
+def pair_transport(a: InstanceInfo, b: InstanceInfo, forced: str = AUTO) -> str:
     """How KV moves between ``a`` and ``b``: what the cluster (``forced``) or either asks for,
-    else shared memory when they share a host, else NIXL when both have an agent, else
-    torch.distributed (gloo on CPU, NCCL on CUDA: "gloo" names both)."""
-    asked = {a.transport, b.transport, forced} - {"auto"}
+    else the first link of the table that fits the pair (shared memory when they share a
+    host, else NIXL when both have an agent, else torch.distributed: "gloo" names it on CPU
+    and CUDA alike)."""
+    asked = {a.transport, b.transport, forced} - {AUTO}
     if len(asked) > 1:
         raise ConfigError(
             f"{a.name} asks for {a.transport} KV transport, {b.name} for {b.transport}"
         )
-    same_host, agents = a.host == b.host, a.nixl is not None and b.nixl is not None
-    transport = asked.pop() if asked else ("shm" if same_host else "nixl" if agents else "gloo")
-    if transport == "shm" and not same_host:
-        raise ConfigError(f"{a.name} and {b.name} are on different hosts: no shared memory")
-    if transport == "nixl" and not agents:
-        lacks = a.name if a.nixl is None else b.name
-        raise ConfigError(f"{lacks} has no NIXL agent for the nixl KV transport")
-    return "gloo" if transport == "nccl" else transport
+    links = [kv_link(name) for name in (asked or KV_LINKS)]
+    why = [link.unfit(a, b) for link in links]
+    if None not in why:
+        raise ConfigError(why[0])
+    return links[why.index(None)].name
 
 
 def cluster_key(
     instances: Sequence[str] | None, key: rpc.ClusterKey | str | Path | None, transport: str
 ) -> rpc.ClusterKey | None:
     """The cluster key a frontend was given (a file is read), after checking the options."""
-    if transport not in TRANSPORTS:
-        raise ConfigError(f"unknown KV transport {transport!r}; choose from {TRANSPORTS}")
+    if transport not in transport_names():
+        raise ConfigError(f"unknown KV transport {transport!r}; choose from {transport_names()}")
     if instances is not None and key is None:
         raise ConfigError("instances started on their own need the cluster key (keygen)")
     if key is None or isinstance(key, rpc.ClusterKey):
@@ -155,7 +151,7 @@ class LaunchSpec:
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     host: str = rpc.LOOPBACK  # where the frontend and its store listen
-    transport: str = "auto"  # forced KV transport of every pair
+    transport: str = AUTO  # forced KV transport of every pair
     policy: str = "prompt_tree"  # the global scheduler's
 
     @property
@@ -239,7 +235,7 @@ class Launcher:
                 host=how.host,
                 port=how.base_port + 1 + i if how.base_port else 0,
                 key=key,
-                transport="shm" if transport == "auto" else transport,  # one host: no NIXL agent
+                transport=ONE_HOST if transport == AUTO else transport,
                 device=how.device,
                 dtype=how.dtype,
                 num_threads=how.cores_per_instance,
@@ -326,7 +322,7 @@ class Launcher:
         for a in insts:  # answered once its pair groups formed
             formed = self.node.call(a.name, rpc.Query("links"), timeout_s=timeout_s).data
             ways = {b.name: pair_transport(a, b, self.spec.transport) for b in insts if b is not a}
-            if missing := {b for b, way in ways.items() if way in LINKED} - set(formed):
+            if missing := set(ways) - set(formed):
                 raise TransferError(f"{a.name} formed no KV link with {missing}")
 
     def seen_by(self, a: InstanceInfo, insts: Sequence[InstanceInfo]) -> list[rpc.PeerInfo]:
@@ -335,7 +331,7 @@ class Launcher:
         for b in (b for b in insts if b is not a):
             way = pair_transport(a, b, self.spec.transport)
             out.append(b.seen_over(way))
-            if way == "gloo" and self.store is None:
+            if kv_link(way).meets_in_store and self.store is None:
                 self.store = _host_store(self.spec.host, self.spec.timeout_s)
         return out
 
@@ -363,6 +359,8 @@ class Launcher:
         inst, info = self.instances[sender], msg.info
         if inst.ready or (info.name, info.role) != (sender, inst.role):
             raise PermissionError(f"{sender} cannot report ready as {info.name} ({info.role})")
+        if info.transport not in transport_names():
+            raise ValueError(f"{sender} asks for unknown KV transport {info.transport!r}")
         if info.handle is not None:
             segment_path(info.handle)  # only the project's own segments are ever mapped
         if inst.process is not None:  # spawned here: where it listens is what it says

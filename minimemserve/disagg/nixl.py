@@ -370,10 +370,15 @@ class NixlEndpoint:
 
 
 class NixlLink:
-    """A peer reached over NIXL (a pair's ``Link`` as peering uses it): writes into its granted
-    blocks, waits for its writes into ours before a commit, and counts both."""
+    """A peer reached over NIXL (a KV link, :mod:`~.links`): writes into its granted blocks,
+    waits for its writes into ours before a commit, and counts both. Both instances need an
+    agent (:class:`NixlEndpoint`); peers learn one from its ``rpc.NixlInfo``."""
 
-    kind = "nixl"
+    kind = name = "nixl"
+    shares_pool = False
+    whole_model = True  # a tensor-parallel pool lands whole in its landing tensor
+    devices = ("cpu", "cuda")
+    meets_in_store = False
 
     def __init__(self, endpoint: NixlEndpoint, peer: str, agent: Any, info: rpc.NixlInfo):
         """``agent``: the peer's agent as NIXL names it; ``info``: its region."""
@@ -387,6 +392,34 @@ class NixlLink:
         self.recv_messages = 0
         self.closed = False
 
+    @classmethod
+    def unfit(cls, a: Any, b: Any) -> str | None:
+        """Both instances need a NIXL agent."""
+        if a.nixl is not None and b.nixl is not None:
+            return None
+        lacks = a.name if a.nixl is None else b.name
+        return f"{lacks} has no NIXL agent for the nixl KV transport"
+
+    @classmethod
+    def metadata(cls, info: Any) -> dict[str, Any]:
+        """A peer loads the instance's agent and writes into its region."""
+        return {"nixl": info.nixl}
+
+    @classmethod
+    def reach(cls, peers: Any, p: rpc.PeerInfo) -> None:
+        """Load ``p``'s agent into this instance's (``peers.nixl``), or tell ``peers.on_down``
+        why it cannot be."""
+        if peers.nixl is None or p.nixl is None:
+            side = peers.name if peers.nixl is None else p.name
+            peers.on_down(p.name, f"no NIXL link: {side} has no NIXL agent")
+            return
+        try:
+            link = peers.nixl.connect(p.name, p.nixl)
+        except TransferError as e:
+            peers.on_down(p.name, f"no NIXL link: {e}")
+            return
+        peers.add(p, link)
+
     def stats(self) -> dict[str, int | str]:
         """Bytes and writes each way, and the backend."""
         return {
@@ -397,7 +430,7 @@ class NixlLink:
             "recv_messages": self.recv_messages,
         }
 
-    def send(self, node: rpc.RpcNode, xfer: str, blocks: list[int], src, src_ids) -> None:
+    def write(self, node: rpc.RpcNode, xfer: str, blocks: list[int], src, src_ids) -> None:
         """Write blocks ``src_ids`` of ``src`` into the peer's ``blocks``: one WRITE, one
         descriptor per block, notifying the peer of transfer ``xfer`` (``node`` is not used:
         nothing of the data goes over the control plane)."""

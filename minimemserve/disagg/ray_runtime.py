@@ -51,6 +51,7 @@ from ..errors import ConfigError
 from . import rpc
 from .instance import StandaloneOptions, serve_sessions
 from .launch import parse_address, unlink_segment
+from .links import AUTO, KV_LINKS, kv_link
 from .membership import Membership
 from .placement import NodeView, RayOptions, Wanted, plan_nodes
 from .runtime import ProcessCluster
@@ -327,8 +328,9 @@ class RayCluster(ProcessCluster):
         wanted, options = _wanted(deployment, ecfg, num_colocated, opts, model_dir, device, dtype)
         if str(device).startswith("cuda") and any(w.ranks > 1 for w in wanted):
             raise ConfigError("tensor-parallel instances on CUDA do not run under Ray yet")
-        for kw_i, w in zip(options, wanted):  # a TP instance's ranks reach peers over NIXL
-            kw_i["transport"] = "nixl" if w.ranks > 1 and transport == "auto" else transport
+        whole = next(name for name in KV_LINKS if kv_link(name).whole_model)  # NIXL
+        for kw_i, w in zip(options, wanted):  # a TP instance's ranks reach peers over it
+            kw_i["transport"] = whole if w.ranks > 1 and transport == AUTO else transport
         self.ray = import_ray()
         self._owns_ray = connect(self.ray, opts.address)
         self.actors = RayActors(self.ray, opts)

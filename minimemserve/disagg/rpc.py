@@ -113,7 +113,9 @@ class ProbeReply(Msg):
     room: bool = True
 
 
-Transport = Literal["auto", "shm", "gloo", "nccl", "nixl"]
+# "auto" or a transport of the KV link table (disagg.links, above this module: the name is
+# checked against the table where it is used, in the frontend and in the instance)
+Transport = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
 MAX_NIXL_METADATA = 1 << 20  # an agent's metadata is ~0.5 KiB on one host; a few per NIC
 
 

@@ -1,31 +1,32 @@
 """KV over torch.distributed point-to-point: :class:`GlooTransport`, a two-rank group (gloo for
 CPU tensors, NCCL for CUDA) that moves whole aggregated blocks (``[num_blocks, L, 2,
 block_size, n_kv_heads, head_dim]`` pool tensors, block dimension first) from a sender's pool
-into blocks the receiver has already allocated. It is two-sided: the receiver posts matching
-receives, with the block ids and tag a control plane gave it; this module moves bytes only.
+into blocks the receiver has already allocated, packed: one message per transfer. It is
+two-sided: the receiver posts the matching receive, with the block ids and tag a control
+plane gave it; this module moves bytes only.
 
-The process runtime reaches a peer on another host through one of these per pair
-(``packed``: one message per transfer; a peer on the same host is written one-sided through
-:mod:`minimemserve.mempool.shared`). The other modes (:class:`TransferMode`) exist so
-``bench/transfer.py`` can compare them: ``by_layer`` sends each layer's K/V as that layer
-finishes, ``by_request`` sends the 2*L per-layer pieces of each block (per-layer layout
-``[L, 2, num_blocks, ...]``), ``by_request_aggregated`` sends one piece per aggregated block
-and ``packed`` gathers all blocks into one buffer and sends it once."""
+:class:`GlooLink`, the runtime's ``gloo`` KV link (:mod:`~minimemserve.disagg.links`), holds
+one per pair of instances.
+The other ways of cutting a transfer into pieces (per layer, per block) exist only for the
+transfer benchmark, in :mod:`minimemserve.bench.transports`."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from minimemserve.blocks.copy import is_run
+from minimemserve.disagg import rpc
+from minimemserve.disagg.links import Counts
 from minimemserve.disagg.rpc import LOOPBACK
 from minimemserve.errors import TransferError
+from minimemserve.mempool import MemPool
 from minimemserve.parallel import HostStore
 
 # A transfer of a few hundred MiB over loopback takes well under a second; a minute means
@@ -39,30 +40,6 @@ GLOO_THREADS = 1
 
 
 IdList = Sequence[int] | torch.Tensor
-
-
-class TransportKind(str, Enum):
-    """Data paths, fastest first for a given pair."""
-
-    COPY = "copy"  # same process
-    CUDA_IPC = "cuda_ipc"  # same host, same GPU, one-sided
-    SHM = "shm"  # same host, CPU memory, one-sided
-    NCCL = "nccl"  # CUDA tensors across hosts or GPUs
-    GLOO = "gloo"  # CPU tensors across hosts
-
-    @property
-    def one_sided(self) -> bool:
-        """True when the sender writes the receiver's memory without the receiver acting."""
-        return self in (TransportKind.COPY, TransportKind.CUDA_IPC, TransportKind.SHM)
-
-
-class TransferMode(str, Enum):
-    """How a request's blocks are cut into pieces on the wire (see the module docstring)."""
-
-    BY_LAYER = "by_layer"
-    BY_REQUEST = "by_request"
-    AGGREGATED = "by_request_aggregated"
-    PACKED = "packed"
 
 
 def as_index(ids: IdList, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -96,27 +73,10 @@ class Staging:
         return buf[:numel].view(shape)
 
 
-def in_place_pieces(pool: torch.Tensor, ids: list[int], mode: TransferMode) -> list[torch.Tensor]:
-    """The views that travel as they are: one ``[L, 2, bs, h, d]`` block each
-    (``by_request_aggregated``), or the 2*L ``[bs, h, d]`` pieces of each block of a
-    per-layer pool (``by_request``)."""
-    if mode is TransferMode.AGGREGATED:
-        return [pool[b] for b in ids]
-    if mode is not TransferMode.BY_REQUEST:
-        raise ValueError(f"{mode.value} blocks do not travel in place")
-    layers = range(pool.shape[0])
-    return [pool[layer, kv, b] for b in ids for layer in layers for kv in range(2)]
-
-
 def _buffer(staging: Staging | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     if staging is not None:
         return staging.get(shape, like.dtype, like.device)
     return torch.empty(shape, dtype=like.dtype, device=like.device)
-
-
-def _check_contiguous(pieces: list[torch.Tensor]) -> None:
-    if any(not p.is_contiguous() for p in pieces):
-        raise ValueError("point-to-point pieces must be contiguous: pass a contiguous pool tensor")
 
 
 @dataclass
@@ -152,9 +112,9 @@ class GlooTransport:
     yourself with :func:`start_store` to publish the port before the blocking rendezvous).
     The process group is private to this object, not torch's global default group.
 
-    The sender calls ``send_blocks(src, src_ids, mode=...)``; the receiver calls
-    ``recv_blocks(dst, dst_ids, mode=...)`` with the same mode and number of blocks (the ids
-    come from the control plane, so nothing but KV travels here). ``wait=False`` returns a
+    The sender calls ``send_blocks(src, src_ids)``; the receiver calls
+    ``recv_blocks(dst, dst_ids)`` with the same number of blocks (the ids come from the
+    control plane, so nothing but KV travels here). ``wait=False`` returns a
     :class:`Pending` so many transfers can be in flight at once; ``tag`` keeps them apart.
     """
 
@@ -176,7 +136,7 @@ class GlooTransport:
         self.peer = 1 - rank
         self.device = torch.device(device)
         self.timeout_s = timeout_s
-        self.kind = TransportKind.NCCL if self.device.type == "cuda" else TransportKind.GLOO
+        self.kind = "nccl" if self.device.type == "cuda" else "gloo"  # the backend
         timeout = datetime.timedelta(seconds=timeout_s)
         if store is None:
             if rank == 1 and port == 0:
@@ -192,7 +152,7 @@ class GlooTransport:
         self.host = host
         self.port = int(getattr(store, "port", port))
         try:
-            if self.kind is TransportKind.NCCL:
+            if self.kind == "nccl":
                 opts = torch.distributed.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 self.pg = torch.distributed.ProcessGroupNCCL(store, rank, 2, opts)
@@ -208,18 +168,11 @@ class GlooTransport:
             raise TransferError(
                 f"rank {rank} could not join the transfer group at {host}:{self.port}: {e}"
             ) from e
-        self._staging = Staging()
-
-    @property
-    def one_sided(self) -> bool:
-        """Always false: the receiver posts matching receives."""
-        return False
 
     def _check(self, t: torch.Tensor) -> None:
         if t.device.type != self.device.type:
             raise ValueError(
-                f"{self.kind.value} transport moves {self.device.type} tensors, "
-                f"got one on {t.device}"
+                f"{self.kind} transport moves {self.device.type} tensors, got one on {t.device}"
             )
 
     def _post(self, pieces: list[torch.Tensor], send: bool, tag: int) -> list[Any]:
@@ -233,39 +186,20 @@ class GlooTransport:
         self,
         src: torch.Tensor,
         src_ids: IdList,
-        dst_ids: IdList | None = None,
-        mode: TransferMode | str = TransferMode.PACKED,
         *,
         tag: int = 0,
         wait: bool = True,
         staging: Staging | None = None,
     ) -> Pending:
-        """Send ``src[src_ids]`` cut as ``mode`` says (``dst_ids`` is the receiver's business).
-
-        ``by_request`` takes a per-layer pool ``[L, 2, num_blocks, ...]``, the other modes
-        an aggregated one. ``staging`` (packed, by_layer) reuses a gather buffer; do not
-        reuse it for another transfer before this one is waited for.
-        """
+        """Send ``src[src_ids]`` as one packed message (which blocks receive it is the
+        receiver's business). ``staging`` reuses a gather buffer; do not reuse it for another
+        transfer before this one is waited for."""
         self._check(src)
-        mode = TransferMode(mode)
         ids = ids_list(src_ids)
-        n = len(ids)
-        if mode is TransferMode.BY_LAYER:
-            num_layers = src.shape[1]
-            buf = _buffer(staging, (num_layers, n, *src.shape[2:]), src)  # [L, n, 2, bs, h, d]
-            idx = as_index(ids, src.device)
-            for layer in range(num_layers):
-                torch.index_select(src[:, layer], 0, idx, out=buf[layer])
-            pieces = list(buf)
-        elif mode is TransferMode.PACKED:
-            buf = _buffer(staging, (n, *src.shape[1:]), src)  # [n, L, 2, bs, h, d]
-            torch.index_select(src, 0, as_index(ids, src.device), out=buf)
-            pieces = [buf]
-        else:
-            pieces = in_place_pieces(src, ids, mode)
-        _check_contiguous(pieces)
-        what = f"send {mode.value} to rank {self.peer}"
-        result = Pending(self._post(pieces, True, tag), None, self.timeout_s, what)
+        buf = _buffer(staging, (len(ids), *src.shape[1:]), src)  # [n, L, 2, bs, h, d]
+        torch.index_select(src, 0, as_index(ids, src.device), out=buf)
+        what = f"send to rank {self.peer}"
+        result = Pending(self._post([buf], True, tag), None, self.timeout_s, what)
         if wait:
             result.wait()
         return result
@@ -274,96 +208,31 @@ class GlooTransport:
         self,
         dst: torch.Tensor,
         dst_ids: IdList,
-        mode: TransferMode | str = TransferMode.PACKED,
         *,
         tag: int = 0,
         wait: bool = True,
         staging: Staging | None = None,
     ) -> Pending:
-        """Receive into ``dst[dst_ids]`` what the peer sends with ``send_blocks`` in ``mode``.
-
-        ``by_request_aggregated`` and ``by_request`` land in place, and so does ``packed``
-        when ``dst_ids`` is one ascending run; otherwise ``packed`` and ``by_layer`` land in
-        a buffer (``staging``, or a fresh one) scattered by ``wait``.
-        """
+        """Receive into ``dst[dst_ids]`` what the peer sends with :meth:`send_blocks`: in
+        place when ``dst_ids`` is one ascending run, else into a buffer (``staging``, or a
+        fresh one) that ``wait`` scatters."""
         self._check(dst)
-        mode = TransferMode(mode)
         ids = ids_list(dst_ids)
-        n = len(ids)
-        finish = None
-        if mode is TransferMode.BY_LAYER:
-            num_layers = dst.shape[1]
-            buf = _buffer(staging, (num_layers, n, *dst.shape[2:]), dst)  # [L, n, 2, bs, h, d]
-            idx = as_index(ids, dst.device)
-            pieces = list(buf)
-
-            def finish() -> None:
-                for layer in range(num_layers):
-                    dst[:, layer].index_copy_(0, idx, buf[layer])
-
-        elif mode is TransferMode.PACKED and is_run(ids):
-            pieces = [dst.narrow(0, ids[0] if n else 0, n)]  # one run: straight into place
-        elif mode is TransferMode.PACKED:
-            buf = _buffer(staging, (n, *dst.shape[1:]), dst)  # [n, L, 2, bs, h, d]
-            idx = as_index(ids, dst.device)
-            pieces = [buf]
-
-            def finish() -> None:
-                dst.index_copy_(0, idx, buf)
-
+        n, finish = len(ids), None
+        if is_run(ids):
+            piece = dst.narrow(0, ids[0] if n else 0, n)  # one run: straight into place
         else:
-            pieces = in_place_pieces(dst, ids, mode)  # received in place, no staging
-        _check_contiguous(pieces)
-        what = f"receive {mode.value} from rank {self.peer}"
-        result = Pending(self._post(pieces, False, tag), finish, self.timeout_s, what)
+            piece = _buffer(staging, (n, *dst.shape[1:]), dst)  # [n, L, 2, bs, h, d]
+            idx = as_index(ids, dst.device)
+
+            def finish() -> None:
+                dst.index_copy_(0, idx, piece)
+
+        what = f"receive from rank {self.peer}"
+        result = Pending(self._post([piece], False, tag), finish, self.timeout_s, what)
         if wait:
             result.wait()
         return result
-
-    def send_layer(
-        self,
-        src: torch.Tensor,
-        layer: int,
-        src_ids: IdList,
-        dst_ids: IdList | None = None,
-        *,
-        tag: int = 0,
-        wait: bool = True,
-    ) -> Pending:
-        """Send K and V of ``layer`` for blocks ``src_ids`` (aggregated pool) as one piece."""
-        self._check(src)
-        piece = torch.index_select(src[:, layer], 0, as_index(src_ids, src.device))  # [n, 2, ...]
-        what = f"send layer {layer} to rank {self.peer}"
-        result = Pending(self._post([piece], True, tag), None, self.timeout_s, what)
-        if wait:
-            result.wait()
-        return result
-
-    def recv_layer(
-        self, dst: torch.Tensor, layer: int, dst_ids: IdList, *, tag: int = 0, wait: bool = True
-    ) -> Pending:
-        """Receive one layer sent by :meth:`send_layer` into blocks ``dst_ids``."""
-        self._check(dst)
-        ids = ids_list(dst_ids)
-        piece = torch.empty((len(ids), *dst.shape[2:]), dtype=dst.dtype, device=dst.device)
-        idx = as_index(ids, dst.device)
-        result = Pending(
-            self._post([piece], False, tag),
-            lambda: dst[:, layer].index_copy_(0, idx, piece),
-            self.timeout_s,
-            f"receive layer {layer} from rank {self.peer}",
-        )
-        if wait:
-            result.wait()
-        return result
-
-    def send_tensor(self, t: torch.Tensor, tag: int = 0) -> None:
-        """Send one contiguous tensor (small signals, acknowledgements)."""
-        Pending(self._post([t], True, tag), None, self.timeout_s, "send").wait()
-
-    def recv_tensor(self, t: torch.Tensor, tag: int = 0) -> None:
-        """Receive one contiguous tensor into ``t``."""
-        Pending(self._post([t], False, tag), None, self.timeout_s, "receive").wait()
 
     def close(self) -> None:
         """Shut the process group down and drop the store. Idempotent."""
@@ -379,3 +248,86 @@ class GlooTransport:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass
+class GlooLink:
+    """A two-rank torch.distributed group with peer ``peer``: one packed message per
+    transfer, posted before a ``KVData`` call tells the peer which of its blocks to receive it
+    into."""
+
+    name: ClassVar[str] = "gloo"
+    shares_pool: ClassVar[bool] = False
+    whole_model: ClassVar[bool] = False
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    meets_in_store: ClassVar[bool] = True
+
+    transport: GlooTransport
+    peer: str
+    tags: itertools.count = field(default_factory=itertools.count)
+    counts: Counts = field(default_factory=Counts)
+
+    @classmethod
+    def unfit(cls, a: Any, b: Any) -> str | None:
+        """Any two instances that reach each other's hosts."""
+        return None
+
+    @classmethod
+    def metadata(cls, info: Any) -> dict[str, Any]:
+        """Nothing: the pair meets in the frontend's store."""
+        return {}
+
+    @classmethod
+    def reach(cls, peers: Any, p: rpc.PeerInfo) -> None:
+        """Queue the pair group; the instance's loop forms it (:meth:`join`)."""
+        peers.queue_pair(p)
+
+    @classmethod
+    def join(cls, peer: str, rank: int, store: Any, spec: Any, device: Any) -> GlooLink:
+        """Join the pair group with ``peer`` (we are ``rank``) in ``store``; blocks until the
+        peer joins too."""
+        transport = GlooTransport(
+            rank,
+            spec.host,
+            store=store,
+            device=device,
+            bind_host=spec.host,
+            timeout_s=spec.timeout_s,
+        )
+        return cls(transport, peer)
+
+    def write(self, node: rpc.RpcNode, xfer: str, blocks: list[int], src, src_ids) -> None:
+        """Post blocks ``src_ids`` of ``src`` as one message, then have the peer receive it
+        into ``blocks`` (``KVData``); returns once it has."""
+        tag = next(self.tags) % (1 << 31)
+        posted = self.transport.send_blocks(src, list(src_ids), tag=tag, wait=False)
+        node.call(self.peer, rpc.KVData(xfer, blocks, tag))
+        posted.wait()  # the peer has it: its reply came after its receive finished
+        self.counts.sent_bytes += len(blocks) * src[0].nbytes
+        self.counts.sent_messages += 1
+
+    def receive(self, pool: MemPool, m: rpc.KVData) -> None:
+        """Receive what the peer posted for ``m`` into ``m.blocks`` of ``pool``."""
+        self.transport.recv_blocks(pool.kv(), m.blocks, tag=m.tag)
+        self.counts.recv_bytes += len(m.blocks) * pool.kv()[0].nbytes
+        self.counts.recv_messages += 1
+
+    def landed(self, xfer: str, new: list[int]) -> None:
+        """Before a commit: nothing to wait for (each KVData was received as it came)."""
+
+    def forget(self, xfer: str) -> None:
+        """A transfer was aborted: nothing is kept per transfer here."""
+
+    def close(self) -> None:
+        """Nothing more moves over this link (its counters stay)."""
+        self.transport.close()
+
+    def stats(self) -> dict[str, int | str]:
+        """Bytes and messages each way, and the backend (gloo or nccl)."""
+        return self.counts.stats(self.transport.kind)
+
+
+class NcclLink(GlooLink):
+    """The gloo link asked for by its CUDA backend's name (the pair announces ``gloo``)."""
+
+    devices: ClassVar[tuple[str, ...]] = ("cuda",)

@@ -63,7 +63,7 @@ def test_writes_from_either_tier_and_from_unregistered_memory_arrive(pair):
     cases = [("x1", src, [5, 1, 9]), ("x2", dram, [7, 0]), ("x3", loose, [2, 0, 1])]
     for xfer, tensor, ids in cases:
         dst = b.pool.alloc_mem(len(ids))
-        ab.send(None, xfer, dst, tensor, ids)
+        ab.write(None, xfer, dst, tensor, ids)
         ba.landed(xfer, dst)  # the notification is in: every block arrived
         assert torch.equal(b.pool.kv()[dst].cpu(), tensor[ids].cpu())
         b.pool.free_mem(dst)
@@ -87,7 +87,7 @@ def test_what_a_peer_claims_is_checked(pair):
     with pytest.raises(TransferError, match="names agent"):
         a.connect("B2", renamed)
     with pytest.raises(TransferError, match="outside"):  # never posted
-        ab.send(None, "x", [info.num_blocks], a.pool.kv(), [0])
+        ab.write(None, "x", [info.num_blocks], a.pool.kv(), [0])
     with pytest.raises(TransferError, match="0 of 2"):  # nothing was written: no commit
         ba.landed("never", [3, 4])
     for junk in ("x9|\u00b2", "x9|-1", "x9", "|1"):  # notifications are a peer's bytes
@@ -95,7 +95,7 @@ def test_what_a_peer_claims_is_checked(pair):
     with pytest.raises(TransferError, match="0 of 1"):  # none of them counts as a write
         ba.landed("x9", [5])
     dst = b.pool.alloc_mem(2)
-    ab.send(None, "x4", dst, a.pool.kv(), [0, 1])
+    ab.write(None, "x4", dst, a.pool.kv(), [0, 1])
     with pytest.raises(ValueError, match="notified 2"):  # more than the transfer was granted
         ba.landed("x4", dst[:1])
     b.pool.free_mem(dst)
@@ -159,12 +159,12 @@ def test_receiver_killed_mid_write_fails_the_sender_without_a_hang():
     ep = _endpoint("S", pool, timeout_s=5.0)
     try:
         link = ep.connect("R", rpc_info(q.get(timeout=60)))
-        link.send(None, "x0", list(range(BIG_BLOCKS)), pool.kv(), range(BIG_BLOCKS))
+        link.write(None, "x0", list(range(BIG_BLOCKS)), pool.kv(), range(BIG_BLOCKS))
         threading.Timer(0.05, os.kill, (child.pid, signal.SIGKILL)).start()
         start, writes = time.monotonic(), 0
         with pytest.raises(TransferError):
             while time.monotonic() - start < DEATH_S:
-                link.send(
+                link.write(
                     None, f"x{writes + 1}", list(range(BIG_BLOCKS)), pool.kv(), range(BIG_BLOCKS)
                 )
                 writes += 1

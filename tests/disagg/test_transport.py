@@ -12,18 +12,16 @@ import torch
 from helpers import listening
 
 from minimemserve.bench.transports import (
+    BenchGlooTransport,
     CopyTransport,
     SharedMemoryTransport,
     SharedTensorFactory,
+    TransferMode,
+    TransportKind,
     copy_blocks,
     pieces_per_transfer,
     remove_stale_segments,
     start_store,
-)
-from minimemserve.disagg.transports import (
-    GlooTransport,
-    TransferMode,
-    TransportKind,
 )
 from minimemserve.errors import TransferError
 from minimemserve.mempool.shared import SHM_DIR, SharedHandle, SharedPoolTensor, attach
@@ -193,7 +191,7 @@ def test_copy_transport_contiguous_run_and_bad_input() -> None:
 def _gloo_receiver(port: int) -> None:
     """Child, rank 1: receive every mode into zeroed pools and send the pools back."""
     torch.set_num_threads(1)
-    with GlooTransport(1, port=port, timeout_s=JOIN_S) as t:
+    with BenchGlooTransport(1, port=port, timeout_s=JOIN_S) as t:
         for mode in TransferMode:
             dst = torch.zeros((NUM_BLOCKS, *BLOCK))
             if mode is TransferMode.BY_REQUEST:
@@ -216,8 +214,8 @@ def test_gloo_blocks_are_bit_exact_across_processes() -> None:
     child = mp.get_context("spawn").Process(target=_gloo_receiver, args=(store.port,))
     child.start()
     try:
-        with GlooTransport(0, store=store, timeout_s=JOIN_S) as t:
-            assert t.kind is TransportKind.GLOO and not t.one_sided
+        with BenchGlooTransport(0, store=store, timeout_s=JOIN_S) as t:
+            assert t.kind == TransportKind.GLOO and not t.one_sided
             src = _aggregated_src(seed=4)
             for mode in TransferMode:
                 s = _per_layer(src) if mode is TransferMode.BY_REQUEST else src
@@ -246,9 +244,9 @@ def test_gloo_blocks_are_bit_exact_across_processes() -> None:
 
 def test_gloo_rejects_bad_setup() -> None:
     with pytest.raises(ValueError, match="ranks, 0 and 1"):
-        GlooTransport(2)
+        BenchGlooTransport(2)
     with pytest.raises(ValueError, match="port of rank 0"):
-        GlooTransport(1, port=0)
+        BenchGlooTransport(1, port=0)
 
 
 def _cuda_writer(handle_bytes: bytes) -> None:
