@@ -4,8 +4,8 @@ step (``overlap``), measured and simulated side by side in one run.
 Real: 1P1D under the process runtime (each instance a process on one core, KV over shared
 memory), a burst of ``--prompts`` prompts of ``--prompt-len`` tokens that all arrive at once,
 ``--max-tokens`` output tokens each. The prefill instance's capacity is the prompts it clears
-per second: the burst's size over the time from its arrival to the last prompt's hand-off
-(its decode instance starting). Both modes alternate for ``--rounds`` rounds; medians.
+per second: the burst's size over the time from its arrival to the last prompt's first
+token. Both modes alternate for ``--rounds`` rounds; medians.
 
 Simulated: the same burst on the simulator's model of this machine (steps fitted here, or
 ``--cpu-model``), and 1P1D of the paper's model on its GPU (one each) on LooGLE at
