@@ -463,9 +463,9 @@ class Engine:
     def has_room(self, blocks: int, arriving: Sequence[Request] = ()) -> bool:
         """Whether a request that may grow to ``blocks`` blocks fits beside the growth every
         request here (and ``arriving``) may still need: a decode instance's admission."""
-        layout = self.pool.layout
+        bs = self.pool.layout.block_size  # layout.num_blocks_for inlined: a sum over requests
         growth = sum(
-            max(0, layout.num_blocks_for(r.max_total_tokens) - len(r.blocks))
+            max(0, -(-r.max_total_tokens // bs) - len(r.blocks))
             for r in (*self.requests.values(), *arriving)
         )
         return self.pool.num_available() - growth >= blocks
