@@ -528,7 +528,7 @@ class Engine:
             if tok is None:
                 continue
             req.tokens.append(tok)
-            req.metrics.output_tokens = req.num_output
+            req.metrics.output_tokens = len(req.tokens) - req.num_prompt  # num_output
             if self.streams:
                 self._record_delta(req, tok)
             req.metrics.first_token_time = req.metrics.first_token_time or now
@@ -582,7 +582,8 @@ class Engine:
         p = req.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.model_config.eos_token_ids):
             return "stop"
-        if req.num_output >= p.max_tokens or req.num_tokens >= req.max_total_tokens:
+        n = len(req.tokens)  # num_tokens, without the property: this runs per token
+        if n - req.num_prompt >= p.max_tokens or n >= req.max_total_tokens:
             return "length"
         return None
 

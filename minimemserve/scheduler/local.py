@@ -107,7 +107,8 @@ class LocalScheduler:
             if decodes_only and pending != 1:
                 continue
             n = min(pending, budget)
-            if self._grow(req, req.num_computed + n, batch):
+            end = req.num_computed + n  # most decodes fit in the blocks they hold: no _grow
+            if -(-end // self.block_size) <= len(req.blocks) or self._grow(req, end, batch):
                 batch[req] = n
 
     def _prefills_alone(self, batch: _Batch, failed: list[Request]) -> None:
