@@ -12,7 +12,7 @@ so a faster simulator must give the same records.
     python bench/sim_speed.py --repeat 1 --points 0,1     # fewer points, one run each
 
 Prints a table (seconds, this tree's speed-up, digests equal) and writes
-bench/results/sim_speed.json.
+bench/results/sim_speed.json and sim_speed.png (seconds per point, both trees).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sim_speed.json"
+PNG = RESULTS.with_suffix(".png")
 HERE = Path(__file__).resolve().parent.parent
 # (workload, config, rate, seed, N): a LooGLE and a ReAct run as --quick has them (transfers
 # and prefix matching dominate), a ShareGPT one of the full sweep (decode steps dominate).
@@ -117,7 +118,24 @@ def main() -> None:
     meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
     meta["load_average"] = os.getloadavg()
     RESULTS.write_text(json.dumps({**meta, "repeat": args.repeat, "rows": rows}, indent=1))
-    print(f"wrote {RESULTS}")
+    plot(rows)
+    print(f"wrote {RESULTS}, {PNG}")
+
+
+def plot(rows: list[dict]) -> None:
+    """Seconds per point, one bar per tree."""
+    from matplotlib.figure import Figure  # slow to import: only the plot needs it
+
+    fig = Figure(figsize=(9, 4), layout="tight")
+    ax = fig.subplots()
+    names = ["{} {} {:g}/s".format(*r["point"]) for r in rows]
+    for k, tree in enumerate(t for t in ("base", "this") if f"{t}_s" in rows[0]):
+        xs = [i + 0.4 * k for i in range(len(rows))]
+        ax.bar(xs, [r[f"{tree}_s"] for r in rows], 0.4, label=tree)
+    ax.set_xticks(range(len(rows)), names, fontsize=7, rotation=20, ha="right")
+    ax.set_ylabel("seconds per run (best of the repeats)")
+    ax.legend()
+    fig.savefig(PNG, dpi=100)
 
 
 if __name__ == "__main__":
