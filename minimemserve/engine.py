@@ -494,9 +494,9 @@ class Engine:
     def has_room(self, blocks: int, arriving: Sequence[Request] = ()) -> bool:
         """Whether a request that may grow to ``blocks`` blocks fits beside the growth every
         request here (and ``arriving``) may still need: a decode instance's admission."""
-        layout = self.pool.layout
+        bs = self.pool.layout.block_size  # layout.num_blocks_for inlined: a sum over requests
         growth = sum(
-            max(0, layout.num_blocks_for(r.max_total_tokens) - len(r.blocks))
+            max(0, -(-r.max_total_tokens // bs) - len(r.blocks))
             for r in (*self.requests.values(), *arriving)
         )
         return self.pool.num_available() - growth >= blocks
@@ -562,7 +562,7 @@ class Engine:
             if tok is None:
                 continue
             req.tokens.append(tok)
-            req.metrics.output_tokens = req.num_output
+            req.metrics.output_tokens = len(req.tokens) - req.num_prompt  # num_output
             if self.streams:
                 _record_delta(self.deltas, req, tok)
             req.metrics.first_token_time = req.metrics.first_token_time or now
@@ -609,7 +609,8 @@ class Engine:
         p = req.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.model_config.eos_token_ids):
             return "stop"
-        if req.num_output >= p.max_tokens or req.num_tokens >= req.max_total_tokens:
+        n = len(req.tokens)  # num_tokens, without the property: this runs per token
+        if n - req.num_prompt >= p.max_tokens or n >= req.max_total_tokens:
             return "length"
         return None
 

@@ -40,7 +40,7 @@ def move_blocks(
         raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
     if dst.dtype != src.dtype:
         raise ValueError(f"block copy between dtypes {src.dtype} -> {dst.dtype}")
-    if not src_ids:
+    if not src_ids or src.is_meta or dst.is_meta:  # meta tensors hold no data to move
         return
     same_device = dst.device == src.device
     if dim == 0 and same_device and is_run(dst_ids):

@@ -306,8 +306,11 @@ class MemPool:
     def held_blocks(self, blocks: Sequence[int], what: str) -> list[int]:
         """``blocks`` as a list, each checked to be held by someone (``what`` names the use)."""
         alloc, blocks = self._tiers[HBM].alloc, list(blocks)
+        rc, capacity = alloc.refcounts(), alloc.num_blocks
         for b in blocks:
-            if alloc.refcount(b) < 1:
+            if type(b) is not int or not 0 <= b < capacity:
+                alloc.check_id(b)
+            if rc[b] < 1:
                 raise ValueError(f"{what} free block {b}")
         return blocks
 

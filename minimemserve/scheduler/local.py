@@ -49,6 +49,7 @@ class LocalScheduler:
         if policy not in POLICIES:
             raise ConfigError(f"unknown local scheduler {policy!r}; choose from {POLICIES}")
         self.pool = pool
+        self.block_size = pool.layout.block_size
         self.recipe = recipe
         self.policy = policy
         self.clock = clock
@@ -102,10 +103,12 @@ class LocalScheduler:
             budget = self.max_num_batched_tokens - batch.tokens  # a preempted victim gives back
             if req.status is not Status.RUNNING or budget == 0:
                 continue
-            if decodes_only and req.num_pending != 1:
+            pending = len(req.tokens) - req.num_computed  # num_pending: this runs per token
+            if decodes_only and pending != 1:
                 continue
-            n = min(req.num_pending, budget)
-            if self._grow(req, req.num_computed + n, batch):
+            n = min(pending, budget)
+            end = req.num_computed + n  # most decodes fit in the blocks they hold: no _grow
+            if -(-end // self.block_size) <= len(req.blocks) or self._grow(req, end, batch):
                 batch[req] = n
 
     def _prefills_alone(self, batch: _Batch, failed: list[Request]) -> None:
@@ -161,7 +164,7 @@ class LocalScheduler:
             batch[req] = n
 
     def _alloc_to(self, req: Request, num_tokens: int) -> None:
-        need = self.pool.layout.num_blocks_for(num_tokens) - len(req.blocks)
+        need = -(-num_tokens // self.block_size) - len(req.blocks)  # layout.num_blocks_for
         if need > 0:
             req.blocks.extend(self.pool.alloc_mem(need))
 

@@ -230,7 +230,7 @@ class StepShape:
                 decodes.append(start + 1)
             else:
                 prefills.append((start, n))
-            sampled += start + n == req.num_tokens
+            sampled += start + n == len(req.tokens)
         return cls(tuple(prefills), tuple(decodes), sampled)
 
     @property
