@@ -489,7 +489,7 @@ def test_a_client_that_leaves_a_request_is_one_log_line(server):
         conn.getresponse()
     conn.close()
     server.wait_released()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # a loaded machine logs it late
     while server.log().count("client disconnected") == before:
         assert time.monotonic() < deadline, server.log()[-2000:]
         time.sleep(0.2)
