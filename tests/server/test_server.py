@@ -483,7 +483,7 @@ def test_a_client_that_leaves_a_request_is_one_log_line(server):
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "ignore_eos": True}
     start = len(server.log())  # the server is shared: judge only what this test logs
     before = server.log().count("client disconnected")
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=0.5)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=0.05)
     conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
     with pytest.raises(OSError):  # the client gives up long before 400 tokens
         conn.getresponse()
