@@ -17,6 +17,9 @@ from minimemserve.sampling import SamplingParams
 from minimemserve.serving import Serving
 from minimemserve.workloads.results import (
     OVERLOADED,
+    STABLE_GROWTH,
+    STABLE_NOISE,
+    STABLE_SLACK,
     caching_ratios,
     format_table,
     gain,
@@ -254,6 +257,22 @@ def test_stability_rule_flags_a_growing_queue_and_gains_over_it():
     ratios = caching_ratios({"PD": growing, "PD-CC": flat, "1P1D": flat, "1P1D-CC": flat})
     assert ratios == {"PD/PD-CC": OVERLOADED, "1P1D/1P1D-CC": None}  # no later turns
     assert "NO" in format_table({"PD": growing}) and summarize([])["stability"]["stable"]
+
+
+def test_stability_rule_scales_by_the_arrivals_of_each_quarter():
+    # Two arrivals a second for 75 s, then four: the same 10 s wait doubles the number in
+    # system, which the busier quarter explains (q2 alone would call it a growing queue). The
+    # same arrivals queued for one server that takes 0.625 s a request (1.6 a second) fail.
+    times = [k / 2 for k in range(150)] + [75 + k / 4 for k in range(101)]
+    st = summarize([_rec(0, 0.1, 10.0, 0.01, arrival=t) for t in times])["stability"]
+    assert st["stable"] and st["arrivals"] == [50, 50, 50, 101]
+    q2, q4 = st["mean_in_system"][1], st["mean_in_system"][3]
+    assert q4 > STABLE_GROWTH * q2 + STABLE_NOISE * q2**0.5 + STABLE_SLACK
+    done, queued = 0.0, []
+    for t in times:
+        done = max(t, done) + 0.625
+        queued.append(_rec(0, 0.1, done - t, 0.01, arrival=t))
+    assert not summarize(queued)["stability"]["stable"]
 
 
 def test_write_plots(tmp_path):

@@ -343,8 +343,9 @@ def reproduce(
 
 STABILITY_RULE = (
     f"stable: the mean number of requests in system over the last quarter of the arrival "
-    f"window, q4, is at most {STABLE_GROWTH} q2 + {STABLE_NOISE} sqrt(q2) + {STABLE_SLACK}, q2 "
-    f"being that over its second quarter; a point is stable when every seed's run is"
+    f"window, q4, is at most {STABLE_GROWTH} e + {STABLE_NOISE} sqrt(e) + {STABLE_SLACK}, with "
+    f"e = q2 a4 / a2, q2 being that mean over its second quarter and a2, a4 the requests "
+    f"arriving in the second and last quarters; a point is stable when every seed's run is"
 )
 
 

@@ -33,9 +33,9 @@ SEEDS = (0, 1, 2)
 # ReAct's 2-3 s), so its window must be longer; a LooGLE session holds 8 requests. Sized so the
 # whole evaluation ran on two CPU cores shared with other jobs; the drift between N and 2N
 # sessions says where that is too few.
-N_MIN = {"sharegpt": 100, "loogle": 40, "react": 60}
-T_MIN_S = {"sharegpt": 60.0, "loogle": 20.0, "react": 15.0}
-N_MAX = {"sharegpt": 500, "loogle": 120, "react": 180}
+N_MIN = {"sharegpt": 100, "loogle": 60, "react": 90}
+T_MIN_S = {"sharegpt": 60.0, "loogle": 30.0, "react": 22.5}
+N_MAX = {"sharegpt": 500, "loogle": 180, "react": 270}
 WARMUP = 0.25  # of the first N sessions, by start
 STEADY_TOLERANCE = 0.05
 METRICS = ("jct_mean", "jct_p99", "ttft_mean", "ttft_p99", "tpot_mean")
