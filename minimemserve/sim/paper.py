@@ -26,6 +26,7 @@ from .sweep import (
     SLO_ATTAINMENT,
     SLO_TPOT_S,
     SLO_TTFT_S,
+    STEADY_TOLERANCE,
     Curve,
     Plan,
     aggregate,
@@ -79,6 +80,12 @@ MATCH = 0.10
 QUICK_WORKLOADS = ("loogle", "react")
 QUICK_CONFIGS = ("PD", "1P3D", "2P2D", "2P2D-CC")
 POLICY = "prompt_tree"
+# The mark of a ratio that moves by STEADY_TOLERANCE or more between N and 2N sessions.
+MOVED = "†"
+MOVED_NOTE = (
+    f"{MOVED}: the ratio moves by {STEADY_TOLERANCE:.0%} or more between N and 2N sessions "
+    "(not converged at this run size)."
+)
 LOAD_RULE = (
     "The paper states no request rates. Each configuration is swept from light load past its "
     "knee; its capacity is the highest rate at which every seed's run is stable. Each gain is "
@@ -376,7 +383,9 @@ def write(result: dict, curves: dict, out: Path) -> None:
 
 def _cell_md(c: dict) -> str:
     text = _fmt(c["ratio"])
-    return f"**{text}**" if c["verdict"] == "match" else text
+    text = f"**{text}**" if c["verdict"] == "match" else text
+    moved = isinstance(c["ratio"], dict) and not c["ratio"]["converged"]
+    return f"{text} {MOVED}" if moved else text
 
 
 def markdown(result: dict) -> str:
@@ -423,7 +432,7 @@ def rows_md(rows: list[dict]) -> str:
         for r in rows
         if r["metric"] == "jct_mean"
     )
-    return "\n".join(lines) + f"\n\nRates: {rates}."
+    return "\n".join(lines) + f"\n\n{MOVED_NOTE}\n\nRates: {rates}."
 
 
 def routing_md(result: dict) -> str:

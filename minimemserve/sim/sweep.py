@@ -155,11 +155,15 @@ def aggregate(runs: Sequence[dict]) -> dict:
 
 
 def ratio(new: Sequence[dict], base: Sequence[dict], metric: str) -> dict | str:
-    """``new``'s ``metric`` over ``base``'s, paired by seed: the mean ratio (1 + gain) and its
-    95 % interval, or :data:`OVERLOADED` when any run of either side is unstable."""
+    """``new``'s ``metric`` over ``base``'s, paired by seed: the mean ratio (1 + gain), its
+    95 % interval and how much it moves between ``N`` and ``2N`` sessions (``drift``,
+    ``converged``), or :data:`OVERLOADED` when any run of either side is unstable."""
     if not all(r["stability"]["stable"] for r in (*new, *base)):
         return OVERLOADED
-    return interval([a["steady"][metric] / b["steady"][metric] for a, b in zip(new, base)])
+    out = interval([a["steady"][metric] / b["steady"][metric] for a, b in zip(new, base)])
+    half = np.mean([a["half"][metric] / b["half"][metric] for a, b in zip(new, base)])
+    drift = float(out["mean"] / half - 1)
+    return {**out, "drift": drift, "converged": abs(drift) < STEADY_TOLERANCE}
 
 
 def knee_chain(

@@ -418,11 +418,19 @@ def test_knee_chain_bisects_towards_the_knee():
     assert Curve({r: {"stable": r < 5.0} for r in rates}).knee == max(r for r in rates if r < 5)
     assert 4.5 < max(r for r in rates if r < 5) < 5.0  # two midpoints in (4, 8)
     assert bracket({1.0: True, 2.0: False, 4.0: True}) == (1.0, 2.0)
-    run = lambda ok, jct: {"stability": {"stable": ok}, "steady": {"jct_mean": jct}}
+
+    def run(ok: bool, jct: float, half: float | None = None) -> dict:
+        m = {"jct_mean": jct}
+        return {"stability": {"stable": ok}, "steady": m, "half": {"jct_mean": half or jct}}
+
     assert ratio([run(True, 2.0), run(True, 3.0)], [run(True, 1.0)] * 2, "jct_mean") == {
         "mean": 2.5,
         "ci95": pytest.approx(12.706 * 0.5),  # t at 1 degree of freedom, std 0.71 / sqrt(2)
+        "drift": 0.0,
+        "converged": True,
     }
+    moved = ratio([run(True, 2.2, half=2.0)], [run(True, 1.0)], "jct_mean")
+    assert moved["drift"] == pytest.approx(0.1) and not moved["converged"]
     assert ratio([run(True, 2.0)] * 2, [run(True, 1.0), run(False, 1.0)], "jct_mean") == OVERLOADED
 
 
@@ -445,6 +453,7 @@ def test_paper_reproduction_never_prints_a_gain_over_an_unstable_side(tmp_path, 
         for cell in row["cells"].values():
             if isinstance(cell["ratio"], dict):  # a number: both sides stable at that rate
                 assert cell["verdict"].startswith(("match", "miss")) and cell["ratio"]["ci95"] >= 0
+                assert isinstance(cell["ratio"]["converged"], bool)
             else:
                 assert cell["ratio"] in (OVERLOADED, "no stable load")
                 assert cell["verdict"] == cell["ratio"] and cell["ratio"] in out
