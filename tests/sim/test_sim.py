@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -520,3 +521,18 @@ def test_a_prefix_push_to_a_full_instance_is_skipped_and_leaks_nothing():
         assert inst.pool.stats()["hbm"]["referenced"] == 0
     assert cluster._push_prefix(prompt, src.name, dst.name) is not None  # room again: it lands
     assert cached(dst) == 4
+
+
+@pytest.mark.parametrize("run", ["full", "quick"])
+def test_committed_paper_tables_are_rendered_from_their_json(run):
+    """The committed tables are those the committed JSON renders to, and the README's 19-row
+    and routing tables are the full run's, line for line."""
+    root = Path(__file__).resolve().parents[2]
+    result = json.loads((root / "docs/paper" / run / "sim_paper.json").read_text())
+    md = paper.markdown(result)
+    assert (root / "docs/paper" / run / "sim_paper.md").read_text() == md + "\n"
+    if run == "full":
+        ours = paper.rows_md(result["rows"]) + "\n" + paper.routing_md(result)
+        readme = (root / "README.md").read_text().splitlines()
+        tables = [line for line in ours.splitlines() if line.startswith("|")]
+        assert len(tables) > 25 and all(line in readme for line in tables)
