@@ -23,6 +23,7 @@ from minimemserve.workloads.results import STABLE_GROWTH, STABLE_NOISE, STABLE_S
 
 from .runner import DEFAULT_HARDWARE, DEFAULT_MODEL, DEFAULT_TP, SimSetup, gpu_setup
 from .sweep import (
+    DOUBLINGS,
     SLO_ATTAINMENT,
     SLO_TPOT_S,
     SLO_TTFT_S,
@@ -83,8 +84,9 @@ POLICY = "prompt_tree"
 # The mark of a ratio that moves by STEADY_TOLERANCE or more between N and 2N sessions.
 MOVED = "†"
 MOVED_NOTE = (
-    f"{MOVED}: the ratio moves by {STEADY_TOLERANCE:.0%} or more between N and 2N sessions "
-    "(not converged at this run size)."
+    f"A ratio that moves by {STEADY_TOLERANCE:.0%} or more between N and 2N sessions is "
+    f"measured again with N doubled, up to {DOUBLINGS} times (each cell's N is in the JSON); "
+    f"{MOVED}: it still moves that much at the largest N."
 )
 LOAD_RULE = (
     "The paper states no request rates. Each configuration is swept from light load past its "
@@ -102,16 +104,19 @@ class Points:
         self.setup = setup
         self.plan = plan
         self.progress = progress
-        self.futures: dict[tuple, list[Future]] = {}  # (workload, config, policy, rate)
+        # (workload, config, policy, rate, doubled): N is doubled ``doubled`` times
+        self.futures: dict[tuple, list[Future]] = {}
         self._points: dict[tuple, dict] = {}
         self.t0 = time.perf_counter()
 
-    def submit(self, workload: str, config: str, policy: str, rate: float) -> tuple:
-        """Simulate the point (once); returns its key."""
-        key = (workload, config, policy, float(rate))
+    def submit(
+        self, workload: str, config: str, policy: str, rate: float, doubled: int = 0
+    ) -> tuple:
+        """Simulate the point (once), with N doubled ``doubled`` times; returns its key."""
+        key = (workload, config, policy, float(rate), doubled)
         if key not in self.futures:
             setup = self.setup.with_deployment(policy=policy)
-            n = self.plan.sessions(workload, rate)
+            n = self.plan.sessions(workload, rate, doubled)
             cap = MAX_OUTPUT_TOKENS.get(workload)
             self.futures[key] = [
                 self.pool.submit(run_point, setup, workload, config, rate, seed, n, cap)
@@ -147,7 +152,7 @@ def _fmt(value: dict | str | None, scale: float = 1.0, digits: int = 2) -> str:
 
 def point_line(key: tuple, p: dict) -> str:
     """One point in a line: JCT and TTFT means, stability, in-system growth, drift."""
-    workload, config, policy, rate = key
+    workload, config, policy, rate, _ = key
     grow = " ".join("/".join(f"{x:.0f}" for x in s["mean_in_system"][1::2]) for s in p["stability"])
     drift = max(abs(d) for d in p["drift"].values() if d is not None)
     return (
@@ -174,7 +179,7 @@ def sweep(points: Points, workloads: Sequence[str], configs: Sequence[str]) -> d
         for (w, c), keys in list(pending.items()):
             if not all(points.done(k) for k in keys):
                 continue
-            verdicts = {r: points.point((w, c, POLICY, r))["stable"] for r in rates[w, c]}
+            verdicts = {r: points.point((w, c, POLICY, r, 0))["stable"] for r in rates[w, c]}
             try:
                 more = chains[w, c].send(verdicts)
             except StopIteration:
@@ -183,7 +188,7 @@ def sweep(points: Points, workloads: Sequence[str], configs: Sequence[str]) -> d
             rates[w, c] += more
             pending[w, c] = [points.submit(w, c, POLICY, r) for r in more]
     return {
-        w: {c: Curve({r: points.point((w, c, POLICY, r)) for r in rates[w, c]}) for c in configs}
+        w: {c: Curve({r: points.point((w, c, POLICY, r, 0)) for r in rates[w, c]}) for c in configs}
         for w in workloads
     }
 
@@ -199,24 +204,69 @@ def _rate(curves: dict, new: str, base: str, load: float) -> float | None:
     return None if None in knees else round(load * min(knees), 3)
 
 
-def cell(points: Points, workload: str, pair: tuple, policy_pair: tuple, rate, metric, paper):
-    """One comparison at one rate: the simulated (1 + gain) with its interval against the
-    paper's, a verdict and the reason for a miss."""
+Comparison = tuple  # (workload, (new, base) configs, (new, base) policies, rate, metric)
+
+
+def _submit(points: Points, comparison: Comparison, doubled: int) -> tuple[tuple, tuple]:
+    """Both sides of ``comparison`` with N doubled ``doubled`` times; their keys."""
+    workload, (new, base), (pnew, pbase), rate, _ = comparison
+    return (
+        points.submit(workload, new, pnew, rate, doubled),
+        points.submit(workload, base, pbase, rate, doubled),
+    )
+
+
+def _ratio(points: Points, comparison: Comparison, doubled: int) -> dict | str:
+    """``comparison``'s (1 + gain) with N doubled ``doubled`` times (waits for its runs)."""
+    new, base = _submit(points, comparison, doubled)
+    return ratio(points.runs(new), points.runs(base), comparison[4])
+
+
+def settle(points: Points, comparisons: Sequence[Comparison]) -> dict[Comparison, int]:
+    """How many times each comparison's N is doubled: until its ratio moves less than
+    :data:`STEADY_TOLERANCE` between N and 2N sessions, or either side is overloaded, at most
+    ``plan.doublings`` times. Every comparison's runs are submitted before any is awaited, and
+    each longer run as soon as it is known to be needed."""
+    doubled = dict.fromkeys(comparisons, 0)
+    for c in comparisons:
+        _submit(points, c, 0)
+    for k in range(points.plan.doublings):
+        for c in comparisons:
+            if doubled[c] == k and isinstance(r := _ratio(points, c, k), dict):
+                if not r["converged"]:
+                    doubled[c] = k + 1
+                    _submit(points, c, k + 1)
+                    if points.progress:
+                        print(
+                            f"  {_comparison_line(c)} moves {r['drift']:+.1%} from N to 2N: "
+                            f"N doubled to {points.plan.sessions(c[0], c[3], k + 1)}",
+                            flush=True,
+                        )
+    return doubled
+
+
+def _comparison_line(c: Comparison) -> str:
+    workload, (new, base), (pnew, pbase), rate, metric = c
+    sides = f"{new} vs {base}" if new != base else f"{new} {pnew} vs {pbase}"
+    return f"{workload} {sides} {metric} at {rate:g}/s"
+
+
+def cell(points: Points, comparison: Comparison, doubled: int, paper: float) -> dict:
+    """One comparison at one rate, its N doubled ``doubled`` times: the simulated (1 + gain)
+    with its interval against the paper's, a verdict and the reason for a miss."""
+    rate = comparison[3]
     if rate is None:
         return {"rate": None, "ratio": "no stable load", "verdict": "no stable load"}
-    (new, base), (pnew, pbase) = pair, policy_pair
-    r = ratio(
-        points.runs(points.submit(workload, new, pnew, rate)),
-        points.runs(points.submit(workload, base, pbase, rate)),
-        metric,
-    )
+    r = _ratio(points, comparison, doubled)
+    sessions = points.plan.sessions(comparison[0], rate, doubled)
     if isinstance(r, str):
-        return {"rate": rate, "ratio": r, "verdict": r}
+        return {"rate": rate, "sessions": sessions, "ratio": r, "verdict": r}
     want = 1 + paper
     hit = abs(r["mean"] / want - 1) <= MATCH
     held = abs(r["mean"] - want) <= r["ci95"]  # the paper's value lies inside the interval
     return {
         "rate": rate,
+        "sessions": sessions,
         "ratio": r,
         "verdict": "match" if hit else "miss" + (" (interval holds it)" if held else ""),
         "reason": None if hit else "not explained",
@@ -225,67 +275,60 @@ def cell(points: Points, workload: str, pair: tuple, policy_pair: tuple, rate, m
 
 def matched_rows(points: Points, curves: dict, workloads: Sequence[str]) -> list[dict]:
     """The paper's 18 disaggregation and caching numbers, each at :data:`LOADS` of the weaker
-    side's capacity for every layout swept (all points submitted before any is awaited)."""
-    for w in workloads:
-        for new, base in (pair for x in LAYOUTS for pair in _pairs(x).values()):
-            for rate in (_rate(curves[w], new, base, load) for load in LOADS):
-                if rate is not None:
-                    points.submit(w, new, POLICY, rate)
-                    points.submit(w, base, POLICY, rate)
-    rows = []
+    side's capacity for every layout swept, each run as long as :func:`settle` finds it needs."""
+    rows, plan = [], []  # plan: (row, cell name, comparison)
     for (w, comparison, metric), paper in PAPER.items():
         if w not in workloads or comparison not in _pairs("x"):
             continue
-        cells = {}
+        row = {
+            "workload": w,
+            "comparison": comparison,
+            "metric": metric,
+            "paper": paper,
+            "paper_ratio": 1 + paper,
+            "cells": {},
+        }
+        rows.append(row)
         for layout in LAYOUTS:
             pair = _pairs(layout)[comparison]
-            if not set(pair) <= set(curves[w]):
-                continue
-            for load in LOADS:
-                rate = _rate(curves[w], *pair, load)
-                cells[f"{layout}@{load:.0%}"] = cell(
-                    points, w, pair, (POLICY, POLICY), rate, metric, paper
-                )
-        rows.append(
-            {
-                "workload": w,
-                "comparison": comparison,
-                "metric": metric,
-                "paper": paper,
-                "paper_ratio": 1 + paper,
-                "cells": cells,
-            }
-        )
+            if set(pair) <= set(curves[w]):
+                for load in LOADS:
+                    rate = _rate(curves[w], *pair, load)
+                    plan.append(
+                        (row, f"{layout}@{load:.0%}", (w, pair, (POLICY,) * 2, rate, metric))
+                    )
+    doubled = settle(points, [c for _, _, c in plan if c[3] is not None])
+    for row, name, c in plan:
+        row["cells"][name] = cell(points, c, doubled.get(c, 0), row["paper"])
     return rows
 
 
 def routing_rows(points: Points, curves: dict, workloads: Sequence[str]) -> list[dict]:
     """PD-CC's routing policies at :data:`LOADS` of its capacity under prompt trees: prompt
     trees against session affinity (the paper's row 19 on ReAct) and against the shortest
-    queue, P99 and mean TTFT, and how evenly ``session`` spread the requests."""
-    plan = []
+    queue, P99 and mean TTFT, each run as long as :func:`settle` finds it needs, and how
+    evenly ``session`` spread the requests."""
+    rows, plan = [], []  # plan: (row, cell name, comparison)
     for w in workloads:
         if "PD-CC" not in curves[w]:
             continue
         for load in LOADS:
             rate = _rate(curves[w], "PD-CC", "PD-CC", load)
-            for policy in ROUTING if rate is not None else ():
-                points.submit(w, "PD-CC", policy, rate)
-            plan.append((w, load, rate))
-    rows = []
+            row = {"workload": w, "load": load, "rate": rate}
+            rows.append(row)
+            for base in ROUTING[1:]:
+                for metric in ("ttft_p99", "ttft_mean"):
+                    c = (w, ("PD-CC", "PD-CC"), (POLICY, base), rate, metric)
+                    plan.append((row, f"vs {base} {metric}", c))
+    doubled = settle(points, [c for _, _, c in plan if c[3] is not None])
     paper = PAPER["react", "prompt_tree vs session", "ttft_p99"]
-    for w, load, rate in plan:
-        row = {"workload": w, "load": load, "rate": rate}
-        for base in ROUTING[1:]:
-            for metric in ("ttft_p99", "ttft_mean"):
-                row[f"vs {base} {metric}"] = cell(
-                    points, w, ("PD-CC", "PD-CC"), (POLICY, base), rate, metric, paper
-                )
-        if rate is not None:
-            runs = points.runs(points.submit(w, "PD-CC", "session", rate))
+    for row, name, c in plan:
+        row[name] = cell(points, c, doubled.get(c, 0), paper)
+    for row in rows:
+        if row["rate"] is not None:
+            runs = points.runs(points.submit(row["workload"], "PD-CC", "session", row["rate"]))
             n = points.setup.instances
             row["session_max_share"] = max(spread(r["dispatches"], n) for r in runs)
-        rows.append(row)
     return rows
 
 

@@ -1,7 +1,7 @@
 """Load sweeps that a researcher can trust: steady states, seeds, stability and knees.
 
 A *point* is one configuration (and routing policy) of one workload at one session rate. It is
-simulated once per seed (:data:`SEEDS`), each time with ``2N`` sessions (:func:`sessions_for`),
+simulated once per seed (:data:`SEEDS`), each time with ``2N`` sessions (:meth:`Plan.sessions`),
 and measured over a steady window: the requests of the sessions that started after the first
 ``N / 4`` (the warm-up). The same statistics over the sessions ``N / 4 .. N`` show how much the
 numbers still move between ``N`` and ``2N`` sessions (``drift``; a point is ``converged`` when
@@ -38,6 +38,9 @@ T_MIN_S = {"sharegpt": 60.0, "loogle": 30.0, "react": 22.5}
 N_MAX = {"sharegpt": 500, "loogle": 180, "react": 270}
 WARMUP = 0.25  # of the first N sessions, by start
 STEADY_TOLERANCE = 0.05
+# A comparison that still moves by STEADY_TOLERANCE between N and 2N sessions is run again with
+# N doubled, at most this many times (the sweep's own points are not).
+DOUBLINGS = 2
 METRICS = ("jct_mean", "jct_p99", "ttft_mean", "ttft_p99", "tpot_mean")
 DRIFT_METRICS = ("jct_mean", "jct_p99", "ttft_mean", "ttft_p99")
 # The goodput SLO, one pair for every workload.
@@ -58,18 +61,21 @@ _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}
 @dataclass(frozen=True)
 class Plan:
     """How much a sweep simulates: seeds, the ladders and bisections of :func:`knee_chain`,
-    and the sessions per run (``scale`` times :func:`sessions_for`'s; tests shrink it)."""
+    the sessions per run (``scale`` times :meth:`sessions`'s; tests shrink it) and how many
+    times a comparison that has not converged is run again with twice the sessions."""
 
     seeds: tuple[int, ...] = SEEDS
     ladders: dict = field(default_factory=lambda: dict(LADDER))
     bisections: int = BISECTIONS
     extend: int = EXTEND
     scale: float = 1.0
+    doublings: int = DOUBLINGS
 
-    def sessions(self, workload: str, rate: float) -> int:
-        """N for ``workload`` at ``rate``: each run replays twice as many sessions."""
+    def sessions(self, workload: str, rate: float, doubled: int = 0) -> int:
+        """N for ``workload`` at ``rate``, times 2 ** ``doubled``: each run replays twice as
+        many sessions."""
         n = min(N_MAX[workload], max(N_MIN[workload], math.ceil(rate * T_MIN_S[workload])))
-        return max(4, round(n * self.scale))
+        return max(4, round(n * self.scale)) * 2**doubled
 
 
 _SESSIONS: dict[tuple, list] = {}  # a worker's workloads, built once (tokenizing is slow)

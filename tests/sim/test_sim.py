@@ -436,7 +436,9 @@ def test_knee_chain_bisects_towards_the_knee():
 
 
 def test_paper_reproduction_never_prints_a_gain_over_an_unstable_side(tmp_path, capsys):
-    plan = Plan(seeds=(0, 1), ladders={"react": (0.5, 64.0)}, bisections=1, extend=0, scale=0.3)
+    plan = Plan(
+        seeds=(0, 1), ladders={"react": (0.5, 64.0)}, bisections=1, extend=0, scale=0.3, doublings=1
+    )
     configs = ("PD", "PD-CC", "2P2D", "2P2D-CC")
     res = paper.reproduce(
         out_dir=tmp_path, plan=plan, progress=False, jobs=1, workloads=("react",), configs=configs
@@ -455,6 +457,12 @@ def test_paper_reproduction_never_prints_a_gain_over_an_unstable_side(tmp_path, 
             if isinstance(cell["ratio"], dict):  # a number: both sides stable at that rate
                 assert cell["verdict"].startswith(("match", "miss")) and cell["ratio"]["ci95"] >= 0
                 assert isinstance(cell["ratio"]["converged"], bool)
+                n = plan.sessions("react", cell["rate"])  # doubled only when it still moved
+                assert (
+                    cell["ratio"]["converged"]
+                    if cell["sessions"] == n
+                    else cell["sessions"] == 2 * n
+                )
             else:
                 assert cell["ratio"] in (OVERLOADED, "no stable load")
                 assert cell["verdict"] == cell["ratio"] and cell["ratio"] in out
@@ -536,3 +544,35 @@ def test_committed_paper_tables_are_rendered_from_their_json(run):
         readme = (root / "README.md").read_text().splitlines()
         tables = [line for line in ours.splitlines() if line.startswith("|")]
         assert len(tables) > 25 and all(line in readme for line in tables)
+
+
+def test_a_comparison_that_still_moves_is_run_again_with_twice_the_sessions():
+    """``settle`` doubles N for a ratio that moves 5 % or more between N and 2N sessions, stops
+    once it moves less or a side is overloaded, and never past the plan's doublings."""
+
+    class Fake:
+        plan, progress = Plan(doublings=2), False
+
+        def __init__(self, moves):
+            self.moves, self.submitted = moves, []  # moves[(config, doubled)]: 2N over N
+
+        def submit(self, workload, config, policy, rate, doubled=0):
+            self.submitted.append((config, doubled))
+            return config, doubled
+
+        def runs(self, key):
+            move = self.moves.get(key, 1.0)
+            stable = move is not None
+            steady = {"jct_mean": move or 1.0}
+            return [{"stability": {"stable": stable}, "steady": steady, "half": {"jct_mean": 1.0}}]
+
+    c = {name: ("react", (name, "PD"), ("prompt_tree",) * 2, 4.0, "jct_mean") for name in "ABCD"}
+    points = Fake(
+        {("A", 0): 1.2, ("B", 0): 1.2, ("B", 1): 1.1, ("B", 2): 1.08, ("C", 0): 1.2, ("C", 1): None}
+    )
+    doubled = paper.settle(points, list(c.values()))
+    assert doubled == {c["A"]: 1, c["B"]: 2, c["C"]: 1, c["D"]: 0}
+    assert ("B", 2) in points.submitted and ("B", 3) not in points.submitted
+    assert paper.cell(points, c["C"], 1, -0.3)["ratio"] == OVERLOADED
+    assert paper.cell(points, c["A"], 1, -0.3)["sessions"] == 2 * Plan().sessions("react", 4.0)
+    assert not paper.cell(points, c["B"], 2, -0.3)["ratio"]["converged"]
