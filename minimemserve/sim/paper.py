@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from pathlib import Path
 
-from minimemserve.workloads.results import STABLE_GROWTH, STABLE_NOISE, STABLE_SLACK
+from minimemserve.workloads.results import OVERLOADED, STABLE_GROWTH, STABLE_NOISE, STABLE_SLACK
 
 from .runner import DEFAULT_HARDWARE, DEFAULT_MODEL, DEFAULT_TP, SimSetup, gpu_setup
 from .sweep import (
@@ -86,7 +86,8 @@ MOVED = "†"
 MOVED_NOTE = (
     f"A ratio that moves by {STEADY_TOLERANCE:.0%} or more between N and 2N sessions is "
     f"measured again with N doubled, up to {DOUBLINGS} times (each cell's N is in the JSON); "
-    f"{MOVED}: it still moves that much at the largest N."
+    f"{MOVED}: it still moves that much at the largest N. A side found unstable at any N is "
+    f"overloaded in every comparison at its rate."
 )
 LOAD_RULE = (
     "The paper states no request rates. Each configuration is swept from light load past its "
@@ -139,6 +140,11 @@ class Points:
             if self.progress:
                 print(f"  {point_line(key, p)} [{time.perf_counter() - self.t0:.0f} s]", flush=True)
         return self._points[key]
+
+    def unstable(self, workload: str, config: str, policy: str, rate: float) -> bool:
+        """Whether the point is unstable at any N it was simulated with (waits for them)."""
+        point = (workload, config, policy, float(rate))
+        return any(not self.point(k)["stable"] for k in list(self.futures) if k[:4] == point)
 
 
 def _fmt(value: dict | str | None, scale: float = 1.0, digits: int = 2) -> str:
@@ -258,7 +264,10 @@ def cell(points: Points, comparison: Comparison, doubled: int, paper: float) -> 
     if rate is None:
         return {"rate": None, "ratio": "no stable load", "verdict": "no stable load"}
     r = _ratio(points, comparison, doubled)
-    sessions = points.plan.sessions(comparison[0], rate, doubled)
+    workload, configs, policies = comparison[:3]
+    if any(points.unstable(workload, c, p, rate) for c, p in zip(configs, policies)):
+        r = OVERLOADED  # a side that turned unstable with more sessions is overloaded at any N
+    sessions = points.plan.sessions(workload, rate, doubled)
     if isinstance(r, str):
         return {"rate": rate, "sessions": sessions, "ratio": r, "verdict": r}
     want = 1 + paper

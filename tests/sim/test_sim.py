@@ -548,7 +548,8 @@ def test_committed_paper_tables_are_rendered_from_their_json(run):
 
 def test_a_comparison_that_still_moves_is_run_again_with_twice_the_sessions():
     """``settle`` doubles N for a ratio that moves 5 % or more between N and 2N sessions, stops
-    once it moves less or a side is overloaded, and never past the plan's doublings."""
+    once it moves less or a side is overloaded, and never past the plan's doublings; a side
+    found unstable at any N makes every comparison at its point overloaded."""
 
     class Fake:
         plan, progress = Plan(doublings=2), False
@@ -563,8 +564,12 @@ def test_a_comparison_that_still_moves_is_run_again_with_twice_the_sessions():
         def runs(self, key):
             move = self.moves.get(key, 1.0)
             stable = move is not None
-            steady = {"jct_mean": move or 1.0}
-            return [{"stability": {"stable": stable}, "steady": steady, "half": {"jct_mean": 1.0}}]
+            steady = {"jct_mean": move or 1.0, "jct_p99": 1.0}
+            half = dict.fromkeys(steady, 1.0)
+            return [{"stability": {"stable": stable}, "steady": steady, "half": half}]
+
+        def unstable(self, workload, config, policy, rate):
+            return any(self.moves.get(k, 1.0) is None for k in self.submitted if k[0] == config)
 
     c = {name: ("react", (name, "PD"), ("prompt_tree",) * 2, 4.0, "jct_mean") for name in "ABCD"}
     points = Fake(
@@ -576,3 +581,8 @@ def test_a_comparison_that_still_moves_is_run_again_with_twice_the_sessions():
     assert paper.cell(points, c["C"], 1, -0.3)["ratio"] == OVERLOADED
     assert paper.cell(points, c["A"], 1, -0.3)["sessions"] == 2 * Plan().sessions("react", 4.0)
     assert not paper.cell(points, c["B"], 2, -0.3)["ratio"]["converged"]
+    # C's P99 moves nothing from N to 2N, yet C turned unstable with N doubled: overloaded
+    p99 = ("react", ("C", "PD"), ("prompt_tree",) * 2, 4.0, "jct_p99")
+    assert paper.settle(points, [p99]) == {p99: 0}
+    assert paper.cell(points, p99, 0, -0.3)["ratio"] == OVERLOADED
+    assert paper.cell(points, c["D"], 0, -0.3)["ratio"]["mean"] == 1.0
