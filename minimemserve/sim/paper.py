@@ -158,11 +158,12 @@ def _fmt(value: dict | str | None, scale: float = 1.0, digits: int = 2) -> str:
 
 def point_line(key: tuple, p: dict) -> str:
     """One point in a line: JCT and TTFT means, stability, in-system growth, drift."""
-    workload, config, policy, rate, _ = key
+    workload, config, policy, rate, doubled = key
     grow = " ".join("/".join(f"{x:.0f}" for x in s["mean_in_system"][1::2]) for s in p["stability"])
     drift = max(abs(d) for d in p["drift"].values() if d is not None)
+    longer = f", N x{2**doubled}" if doubled else ""
     return (
-        f"{workload} {config} ({policy}) {rate:g}/s: JCT {_fmt(p['jct_mean'])} s, TTFT "
+        f"{workload} {config} ({policy}) {rate:g}/s{longer}: JCT {_fmt(p['jct_mean'])} s, TTFT "
         f"{_fmt(p['ttft_mean'], 1e3, 0)} ms, {'stable' if p['stable'] else 'UNSTABLE'} (in "
         f"system, 2nd / 4th quarter: {grow}), moves {drift:.1%} from N to 2N"
     )
