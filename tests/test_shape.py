@@ -1,4 +1,4 @@
-"""The code's shape: no class over 300 lines and no function over 60 in ``minimemserve/``,
+"""The code's shape: no class over 400 lines and no function over 80 in ``minimemserve/``,
 ``bench/`` and ``triton_kernels/`` (each exception named below, with its reason), and no
 constructor packing several attributes into one tuple assignment (complexity is ruff's C901,
 at most 10, in CI's ``ruff check`` of the whole tree)."""
@@ -9,8 +9,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_CLASS_LINES = 300
-MAX_FUNCTION_LINES = 60
+MAX_CLASS_LINES = 400
+MAX_FUNCTION_LINES = 80
 CHECKED = ("minimemserve", "bench", "triton_kernels")
 # "path:name" -> why it may be longer. A @triton.jit kernel is one GPU program: its loads,
 # masks and accumulators live in registers across the whole body, and splitting it into
@@ -18,7 +18,6 @@ CHECKED = ("minimemserve", "bench", "triton_kernels")
 EXCEPTIONS = {
     "triton_kernels/paged_decode.py:_paged_decode_kernel": "one Triton program (see above)",
     "triton_kernels/prefix_prefill.py:_prefix_prefill_kernel": "one Triton program (see above)",
-    "triton_kernels/rope_store_kv.py:_rope_store_kv_kernel": "one Triton program (see above)",
 }
 
 
