@@ -19,8 +19,8 @@ PACKAGES = ("minimemserve", "triton_kernels")
 
 # Bottom first. Core: errors up to the engine; runtimes: the process runtime, the deployment
 # spec that builds either runtime, and LLM (the package root exports them); workloads and the
-# shared command-line options; the server and the simulator; benchmark code; the command
-# line over everything.
+# shared command-line options; the server and the simulator; the benchmark harness; the
+# command line over everything.
 LAYERS = (
     ("errors", "sharegpt", "triton_kernels"),
     ("sampling", "blocks", "memory"),
@@ -36,7 +36,7 @@ LAYERS = (
     ("workloads",),
     ("options",),
     ("server", "sim"),
-    ("bench",),
+    ("harness",),
     ("cli",),
 )
 
