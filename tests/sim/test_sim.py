@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from minimemserve.bench.driver import run_workload
 from minimemserve.cli import build_parser
 from minimemserve.errors import ConfigError
+from minimemserve.harness.driver import run_workload
 from minimemserve.llm import LLM
 from minimemserve.model.tokenizer import Tokenizer
 from minimemserve.presets import preset_dir
