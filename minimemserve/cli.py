@@ -11,9 +11,10 @@ from dataclasses import fields
 from minimemserve import server
 from minimemserve.config import EngineConfig
 from minimemserve.disagg import rpc
-from minimemserve.disagg.instance import StandaloneOptions, standalone_main
+from minimemserve.disagg.instance_spec import StandaloneOptions
 from minimemserve.disagg.launch import parse_address
 from minimemserve.disagg.links import AUTO, kv_link, transport_names
+from minimemserve.disagg.sessions import standalone_main
 from minimemserve.errors import ConfigError, MiniMemServeError
 from minimemserve.harness import driver
 from minimemserve.llm import LLM

@@ -13,7 +13,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +26,14 @@ from ..model.config import ModelConfig
 from ..parallel import HostStore
 from ..scheduler.global_scheduler import MOVES_PREFIXES
 from . import rpc
-from .instance import DEFAULT_HEARTBEAT_S, StandaloneOptions, instance_main, instance_spec
+from .instance_spec import DEFAULT_HEARTBEAT_S, StandaloneOptions, instance_spec
 from .links import AUTO, KV_LINKS, ONE_HOST, kv_link, transport_names
+from .sessions import instance_main
 
 # Time a process gets to exit after Shutdown before it is terminated, then killed.
 SHUTDOWN_GRACE_S = 5.0
 # Modules the forkserver imports once, so instances forked from it start fast.
-FORKSERVER_PRELOAD = ("minimemserve.disagg.instance",)
+FORKSERVER_PRELOAD = ("minimemserve.disagg.sessions",)
 # How long a frontend waits for a standalone instance's answer before asking again.
 HELLO_RETRY_S = 2.0
 # Silence after which an instance is declared dead: its heartbeats come from a thread, so
@@ -53,21 +54,22 @@ class InstanceInfo:
     ready: bool = False
     host: str = ""  # its host's identity (instance.host_identity)
     transport: str = AUTO  # the KV transport it asks for
-    nixl: rpc.NixlInfo | None = None  # its NIXL agent, when it has one
+    links: dict[str, bytes] = field(default_factory=dict)  # what its KV links tell peers
     max_model_len: int = 0  # the longest context it holds (from Ready)
     hbm_blocks: int = 0  # the blocks of its hbm pool (from Ready)
 
     def peer_info(self) -> rpc.PeerInfo:
         """How its peers reach it."""
         return rpc.PeerInfo(
-            self.name, self.role, self.address, self.handle, self.host, self.transport, self.nixl
+            self.name, self.role, self.address, self.handle, self.host, self.transport, self.links
         )
 
     def seen_over(self, way: str) -> rpc.PeerInfo:
-        """How a peer that reaches it over transport ``way`` sees it: what that link needs of
-        it (the pool handle for shared memory, the agent for NIXL), nothing else."""
-        told = {"handle": None, "nixl": None} | kv_link(way).metadata(self)
-        return msgspec.structs.replace(self.peer_info(), transport=way, **told)
+        """How a peer that reaches it over transport ``way`` sees it: that link's data (passed
+        on unread), and its pool's handle if the link shares the pool; nothing else."""
+        handle = self.handle if kv_link(way).shares_pool else None
+        links = {way: self.links[way]} if way in self.links else {}
+        return msgspec.structs.replace(self.peer_info(), transport=way, handle=handle, links=links)
 
 
 def pair_transport(a: InstanceInfo, b: InstanceInfo, forced: str = AUTO) -> str:
@@ -365,12 +367,12 @@ class Launcher:
             segment_path(info.handle)  # only the project's own segments are ever mapped
         if inst.process is not None:  # spawned here: where it listens is what it says
             inst.address = info.address
-        inst.handle, inst.pid, inst.host, inst.transport, inst.nixl = (
+        inst.handle, inst.pid, inst.host, inst.transport, inst.links = (
             info.handle,
             msg.pid,
             info.host,
             info.transport,
-            info.nixl,
+            info.links,
         )
         inst.max_model_len, inst.hbm_blocks = msg.max_model_len, msg.hbm_blocks
         inst.ready = True

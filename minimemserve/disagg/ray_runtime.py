@@ -49,12 +49,13 @@ import torch
 from ..config import EngineConfig, parse_config_name
 from ..errors import ConfigError
 from . import rpc
-from .instance import StandaloneOptions, serve_sessions
+from .instance_spec import StandaloneOptions
 from .launch import parse_address, unlink_segment
 from .links import AUTO, KV_LINKS, kv_link
 from .membership import Membership
 from .placement import NodeView, RayOptions, Wanted, plan_nodes
 from .runtime import ProcessCluster
+from .sessions import serve_sessions
 
 logger = logging.getLogger(__name__)
 

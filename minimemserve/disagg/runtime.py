@@ -1,7 +1,7 @@
 """The multi-process runtime: one process per instance, and a frontend that drives them.
 
 :class:`ProcessCluster` is the multi-process twin of ``InProcessCluster``: it spawns one
-process per instance (``instance.instance_main``), waits until all are ready, tells each
+process per instance (``sessions.instance_main``), waits until all are ready, tells each
 where its peers are, routes requests, and implements ``Serving``. KV moves between processes
 only through MemPool's transfer calls, whose receiving side is an ``peering.RemotePool``.
 
@@ -58,7 +58,8 @@ from ..scheduler.global_scheduler import (
     GlobalScheduler,
 )
 from . import rpc
-from .instance import CLOSING, DEFAULT_HEARTBEAT_S
+from .instance import CLOSING
+from .instance_spec import DEFAULT_HEARTBEAT_S
 from .launch import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     InstanceInfo,
