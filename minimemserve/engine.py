@@ -10,7 +10,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -252,8 +252,8 @@ def _load(model_dir, cfg: EngineConfig, tp: int, device, dtype, share, pool_fact
         if cfg.load_format != "auto":
             raise ConfigError("load_format 'dummy' is for instances of one rank")
         num_blocks = pool_blocks(cfg, None, model_config, shard, device, dtype, graphs=graph_bytes)
-        args = (num_blocks, cfg.block_size, cfg.attention, device, dtype, cfg.dram_blocks)
-        group = TPGroup(model_dir, shard, *args, cfg.collective_timeout_s, graph_batch, max_len)
+        sized = replace(cfg, num_blocks=num_blocks)  # what every rank builds
+        group = TPGroup(model_dir, shard, sized, device, dtype)
         model = group.model
     else:
         group = SingleRank()

@@ -1,14 +1,12 @@
-"""What an instance process is started with: :class:`StandaloneOptions` (its host's part: role,
-checkpoint, where it listens, device), and the :class:`InstanceSpec` of one session, built in
-one place (:func:`instance_spec`) from those and the frontend's ``Join``."""
+"""What an instance process runs with: one :class:`InstanceSpec`, its host's part given at
+start-up, its session's part (the frontend's ``Join``) added when a frontend joins it."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
-import zmq
 
 from ..config import EngineConfig, parse_config_name
 from ..model.config import ModelConfig
@@ -21,30 +19,68 @@ DEFAULT_HEARTBEAT_S = 0.5
 
 @dataclass(frozen=True)
 class InstanceSpec:
-    """Start-up arguments of one instance process (passed once, at spawn)."""
+    """What one instance process runs with. Its host's part, given at start-up (``minimemserve
+    instance``'s options, or what the launcher spawns it with): ``role``, the checkpoint at
+    ``model_dir``, the address it listens on (``host``, ``port``), the cluster ``key``, the KV
+    ``transport`` it asks for, ``device``, ``dtype``, torch threads, the ``engine_overrides``
+    (EngineConfig sizes set on this host), ``once`` (serve one frontend, then exit), the
+    ``parent_pid`` whose end ends it, the ``host_id`` peers see it on ("": host_identity();
+    Ray: its node), ``managed`` (a manager such as Ray restarts it: end when a frontend closes,
+    or on a crash), and the KV links it knows (``kv_links``: this process's table when it was
+    made; a spawned instance gets its frontend's). The session's part, once a frontend joined
+    it: that frontend's ``join`` and the ``engine_config`` made of it; everything of the
+    session (its name, the frontend, timeouts) is read from them, never copied."""
 
-    name: str
     role: str
-    config: str
     model_dir: str
-    frontend: str
-    engine_config: EngineConfig
+    host: str = rpc.LOOPBACK
+    port: int = 0
+    key: rpc.ClusterKey | None = field(default=None, repr=False)
+    transport: str = AUTO
     device: str = "cpu"
     dtype: str = "float32"
     num_threads: int = 1
-    host: str = rpc.LOOPBACK
-    port: int = 0
-    timeout_s: float = rpc.DEFAULT_TIMEOUT_S
-    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    engine_overrides: dict = field(default_factory=dict)
+    once: bool = False
     parent_pid: int = 0
-    linked: bool = False  # peers move KV into its pool (over whichever transport)
-    secret: bytes = field(default=b"", repr=False)  # the cluster's control-plane key
-    curve: tuple[bytes, bytes] | None = field(default=None, repr=False)  # off loopback
-    transport: str = AUTO  # the KV transport this instance asks for (links.transport_names)
-    frontend_timeout_s: float = 0.0  # standalone: end the session after this much silence
-    session: str = ""  # the frontend's session id: names this deployment's pair groups
-    host_id: str = ""  # the host peers see it on ("": host_identity(); Ray: its node)
+    host_id: str = ""
+    managed: bool = False
     kv_links: dict[str, str] = field(default_factory=lambda: dict(KV_LINKS), repr=False)
+    join: rpc.Join | None = None
+    engine_config: EngineConfig | None = None
+
+    def joined(self, m: rpc.Join, config: EngineConfig) -> InstanceSpec:
+        """This instance in the session ``m`` joins it to, with engine ``config``."""
+        return replace(self, join=m, engine_config=config)
+
+    @property
+    def session_join(self) -> rpc.Join:
+        """The ``Join`` of its session; a ValueError before it has one."""
+        if self.join is None:
+            raise ValueError(f"the {self.role} instance at {self.host}:{self.port} has no session")
+        return self.join
+
+    name = property(lambda self: self.session_join.name, doc="its name in the deployment")
+    config = property(lambda self: self.session_join.config, doc="the deployment's name")
+    frontend = property(lambda self: self.session_join.frontend, doc="the frontend's address")
+    timeout_s = property(lambda self: self.session_join.timeout_s, doc="of a control call")
+    heartbeat_s = property(lambda self: self.session_join.heartbeat_s, doc="its beat period")
+    linked = property(lambda self: self.session_join.linked, doc="peers move KV into it")
+    session = property(lambda self: self.session_join.session, doc="names its pair groups")
+    frontend_timeout_s = property(
+        lambda self: self.session_join.frontend_timeout_s,
+        doc="the frontend's silence that ends the session",
+    )
+
+    @property
+    def secret(self) -> bytes:
+        """The cluster's control-plane secret."""
+        return self.key.secret
+
+    @property
+    def curve(self) -> tuple[bytes, bytes] | None:
+        """The CURVE key pair its sockets use (none on loopback)."""
+        return self.key.curve_for(self.host)
 
     @property
     def shared_pool(self) -> bool:
@@ -53,47 +89,10 @@ class InstanceSpec:
         return self.linked and any(link.shares_pool for link in links)
 
 
-@dataclass(frozen=True)
-class StandaloneOptions:
-    """What ``minimemserve instance`` is started with (the frontend supplies the rest)."""
-
-    role: str
-    model_dir: str
-    host: str
-    port: int
-    key: rpc.ClusterKey
-    transport: str = AUTO
-    device: str = "cpu"
-    dtype: str = "float32"
-    num_threads: int = 1
-    engine_overrides: dict = field(default_factory=dict)  # EngineConfig sizes set on this host
-    once: bool = False  # serve one frontend, then exit
-    parent_pid: int = 0  # spawned by a frontend: end when it is gone, even while waiting
-    host_id: str = ""  # the host peers see it on ("": host_identity(); Ray: its node)
-    managed: bool = False  # a manager (Ray) restarts it: end when a frontend closes, or crashes
-    # the KV links it knows, by transport name: this process's table when it was made (a
-    # spawned instance gets its frontend's, links registered there included)
-    kv_links: dict[str, str] = field(default_factory=lambda: dict(KV_LINKS), repr=False)
-
-
-def spawned_options(spec: InstanceSpec, address: str) -> StandaloneOptions:
-    """A spawned instance as a standalone one listening where it did (``address``), so the
-    frontend that declared it dead by mistake can join it again. On loopback the CURVE key
-    pair is unused: a throwaway one makes the key whole."""
-    key = rpc.ClusterKey(spec.secret, spec.curve or zmq.curve_keypair())
-    return StandaloneOptions(
-        role=spec.role,
-        model_dir=spec.model_dir,
-        host=spec.host,
-        port=int(address.rsplit(":", 1)[1]),
-        key=key,
-        transport=spec.transport,
-        device=spec.device,
-        dtype=spec.dtype,
-        num_threads=spec.num_threads,
-        parent_pid=spec.parent_pid,
-        kv_links=spec.kv_links,
-    )
+def spawned_options(spec: InstanceSpec, address: str) -> InstanceSpec:
+    """A spawned instance as a standalone one listening where it did (``address``), with no
+    session, so the frontend that declared it dead by mistake can join it again."""
+    return replace(spec, port=int(address.rsplit(":", 1)[1]), join=None, engine_config=None)
 
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
@@ -106,7 +105,7 @@ def model_summary(model_dir: str) -> dict[str, int]:
     return {k: int(getattr(mc, k)) for k in keys}
 
 
-def check_join(m: rpc.Join, opts: StandaloneOptions) -> InstanceSpec:
+def check_join(m: rpc.Join, opts: InstanceSpec) -> InstanceSpec:
     """The spec of the session a Join asks for; raises naming what is wrong with it."""
     milestone = parse_config_name(m.config).milestone
     if opts.role not in milestone.roles:
@@ -125,34 +124,4 @@ def check_join(m: rpc.Join, opts: StandaloneOptions) -> InstanceSpec:
             f"a standalone instance runs tensor-parallel ranks only over the {'/'.join(whole)} "
             f"transport (--transport {whole[0]})"
         )
-    return instance_spec(m, opts, config)
-
-
-def instance_spec(m: rpc.Join, opts: StandaloneOptions, config: EngineConfig) -> InstanceSpec:
-    """The spec of the instance ``opts`` describes, joined to a deployment by ``m`` with engine
-    ``config``: what the frontend decides (``m``) and what its own host does (``opts``). The
-    one place a spec is built, for spawned and standalone instances alike."""
-    return InstanceSpec(
-        name=m.name,
-        role=opts.role,
-        config=m.config,
-        model_dir=opts.model_dir,
-        frontend=m.frontend,
-        engine_config=config,
-        device=opts.device,
-        dtype=opts.dtype,
-        num_threads=opts.num_threads,
-        host=opts.host,
-        port=opts.port,
-        timeout_s=m.timeout_s,
-        heartbeat_s=m.heartbeat_s,
-        parent_pid=opts.parent_pid,
-        linked=m.linked,
-        secret=opts.key.secret,
-        curve=opts.key.curve_for(opts.host),
-        transport=opts.transport,
-        frontend_timeout_s=m.frontend_timeout_s,
-        session=m.session,
-        host_id=opts.host_id,
-        kv_links=opts.kv_links,
-    )
+    return opts.joined(m, config)

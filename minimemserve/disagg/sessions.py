@@ -20,7 +20,6 @@ from .host import host_identity, process_gone
 from .instance import CLOSING, InstanceServer, SessionOver
 from .instance_spec import (
     InstanceSpec,
-    StandaloneOptions,
     check_join,
     model_summary,
     spawned_options,
@@ -35,7 +34,7 @@ REJOIN_EVERY_S = 1.0
 
 
 def _await_join(
-    opts: StandaloneOptions, back: InstanceSpec | None = None
+    opts: InstanceSpec, back: InstanceSpec | None = None
 ) -> tuple[rpc.RpcNode, InstanceSpec]:
     """Bind the listening address and answer frontends until one joins this instance; with
     ``back`` (the session a frontend gave up on), keep telling that frontend it may rejoin."""
@@ -86,7 +85,7 @@ def _await_join(
     return node, joined[0]
 
 
-def standalone_main(opts: StandaloneOptions) -> int:
+def standalone_main(opts: InstanceSpec) -> int:
     """``minimemserve instance``: wait for a frontend, serve its deployment, repeat (or stop
     after one with ``once``). Ctrl-C or SIGTERM ends it."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -95,7 +94,7 @@ def standalone_main(opts: StandaloneOptions) -> int:
     return 0
 
 
-def serve_sessions(opts: StandaloneOptions, first: InstanceServer | None = None) -> None:
+def serve_sessions(opts: InstanceSpec, first: InstanceServer | None = None) -> None:
     """Serve one frontend's session after another: ``first``'s (a spawned instance's), then each
     one a frontend joins. After a session the frontend gave up on (it declared this instance
     dead, or went silent), wait for that frontend to join it again; after one it closed, for the

@@ -69,6 +69,7 @@ from minimemserve.workloads.sessions import (
     make_workload,
     poisson_arrivals,
     total_turns,
+    workload_args,
 )
 
 # The DeploymentSpec fields ``bench`` takes as options (policy is a workload option, shared
@@ -319,25 +320,34 @@ def _measure(
     return records, stats
 
 
+# What a benchmark's workload is made of, with the defaults ``run_bench`` takes for them.
+WORKLOAD_ARGS = {
+    "workload": DEFAULT_WORKLOAD,
+    "num_sessions": DEFAULT_SESSIONS,
+    "rate": DEFAULT_RATE,
+    "max_turns": None,
+    "seed": 0,
+    "max_output_tokens": None,
+    "max_context": None,
+}
+
+
 def run_bench(
     configs: Sequence[str] = DEFAULT_CONFIGS,
-    workload: str = DEFAULT_WORKLOAD,
-    num_sessions: int = DEFAULT_SESSIONS,
-    rate: float = DEFAULT_RATE,
-    max_turns: int | None = None,
+    *,
     model_dir: str | Path | None = None,
     out_dir: str | Path | None = None,
-    seed: int = 0,
-    max_output_tokens: int | None = None,
-    max_context: int | None = None,
     options: DeploymentSpec | None = None,
     factories: Mapping[str, TargetFactory] | None = None,
     progress: bool = True,
     verbose: bool = True,
     runtime: Mapping[str, Any] | None = None,
+    **workload: Any,
 ) -> dict[str, Any]:
-    """Run ``workload`` under every config in ``configs`` on the same sessions; compare.
+    """Run a workload under every config in ``configs`` on the same sessions; compare.
 
+    ``workload`` are :data:`WORKLOAD_ARGS`: the ``workload``'s name, ``num_sessions``,
+    ``rate``, ``max_turns``, ``seed``, ``max_output_tokens`` and ``max_context``.
     ``model_dir`` None uses the tiny preset. ``max_context`` None is the model's context.
     ``max_turns`` and ``max_output_tokens`` None take the workload's defaults (see
     :func:`minimemserve.workloads.sessions.make_workload`).
@@ -352,21 +362,23 @@ def run_bench(
     """
     if not configs:
         raise ValueError("no configs to benchmark")
+    w = workload_args(workload, WORKLOAD_ARGS)
+    seed, rate = w["seed"], w["rate"]
     known = {c: resolve_factory(c, factories) for c in configs}
     model_dir = Path(model_dir or preset_dir("tiny"))
     options = replace(options or DeploymentSpec(engine=EngineConfig(seed=seed)), model=model_dir)
     setup = {
-        "workload": workload,
+        "workload": w["workload"],
         "rate": rate,
         "seed": seed,
-        "max_turns": max_turns,
-        "max_output_tokens": max_output_tokens,
+        "max_turns": w["max_turns"],
+        "max_output_tokens": w["max_output_tokens"],
         "model_dir": str(model_dir),
         "configs": list(configs),
         "options": options.describe(),
         "runtime": dict(runtime or {"kind": "inline"}),
     }
-    tokenizer, sessions = _sessions(setup, model_dir, num_sessions, max_context, verbose)
+    tokenizer, sessions = _sessions(setup, model_dir, w["num_sessions"], w["max_context"], verbose)
 
     records: dict[str, list[dict]] = {}
     pool_stats: dict[str, Any] = {}
