@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from ..config import Deployment, EngineConfig
-from ..engine import Engine
-from ..errors import PoolExhausted
-from ..recipes import Role
-from ..request import Request, RequestOutput, TokenDelta
-from ..sampling import SamplingParams
-from ..scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler, Route
+from .config import Deployment, EngineConfig
+from .engine import Engine
+from .errors import PoolExhausted
+from .recipes import Role
+from .request import Request, RequestOutput, TokenDelta
+from .sampling import SamplingParams
+from .scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler, Route
 
 
 class Instance:
