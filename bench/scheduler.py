@@ -23,14 +23,14 @@ import json
 import time
 from pathlib import Path
 
-from minimemserve.bench.driver import (
+from minimemserve.config import EngineConfig
+from minimemserve.deployment import DeploymentSpec
+from minimemserve.harness.driver import (
     COLOCATED_INSTANCES,
     CORES_PER_INSTANCE,
     process_factories,
     run_bench,
 )
-from minimemserve.config import EngineConfig
-from minimemserve.deployment import DeploymentSpec
 from minimemserve.scheduler.cost_model import CostModel
 from minimemserve.scheduler.global_scheduler import ROUTING_POLICIES
 

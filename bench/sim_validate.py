@@ -34,10 +34,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minimemserve.bench import driver
 from minimemserve.config import SCHEDULERS, EngineConfig
 from minimemserve.deployment import DeploymentSpec
 from minimemserve.disagg.runtime import ProcessCluster
+from minimemserve.harness import driver
 from minimemserve.presets import preset_dir
 from minimemserve.sampling import SamplingParams
 from minimemserve.scheduler.global_scheduler import GlobalScheduler

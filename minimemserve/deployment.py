@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from .config import LOOPBACK, EngineConfig, parse_config_name
-from .disagg.cluster import InProcessCluster
 from .disagg.links import AUTO, transport_names
 from .disagg.placement import PLACEMENTS, RayOptions
 from .errors import ConfigError
+from .inprocess import InProcessCluster
 from .presets import PRESETS, preset_dir, preset_model
 from .scheduler.global_scheduler import ROUTING_POLICIES, Cost
 from .serving import Serving

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +33,8 @@ from .recipes import Hook, Outcome, Peers, Recipe
 from .request import Request, RequestOutput, Status, TokenDelta
 from .sampling import SamplingParams, adjust_logits, sample, token_logprobs
 from .scheduler.local import LocalScheduler
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -549,33 +552,64 @@ class Engine:
     ) -> list[RequestOutput]:
         """Take the step's sampled ``tokens`` (None: no token for that row yet), end the
         requests in ``bad`` with their error, run stops and hooks; the finished requests."""
-        batch, failed = plan.batch, plan.failed
-        done = plan.done + [self._finish(req, Hook.FAILURE, "error") for req in failed]
+        done = list(plan.done)
         now = self.clock()
-        for (req, n), tok in zip(batch, tokens):
+        for req in plan.failed:
+            done += self._guarded(self._finish, req, Hook.FAILURE, "error")
+        for (req, n), tok in zip(plan.batch, tokens):
             if req in bad:  # its KV of this step may be garbage: release it uncached
                 req.error = bad[req]
                 self.scheduler.remove(req)
-                done.append(self._finish(req, Hook.FAILURE, "error", now))
-                continue
-            req.num_computed += n
-            if tok is None:
-                continue
-            req.tokens.append(tok)
-            req.metrics.output_tokens = len(req.tokens) - req.num_prompt  # num_output
-            if self.streams:
-                _record_delta(self.deltas, req, tok)
-            req.metrics.first_token_time = req.metrics.first_token_time or now
-            if (reason := self._stop_reason(req, tok)) is not None:
-                self.scheduler.remove(req)
-                done.append(self._finish(req, Hook.FINISH, reason, now))
-            elif not req.prefilled:
-                req.prefilled = True
-                if self.overlap:  # handed off while the next step runs
-                    self.scheduler.park(req)
-                else:
-                    done += self._prefilled(req)
+                done += self._guarded(self._finish, req, Hook.FAILURE, "error", now)
+            else:
+                done += self._guarded(self._advance, req, n, tok, now)
         return done
+
+    def _advance(self, req: Request, n: int, tok: int | None, now: float) -> list[RequestOutput]:
+        """``req`` computed ``n`` more tokens and sampled ``tok`` (None: not yet): record it,
+        then stop, hand off or keep going; its output if it finished."""
+        req.num_computed += n
+        if tok is None:
+            return []
+        req.tokens.append(tok)
+        req.metrics.output_tokens = len(req.tokens) - req.num_prompt  # num_output
+        if self.streams:
+            _record_delta(self.deltas, req, tok)
+        req.metrics.first_token_time = req.metrics.first_token_time or now
+        if (reason := self._stop_reason(req, tok)) is not None:
+            self.scheduler.remove(req)
+            return [self._finish(req, Hook.FINISH, reason, now)]
+        if not req.prefilled:
+            req.prefilled = True
+            if self.overlap:  # handed off while the next step runs
+                self.scheduler.park(req)
+            else:
+                return self._prefilled(req)
+        return []
+
+    def _guarded(self, fn: Callable[..., object], req: Request, *args) -> list[RequestOutput]:
+        """``fn(req, *args)``'s outputs (one or a list); if it raises, ``req`` alone ends with
+        ``finish_reason="error"`` and the reason, logged: one request's post-processing never
+        fails the step for the others, nor the instance."""
+        try:
+            out = fn(req, *args)
+        except Exception as e:
+            return [self._fail(req, e)]
+        return out if isinstance(out, list) else [out]
+
+    def _fail(self, req: Request, error: Exception) -> RequestOutput:
+        """End ``req`` after ``error`` in its post-processing: release its blocks uncached and
+        output its tokens without text (the text may be what failed)."""
+        req.error = (
+            f"post-processing failed on {self.pool.instance_id}: {type(error).__name__}: {error}"
+        )
+        logger.error("request %s: %s", req.request_id, req.error, exc_info=error)
+        self.scheduler.remove(req)
+        try:
+            self.recipe.run(Hook.FAILURE, self.pool, req, self.peers)
+        except Exception as again:  # the blocks it held stay held: the pool audit shows them
+            logger.error("request %s: releasing its blocks failed: %r", req.request_id, again)
+        return self._close(req, "error", self.clock(), "")
 
     def _prefilled(self, req: Request) -> list[RequestOutput]:
         """Run the prefilled hook: keep decoding, hand off, park (decode side full) or fail."""
@@ -600,7 +634,7 @@ class Engine:
         done: list[RequestOutput] = []
         parked = self.scheduler.parked
         while parked and (head := parked[0]).status is Status.PARKED:
-            done += self._prefilled(head)
+            done += self._guarded(self._prefilled, head)
             if parked and parked[0] is head:
                 break  # still no room: the rest wait behind it
         return done
@@ -621,11 +655,17 @@ class Engine:
         if reason == "error" and not req.error:  # every failed output says where, at least
             req.error = f"failed on {self.pool.instance_id} without a recorded cause"
         self.recipe.run(hook, self.pool, req, self.peers)
+        now = self.clock() if now is None else now
+        return self._close(req, reason, now, self.tokenizer.decode(req.output_token_ids))
+
+    def _close(self, req: Request, reason: str, now: float, text: str) -> RequestOutput:
+        """Forget ``req`` (its blocks already released) and return its output."""
+        req.finish_reason = reason
         req.status = Status.FINISHED
-        req.metrics.finish_time = self.clock() if now is None else now
+        req.metrics.finish_time = now
         self.requests.pop(req.request_id, None)
         self.deltas.pop(req.request_id, None)  # the output carries every token
-        return req.to_output(self.tokenizer.decode(req.output_token_ids))
+        return req.to_output(text)
 
 
 def _record_delta(deltas: dict[str, TokenDelta], req: Request, tok: int) -> None:

@@ -22,6 +22,7 @@ from minimemserve.workloads.results import (
     DEFAULT_WORKLOAD,
 )
 from minimemserve.workloads.sessions import WORKLOADS
+from minimemserve.workloads.trace import parse_window
 
 # Where the commands write their JSON and plots unless ``--out`` says otherwise (relative to
 # the working directory).
@@ -174,7 +175,44 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParse
         "sim --paper)",
     )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_trace_arguments(p)
     return p
+
+
+def add_trace_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of a production trace (Mooncake's JSONL format) as the workload."""
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="replay this trace file (Mooncake's JSONL: timestamp, input_length, "
+        "output_length, hash_ids) instead of --workload; 'mooncake' is the shared "
+        "conversation trace",
+    )
+    p.add_argument(
+        "--trace-window",
+        type=parse_window,
+        default=(0, None),
+        help="--trace: its requests START:STOP (or the first N; default: all)",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="--trace: arrival times are multiplied by this (0.5 replays twice as fast)",
+    )
+    p.add_argument(
+        "--length-scale",
+        type=int,
+        default=1,
+        help="--trace: every length is divided by this (a divisor of 512, e.g. 32 for the "
+        "tiny model on a CPU)",
+    )
+    return p
+
+
+def trace_path(args: argparse.Namespace) -> str | None:
+    """The trace file ``--trace`` names (None: the shared conversation trace)."""
+    return None if args.trace == "mooncake" else args.trace
 
 
 def add_engine_arguments(

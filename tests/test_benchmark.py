@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from minimemserve import cli
-from minimemserve.bench.driver import run_bench, run_workload
+from minimemserve.harness.driver import run_bench, run_workload
 from minimemserve.request import RequestMetrics, RequestOutput
 from minimemserve.sampling import SamplingParams
 from minimemserve.serving import Serving

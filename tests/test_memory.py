@@ -9,9 +9,9 @@ import torch
 
 from minimemserve import memory
 from minimemserve.config import EngineConfig, parse_config_name
-from minimemserve.disagg.cluster import InProcessCluster
 from minimemserve.engine import Engine, model_bytes, pool_blocks
 from minimemserve.errors import ConfigError
+from minimemserve.inprocess import InProcessCluster
 from minimemserve.model.config import ModelConfig
 from minimemserve.parallel import TPShard
 

@@ -51,6 +51,9 @@ from .profiles import Link, StepShape
 HANDOFF_CALLS, RETURN_CALLS = (2, 2), (1, 2)
 # Lowest stand-in output token id: 0-2 are <unk>, <s> and </s> in Llama vocabularies.
 FIRST_OUTPUT_TOKEN = 3
+# How a replay sends turns: "closed", each when its session's turn before it finished (the
+# bench's steady state); "open", each at its own arrival time (a finite run).
+ARRIVALS = ("closed", "open")
 
 
 class Transfer:
@@ -175,15 +178,43 @@ class SimEngine(Engine):
         return self.end_step()[0] if self.begin_step() is not None else []
 
     def _token(self, req: Request) -> int:
-        """A stand-in output token: a hash of the request id stepped by the position, never EOS."""
-        span = self.model_config.vocab_size - FIRST_OUTPUT_TOKEN
+        """A stand-in output token (:func:`stand_in_token`)."""
         base = self._bases.get(req.request_id)
         if base is None:
             base = self._bases[req.request_id] = zlib.crc32(req.request_id.encode())
-        tok = FIRST_OUTPUT_TOKEN + (base + 7919 * (len(req.tokens) - req.num_prompt)) % span
-        while tok in self._eos:
-            tok = FIRST_OUTPUT_TOKEN + (tok + 1 - FIRST_OUTPUT_TOKEN) % span
-        return tok
+        span = self.model_config.vocab_size - FIRST_OUTPUT_TOKEN
+        return stand_in_token(base, len(req.tokens) - req.num_prompt, span, self._eos)
+
+
+def stand_in_token(base: int, position: int, span: int, eos: set[int]) -> int:
+    """The stand-in output token at ``position`` of a request whose id hashes to ``base``:
+    the hash stepped by the position, within the ``span`` ids from :data:`FIRST_OUTPUT_TOKEN`,
+    never an ``eos`` id."""
+    tok = FIRST_OUTPUT_TOKEN + (base + 7919 * position) % span
+    while tok in eos:
+        tok = FIRST_OUTPUT_TOKEN + (tok + 1 - FIRST_OUTPUT_TOKEN) % span
+    return tok
+
+
+def stand_in_answer(request_id: str, n: int, model_config: ModelConfig) -> list[int]:
+    """The ``n`` tokens a simulated engine answers request ``request_id`` with (the
+    dataset's answer of a finite run's turn, as it builds the next turn's prompt)."""
+    base, span = zlib.crc32(request_id.encode()), model_config.vocab_size - FIRST_OUTPUT_TOKEN
+    eos = set(model_config.eos_token_ids)
+    return [stand_in_token(base, i, span, eos) for i in range(n)]
+
+
+def open_arrivals(
+    sessions: Sequence[Session], rate: float, seed: int
+) -> list[tuple[int, int, float]]:
+    """A finite run's schedule, as a benchmark_serving-style client sends a dataset: every
+    turn of ``sessions`` in order (a session's turns one after another), as ``(session index,
+    turn, arrival)`` with Poisson arrivals at ``rate`` sessions/s times the turns a session
+    has on average, so the offered load in sessions/s is ``rate`` as in a closed replay."""
+    turns = [(si, k) for si, s in enumerate(sessions) for k in range(len(s.turns))]
+    per_session = len(turns) / max(len(sessions), 1)
+    times = poisson_arrivals(rate * per_session, len(turns), seed)
+    return [(si, k, t) for (si, k), t in zip(turns, times)]
 
 
 @dataclass(eq=False)
@@ -196,6 +227,12 @@ class SimInstance:
     cluster: SimCluster
     index: int
     busy: bool = False  # a step is under way (control calls wait for its end)
+    busy_s: float = 0.0  # seconds in steps so far
+    # decode rows so far, their sum of each step's decode batch size (a row-weighted mean
+    # batch, over decode_rows) and of the KV lengths they attend to
+    decode_rows: int = 0
+    decode_batch_sum: int = 0
+    decode_context_sum: int = 0
     prefilling: bool = False  # that step has prefill work
     step_began: float = 0.0
     step_ends: float = 0.0
@@ -398,6 +435,7 @@ class SimCluster:
         transfer_mode: str = "by_request_aggregated",
     ) -> None:
         self.deployment, colocated = scaled_deployment(config, instances)
+        self.model = model_config
         self.step_time = step_time
         self.topology = topology
         self.contended = topology.contention.any  # read at every step's start
@@ -522,6 +560,11 @@ class SimCluster:
             inst.step_ends = self.now + seconds
             self.at(inst.step_ends, self._end_step, (inst,))
             self.busy_s += seconds
+            inst.busy_s += seconds
+            if n := len(shape.decodes):
+                inst.decode_rows += n
+                inst.decode_batch_sum += n * n
+                inst.decode_context_sum += sum(shape.decodes)
             if shape.prefills:
                 self._count_stall(inst, shape, seconds)
 
@@ -550,26 +593,49 @@ class SimCluster:
         config: str = "",
         progress: bool = True,
         params_for=greedy_params,
+        arrivals: str = "closed",
     ) -> list[dict]:
-        """Replay ``sessions`` as ``minimemserve bench`` does (Poisson session arrivals at
-        ``rate``, a turn sent when the previous one finished, its prompt the history plus the
-        output), in virtual time; returns the same records."""
+        """Replay ``sessions`` in virtual time; returns ``minimemserve bench``'s records.
+        ``arrivals="closed"`` replays as the bench does: Poisson session arrivals at ``rate``, a
+        turn sent when the previous one finished, its prompt the history plus the output.
+        ``"open"`` is a finite run (:func:`open_arrivals`): every turn sent at its own arrival
+        time whether or not the turns before it finished, its prompt built from the answers
+        the engine will give them (:func:`stand_in_answer`)."""
+        if arrivals not in ARRIVALS:
+            raise ConfigError(f"arrivals must be one of {ARRIVALS}, got {arrivals!r}")
         self._records: list[dict] = []
         self._inflight: dict[str, tuple[int, int, float]] = {}
         self._sessions, self._config, self._params_for = sessions, config, params_for
+        self._follows = arrivals == "closed"  # a finished turn sends the next
         self._bar = tqdm(
             total=total_turns(sessions),
             disable=not progress,
             unit="req",
             desc=f"{config or 'sim'} turns",
         )
-        for si, t in enumerate(poisson_arrivals(rate, len(sessions), seed)):
-            self.at(t, self._submit, (si, 0, ()))
+        if self._follows:
+            for si, t in enumerate(poisson_arrivals(rate, len(sessions), seed)):
+                self.at(t, self._submit, (si, 0, ()))
+        else:
+            self._history: dict[int, list[int]] = {}
+            for si, k, t in open_arrivals(sessions, rate, seed):
+                self.at(t, self._submit_open, (si, k))
         with self._bar:
             self.settle()
         if self._inflight:
             raise RuntimeError(f"{len(self._inflight)} requests never finished in the simulation")
         return self._records
+
+    def _submit_open(self, si: int, k: int) -> None:
+        """A finite run's turn ``k`` of session ``si``: sent now, its history the turns before
+        it with the answers the engine gives them."""
+        session = self._sessions[si]
+        history = self._history.pop(si, ())
+        if k + 1 < len(session.turns) and session.chain_outputs:
+            prompt = build_prompt(session, k, history)
+            answer = stand_in_answer(f"{session.id}/{k}", session.turns[k].max_tokens, self.model)
+            self._history[si] = [*prompt, *answer]
+        self._submit(si, k, history)
 
     def _submit(self, si: int, k: int, history: Sequence[int]) -> None:
         session = self._sessions[si]
@@ -582,7 +648,7 @@ class SimCluster:
         except ValueError as exc:
             rec = record(self._config, session, k, self.now, None, len(prompt), f"rejected: {exc}")
             self._records.append(rec)
-            self._bar.update(len(session.turns) - k)
+            self._bar.update(len(session.turns) - k if self._follows else 1)
             return
         self._inflight[rid] = (si, k, self.now)
         self.frontend.dispatched(rid, route, len(prompt), params.max_tokens)
@@ -654,6 +720,8 @@ class SimCluster:
         rec = record(self._config, session, k, arrival, out)
         self._records.append(rec)
         self._bar.update(1)
+        if not self._follows:
+            return
         if rec["error"] is not None:
             self._bar.update(len(session.turns) - k - 1)
         elif k + 1 < len(session.turns):

@@ -188,6 +188,20 @@ def test_a_failing_tick_does_not_stop_the_engine():
         loop.stop()
 
 
+def test_a_failing_output_callback_does_not_stop_the_engine():
+    def on_output(out):
+        if out.request_id == "a":
+            raise KeyError("no such label")
+
+    loop = EngineLoop(Scripted, on_output=on_output)
+    loop.start(5)
+    try:
+        assert asyncio.run(_collect(loop, "a"))[-1].finish_reason == "length"
+        assert asyncio.run(_collect(loop, "b"))[-1].finish_reason == "length" and loop.alive
+    finally:
+        loop.stop()
+
+
 class Gated(Scripted):
     """A scripted serving whose steps wait for ``gate`` (a step stuck for as long as a test
     wants), and whose instance can be declared dead."""

@@ -1,9 +1,9 @@
 """Every instance of a deployment in one process, stepped in turn.
 
 KV moves between instances only through the recipes' MemPool calls (a plain tensor copy
-here). A new request goes where the ``GlobalScheduler`` routes it among the entry-role
-instances, as in the process runtime and the simulator (its prompt trees follow what each
-entry pool caches; under ``prompt_tree`` the instance holding most of the prompt may first
+here). A new request goes where the ``Frontend`` routes it among the entry-role instances,
+as in the process runtime and the simulator (its prompt trees follow what each entry pool
+caches; under ``prompt_tree`` the instance holding most of the prompt may first
 send it over); a prefilled one goes to the decode instance holding the most of it."""
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 
-from ..config import Deployment, EngineConfig
-from ..engine import Engine
-from ..errors import PoolExhausted
-from ..recipes import Role
-from ..request import Request, RequestOutput, TokenDelta
-from ..sampling import SamplingParams
-from ..scheduler.frontend import Frontend
-from ..scheduler.global_scheduler import DEFAULT_TTL_S, Cost
+from .config import Deployment, EngineConfig
+from .engine import Engine
+from .errors import PoolExhausted
+from .recipes import Role
+from .request import Request, RequestOutput, TokenDelta
+from .sampling import SamplingParams
+from .scheduler.frontend import Frontend
+from .scheduler.global_scheduler import DEFAULT_TTL_S, Cost
 
 
 class Instance:
