@@ -12,7 +12,7 @@ import torch
 from .errors import ConfigError
 from .memory import device_share
 from .recipes import MILESTONES, Milestone, Role
-from .scheduler.local import POLICIES as SCHEDULERS
+from .scheduler.local import STEP_POLICIES as SCHEDULERS
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # config-name suffix -> caching milestone of a disaggregated deployment (xPyD[-CC...])

@@ -14,7 +14,7 @@ from minimemserve.disagg.links import transport_names
 from minimemserve.disagg.placement import PLACEMENTS
 from minimemserve.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from minimemserve.scheduler.cost_model import CostModel
-from minimemserve.scheduler.global_scheduler import POLICIES
+from minimemserve.scheduler.global_scheduler import ROUTING_POLICIES
 from minimemserve.workloads.results import (
     DEFAULT_CONFIGS,
     DEFAULT_RATE,
@@ -80,7 +80,7 @@ DEPLOYMENT_FLAGS = {
         "one process per instance, every instance in this one, or one Ray actor per instance",
         RUNTIMES,
     ),
-    "policy": ("--policy", "global scheduler policy", POLICIES),
+    "policy": ("--policy", "global scheduler policy", ROUTING_POLICIES),
     "cost_model": (
         "--cost-model",
         "JSON of a fitted cost model (bench/cost_model.py writes one) for the global "
