@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.config import Deployment, EngineConfig, parse_config_name
-from minimemserve.engine import Engine, StepPlan
+from minimemserve.engine import Engine, EngineParts, StepPlan
 from minimemserve.errors import ConfigError, PoolExhausted
 from minimemserve.mempool import KVReceiver, MemPool
 from minimemserve.model.config import ModelConfig
@@ -131,7 +131,7 @@ class _TokenIds:
 
 
 class SimEngine(Engine):
-    """``Engine`` without a model (:meth:`Engine.from_parts` over a :class:`SimPool`, on the
+    """``Engine`` without a model (its :class:`EngineParts` a :class:`SimPool`, on the
     cluster's virtual clock): :meth:`begin_step` schedules (the step's start), :meth:`end_step`
     postprocesses with stand-in tokens when the step model says the step ends."""
 
@@ -479,10 +479,8 @@ class SimCluster:
         out = []
         for i, (name, role) in enumerate(self.deployment.instances(colocated=colocated)):
             pool = SimPool(layout, num_blocks, on_send=self.net.send, dtype=dtype, instance_id=name)
-            eng = SimEngine.from_parts(
-                pool,
-                model_config,
-                _TokenIds(),
+            eng = SimEngine(
+                EngineParts(model_config, _TokenIds(), pool),
                 config=config,
                 role=role,
                 peers=self,
