@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from minimemserve import config, scheduler
 from minimemserve.request import RequestMetrics, RequestOutput
-from minimemserve.scheduler import ROUTING, ROUTING_POLICIES, STEP_POLICIES
+from minimemserve.scheduler import ROUTING, ROUTING_POLICIES, STEP_POLICIES, global_scheduler, local
 from minimemserve.scheduler.frontend import MAX_RERUNS, Frontend
 from minimemserve.scheduler.global_scheduler import Route
 
@@ -102,16 +103,14 @@ def test_the_rerun_rule():
 
 
 def test_policy_names_are_one_table_and_the_old_names_warn():
-    from minimemserve import scheduler
-    from minimemserve.scheduler import global_scheduler, local
-
     assert ROUTING_POLICIES == tuple(ROUTING) and "prompt_tree" in ROUTING
     assert set(ROUTING_POLICIES).isdisjoint(STEP_POLICIES)
     for module, new in ((global_scheduler, ROUTING_POLICIES), (scheduler, ROUTING_POLICIES)):
         with pytest.warns(DeprecationWarning, match="ROUTING_POLICIES"):
             assert module.POLICIES == new
-    with pytest.warns(DeprecationWarning, match="STEP_POLICIES"):
-        assert local.POLICIES == STEP_POLICIES
+    for module, old in ((local, "POLICIES"), (config, "SCHEDULERS")):
+        with pytest.warns(DeprecationWarning, match="STEP_POLICIES"):
+            assert getattr(module, old) == STEP_POLICIES
 
 
 def test_the_old_spelling_of_after_push_warns_and_matches():

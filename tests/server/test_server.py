@@ -553,3 +553,25 @@ def test_ids_beyond_the_tokenizer_stream_as_no_text_and_kill_nothing(wide_embedd
         assert "died" not in srv.log(), srv.log()[-3000:]
     finally:
         srv.close()
+
+
+def test_a_killed_instance_is_restarted_and_the_server_is_ready_again(tiny_llama_dir):
+    srv = Server(tiny_llama_dir, "1P1D-CC", "process")
+    ask = dict(model=MODEL, prompt="After a crash", max_tokens=6, temperature=0)
+    try:
+        before = srv.client.completions.create(**ask).choices[0].text
+        instances = _spawned_children(srv.proc.pid)
+        assert len(instances) == 2  # P0 and D0
+        os.kill(instances[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _get(srv.url + "/ready")[0] == 200:
+            assert time.monotonic() < deadline, "/ready missed the death"
+            time.sleep(0.1)
+        while (ready := _get(srv.url + "/ready"))[0] != 200:
+            assert time.monotonic() < deadline + 60, f"not ready again: {ready}"
+            time.sleep(0.2)
+        assert srv.client.completions.create(**ask).choices[0].text == before
+        assert len(_spawned_children(srv.proc.pid)) == 2
+        srv.wait_released()
+    finally:
+        srv.close()
