@@ -35,7 +35,7 @@ LAYERS = (
     ("llm",),
     ("minimemserve",),
     ("workloads",),
-    ("options",),
+    ("options", "explain"),
     ("server", "sim"),
     ("harness",),
     ("cli",),
