@@ -210,10 +210,10 @@ class LaunchSpec:
     @classmethod
     def of(cls, model_dir: str | Path, config_name: str, options: dict[str, Any]) -> LaunchSpec:
         """The spec of ``ProcessCluster(model_dir, config_name, **options)``; an option it
-        does not have is a ConfigError naming the ones it has."""
+        does not have is a TypeError (as for any unknown keyword) naming the ones it has."""
         names = [f.name for f in dataclasses.fields(cls)][2:]
         if bad := sorted(set(options) - set(names)):
-            raise ConfigError(f"unknown option(s) {bad}; the options are {names}")
+            raise TypeError(f"unknown option(s) {bad}; the options are {names}")
         return cls(model_dir, config_name, **options)
 
     @functools.cached_property

@@ -81,7 +81,7 @@ class ProcessCluster:
 
     def __init__(self, model_dir: str | Path, config_name: str = "1P1D", **options: Any) -> None:
         """Start the deployment; ``options`` are :class:`~.launch.LaunchSpec`'s fields (an
-        unknown one is a ConfigError naming the others)."""
+        unknown one is a TypeError naming the others)."""
         spec = LaunchSpec.of(model_dir, config_name, options)
         self._setup(spec)
         try:
