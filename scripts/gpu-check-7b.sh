@@ -128,7 +128,7 @@ record imports ok 0 -
 
 MMS=("$PY" -m minimemserve.cli)
 if [ "$DRY" = 1 ]; then
-    TINY=(--device cpu --dtype float32 --runtime process --sessions 1 --max-turns 2
+    TINY=(--device cpu --dtype float32 --runtime process --sessions 1 --rate 1 --max-turns 2
         --max-output-tokens 2 --max-context 256 --configs PD,1P1D)
     STEPS=(--dry-run)
     # the 7B stages in their CPU form: the tiny model, in this process, a few requests

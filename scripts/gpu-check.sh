@@ -216,7 +216,7 @@ fi
 BENCH_CAP=90
 if [ "$DRY" = 1 ]; then
     BENCH_CAP=150 # a 32M-parameter model on the CPU, which may be shared
-    BENCH=(--device cpu --dtype float32 --runtime inline --configs PD,PD-CC --sessions 1
+    BENCH=(--device cpu --dtype float32 --runtime inline --configs PD,PD-CC --sessions 1 --rate 1
         --max-turns 2 --max-output-tokens 2 --max-context 256)
 else
     BENCH=(--device cuda --dtype bfloat16 --runtime process --sessions 6 --rate 2 --max-turns 3

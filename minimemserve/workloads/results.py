@@ -274,7 +274,8 @@ def write_plots(
             vals = [(summaries[n][f"{metric}_{stat}"] or 0.0) for n in names]
             drawn = ax.bar(x + (j - 0.5) * width, vals, width, label=label)
             for bar, ok in zip(drawn, stable):
-                bar.set_hatch("" if ok else "//")  # an unstable run's times keep growing
+                if not ok:  # an unstable run's times grow with its length: no fair height
+                    bar.set_hatch("//")
         ax.set_xticks(x, ticks)
         ax.set_ylabel("seconds")
         ax.set_title(name)
