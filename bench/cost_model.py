@@ -34,9 +34,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minimemserve.bench.profile import load_transfer_samples, profile
 from minimemserve.config import EngineConfig
 from minimemserve.engine import Engine
+from minimemserve.harness.profile import load_transfer_samples, profile
 from minimemserve.presets import preset_dir
 from minimemserve.scheduler.cost_model import CostModel, OpSample
 

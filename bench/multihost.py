@@ -19,11 +19,11 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from minimemserve.bench.driver import COLOCATED_INSTANCES, CORES_PER_INSTANCE, run_bench
-from minimemserve.bench.hosts import HostsCluster
 from minimemserve.deployment import DeploymentSpec
 from minimemserve.disagg.nixl import nixl_missing
 from minimemserve.disagg.runtime import ProcessCluster
+from minimemserve.harness.driver import COLOCATED_INSTANCES, CORES_PER_INSTANCE, run_bench
+from minimemserve.harness.hosts import HostsCluster
 from minimemserve.workloads.results import DEFAULT_CONFIGS, DEFAULT_RATE, DEFAULT_SESSIONS
 
 RUNTIMES = {"shm": (ProcessCluster, "shm"), "gloo": (HostsCluster, "gloo")}

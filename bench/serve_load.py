@@ -33,7 +33,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from minimemserve import LLM, SamplingParams
-from minimemserve.bench.http_target import HttpServing
+from minimemserve.harness.http_target import HttpServing
 from minimemserve.model.tokenizer import Tokenizer
 from minimemserve.presets import preset_dir
 from minimemserve.sharegpt import iter_sharegpt

@@ -76,14 +76,6 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from minimemserve.bench.transports import (
-    BenchGlooTransport,
-    SharedMemoryTransport,
-    TransferMode,
-    copy_blocks,
-    pieces_per_transfer,
-    start_store,
-)
 from minimemserve.blocks.allocator import BlockAllocator
 from minimemserve.blocks.copy import is_run
 from minimemserve.blocks.layout import KVLayout
@@ -91,6 +83,14 @@ from minimemserve.disagg import rpc
 from minimemserve.disagg.nixl import POLL_S, Agent, descs, nixl_missing
 from minimemserve.disagg.transports import Staging
 from minimemserve.errors import TransferError
+from minimemserve.harness.transfer_paths import (
+    BenchGlooTransport,
+    SharedMemoryTransport,
+    TransferMode,
+    copy_blocks,
+    pieces_per_transfer,
+    start_store,
+)
 from minimemserve.mempool.shared import SharedPoolTensor
 
 RESULTS = Path(__file__).resolve().parent / "results" / "transfer.json"

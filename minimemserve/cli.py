@@ -9,13 +9,13 @@ import sys
 from dataclasses import fields
 
 from minimemserve import server
-from minimemserve.bench import driver
 from minimemserve.config import EngineConfig
 from minimemserve.disagg import rpc
 from minimemserve.disagg.instance import StandaloneOptions, standalone_main
 from minimemserve.disagg.launch import parse_address
 from minimemserve.disagg.links import AUTO, kv_link, transport_names
 from minimemserve.errors import ConfigError, MiniMemServeError
+from minimemserve.harness import driver
 from minimemserve.llm import LLM
 from minimemserve.options import (
     PARALLEL_FLAGS,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from minimemserve import cli
-from minimemserve.bench.driver import (
+from minimemserve.harness.driver import (
     PROBE_LOAD,
     burst_capacity,
     probed_configs,

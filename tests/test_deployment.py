@@ -13,8 +13,8 @@ from minimemserve import LLM, SamplingParams, presets
 from minimemserve.cli import build_parser
 from minimemserve.config import EngineConfig
 from minimemserve.deployment import DeploymentSpec
-from minimemserve.disagg.cluster import InProcessCluster
 from minimemserve.errors import ConfigError
+from minimemserve.inprocess import InProcessCluster
 from minimemserve.options import (
     DEPLOYMENT_FLAGS,
     add_deployment_arguments,

@@ -17,10 +17,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("minimemserve", "triton_kernels")
 
-# Bottom first. Core: errors up to the engine; runtimes: the process runtime, the deployment
-# spec that builds either runtime, and LLM (the package root exports them); workloads and the
-# shared command-line options; the server and the simulator; benchmark code; the command
-# line over everything.
+# Bottom first. Core: errors up to the engine; runtimes: the in-process and the process runtimes,
+# the deployment spec that builds any runtime, and LLM (the package root exports them); workloads
+# and the shared command-line options; the server and the simulator; the benchmark harness; the
+# command line over everything.
 LAYERS = (
     ("errors", "sharegpt", "triton_kernels"),
     ("sampling", "blocks", "memory"),
@@ -29,14 +29,14 @@ LAYERS = (
     ("scheduler", "parallel", "presets"),
     ("config",),
     ("engine",),
-    ("disagg",),
+    ("disagg", "inprocess"),
     ("deployment",),
     ("llm",),
     ("minimemserve",),
     ("workloads",),
     ("options",),
     ("server", "sim"),
-    ("bench",),
+    ("harness",),
     ("cli",),
 )
 

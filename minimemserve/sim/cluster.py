@@ -10,8 +10,8 @@ link, between the control calls its receiver answers between steps where the top
 so, and a handed-off request reaches its decode instance when it has landed; a prefill
 instance's hand-offs move while its next step computes (``handoff="overlap"``, that step
 ending once both have) or after the step that prefilled them (``"inline"``). New requests
-are routed by the real ``GlobalScheduler`` whose prompt trees follow what entry instances
-report they cache, as in the process runtime. Output tokens are deterministic stand-ins (a
+go through the runtimes' ``Frontend``: routed by the global scheduler, whose prompt trees
+follow what entry instances report they cache. Output tokens are deterministic stand-ins (a
 hash of request id and position), so a request's prompt and output lengths, cache hits and
 transfers are those of a real run."""
 
@@ -22,7 +22,6 @@ import functools
 import heapq
 import itertools
 import math
-import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -32,14 +31,15 @@ from tqdm.auto import tqdm
 
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.config import Deployment, EngineConfig, parse_config_name
-from minimemserve.engine import Engine, StepPlan
+from minimemserve.engine import Engine, EngineParts, StepPlan
 from minimemserve.errors import ConfigError, PoolExhausted
 from minimemserve.mempool import KVReceiver, MemPool
 from minimemserve.model.config import ModelConfig
 from minimemserve.parallel import TPShard
 from minimemserve.recipes import Role
 from minimemserve.request import Request, RequestOutput
-from minimemserve.scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler
+from minimemserve.scheduler.frontend import Frontend
+from minimemserve.scheduler.global_scheduler import DEFAULT_TTL_S, Cost
 from minimemserve.workloads.results import greedy_params, record
 from minimemserve.workloads.sessions import Session, build_prompt, poisson_arrivals, total_turns
 
@@ -51,6 +51,9 @@ from .profiles import Link, StepShape
 HANDOFF_CALLS, RETURN_CALLS = (2, 2), (1, 2)
 # Lowest stand-in output token id: 0-2 are <unk>, <s> and </s> in Llama vocabularies.
 FIRST_OUTPUT_TOKEN = 3
+# How a replay sends turns: "closed", each when its session's turn before it finished (the
+# bench's steady state); "open", each at its own arrival time (a finite run).
+ARRIVALS = ("closed", "open")
 
 
 class Transfer:
@@ -128,7 +131,7 @@ class _TokenIds:
 
 
 class SimEngine(Engine):
-    """``Engine`` without a model (:meth:`Engine.from_parts` over a :class:`SimPool`, on the
+    """``Engine`` without a model (its :class:`EngineParts` a :class:`SimPool`, on the
     cluster's virtual clock): :meth:`begin_step` schedules (the step's start), :meth:`end_step`
     postprocesses with stand-in tokens when the step model says the step ends."""
 
@@ -175,15 +178,43 @@ class SimEngine(Engine):
         return self.end_step()[0] if self.begin_step() is not None else []
 
     def _token(self, req: Request) -> int:
-        """A stand-in output token: a hash of the request id stepped by the position, never EOS."""
-        span = self.model_config.vocab_size - FIRST_OUTPUT_TOKEN
+        """A stand-in output token (:func:`stand_in_token`)."""
         base = self._bases.get(req.request_id)
         if base is None:
             base = self._bases[req.request_id] = zlib.crc32(req.request_id.encode())
-        tok = FIRST_OUTPUT_TOKEN + (base + 7919 * (len(req.tokens) - req.num_prompt)) % span
-        while tok in self._eos:
-            tok = FIRST_OUTPUT_TOKEN + (tok + 1 - FIRST_OUTPUT_TOKEN) % span
-        return tok
+        span = self.model_config.vocab_size - FIRST_OUTPUT_TOKEN
+        return stand_in_token(base, len(req.tokens) - req.num_prompt, span, self._eos)
+
+
+def stand_in_token(base: int, position: int, span: int, eos: set[int]) -> int:
+    """The stand-in output token at ``position`` of a request whose id hashes to ``base``:
+    the hash stepped by the position, within the ``span`` ids from :data:`FIRST_OUTPUT_TOKEN`,
+    never an ``eos`` id."""
+    tok = FIRST_OUTPUT_TOKEN + (base + 7919 * position) % span
+    while tok in eos:
+        tok = FIRST_OUTPUT_TOKEN + (tok + 1 - FIRST_OUTPUT_TOKEN) % span
+    return tok
+
+
+def stand_in_answer(request_id: str, n: int, model_config: ModelConfig) -> list[int]:
+    """The ``n`` tokens a simulated engine answers request ``request_id`` with (the
+    dataset's answer of a finite run's turn, as it builds the next turn's prompt)."""
+    base, span = zlib.crc32(request_id.encode()), model_config.vocab_size - FIRST_OUTPUT_TOKEN
+    eos = set(model_config.eos_token_ids)
+    return [stand_in_token(base, i, span, eos) for i in range(n)]
+
+
+def open_arrivals(
+    sessions: Sequence[Session], rate: float, seed: int
+) -> list[tuple[int, int, float]]:
+    """A finite run's schedule, as a benchmark_serving-style client sends a dataset: every
+    turn of ``sessions`` in order (a session's turns one after another), as ``(session index,
+    turn, arrival)`` with Poisson arrivals at ``rate`` sessions/s times the turns a session
+    has on average, so the offered load in sessions/s is ``rate`` as in a closed replay."""
+    turns = [(si, k) for si, s in enumerate(sessions) for k in range(len(s.turns))]
+    per_session = len(turns) / max(len(sessions), 1)
+    times = poisson_arrivals(rate * per_session, len(turns), seed)
+    return [(si, k, t) for (si, k), t in zip(turns, times)]
 
 
 @dataclass(eq=False)
@@ -196,6 +227,12 @@ class SimInstance:
     cluster: SimCluster
     index: int
     busy: bool = False  # a step is under way (control calls wait for its end)
+    busy_s: float = 0.0  # seconds in steps so far
+    # decode rows so far, their sum of each step's decode batch size (a row-weighted mean
+    # batch, over decode_rows) and of the KV lengths they attend to
+    decode_rows: int = 0
+    decode_batch_sum: int = 0
+    decode_context_sum: int = 0
     prefilling: bool = False  # that step has prefill work
     step_began: float = 0.0
     step_ends: float = 0.0
@@ -398,6 +435,7 @@ class SimCluster:
         transfer_mode: str = "by_request_aggregated",
     ) -> None:
         self.deployment, colocated = scaled_deployment(config, instances)
+        self.model = model_config
         self.step_time = step_time
         self.topology = topology
         self.contended = topology.contention.any  # read at every step's start
@@ -408,8 +446,6 @@ class SimCluster:
         self.steps = 0
         # instance-seconds in steps, in steps with prefill work, and decode-seconds held up
         self.busy_s = self.prefill_busy_s = self.decode_stall_s = 0.0
-        self.route_calls = 0
-        self.route_wall_s = 0.0
         self.instances = self._make_instances(
             config, colocated, model_config, engine_config, num_blocks, dtype
         )
@@ -417,8 +453,9 @@ class SimCluster:
         self.by_pool = {id(i.pool): i for i in self.instances}
         milestone = self.deployment.milestone
         self.entry = [i for i in self.instances if i.role == milestone.roles[0]]
-        self.scheduler = GlobalScheduler(
+        self.frontend = Frontend(
             [i.name for i in self.entry],
+            self._push_prefix,
             policy=policy,
             block_size=engine_config.block_size,
             cost_model=cost,
@@ -426,8 +463,9 @@ class SimCluster:
             caching=milestone.entry_caches,
             clock=self.clock,
         )
+        self.scheduler = self.frontend.scheduler
         for inst in self.entry:  # the prompt trees follow what entry instances cache
-            inst.pool.on_change = functools.partial(self.scheduler.cache_changed, inst.name)
+            self.frontend.follow(inst.name, inst.pool)
         # instances to try to start, and those parked behind full decode instances: dicts, so
         # they are taken in a fixed order (a set of objects would follow memory addresses)
         self.dirty: dict[SimInstance, None] = {}
@@ -441,10 +479,8 @@ class SimCluster:
         out = []
         for i, (name, role) in enumerate(self.deployment.instances(colocated=colocated)):
             pool = SimPool(layout, num_blocks, on_send=self.net.send, dtype=dtype, instance_id=name)
-            eng = SimEngine.from_parts(
-                pool,
-                model_config,
-                _TokenIds(),
+            eng = SimEngine(
+                EngineParts(model_config, _TokenIds(), pool),
                 config=config,
                 role=role,
                 peers=self,
@@ -522,6 +558,11 @@ class SimCluster:
             inst.step_ends = self.now + seconds
             self.at(inst.step_ends, self._end_step, (inst,))
             self.busy_s += seconds
+            inst.busy_s += seconds
+            if n := len(shape.decodes):
+                inst.decode_rows += n
+                inst.decode_batch_sum += n * n
+                inst.decode_context_sum += sum(shape.decodes)
             if shape.prefills:
                 self._count_stall(inst, shape, seconds)
 
@@ -550,76 +591,92 @@ class SimCluster:
         config: str = "",
         progress: bool = True,
         params_for=greedy_params,
+        arrivals: str = "closed",
     ) -> list[dict]:
-        """Replay ``sessions`` as ``minimemserve bench`` does (Poisson session arrivals at
-        ``rate``, a turn sent when the previous one finished, its prompt the history plus the
-        output), in virtual time; returns the same records."""
+        """Replay ``sessions`` in virtual time; returns ``minimemserve bench``'s records.
+        ``arrivals="closed"`` replays as the bench does: Poisson session arrivals at ``rate``, a
+        turn sent when the previous one finished, its prompt the history plus the output.
+        ``"open"`` is a finite run (:func:`open_arrivals`): every turn sent at its own arrival
+        time whether or not the turns before it finished, its prompt built from the answers
+        the engine will give them (:func:`stand_in_answer`)."""
+        if arrivals not in ARRIVALS:
+            raise ConfigError(f"arrivals must be one of {ARRIVALS}, got {arrivals!r}")
         self._records: list[dict] = []
         self._inflight: dict[str, tuple[int, int, float]] = {}
         self._sessions, self._config, self._params_for = sessions, config, params_for
+        self._follows = arrivals == "closed"  # a finished turn sends the next
         self._bar = tqdm(
             total=total_turns(sessions),
             disable=not progress,
             unit="req",
             desc=f"{config or 'sim'} turns",
         )
-        for si, t in enumerate(poisson_arrivals(rate, len(sessions), seed)):
-            self.at(t, self._submit, (si, 0, ()))
+        if self._follows:
+            for si, t in enumerate(poisson_arrivals(rate, len(sessions), seed)):
+                self.at(t, self._submit, (si, 0, ()))
+        else:
+            self._history: dict[int, list[int]] = {}
+            for si, k, t in open_arrivals(sessions, rate, seed):
+                self.at(t, self._submit_open, (si, k))
         with self._bar:
             self.settle()
         if self._inflight:
             raise RuntimeError(f"{len(self._inflight)} requests never finished in the simulation")
         return self._records
 
+    def _submit_open(self, si: int, k: int) -> None:
+        """A finite run's turn ``k`` of session ``si``: sent now, its history the turns before
+        it with the answers the engine gives them."""
+        session = self._sessions[si]
+        history = self._history.pop(si, ())
+        if k + 1 < len(session.turns) and session.chain_outputs:
+            prompt = build_prompt(session, k, history)
+            answer = stand_in_answer(f"{session.id}/{k}", session.turns[k].max_tokens, self.model)
+            self._history[si] = [*prompt, *answer]
+        self._submit(si, k, history)
+
     def _submit(self, si: int, k: int, history: Sequence[int]) -> None:
         session = self._sessions[si]
         prompt = build_prompt(session, k, history)
         rid, params = f"{session.id}/{k}", self._params_for(session.turns[k])
-        t0 = time.perf_counter()
-        route = self.scheduler.route(prompt, params.max_tokens, session.id)
-        self.route_wall_s += time.perf_counter() - t0
-        self.route_calls += 1
-        pushed = None
-        if route.transfer_from is not None:
-            pushed = self._push_prefix(prompt, route.transfer_from, route.instance)
-            route = self.scheduler.landed(route, prompt)
+        route = self.frontend.route(prompt, params.max_tokens, session.id)
         inst = self.by_name[route.instance]
         try:
             inst.engine.validate(prompt, params)
         except ValueError as exc:
             rec = record(self._config, session, k, self.now, None, len(prompt), f"rejected: {exc}")
             self._records.append(rec)
-            self._bar.update(len(session.turns) - k)
+            self._bar.update(len(session.turns) - k if self._follows else 1)
             return
         self._inflight[rid] = (si, k, self.now)
-        self.scheduler.dispatched(rid, route, len(prompt), params.max_tokens)
+        self.frontend.dispatched(rid, route, len(prompt), params.max_tokens)
         enqueue = functools.partial(self._enqueue, inst, prompt, params, rid, self.now)
-        if pushed is None:
+        if route.transfer_from is None:
             self.at(self.now, enqueue)
-        else:  # after the cached prefix has landed
-            pushed.done.append(enqueue)
+        else:  # after the cached prefix has landed (the push booked it last from there)
+            self.by_name[route.transfer_from].pool.last.done.append(enqueue)
 
     def _enqueue(self, inst: SimInstance, prompt, params, rid: str, arrival: float) -> None:
         inst.engine.add_request(prompt, params, rid, arrival)
         self.dirty[inst] = None
 
-    def _push_prefix(self, prompt: Sequence[int], src_name: str, dst_name: str) -> Transfer | None:
-        """``src`` sends its cached prefix of ``prompt`` to ``dst``: the transfer, or None when
-        nothing of it is cached there any more or ``dst`` has no room for it."""
+    def _push_prefix(self, src_name: str, dst_name: str, prompt: Sequence[int]) -> int:
+        """``src`` sends its cached prefix of ``prompt`` to ``dst`` (booked as ``src``'s last
+        transfer): the tokens sent, 0 when nothing of it is cached there any more or ``dst``
+        has no room for it."""
         src, dst = self.by_name[src_name].pool, self.by_name[dst_name].pool
         blocks = src.match(prompt)
         if not blocks:
-            return None
+            return 0
         n = len(blocks) * src.block_size
         try:
             got = src.transfer_with_insert(dst, prompt[:n], blocks)
         except PoolExhausted:  # no room there: the request goes without it, as in the runtime
-            return None
+            return 0
         finally:
             src.free_mem(blocks)
         dst.free_mem(got)
-        self.scheduler.record(dst_name, prompt[:n])
-        return src.last
+        return n
 
     def _end_step(self, inst: SimInstance) -> None:
         """``inst``'s step computed; it ends once the transfers it began have landed (the
@@ -632,7 +689,7 @@ class SimCluster:
         inst.beside = []
         outs, first = inst.engine.end_step()
         for rid in first:  # the frontend sees a first token as it streams
-            self.scheduler.started(rid)
+            self.frontend.started(rid)
         handoffs = [req.request_id for req in inst.engine.handoffs]
         inst.engine.handoffs.clear()
         self.net.answer(inst)
@@ -646,13 +703,12 @@ class SimCluster:
     def _report(self, outs: list[RequestOutput], handoffs: list[str]) -> None:
         """What a step's end tells the frontend: its hand-offs and finished requests."""
         for rid in handoffs:
-            self.scheduler.prefilled(rid)
+            self.frontend.prefilled(rid)
         if outs and self._blocked:
             self.dirty |= self._blocked
             self._blocked.clear()
         for out in outs:  # the frontend takes a step's outputs together, then sends next turns
-            answered = out.finish_reason in ("stop", "length")
-            self.scheduler.finished(out.request_id, None, len(out.token_ids) if answered else None)
+            self.frontend.finished(out)
         for out in outs:
             self._collect(out)
 
@@ -662,6 +718,8 @@ class SimCluster:
         rec = record(self._config, session, k, arrival, out)
         self._records.append(rec)
         self._bar.update(1)
+        if not self._follows:
+            return
         if rec["error"] is not None:
             self._bar.update(len(session.turns) - k - 1)
         elif k + 1 < len(session.turns):

@@ -234,21 +234,55 @@ def workload_sessions(
     )
 
 
+def role_stats(cluster: SimCluster) -> dict[str, dict]:
+    """Per role of ``cluster``'s instances: how many, their seconds in steps, and their
+    decode rows with the row-weighted mean decode batch and KV length (what a bound on a
+    layout's gain is computed from, ``sim.bound``)."""
+    out: dict[str, dict] = {}
+    for inst in cluster.instances:
+        r = out.setdefault(
+            inst.role.value, dict.fromkeys(("instances", "busy_s", "rows", "b", "c"), 0)
+        )
+        r["instances"] += 1
+        r["busy_s"] += inst.busy_s
+        r["rows"] += inst.decode_rows
+        r["b"] += inst.decode_batch_sum
+        r["c"] += inst.decode_context_sum
+    return {
+        role: {
+            "instances": r["instances"],
+            "busy_s": r["busy_s"],
+            "decode_rows": r["rows"],
+            "decode_batch": r["b"] / r["rows"] if r["rows"] else 0.0,
+            "decode_context": r["c"] / r["rows"] if r["rows"] else 0.0,
+        }
+        for role, r in out.items()
+    }
+
+
 def simulate(
-    setup: SimSetup, configs: Sequence[str], sessions, rate: float, seed: int, progress: bool = True
+    setup: SimSetup,
+    configs: Sequence[str],
+    sessions,
+    rate: float,
+    seed: int,
+    progress: bool = True,
+    arrivals: str = "closed",
 ) -> tuple[dict, dict]:
-    """Replay ``sessions`` under each config; ``(records by config, run stats by config)``.
-    Every instance's pool is audited after each run."""
+    """Replay ``sessions`` under each config (``arrivals``: ``SimCluster.replay``'s);
+    ``(records by config, run stats by config)``. Every instance's pool is audited after
+    each run."""
     if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
         raise ConfigError(f"rate must be a finite number > 0, got {rate!r}")
     records, stats = {}, {}
     for config in configs:
         cluster = setup.cluster(config)
         t0 = time.perf_counter()
-        records[config] = cluster.replay(sessions, rate, seed, config, progress)
+        records[config] = cluster.replay(sessions, rate, seed, config, progress, arrivals=arrivals)
         wall = time.perf_counter() - t0
         cluster.check_pools()
         ends = [r["arrival"] + (r["jct"] or 0.0) for r in records[config]]
+        front = cluster.frontend
         stats[config] = {
             "wall_s": wall,
             "simulated_s": max(ends, default=0.0),
@@ -259,8 +293,9 @@ def simulate(
             "prefill_share": cluster.prefill_busy_s / cluster.busy_s if cluster.busy_s else 0.0,
             "decode_stall_s": cluster.decode_stall_s / max(len(records[config]), 1),
             "instances": [f"{i.name}:{i.role}" for i in cluster.instances],
-            "route_us_mean": 1e6 * cluster.route_wall_s / max(cluster.route_calls, 1),
+            "route_us_mean": 1e6 * front.route_wall_s / max(front.route_calls, 1),
             "dispatches": dict(cluster.scheduler.dispatches),
+            "roles": role_stats(cluster),
         }
     return records, stats
 

@@ -22,13 +22,13 @@ import torch
 import zmq
 
 from minimemserve import SamplingParams, cli
-from minimemserve.bench.hosts import LocalInstances
 from minimemserve.config import EngineConfig
 from minimemserve.disagg import rpc
 from minimemserve.disagg.launch import InstanceInfo, pair_transport
 from minimemserve.disagg.nixl import nixl_missing
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.errors import ConfigError
+from minimemserve.harness.hosts import LocalInstances
 
 CONFIG = EngineConfig(num_blocks=128)
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

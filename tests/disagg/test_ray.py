@@ -19,11 +19,11 @@ import torch
 
 from minimemserve import SamplingParams
 from minimemserve.config import EngineConfig, parse_config_name
-from minimemserve.disagg.cluster import InProcessCluster
 from minimemserve.disagg.nixl import nixl_missing
 from minimemserve.disagg.placement import NodeView, RayOptions, Wanted, plan_nodes
 from minimemserve.disagg.ray_runtime import import_ray
 from minimemserve.errors import ConfigError
+from minimemserve.inprocess import InProcessCluster
 
 CONFIG = EngineConfig(num_blocks=128)
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from helpers import listening
 
-from minimemserve.bench.transports import (
+from minimemserve.errors import TransferError
+from minimemserve.harness.transfer_paths import (
     BenchGlooTransport,
     CopyTransport,
     SharedMemoryTransport,
@@ -23,7 +24,6 @@ from minimemserve.bench.transports import (
     remove_stale_segments,
     start_store,
 )
-from minimemserve.errors import TransferError
 from minimemserve.mempool.shared import SHM_DIR, SharedHandle, SharedPoolTensor, attach
 
 NUM_BLOCKS = 12

@@ -22,9 +22,9 @@ from helpers import hf_greedy, our_model
 from minimemserve import LLM, SamplingParams
 from minimemserve.attention.base import SeqSlice
 from minimemserve.attention.torch_backend import TorchAttention
-from minimemserve.bench.driver import run_bench
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.errors import CheckpointError, ConfigError
+from minimemserve.harness.driver import run_bench
 from minimemserve.model import Family, ModelConfig, load_weights, registry
 from minimemserve.model.layers import CausalLM
 from minimemserve.model.tokenizer import Tokenizer

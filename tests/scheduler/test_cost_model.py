@@ -8,9 +8,9 @@ import math
 import pytest
 from helpers import assert_pool_clean
 
-from minimemserve.bench.profile import load_transfer_samples, profile
 from minimemserve.config import EngineConfig
 from minimemserve.engine import Engine
+from minimemserve.harness.profile import load_transfer_samples, profile
 from minimemserve.scheduler.cost_model import CostModel, OpSample
 
 KNOWN = CostModel(

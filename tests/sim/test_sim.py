@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from minimemserve.bench.driver import run_workload
 from minimemserve.cli import build_parser
 from minimemserve.errors import ConfigError
+from minimemserve.harness.driver import run_workload
 from minimemserve.llm import LLM
 from minimemserve.model.tokenizer import Tokenizer
 from minimemserve.presets import preset_dir
@@ -30,7 +30,7 @@ from minimemserve.sim import (
     paper,
     simulate,
 )
-from minimemserve.sim.cluster import scaled_deployment
+from minimemserve.sim.cluster import open_arrivals, scaled_deployment
 from minimemserve.sim.profiles import DATA_DIR, FEATURES, with_overhead
 from minimemserve.sim.runner import CPU_LINK, anchor_time, anchors
 from minimemserve.sim.sweep import Curve, Plan, bracket, knee_chain, ratio
@@ -521,13 +521,13 @@ def test_a_prefix_push_to_a_full_instance_is_skipped_and_leaks_nothing():
     src.pool.insert(prompt, blocks)
     src.pool.free_mem(blocks)  # cached, unreferenced
     held = dst.pool.alloc_mem(dst.pool.num_free())  # nothing left to receive into
-    assert cluster._push_prefix(prompt, src.name, dst.name) is None
+    assert cluster._push_prefix(src.name, dst.name, prompt) == 0  # no tokens moved
     assert (cached(src), cached(dst)) == (4, 0)
     dst.pool.free_mem(held)
     for inst in (src, dst):
         inst.pool.check()
         assert inst.pool.stats()["hbm"]["referenced"] == 0
-    assert cluster._push_prefix(prompt, src.name, dst.name) is not None  # room again: it lands
+    assert cluster._push_prefix(src.name, dst.name, prompt) == len(prompt)  # room: it lands
     assert cached(dst) == 4
 
 
@@ -586,3 +586,32 @@ def test_a_comparison_that_still_moves_is_run_again_with_twice_the_sessions():
     assert paper.settle(points, [p99]) == {p99: 0}
     assert paper.cell(points, p99, 0, -0.3)["ratio"] == OVERLOADED
     assert paper.cell(points, c["D"], 0, -0.3)["ratio"]["mean"] == 1.0
+
+
+def test_a_finite_run_sends_each_turn_at_its_arrival_whatever_finished(tiny_sessions):
+    setup = _setup()
+    schedule = open_arrivals(tiny_sessions, 50.0, 0)
+    assert [(si, k) for si, k, _ in schedule] == [
+        (si, k) for si, s in enumerate(tiny_sessions) for k in range(len(s.turns))
+    ]
+    records, _ = simulate(
+        setup, ["1P1D-CC"], tiny_sessions, 50.0, 0, progress=False, arrivals="open"
+    )
+    got = {(r["session"], r["turn"]): r for r in records["1P1D-CC"]}
+    assert len(got) == total_turns(tiny_sessions)
+    for si, k, t in schedule:
+        assert got[tiny_sessions[si].id, k]["arrival"] == pytest.approx(t)
+    # some turn went out before the turn before it had its answer
+    early = [
+        (s.id, k)
+        for s in tiny_sessions
+        for k in range(1, len(s.turns))
+        if got[s.id, k]["arrival"] < got[s.id, k - 1]["arrival"] + got[s.id, k - 1]["jct"]
+    ]
+    assert early
+    # its prompts are those a closed replay builds from the engine's own answers
+    closed, _ = simulate(setup, ["1P1D-CC"], tiny_sessions, 0.05, 0, progress=False)
+    lengths = {(r["session"], r["turn"]): r["prompt_tokens"] for r in closed["1P1D-CC"]}
+    assert {key: r["prompt_tokens"] for key, r in got.items()} == lengths
+    with pytest.raises(ConfigError, match="arrivals"):
+        setup.cluster("PD").replay(tiny_sessions, 1.0, 0, progress=False, arrivals="burst")

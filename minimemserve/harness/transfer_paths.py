@@ -1,4 +1,4 @@
-"""The transports ``bench/transfer.py`` compares, beside the runtime's own GlooTransport.
+"""The transfer paths ``bench/transfer.py`` compares, beside the runtime's own GlooTransport.
 
 A transfer moves whole aggregated blocks (``[num_blocks, L, 2, block_size, n_kv_heads,
 head_dim]`` pool tensors, block dimension first) from a sender's pool into blocks the

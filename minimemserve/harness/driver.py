@@ -30,12 +30,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from minimemserve.bench.hosts import HostsCluster
-from minimemserve.bench.http_target import endpoint_factory
 from minimemserve.config import EngineConfig, parse_config_name
 from minimemserve.deployment import DeploymentSpec
 from minimemserve.disagg.ray_runtime import ray_attached
 from minimemserve.disagg.runtime import ProcessCluster
+from minimemserve.harness.hosts import HostsCluster
+from minimemserve.harness.http_target import endpoint_factory
 from minimemserve.model.tokenizer import Tokenizer
 from minimemserve.options import (
     PARALLEL_FLAGS,

@@ -1,7 +1,0 @@
-"""Benchmark code: the benchmark driver (``minimemserve bench``), the multi-host launcher and
-the HTTP client it replays through, the cost-model profiler and the transports the transfer
-benchmark compares.
-
-The top of the package's layer stack below the command line: nothing else in the package
-imports it (``tests/test_imports.py`` checks it); the scripts under ``bench/`` do.
-"""
