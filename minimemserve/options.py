@@ -8,13 +8,14 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 
-from minimemserve.config import HANDOFF_MODES, LOAD_FORMATS, SCHEDULERS, EngineConfig
+from minimemserve.config import HANDOFF_MODES, LOAD_FORMATS, EngineConfig
 from minimemserve.deployment import DTYPES, RUNTIMES, DeploymentSpec
 from minimemserve.disagg.links import transport_names
 from minimemserve.disagg.placement import PLACEMENTS
 from minimemserve.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from minimemserve.scheduler.cost_model import CostModel
-from minimemserve.scheduler.global_scheduler import POLICIES
+from minimemserve.scheduler.global_scheduler import ROUTING_POLICIES
+from minimemserve.scheduler.local import STEP_POLICIES
 from minimemserve.workloads.results import (
     DEFAULT_CONFIGS,
     DEFAULT_RATE,
@@ -80,7 +81,7 @@ DEPLOYMENT_FLAGS = {
         "one process per instance, every instance in this one, or one Ray actor per instance",
         RUNTIMES,
     ),
-    "policy": ("--policy", "global scheduler policy", POLICIES),
+    "policy": ("--policy", "global scheduler policy", ROUTING_POLICIES),
     "cost_model": (
         "--cost-model",
         "JSON of a fitted cost model (bench/cost_model.py writes one) for the global "
@@ -168,7 +169,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParse
     add_deployment_arguments(p, ("policy",))
     p.add_argument(
         "--scheduler",
-        choices=SCHEDULERS,
+        choices=STEP_POLICIES,
         default=None,
         help="local step policy: chunked prefill beside decodes (the default), or "
         "prefill_first (whole prompts in steps of their own, vLLM 0.4.0's; the default of "
