@@ -96,9 +96,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--fig10",
-        action="store_true",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="POLICIES",
         help="with --trace: Mooncake's Fig. 10 (10 caching instances of Llama-3-70B on 8 x "
-        "A800, 3M-token DRAM tiers, one-token outputs) under each routing policy",
+        "A800, 3M-token DRAM tiers, one-token outputs) under each routing policy, or under "
+        "the comma-separated POLICIES",
     )
     p.add_argument(
         "--anchors",
@@ -138,7 +142,10 @@ def _trace(args: argparse.Namespace) -> int:
     load of ``--sweep`` (multiples of the trace's request rate; default 1 / --time-scale)."""
     progress = not args.no_progress
     if args.fig10:
-        trace_replay.fig10_study(trace_path(args), args.out, args.trace_window, progress)
+        policies = trace_replay.FIG10_ALL
+        if args.fig10 != "all":
+            policies = tuple(p.strip() for p in args.fig10.split(",") if p.strip())
+        trace_replay.fig10_study(trace_path(args), args.out, args.trace_window, progress, policies)
         return 0
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     loads = [1.0 / args.time_scale]

@@ -36,6 +36,8 @@ FIG10_INSTANCES = 10
 FIG10_DRAM_TOKENS = 3_000_000
 FIG10_OUTPUT_CAP = 1
 FIG10_POLICIES = ("round_robin", "least_load", "session", "prompt_tree")
+# ... and the prompt tree that never moves a prefix between instances (Mooncake's local cache).
+FIG10_ALL = (*FIG10_POLICIES, "prompt_tree_local")
 # Mooncake's published Fig. 10 hit rates: routing to the best local cache, and one pooled cache.
 MOONCAKE_LOCAL_HIT, MOONCAKE_GLOBAL_HIT = 0.17, 0.38
 # The service objectives of the capacity search (ours, of the size Mooncake's replay used):
@@ -195,10 +197,11 @@ def fig10_study(
     out_dir: str | Path,
     window: tuple[int, int | None] = (0, None),
     progress: bool = True,
+    policies: Sequence[str] = FIG10_ALL,
 ) -> dict:
-    """:func:`fig10` under every policy (and ``prompt_tree_local``, which never moves a
-    prefix: Mooncake's local cache) on the trace's ``window``; writes ``trace_fig10.json``
-    and its plot to ``out_dir``."""
+    """:func:`fig10` under ``policies`` (by default every one, and ``prompt_tree_local``,
+    which never moves a prefix: Mooncake's local cache) on the trace's ``window``; writes
+    ``trace_fig10.json`` and its plot to ``out_dir``."""
     trace = load_trace(path, window=window)
     result = {
         "trace": str(trace.path),
@@ -206,7 +209,7 @@ def fig10_study(
         "requests": len(trace.requests),
         "setup": trace_setup().describe | {"output_cap": FIG10_OUTPUT_CAP},
         "mooncake": {"local_hit": MOONCAKE_LOCAL_HIT, "global_hit": MOONCAKE_GLOBAL_HIT},
-        "fig10": fig10(trace, (*FIG10_POLICIES, "prompt_tree_local"), progress),
+        "fig10": fig10(trace, policies, progress),
     }
     return _write(result, out_dir, "trace_fig10", plot_fig10, progress)
 
