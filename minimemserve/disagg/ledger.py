@@ -103,8 +103,7 @@ class Ledger:
                 and logprobs_fit(d.logprobs, n, f.req.params.logprobs, self.vocab_size)
             ):
                 raise ValueError(f"{sender} sent tokens that do not fit {d.request_id!r}")
-            if d.start == 0:
-                self.frontend.started(d.request_id)
+            self.frontend.streamed(d)
             lps = d.logprobs or [None] * len(d.token_ids)
             for i, (tok, lp) in enumerate(zip(d.token_ids, lps)):
                 if d.start + i >= f.streamed:
