@@ -52,6 +52,7 @@ from ..errors import (
 from ..mempool import TIERS, PoolAccountingError
 from ..model.config import ModelConfig
 from ..model.tokenizer import Tokenizer
+from ..presets import preset_dir
 from ..request import Request, RequestOutput, TokenDelta
 from ..sampling import SamplingParams
 from ..scheduler.frontend import Frontend
@@ -89,12 +90,12 @@ class ProcessCluster:
     address they reach. ``timeout_s`` bounds every control request. ``policy``,
     ``cost_model`` and ``ttl_s`` configure the ``GlobalScheduler``; ``transport`` forces the
     KV transport of every pair (``shm``, ``gloo``; ``auto``: shared memory within a host).
-    Use as a context manager, or call :meth:`close`; an abandoned cluster is reaped when
-    garbage collected."""
+    ``model_dir`` None is the tiny preset, as for ``LLM``. Use as a context manager, or call
+    :meth:`close`; an abandoned cluster is reaped when garbage collected."""
 
     def __init__(
         self,
-        model_dir: str | Path,
+        model_dir: str | Path | None,
         config_name: str = "1P1D",
         *,
         cores_per_instance: int = 1,
@@ -123,7 +124,7 @@ class ProcessCluster:
         spawn = SpawnSpec(
             device, dtype, cores_per_instance, num_colocated, host, base_port, start_method
         )
-        self.model_dir = Path(model_dir)
+        self.model_dir = Path(preset_dir("tiny") if model_dir is None else model_dir)
         self.engine_config = engine_config or EngineConfig()
         self.timeout_s = timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -292,10 +293,15 @@ class ProcessCluster:
         instance is asked) against the smallest context and pool of the live instances."""
         if not (live := [i for i in self.instances.values() if i.name not in self.dead]):
             raise InstanceDied(f"every instance died: {self.dead}")
-        mml = min(i.max_model_len for i in live)
-        blocks = (self.engine_config.block_size, min(i.hbm_blocks for i in live))
-        vocab = self.ledger.vocab_size
-        return check_request(prompt, params, self.tokenizer, vocab, mml, *blocks)
+        return check_request(
+            prompt,
+            params,
+            self.tokenizer,
+            vocab=self.ledger.vocab_size,
+            max_model_len=min(i.max_model_len for i in live),
+            block_size=self.engine_config.block_size,
+            hbm_blocks=min(i.hbm_blocks for i in live),
+        )
 
     def add_request(
         self,
