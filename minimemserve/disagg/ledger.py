@@ -61,6 +61,10 @@ class Ledger:
         self.vocab_size = vocab_size  # to check what arrives
         self.resubmit = resubmit
         self.dead = dead  # instance name -> why it died (the membership's)
+        # dead because they ended their session: a request one never answered never ran there
+        # (an instance answers a Submit as it reads it, and its session ends only after
+        # frontend_timeout_s without a frame from the frontend, that Submit included)
+        self.sessionless: set[str] = set()
         self.inflight: dict[str, Inflight] = {}
         self.done: list[RequestOutput] = []
 
