@@ -128,9 +128,12 @@ DEPLOYMENT_FLAGS = {
 PARALLEL_FLAGS = ("tensor_parallel_size", "decode_tensor_parallel_size")
 
 
-def add_workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_workload_arguments(
+    p: argparse.ArgumentParser, rate: float | None = DEFAULT_RATE
+) -> argparse.ArgumentParser:
     """The options ``minimemserve bench`` and ``minimemserve sim`` share: configs, workload,
-    sessions, rate, turns and lengths, seed, output folder, routing policy, progress."""
+    sessions, rate, turns and lengths, seed, output folder, routing policy, progress.
+    ``rate`` is ``--rate``'s default; None: the command probes what the machine sustains."""
     p.add_argument(
         "--configs",
         default=",".join(DEFAULT_CONFIGS),
@@ -144,7 +147,13 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="sessions (ShareGPT conversations, LooGLE documents, ReAct questions; default "
         f"{DEFAULT_SESSIONS}; sim --paper sizes its own runs)",
     )
-    p.add_argument("--rate", type=float, default=DEFAULT_RATE, help="session arrivals per second")
+    probed = "a share of what the slowest configuration sustains, probed first"
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=rate,
+        help=f"session arrivals per second (default: {probed if rate is None else rate})",
+    )
     p.add_argument(
         "--max-turns",
         type=int,

@@ -43,6 +43,11 @@ TINY_LLAMA_DEFAULTS = dict(
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "docs_full" not in (config.getoption("markexpr") or ""):
+        whole = pytest.mark.skip(reason="the docs' whole set: pytest -m docs_full")
+        for item in items:
+            if "docs_full" in item.keywords:
+                item.add_marker(whole)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

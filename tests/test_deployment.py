@@ -134,3 +134,8 @@ def test_the_process_runtime_takes_the_launch_spec_fields_and_names_a_wrong_one(
         ProcessCluster("unused", "1P1D", base_port=70000)
     spec = LaunchSpec.of("m", "1P1D-CC", {"engine_config": None, "instances": ["h:1"]})
     assert spec.engine_config == EngineConfig() and spec.instances == ("h:1",) and spec.linked
+
+
+def test_llm_over_a_spec_refuses_engine_settings_beside_it():
+    with pytest.raises(ConfigError, match="from the spec.*num_blocks"):
+        LLM(DeploymentSpec(), num_blocks=3)

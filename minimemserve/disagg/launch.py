@@ -25,6 +25,7 @@ from ..errors import ConfigError, InstanceDied, RemoteError, TransferError
 from ..mempool.shared import segment_path
 from ..model.config import ModelConfig
 from ..parallel import HostStore
+from ..presets import preset_dir
 from ..scheduler.global_scheduler import DEFAULT_TTL_S, MOVES_PREFIXES, Cost
 from . import rpc
 from .instance_spec import DEFAULT_HEARTBEAT_S, InstanceSpec
@@ -147,13 +148,13 @@ def reap(instances: Iterable[InstanceInfo], beacon: rpc.Beacon) -> None:
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """How the process runtime runs deployment ``config_name`` of the checkpoint at
-    ``model_dir``: the keyword options of ``ProcessCluster`` (and of the Ray runtime), one
-    field each, checked here. Every instance gets ``engine_config``; ``timeout_s`` bounds
+    """How the process runtime runs deployment ``config_name`` of the checkpoint at ``model_dir``
+    (None: the tiny preset): the keyword options of ``ProcessCluster`` (and of the Ray runtime),
+    one field each, checked here. Every instance gets ``engine_config``; ``timeout_s`` bounds
     every control request, ``startup_timeout_s`` the start-up, ``heartbeat_s`` and
-    ``heartbeat_timeout_s`` set the beat and the silence that means dead; the frontend (and
-    the store pair groups meet in) listens on ``host``; ``transport`` forces the KV transport
-    of every pair (``auto``: per pair, from the links table); ``policy``, ``cost_model`` and
+    ``heartbeat_timeout_s`` set the beat and the silence that means dead; the frontend (and the
+    store pair groups meet in) listens on ``host``; ``transport`` forces the KV transport of
+    every pair (``auto``: per pair, from the links table); ``policy``, ``cost_model`` and
     ``ttl_s`` configure the global scheduler; ``rerun_on_failure`` re-runs the requests of a
     dead instance elsewhere. Spawned instances (on this host): ``device``, ``dtype``,
     ``cores_per_instance`` torch threads each, ``num_colocated`` engines of a colocated
@@ -166,7 +167,7 @@ class LaunchSpec:
     label, a node must have to hold that role), CPUs per rank (``cores_per_instance``), each
     actor's ``max_restarts`` and how long a placement may take."""
 
-    model_dir: Path
+    model_dir: Path | None
     config_name: str = "1P1D"
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     device: str = "cpu"
@@ -195,7 +196,7 @@ class LaunchSpec:
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
-        set_("model_dir", Path(self.model_dir))
+        set_("model_dir", Path(preset_dir("tiny") if self.model_dir is None else self.model_dir))
         set_("engine_config", self.engine_config or EngineConfig())
         if self.instances is not None:
             set_("instances", tuple(self.instances))

@@ -76,10 +76,12 @@ class ProcessCluster:
     address they reach. ``timeout_s`` bounds every control request. ``policy``,
     ``cost_model`` and ``ttl_s`` configure the ``GlobalScheduler``; ``transport`` forces the
     KV transport of every pair (``shm``, ``gloo``; ``auto``: shared memory within a host).
-    Use as a context manager, or call :meth:`close`; an abandoned cluster is reaped when
-    garbage collected."""
+    ``model_dir`` None is the tiny preset, as for ``LLM``. Use as a context manager, or call
+    :meth:`close`; an abandoned cluster is reaped when garbage collected."""
 
-    def __init__(self, model_dir: str | Path, config_name: str = "1P1D", **options: Any) -> None:
+    def __init__(
+        self, model_dir: str | Path | None, config_name: str = "1P1D", **options: Any
+    ) -> None:
         """Start the deployment; ``options`` are :class:`~.launch.LaunchSpec`'s fields (an
         unknown one is a TypeError naming the others)."""
         spec = LaunchSpec.of(model_dir, config_name, options)
@@ -255,10 +257,15 @@ class ProcessCluster:
         instance is asked) against the smallest context and pool of the live instances."""
         if not (live := [i for i in self.instances.values() if i.name not in self.dead]):
             raise InstanceDied(f"every instance died: {self.dead}")
-        mml = min(i.max_model_len for i in live)
-        blocks = (self.engine_config.block_size, min(i.hbm_blocks for i in live))
-        vocab = self.ledger.vocab_size
-        return check_request(prompt, params, self.tokenizer, vocab, mml, *blocks)
+        return check_request(
+            prompt,
+            params,
+            self.tokenizer,
+            vocab=self.ledger.vocab_size,
+            max_model_len=min(i.max_model_len for i in live),
+            block_size=self.engine_config.block_size,
+            hbm_blocks=min(i.hbm_blocks for i in live),
+        )
 
     def add_request(
         self,
