@@ -34,6 +34,7 @@ from .runner import (
 from .sweep import (
     DOUBLINGS,
     FINITE_LOADS,
+    MATCHED_LOADS,
     SLO_ATTAINMENT,
     SLO_TPOT_S,
     SLO_TTFT_S,
@@ -89,7 +90,7 @@ UNEQUAL_NOTE = "unequal GPUs"
 # synthetic workloads keep their own answer lengths (LooGLE 8-32, ReAct 20-100 tokens).
 MAX_OUTPUT_TOKENS = {"sharegpt": 1024}
 # The loads each comparison is made at: these fractions of the weaker side's capacity.
-LOADS = (0.5, 0.7, 0.9)
+LOADS = MATCHED_LOADS
 # Routing compared on PD-CC at the same loads: the paper's prompt trees, session affinity and
 # the shortest queue.
 ROUTING = ("prompt_tree", "session", "least_load")
@@ -100,14 +101,15 @@ MATCH = 0.10
 STEP_MS = (10.0, 20.0)
 # ``--quick``: every workload and configuration, on a plan sized for a shared two-core
 # machine: a quarter of the sessions, three ladder rates a workload, one rate beyond the
-# ladder and one bisection per knee, no re-runs with N doubled, finite runs at 1.5 and 3 times
-# the knee and the fixed costs at 70 % of it only. Its points are not the full run's.
+# ladder and one bisection per knee, comparisons at 70 % of the knee only and no re-runs with
+# N doubled, finite runs at 1.5 and 3 times the knee. Its points are not the full run's.
 QUICK_PLAN = Plan(
     ladders={"sharegpt": (2.0, 4.0, 8.0), "loogle": (1.0, 2.0, 4.0), "react": (2.0, 4.0, 8.0)},
     bisections=1,
     extend=1,
     scale=0.25,
     doublings=0,
+    loads=(0.7,),
     finite_loads=(1.5, 3.0),
     step_loads=(0.7,),
 )
@@ -397,7 +399,7 @@ def matched_rows(points: Points, curves: dict, workloads: Sequence[str]) -> list
         rows.append(row)
         for column, pair in _columns(comparison):
             if set(pair) <= set(curves[w]):
-                for load in LOADS:
+                for load in points.plan.loads:
                     rate = _rate(curves[w], *pair, load)
                     plan.append(
                         (row, f"{column}@{load:.0%}", (w, pair, (POLICY,) * 2, rate, metric))
@@ -430,7 +432,7 @@ def routing_rows(points: Points, curves: dict, workloads: Sequence[str]) -> list
     for w in workloads:
         if "PD-CC" not in curves[w]:
             continue
-        for load in LOADS:
+        for load in points.plan.loads:
             rate = _rate(curves[w], "PD-CC", "PD-CC", load)
             row = {"workload": w, "load": load, "rate": rate}
             rows.append(row)
@@ -483,7 +485,9 @@ def _numeric(cells: dict) -> dict[str, dict]:
     return {k: c for k, c in cells.items() if isinstance(c.get("ratio"), dict)}
 
 
-def shown_layouts(rows: list[dict], workloads: Sequence[str]) -> dict[str, str]:
+def shown_layouts(
+    rows: list[dict], workloads: Sequence[str], loads: Sequence[float] = LOADS
+) -> dict[str, str]:
     """The layout the tables show per workload: the paper's where it names one, else the one
     whose mean JCT against PD on the same GPUs is lowest, averaged over the loads measured."""
     shown = {}
@@ -504,7 +508,7 @@ def shown_layouts(rows: list[dict], workloads: Sequence[str]) -> dict[str, str]:
                 if k.split("@")[0] == layout
             ]
             if got:
-                scores[layout] = sum(got) / len(got) + (len(LOADS) - len(got))  # overloaded: worse
+                scores[layout] = sum(got) / len(got) + (len(loads) - len(got))  # overloaded: worse
         shown[w] = min(scores, key=scores.get) if scores else LAYOUTS[0]
     return shown
 
@@ -663,7 +667,7 @@ def reproduce(
         rows = matched_rows(points, curves, workloads)
         routing = routing_rows(points, curves, workloads)
         numbers = rows + [r for r in [row19(routing)] if r is not None]
-        shown = shown_layouts(rows, workloads)
+        shown = shown_layouts(rows, workloads, plan.loads)
         finite_rows(points, curves, numbers, shown, plan.finite_loads)
         step_cost_rows(points, rows, shown, plan.step_loads)
     for row in numbers:
@@ -776,22 +780,28 @@ def knees_md(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _shown_cells(row: dict, shown: dict) -> tuple[str, list[dict | None]]:
-    """The shown layout of a row and its cells at :data:`LOADS`."""
+def load_keys(rows: list[dict]) -> list[str]:
+    """The matched loads the rows' cells were measured at (``"70%"``...), in order."""
+    found = {k.rsplit("@", 1)[1] for r in rows for k in r["cells"]}
+    return sorted(found, key=lambda k: float(k.rstrip("%")))
+
+
+def _shown_cells(row: dict, shown: dict, keys: Sequence[str]) -> tuple[str, list[dict | None]]:
+    """The shown layout of a row and its cells at the loads ``keys``."""
     layout = "PD-CC" if row["comparison"] in ROUTE else shown[row["workload"]]
-    return layout, [row["cells"].get(f"{layout}@{load:.0%}") for load in LOADS]
+    return layout, [row["cells"].get(f"{layout}@{k}") for k in keys]
 
 
 def verdicts_md(result: dict) -> str:
     """The 19 numbers at the shown layout (the paper's where it names one, else the best at
     matched load) with a verdict each."""
-    loads = " | ".join(f"{load:.0%}" for load in LOADS)
+    keys = load_keys(result["rows"])
     lines = [
-        f"| workload | comparison | metric | paper | layout | {loads} | verdict |",
-        "|---" * (6 + len(LOADS)) + "|",
+        f"| workload | comparison | metric | paper | layout | {' | '.join(keys)} | verdict |",
+        "|---" * (6 + len(keys)) + "|",
     ]
     for r in result["rows"]:
-        layout, cells = _shown_cells(r, result["shown"])
+        layout, cells = _shown_cells(r, result["shown"], keys)
         lines.append(
             f"| {r['workload']} | {r['comparison']} | {r['metric']} | {r['paper_ratio']:.3f} | "
             f"{layout} | {' | '.join(map(_cell_md, cells))} | {r['verdict']} |"
@@ -801,15 +811,15 @@ def verdicts_md(result: dict) -> str:
 
 def rows_md(rows: list[dict]) -> str:
     """Every number at every layout and load: the paper's (1 + gain) against the simulated."""
-    loads = " | ".join(f"{load:.0%}" for load in LOADS)
+    keys = load_keys(rows)
     lines = [
-        f"| workload | comparison | metric | paper | sides | {loads} | rates |",
-        "|---" * (6 + len(LOADS)) + "|",
+        f"| workload | comparison | metric | paper | sides | {' | '.join(keys)} | rates |",
+        "|---" * (6 + len(keys)) + "|",
     ]
     for r in rows:
         columns = dict.fromkeys(k.rsplit("@", 1)[0] for k in r["cells"])
         for col in columns:
-            cells = [r["cells"].get(f"{col}@{load:.0%}") for load in LOADS]
+            cells = [r["cells"].get(f"{col}@{k}") for k in keys]
             rates = ", ".join(f"{c['rate']}" for c in cells if c is not None)
             lines.append(
                 f"| {r['workload']} | {r['comparison']} | {r['metric']} | "
@@ -904,15 +914,15 @@ def step_cost_md(result: dict) -> str:
         "|---" * (8 + len(STEP_MS)) + "|",
     ]
     for r in result["rows"]:
-        for load in LOADS:
-            got = [r.get("step_cost", {}).get(f"{ms:g} ms@{load:.0%}") for ms in STEP_MS]
+        for load in load_keys(result["rows"]):
+            got = [r.get("step_cost", {}).get(f"{ms:g} ms@{load}") for ms in STEP_MS]
             if not any(got):
                 continue
             layout = result["shown"][r["workload"]]
-            base = r["cells"].get(f"{layout}@{load:.0%}")
+            base = r["cells"].get(f"{layout}@{load}")
             lines.append(
                 f"| {r['workload']} | {r['comparison']} | {r['metric']} | {r['paper_ratio']:.3f} | "
-                f"{layout} | {load:.0%} | {_cell_md(base)} | "
+                f"{layout} | {load} | {_cell_md(base)} | "
                 f"{' | '.join(_fmt(g['ratio']) if g else '' for g in got)} | "
                 f"{_moved(base, got[-1], r['paper_ratio'])} |"
             )
@@ -957,7 +967,8 @@ def plot_gains(result: dict, png: Path) -> None:
     rows = result["rows"]
     if not rows:
         return
-    series = [(f"{load:.0%} of knee", load, False) for load in LOADS]
+    keys = load_keys(rows)
+    series = [(f"{k} of knee", i, False) for i, k in enumerate(keys)]
     finite = list(dict.fromkeys(k for r in rows for k in r.get("finite", {}).get("cells", {})))
     series += [(f"{k} knee, {FINITE_LABEL}", k, True) for k in finite]
     fig = Figure(figsize=(16, 6), layout="tight")
@@ -969,7 +980,7 @@ def plot_gains(result: dict, png: Path) -> None:
             if open_run:
                 c = r.get("finite", {}).get("cells", {}).get(at)
             else:
-                c = _shown_cells(r, result["shown"])[1][LOADS.index(at)]
+                c = _shown_cells(r, result["shown"], keys)[1][at]
             x = i + k * width
             if c is None:
                 continue
@@ -986,10 +997,8 @@ def plot_gains(result: dict, png: Path) -> None:
                 )
             else:
                 ax.text(x, 0.05, c["ratio"], rotation=90, fontsize=6, color=f"C{k}")
-    labels = [
-        f"{r['workload']} {r['metric']}\n{r['comparison']}\n{_shown_cells(r, result['shown'])[0]}"
-        for r in rows
-    ]
+    shown = [_shown_cells(r, result["shown"], keys)[0] for r in rows]
+    labels = [f"{r['workload']} {r['metric']}\n{r['comparison']}\n{s}" for r, s in zip(rows, shown)]
     ax.set_xticks(range(len(rows)), labels, fontsize=6, rotation=40, ha="right")
     ax.axhline(1, color="black", linewidth=0.5)
     ax.set_ylim(0, 2)

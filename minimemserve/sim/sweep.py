@@ -56,8 +56,10 @@ BISECTIONS = 2
 EXTEND = 2
 # Finite runs (``--arrivals open``, not steady state) at these multiples of a comparison's
 # weaker side's knee; a step's fixed cost re-run at these fractions of it.
+# The fractions of a comparison's weaker side's knee it is measured at.
+MATCHED_LOADS = (0.5, 0.7, 0.9)
 FINITE_LOADS = (1.0, 1.5, 2.0, 3.0)
-STEP_LOADS = (0.5, 0.7, 0.9)
+STEP_LOADS = MATCHED_LOADS
 # Student's t at 97.5 % by degrees of freedom (seeds - 1).
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}
 
@@ -67,7 +69,8 @@ class Plan:
     """How much a sweep simulates: seeds, the ladders and bisections of :func:`knee_chain`,
     the sessions per run (``scale`` times :meth:`sessions`'s; tests shrink it), how many
     times a comparison that has not converged is run again with twice the sessions, the
-    finite runs' multiples of a knee and the fractions of it a fixed cost is re-run at."""
+    fractions of a knee comparisons are made at, the finite runs' multiples of a knee and the
+    fractions of it a fixed cost is re-run at."""
 
     seeds: tuple[int, ...] = SEEDS
     ladders: dict = field(default_factory=lambda: dict(LADDER))
@@ -75,6 +78,7 @@ class Plan:
     extend: int = EXTEND
     scale: float = 1.0
     doublings: int = DOUBLINGS
+    loads: tuple[float, ...] = MATCHED_LOADS
     finite_loads: tuple[float, ...] = FINITE_LOADS
     step_loads: tuple[float, ...] = STEP_LOADS
 
