@@ -100,18 +100,20 @@ MATCH = 0.10
 # the hardware profile's own is 4 ms.
 STEP_MS = (10.0, 20.0)
 # ``--quick``: every workload and configuration, on a plan sized for a shared two-core
-# machine: a quarter of the sessions, three ladder rates a workload, one rate beyond the
-# ladder and one bisection per knee, comparisons at 70 % of the knee only and no re-runs with
-# N doubled, finite runs at 1.5 and 3 times the knee. Its points are not the full run's.
+# machine: a fifth of the sessions; knees found with one seed from three ladder rates a
+# workload, one rate beyond the ladder and one bisection; comparisons (three seeds) at 70 % of
+# the knee only, no re-runs with N doubled; finite runs at 1.5 and 3 times the knee. Its
+# points are not the full run's.
 QUICK_PLAN = Plan(
     ladders={"sharegpt": (2.0, 4.0, 8.0), "loogle": (1.0, 2.0, 4.0), "react": (2.0, 4.0, 8.0)},
     bisections=1,
     extend=1,
-    scale=0.25,
+    scale=0.2,
     doublings=0,
     loads=(0.7,),
     finite_loads=(1.5, 3.0),
     step_loads=(0.7,),
+    sweep_seeds=(0,),
 )
 POLICY = "prompt_tree"
 # The mark of a ratio that moves by STEADY_TOLERANCE or more between N and 2N sessions.
@@ -183,11 +185,14 @@ class Points:
         doubled: int = 0,
         arrivals: str = "closed",
         step_ms: float | None = None,
+        seeds: tuple[int, ...] | None = None,
     ) -> tuple:
         """Simulate the point (once) of side ``config`` (:func:`side`), with N doubled
-        ``doubled`` times, ``arrivals`` as ``SimCluster.replay`` takes them and each step's
-        fixed cost ``step_ms`` (None: the profile's); returns its key."""
-        key = (workload, config, policy, float(rate), doubled, arrivals, step_ms)
+        ``doubled`` times, ``arrivals`` as ``SimCluster.replay`` takes them, each step's
+        fixed cost ``step_ms`` (None: the profile's) and ``seeds`` (None: the plan's);
+        returns its key."""
+        seeds = tuple(seeds or self.plan.seeds)
+        key = (workload, config, policy, float(rate), doubled, arrivals, step_ms, seeds)
         if key not in self.futures:
             name, gpus = side(config)
             setup = dataclasses.replace(
@@ -199,7 +204,7 @@ class Points:
             cap = MAX_OUTPUT_TOKENS.get(workload)
             self.futures[key] = [
                 self.pool.submit(run_point, setup, workload, name, rate, seed, n, cap, arrivals)
-                for seed in self.plan.seeds
+                for seed in seeds
             ]
         return key
 
@@ -222,7 +227,7 @@ class Points:
     def unstable(self, workload: str, config: str, policy: str, rate: float) -> bool:
         """Whether the point is unstable at any N it was simulated with (waits for them)."""
         point = (workload, config, policy, float(rate))
-        closed = [k for k in list(self.futures) if k[:4] == point and k[5:] == ("closed", None)]
+        closed = [k for k in list(self.futures) if k[:4] == point and k[5:7] == ("closed", None)]
         return any(not self.point(k)["stable"] for k in closed)
 
 
@@ -237,7 +242,7 @@ def _fmt(value: dict | str | None, scale: float = 1.0, digits: int = 2) -> str:
 
 def point_line(key: tuple, p: dict) -> str:
     """One point in a line: JCT and TTFT means, stability, in-system growth, drift."""
-    workload, config, policy, rate, doubled, arrivals, step_ms = key
+    workload, config, policy, rate, doubled, arrivals, step_ms, _ = key
     grow = " ".join("/".join(f"{x:.0f}" for x in s["mean_in_system"][1::2]) for s in p["stability"])
     drift = max((abs(d) for d in p["drift"].values() if d is not None), default=0.0)
     longer = f", N x{2**doubled}" if doubled else ""
@@ -254,34 +259,34 @@ def sweep(points: Points, workloads: Sequence[str], configs: Sequence[str]) -> d
     """Every configuration's :func:`knee_chain` walked on ``points`` at once:
     ``{workload: {config: Curve}}``."""
     chains, rates, pending = {}, {}, {}
+    seeds = points.plan.sweep_seeds
+
+    def submit(w: str, c: str, r: float) -> tuple:
+        return points.submit(w, c, POLICY, r, seeds=seeds)
+
     for w in workloads:
         for c in configs:
             chains[w, c] = knee_chain(
                 points.plan.ladders[w], points.plan.extend, points.plan.bisections
             )
             rates[w, c] = list(next(chains[w, c]))
-            pending[w, c] = [points.submit(w, c, POLICY, r) for r in rates[w, c]]
+            pending[w, c] = [submit(w, c, r) for r in rates[w, c]]
     while pending:
         futures = [f for keys in pending.values() for k in keys for f in points.futures[k]]
         wait(futures, return_when=FIRST_COMPLETED)
         for (w, c), keys in list(pending.items()):
             if not all(points.done(k) for k in keys):
                 continue
-            verdicts = {
-                r: points.point(points.submit(w, c, POLICY, r))["stable"] for r in rates[w, c]
-            }
+            verdicts = {r: points.point(submit(w, c, r))["stable"] for r in rates[w, c]}
             try:
                 more = chains[w, c].send(verdicts)
             except StopIteration:
                 del pending[w, c]
                 continue
             rates[w, c] += more
-            pending[w, c] = [points.submit(w, c, POLICY, r) for r in more]
+            pending[w, c] = [submit(w, c, r) for r in more]
     return {
-        w: {
-            c: Curve({r: points.point(points.submit(w, c, POLICY, r)) for r in rates[w, c]})
-            for c in configs
-        }
+        w: {c: Curve({r: points.point(submit(w, c, r)) for r in rates[w, c]}) for c in configs}
         for w in workloads
     }
 

@@ -66,13 +66,15 @@ _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}
 
 @dataclass(frozen=True)
 class Plan:
-    """How much a sweep simulates: seeds, the ladders and bisections of :func:`knee_chain`,
+    """How much a sweep simulates: seeds (and those that find the knees, None: the same),
+    the ladders and bisections of :func:`knee_chain`,
     the sessions per run (``scale`` times :meth:`sessions`'s; tests shrink it), how many
     times a comparison that has not converged is run again with twice the sessions, the
     fractions of a knee comparisons are made at, the finite runs' multiples of a knee and the
     fractions of it a fixed cost is re-run at."""
 
     seeds: tuple[int, ...] = SEEDS
+    sweep_seeds: tuple[int, ...] | None = None
     ladders: dict = field(default_factory=lambda: dict(LADDER))
     bisections: int = BISECTIONS
     extend: int = EXTEND
