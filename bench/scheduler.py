@@ -32,7 +32,7 @@ from minimemserve.harness.driver import (
     run_bench,
 )
 from minimemserve.scheduler.cost_model import CostModel
-from minimemserve.scheduler.global_scheduler import POLICIES
+from minimemserve.scheduler.global_scheduler import ROUTING_POLICIES
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scheduler.json"
 CONFIG = "PD-CC"
@@ -140,7 +140,7 @@ def parse_args() -> argparse.Namespace:
     """Command-line options, with workloads and policies split and the policies checked."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--policies", default=",".join(ROUTING_POLICIES))
     p.add_argument("--sessions", type=int, default=12, help="sessions per workload")
     p.add_argument("--rate", type=float, default=1.0, help="session arrivals per second")
     p.add_argument("--max-output-tokens", type=int, default=32, help="cap per turn")
@@ -151,9 +151,9 @@ def parse_args() -> argparse.Namespace:
     a = p.parse_args()
     a.workloads = [w for w in a.workloads.split(",") if w]
     a.policies = [x for x in a.policies.split(",") if x]
-    bad = [x for x in a.policies if x not in POLICIES]
+    bad = [x for x in a.policies if x not in ROUTING_POLICIES]
     if bad or not a.policies:
-        p.error(f"unknown policies {bad}; choose from {POLICIES}")
+        p.error(f"unknown policies {bad}; choose from {ROUTING_POLICIES}")
     return a
 
 

@@ -30,8 +30,6 @@ import statistics
 import sys
 from pathlib import Path
 
-# the repository, not bench/ (whose kernels.py would shadow the package transformers imports)
-sys.path.remove(str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minimemserve.memory import CUDA_CONTEXT_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION

@@ -34,13 +34,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minimemserve.config import SCHEDULERS, EngineConfig
+from minimemserve.config import EngineConfig
 from minimemserve.deployment import DeploymentSpec
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.harness import driver
 from minimemserve.presets import preset_dir
 from minimemserve.sampling import SamplingParams
 from minimemserve.scheduler.global_scheduler import GlobalScheduler
+from minimemserve.scheduler.local import STEP_POLICIES
 from minimemserve.sim.cluster import Contention
 from minimemserve.sim.profiles import FittedStepModel, StepShape, fit_cpu_steps, with_overhead
 from minimemserve.sim.runner import CPU_INSTANCES, DEFAULT_CONFIGS, cpu_setup, run_sim
@@ -207,7 +208,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     ap.add_argument(
         "--scheduler",
-        choices=SCHEDULERS,
+        choices=STEP_POLICIES,
         default="chunked",
         help="the local step policy of the real runs and their simulation",
     )

@@ -1,5 +1,5 @@
-"""Command line: ``minimemserve bench``, ``sim``, ``serve``, ``generate``, ``instance``,
-``keygen`` and ``preset``."""
+"""Command line: ``minimemserve bench``, ``sim``, ``serve``, ``generate``, ``explain``,
+``instance``, ``keygen`` and ``preset``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import sys
 from dataclasses import fields
 
-from minimemserve import server
+from minimemserve import explain, server
 from minimemserve.config import EngineConfig
 from minimemserve.disagg import rpc
 from minimemserve.disagg.instance import StandaloneOptions, standalone_main
@@ -136,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(fn=_generate)
+    x = sub.add_parser(
+        "explain",
+        help="print the pool calls of a two-turn conversation, two configurations side by side",
+        description=explain.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    explain.add_arguments(x).set_defaults(fn=explain.main)
     i = sub.add_parser("instance", help="start one instance that waits for a frontend (any host)")
     i.add_argument("--role", required=True, choices=[r.value for r in Role])
     i.add_argument("--listen", required=True, help="HOST:PORT peers and the frontend reach")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from .errors import ConfigError
 from .memory import device_share
 from .recipes import MILESTONES, Milestone, Role
-from .scheduler.local import POLICIES as SCHEDULERS
+from .scheduler.local import STEP_POLICIES
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # config-name suffix -> caching milestone of a disaggregated deployment (xPyD[-CC...])
@@ -111,8 +112,8 @@ class EngineConfig:
     handoff: str = "overlap"  # one of HANDOFF_MODES
 
     def __post_init__(self) -> None:
-        if self.scheduler not in SCHEDULERS:
-            raise ConfigError(f"unknown scheduler {self.scheduler!r}; choose from {SCHEDULERS}")
+        if self.scheduler not in STEP_POLICIES:
+            raise ConfigError(f"unknown scheduler {self.scheduler!r}; choose from {STEP_POLICIES}")
         if self.handoff not in HANDOFF_MODES:
             raise ConfigError(f"handoff must be one of {HANDOFF_MODES}, got {self.handoff!r}")
         self._check_memory()
@@ -177,3 +178,15 @@ class EngineConfig:
     def placed(self, instances: int) -> EngineConfig:
         """This config for one of ``instances`` instances a deployment places on one device."""
         return dataclasses.replace(self, instances_on_device=instances)
+
+
+def __getattr__(name: str):
+    """``SCHEDULERS``: the deprecated name of ``scheduler.local.STEP_POLICIES``."""
+    if name == "SCHEDULERS":
+        warnings.warn(
+            "config.SCHEDULERS is deprecated; use scheduler.local.STEP_POLICIES",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return STEP_POLICIES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,7 +21,7 @@ from .disagg.placement import PLACEMENTS, RayOptions
 from .errors import ConfigError
 from .inprocess import InProcessCluster
 from .presets import PRESETS, preset_dir, preset_model
-from .scheduler.global_scheduler import POLICIES, Cost
+from .scheduler.global_scheduler import ROUTING_POLICIES, Cost
 from .serving import Serving
 
 # How a deployment's instances run: all in this process, one process each, or one Ray actor each.
@@ -65,7 +65,7 @@ class DeploymentSpec:
     def __post_init__(self) -> None:
         for name, allowed in (
             ("runtime", RUNTIMES),
-            ("policy", POLICIES),
+            ("policy", ROUTING_POLICIES),
             ("transport", transport_names()),
             ("placement", PLACEMENTS),
         ):

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +34,8 @@ from .recipes import Hook, Outcome, Peers, Recipe
 from .request import Request, RequestOutput, Status, TokenDelta
 from .sampling import SamplingParams, adjust_logits, sample, token_logprobs
 from .scheduler.local import LocalScheduler
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,8 +108,9 @@ class ModelRunner:
                 last_rows.append(len(ids) - 1)
                 sample_for.append(req)
         with self.group.step(slices, ids, last_rows):  # other TP ranks run this step too
-            args = (self.model, self.backend, self.graphs, slices, ids, last_rows, self.device)
-            logits = run_step(*args)  # [B, vocab] fp32, B = len(sample_for)
+            logits = run_step(  # [B, vocab] fp32, B = len(sample_for)
+                self.model, self.backend, self.graphs, slices, ids, last_rows, self.device
+            )
         eos = self.model.cfg.eos_token_ids
         tokens, bad = _sample(logits, sample_for, generator, eos) if sample_for else ([], {})
         by_req = dict(zip(map(id, sample_for), tokens))
@@ -159,16 +164,18 @@ def model_bytes(model_config: ModelConfig, dtype: torch.dtype) -> int:
     return model_config.num_parameters() * dtype.itemsize
 
 
-def _largest_step(model, cfg: EngineConfig, layout, heads: int, provider, device, dtype) -> int:
+def _largest_step(model, cfg: EngineConfig, shard: TPShard, provider, device, dtype) -> int:
     """The peak bytes (``provider.peak_during``) of the largest step the scheduler can pick:
     a full token budget at the end of the longest context, logits for every sequence slot.
     Every position of its block table is one scratch block: what it reads is garbage, what
     it allocates is what a real step allocates."""
     max_len = cfg.model_len(model.cfg)
     tokens = min(cfg.max_num_batched_tokens, max_len - 1)
+    layout = shard.kv_layout(cfg.block_size)
     pool = MemPool(layout, 1, device=device, dtype=dtype)
     table = pool.alloc_mem(1) * layout.num_blocks_for(max_len)
-    backend = make_backend(cfg.attention, pool.kv("hbm"), layout, heads, model.cfg.head_dim**-0.5)
+    scale = model.cfg.head_dim**-0.5
+    backend = make_backend(cfg.attention, pool.kv("hbm"), layout, shard.heads, scale)
     ids = torch.zeros(tokens, dtype=torch.long, device=device)  # [T]
     rows = torch.full((min(cfg.max_num_seqs, tokens),), tokens - 1, device=device)  # [B]
 
@@ -185,21 +192,22 @@ def _largest_step(model, cfg: EngineConfig, layout, heads: int, provider, device
 
 def pool_blocks(
     cfg: EngineConfig,
-    model,
-    model_config: ModelConfig,
     shard: TPShard,
     device: torch.device,
     dtype: torch.dtype,
+    *,
+    model: CausalLM | None = None,
     owns_weights: bool = True,
     graphs: int = 0,
 ) -> int:
-    """The hbm blocks of an instance: ``num_blocks``, else as many as ``kv_memory_bytes``
-    holds, else, on a device with memory accounting (:data:`~.memory.PROVIDERS`), what its
-    share leaves (:class:`~.memory.MemoryPlan`) after its weights (``owns_weights``: not
-    another engine's), the peak of ``model``'s largest step (measured here; None: a
-    tensor-parallel instance, sized before its ranks load) and ``graphs``, the bytes of CUDA
-    graphs captured before the pool exists (the hook for a graph runner that captures
-    first); else DEFAULT_CPU_KV_BYTES."""
+    """The hbm blocks of an instance holding ``shard`` of its model: ``num_blocks``, else as
+    many as ``kv_memory_bytes`` holds, else, on a device with memory accounting
+    (:data:`~.memory.PROVIDERS`), what its share leaves (:class:`~.memory.MemoryPlan`) after
+    its weights (``owns_weights``: not another engine's), the peak of ``model``'s largest step
+    (measured here; None: a tensor-parallel instance, sized before its ranks load) and
+    ``graphs``, the bytes of CUDA graphs captured before the pool exists; else
+    DEFAULT_CPU_KV_BYTES."""
+    model_config = shard.cfg
     layout = shard.kv_layout(cfg.block_size)
     block_bytes = layout.block_bytes(dtype.itemsize)
     if cfg.num_blocks is not None:
@@ -212,7 +220,7 @@ def pool_blocks(
         return n
     peak = 0
     if model is not None:
-        peak = _largest_step(model, cfg, layout, shard.heads, provider, device, dtype)
+        peak = _largest_step(model, cfg, shard, provider, device, dtype)
     plan = MemoryPlan(
         device=str(device),
         device_bytes=provider.total(device),
@@ -227,40 +235,78 @@ def pool_blocks(
     return plan.blocks(least=layout.num_blocks_for(cfg.model_len(model_config)))
 
 
-def _load(model_dir, cfg: EngineConfig, tp: int, device, dtype, share, pool_factory, instance_id):
-    """What an engine computes with: the checkpoint's config and tokenizer, a pool sized by
-    ``cfg`` (:func:`pool_blocks`), the rank group (rank 0's shard under tensor parallelism) and
-    the model runner. ``share`` is an engine in this process whose read-only weights are
-    reused."""
+@dataclass
+class EngineParts:
+    """What an engine computes with, made by :func:`build_parts` (or by hand: the simulator's
+    engines have a pool and no model): the checkpoint's config and tokenizer, the pool, the
+    model runner (None: the engine's owner computes the steps) and the tensor-parallel ranks
+    that run each step with rank 0."""
+
+    model_config: ModelConfig
+    tokenizer: Any
+    pool: MemPool
+    runner: ModelRunner | None = None
+    tp: SingleRank | TPGroup = field(default_factory=SingleRank)
+
+
+def build_parts(
+    model_dir: str | Path | None,
+    cfg: EngineConfig,
+    tp: int,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    instance_id: str = "0",
+    pool_factory: Callable[..., MemPool] | None = None,
+    share: Engine | None = None,
+) -> EngineParts:
+    """Build an engine's parts, in order: read the checkpoint's config and tokenizer, load its
+    weights (random ones under ``load_format="dummy"``; ``share``'s, an engine in this process
+    whose read-only weights are reused; ``tp`` > 1: rank 0's shard, the other ranks in their
+    own processes), size the pool (:func:`pool_blocks`, after the CUDA graphs' bytes), make
+    the pool (``pool_factory``), pick the attention backend and capture the decode graphs."""
     if share is not None:
         model_config, tokenizer = share.model_config, share.tokenizer
     else:
-        model_dir = Path(model_dir)
-        model_config = ModelConfig.from_hf(model_dir)
-        tokenizer = Tokenizer.from_dir(model_dir)
+        model_config = ModelConfig.from_hf(Path(model_dir))
+        tokenizer = Tokenizer.from_dir(Path(model_dir))
     shard = TPShard(0, tp, model_config)  # rank 0's heads and KV heads: all of them at TP 1
-    layout = shard.kv_layout(cfg.block_size)
     graph_batch = cfg.decode_graph_batch(device)
     max_len = cfg.model_len(model_config)
     graph_bytes = 0  # counted before the pool is sized
     if graph_batch:
-        local = shard.local_config()
         graph_bytes = graph_memory_bytes(
-            local, graph_batch, max_len, cfg.block_size, dtype.itemsize
+            shard.local_config(), graph_batch, max_len, cfg.block_size, dtype.itemsize
         )
     if tp > 1:
         if cfg.load_format != "auto":
             raise ConfigError("load_format 'dummy' is for instances of one rank")
-        num_blocks = pool_blocks(cfg, None, model_config, shard, device, dtype, graphs=graph_bytes)
-        args = (num_blocks, cfg.block_size, cfg.attention, device, dtype, cfg.dram_blocks)
-        group = TPGroup(model_dir, shard, *args, cfg.collective_timeout_s, graph_batch, max_len)
+        num_blocks = pool_blocks(cfg, shard, device, dtype, graphs=graph_bytes)
+        group = TPGroup(
+            model_dir,
+            shard,
+            num_blocks,
+            cfg.block_size,
+            cfg.attention,
+            device,
+            dtype,
+            cfg.dram_blocks,
+            cfg.collective_timeout_s,
+            graph_batch,
+            max_len,
+        )
         model = group.model
     else:
         group = SingleRank()
-        shared = share.model if share is not None else None
-        model = shared or _load_model(model_dir, model_config, device, dtype, cfg.load_format)
-        owns = shared is None
-        num_blocks = pool_blocks(cfg, model, model_config, shard, device, dtype, owns, graph_bytes)
+        owns = share is None
+        if owns:
+            model = _load_model(Path(model_dir), model_config, device, dtype, cfg.load_format)
+        else:
+            model = share.model
+        num_blocks = pool_blocks(
+            cfg, shard, device, dtype, model=model, owns_weights=owns, graphs=graph_bytes
+        )
+    layout = shard.kv_layout(cfg.block_size)
     pool = group.make_pool(pool_factory or MemPool)(
         layout,
         num_blocks,
@@ -275,7 +321,7 @@ def _load(model_dir, cfg: EngineConfig, tp: int, device, dtype, share, pool_fact
     if graph_batch and hasattr(backend, "plan_graph"):  # the backends that can be captured
         graphs = DecodeGraphs(model, backend, graph_batch, max_len, capture=True)
     runner = ModelRunner(model, backend, device, group, graphs)
-    return model_config, tokenizer, pool, group, runner
+    return EngineParts(model_config, tokenizer, pool, runner, group)
 
 
 def check_request(
@@ -332,16 +378,20 @@ def new_request(
 
 
 class Engine:
-    """A ``Serving`` instance over one MemPool. ``role`` picks the recipe of ``config``'s
-    milestone (default: its only role); ``peers`` serve the recipe's transfer calls; ``clock``
-    stamps requests' times (seconds). :meth:`from_parts` builds one around a model and a pool
-    made elsewhere (the simulator's engines have no weights and a virtual clock)."""
+    """A ``Serving`` instance over one MemPool. ``model_dir`` is a checkpoint, whose parts
+    :func:`build_parts` builds (on ``device`` in ``dtype``, the pool made by ``pool_factory``
+    and named ``instance_id``, the weights of ``share_model_with`` reused), or
+    :class:`EngineParts` built already (the simulator's have no model, then those five are
+    theirs). ``role`` picks the recipe of ``config``'s milestone (default: its only role);
+    ``peers`` serve the recipe's transfer calls; ``clock`` stamps requests' times (seconds).
+    Without a model an engine schedules and postprocesses but cannot run a step: its owner
+    computes tokens and calls :meth:`schedule` and :meth:`postprocess`."""
 
     streams = True  # keep each step's new tokens for take_deltas()
 
     def __init__(
         self,
-        model_dir: str | Path,
+        model_dir: str | Path | EngineParts,
         *,
         config: str = "PD",
         role: str | None = None,
@@ -356,61 +406,35 @@ class Engine:
     ):
         role, recipe = _role_recipe(config, role)
         cfg = engine_config or EngineConfig()
-        tp = cfg.tp_size(role)
-        if tp > 1 and share_model_with is not None:
-            raise ConfigError(f"a tensor-parallel instance (size {tp}) loads its own shard")
-        device = torch.device(device)
-        dtype = resolve_dtype(dtype)
-        model_config, tokenizer, pool, self.tp, self.runner = _load(
-            model_dir, cfg, tp, device, dtype, share_model_with, pool_factory, instance_id
-        )
-        self._assemble(role, recipe, peers, cfg, model_config, tokenizer, pool, clock)
-
-    @classmethod
-    def from_parts(
-        cls,
-        pool: MemPool,
-        model_config: ModelConfig,
-        tokenizer,
-        model: CausalLM | None = None,
-        *,
-        config: str = "PD",
-        role: str | None = None,
-        peers: Peers | None = None,
-        engine_config: EngineConfig | None = None,
-        clock: Callable[[], float] = time.perf_counter,
-    ) -> Engine:
-        """An engine over ``pool`` (whose ``instance_id`` it takes) and ``model`` on the
-        pool's device. Without a model it schedules and postprocesses but cannot run a step:
-        its owner computes tokens and calls :meth:`schedule` and :meth:`postprocess`."""
-        eng = cls.__new__(cls)
-        role, recipe = _role_recipe(config, role)
-        cfg = engine_config or EngineConfig()
-        eng._assemble(role, recipe, peers, cfg, model_config, tokenizer, pool, clock)
-        eng.tp, eng.runner = SingleRank(), None
-        if model is not None:
-            backend = make_backend(
-                cfg.attention,
-                pool.kv("hbm"),
-                pool.layout,
-                model_config.num_attention_heads,
-                model_config.head_dim**-0.5,
+        parts = model_dir
+        if not isinstance(parts, EngineParts):
+            tp = cfg.tp_size(role)
+            if tp > 1 and share_model_with is not None:
+                raise ConfigError(f"a tensor-parallel instance (size {tp}) loads its own shard")
+            parts = build_parts(
+                model_dir,
+                cfg,
+                tp,
+                device=torch.device(device),
+                dtype=resolve_dtype(dtype),
+                instance_id=instance_id,
+                pool_factory=pool_factory,
+                share=share_model_with,
             )
-            eng.runner = ModelRunner(model, backend, pool.device)
-        return eng
-
-    def _assemble(self, role, recipe, peers, cfg, model_config, tokenizer, pool, clock) -> None:
+        pool = parts.pool
         self.role = role
         self.recipe = recipe
         self.peers = peers
         self.config = cfg
-        self.model_config = model_config
-        self.tokenizer = tokenizer
+        self.model_config = parts.model_config
+        self.tokenizer = parts.tokenizer
         self.pool = pool
+        self.runner = parts.runner
+        self.tp = parts.tp
         self.clock = clock
         self.device = pool.device
         self.dtype = pool.dtype
-        self.max_model_len = cfg.model_len(model_config)
+        self.max_model_len = cfg.model_len(parts.model_config)
         self.scheduler = LocalScheduler(
             pool, recipe, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.scheduler, clock
         )
@@ -549,33 +573,64 @@ class Engine:
     ) -> list[RequestOutput]:
         """Take the step's sampled ``tokens`` (None: no token for that row yet), end the
         requests in ``bad`` with their error, run stops and hooks; the finished requests."""
-        batch, failed = plan.batch, plan.failed
-        done = plan.done + [self._finish(req, Hook.FAILURE, "error") for req in failed]
+        done = list(plan.done)
         now = self.clock()
-        for (req, n), tok in zip(batch, tokens):
+        for req in plan.failed:
+            done += self._guarded(self._finish, req, Hook.FAILURE, "error")
+        for (req, n), tok in zip(plan.batch, tokens):
             if req in bad:  # its KV of this step may be garbage: release it uncached
                 req.error = bad[req]
                 self.scheduler.remove(req)
-                done.append(self._finish(req, Hook.FAILURE, "error", now))
-                continue
-            req.num_computed += n
-            if tok is None:
-                continue
-            req.tokens.append(tok)
-            req.metrics.output_tokens = len(req.tokens) - req.num_prompt  # num_output
-            if self.streams:
-                _record_delta(self.deltas, req, tok)
-            req.metrics.first_token_time = req.metrics.first_token_time or now
-            if (reason := self._stop_reason(req, tok)) is not None:
-                self.scheduler.remove(req)
-                done.append(self._finish(req, Hook.FINISH, reason, now))
-            elif not req.prefilled:
-                req.prefilled = True
-                if self.overlap:  # handed off while the next step runs
-                    self.scheduler.park(req)
-                else:
-                    done += self._prefilled(req)
+                done += self._guarded(self._finish, req, Hook.FAILURE, "error", now)
+            else:
+                done += self._guarded(self._advance, req, n, tok, now)
         return done
+
+    def _advance(self, req: Request, n: int, tok: int | None, now: float) -> list[RequestOutput]:
+        """``req`` computed ``n`` more tokens and sampled ``tok`` (None: not yet): record it,
+        then stop, hand off or keep going; its output if it finished."""
+        req.num_computed += n
+        if tok is None:
+            return []
+        req.tokens.append(tok)
+        req.metrics.output_tokens = len(req.tokens) - req.num_prompt  # num_output
+        if self.streams:
+            _record_delta(self.deltas, req, tok)
+        req.metrics.first_token_time = req.metrics.first_token_time or now
+        if (reason := self._stop_reason(req, tok)) is not None:
+            self.scheduler.remove(req)
+            return [self._finish(req, Hook.FINISH, reason, now)]
+        if not req.prefilled:
+            req.prefilled = True
+            if self.overlap:  # handed off while the next step runs
+                self.scheduler.park(req)
+            else:
+                return self._prefilled(req)
+        return []
+
+    def _guarded(self, fn: Callable[..., object], req: Request, *args) -> list[RequestOutput]:
+        """``fn(req, *args)``'s outputs (one or a list); if it raises, ``req`` alone ends with
+        ``finish_reason="error"`` and the reason, logged: one request's post-processing never
+        fails the step for the others, nor the instance."""
+        try:
+            out = fn(req, *args)
+        except Exception as e:
+            return [self._fail(req, e)]
+        return out if isinstance(out, list) else [out]
+
+    def _fail(self, req: Request, error: Exception) -> RequestOutput:
+        """End ``req`` after ``error`` in its post-processing: release its blocks uncached and
+        output its tokens without text (the text may be what failed)."""
+        req.error = (
+            f"post-processing failed on {self.pool.instance_id}: {type(error).__name__}: {error}"
+        )
+        logger.error("request %s: %s", req.request_id, req.error, exc_info=error)
+        self.scheduler.remove(req)
+        try:
+            self.recipe.run(Hook.FAILURE, self.pool, req, self.peers)
+        except Exception as again:  # the blocks it held stay held: the pool audit shows them
+            logger.error("request %s: releasing its blocks failed: %r", req.request_id, again)
+        return self._close(req, "error", self.clock(), "")
 
     def _prefilled(self, req: Request) -> list[RequestOutput]:
         """Run the prefilled hook: keep decoding, hand off, park (decode side full) or fail."""
@@ -600,7 +655,7 @@ class Engine:
         done: list[RequestOutput] = []
         parked = self.scheduler.parked
         while parked and (head := parked[0]).status is Status.PARKED:
-            done += self._prefilled(head)
+            done += self._guarded(self._prefilled, head)
             if parked and parked[0] is head:
                 break  # still no room: the rest wait behind it
         return done
@@ -621,11 +676,17 @@ class Engine:
         if reason == "error" and not req.error:  # every failed output says where, at least
             req.error = f"failed on {self.pool.instance_id} without a recorded cause"
         self.recipe.run(hook, self.pool, req, self.peers)
+        now = self.clock() if now is None else now
+        return self._close(req, reason, now, self.tokenizer.decode(req.output_token_ids))
+
+    def _close(self, req: Request, reason: str, now: float, text: str) -> RequestOutput:
+        """Forget ``req`` (its blocks already released) and return its output."""
+        req.finish_reason = reason
         req.status = Status.FINISHED
-        req.metrics.finish_time = self.clock() if now is None else now
+        req.metrics.finish_time = now
         self.requests.pop(req.request_id, None)
         self.deltas.pop(req.request_id, None)  # the output carries every token
-        return req.to_output(self.tokenizer.decode(req.output_token_ids))
+        return req.to_output(text)
 
 
 def _record_delta(deltas: dict[str, TokenDelta], req: Request, tok: int) -> None:

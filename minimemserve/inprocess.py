@@ -1,14 +1,13 @@
 """Every instance of a deployment in one process, stepped in turn.
 
 KV moves between instances only through the recipes' MemPool calls (a plain tensor copy
-here). A new request goes where the ``GlobalScheduler`` routes it among the entry-role
-instances, as in the process runtime and the simulator (its prompt trees follow what each
-entry pool caches; under ``prompt_tree`` the instance holding most of the prompt may first
+here). A new request goes where the ``Frontend`` routes it among the entry-role instances,
+as in the process runtime and the simulator (its prompt trees follow what each entry pool
+caches; under ``prompt_tree`` the instance holding most of the prompt may first
 send it over); a prefilled one goes to the decode instance holding the most of it."""
 
 from __future__ import annotations
 
-import functools
 import itertools
 import time
 from pathlib import Path
@@ -21,7 +20,8 @@ from .errors import PoolExhausted
 from .recipes import Role
 from .request import Request, RequestOutput, TokenDelta
 from .sampling import SamplingParams
-from .scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler, Route
+from .scheduler.frontend import Frontend
+from .scheduler.global_scheduler import DEFAULT_TTL_S, Cost
 
 
 class Instance:
@@ -45,7 +45,8 @@ class Instance:
 
 class InProcessCluster:
     """The instances of ``deployment`` here, entry role first: a ``Serving`` and their
-    ``Peers``. ``policy``, ``cost_model`` and ``ttl_s`` configure the ``GlobalScheduler``."""
+    ``Peers``. ``policy``, ``cost_model`` and ``ttl_s`` configure the ``GlobalScheduler`` of
+    its ``Frontend``."""
 
     def __init__(
         self,
@@ -84,16 +85,18 @@ class InProcessCluster:
         self.tokenizer = self.instances[0].engine.tokenizer
         self._ids = itertools.count()
         self._deltas: dict[str, TokenDelta] = {}  # of requests still in flight
-        self.scheduler = GlobalScheduler(
+        self.frontend = Frontend(
             [i.name for i in self.entry],
+            self._push_prefix,
             policy=policy,
             block_size=ecfg.block_size,
             cost_model=cost_model,
             ttl_s=ttl_s,
             caching=deployment.milestone.entry_caches,
         )
+        self.scheduler = self.frontend.scheduler
         for inst in self.entry:  # the prompt trees follow what entry instances cache
-            inst.pool.on_change = functools.partial(self.scheduler.cache_changed, inst.name)
+            self.frontend.follow(inst.name, inst.pool)
 
     def role(self, role: str) -> list[Instance]:
         """The instances of ``role``."""
@@ -155,24 +158,20 @@ class InProcessCluster:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if any(rid in i.engine.requests for i in self.instances):
             raise ValueError(f"request id {rid!r} is already in use")
-        route = self.scheduler.route(ids, params.max_tokens, session_id)
-        if route.transfer_from is not None:
-            route = self._push_prefix(ids, route)
-        self.scheduler.dispatched(rid, route, len(ids), params.max_tokens)
+        route = self.frontend.route(ids, params.max_tokens, session_id)
+        self.frontend.dispatched(rid, route, len(ids), params.max_tokens)
         return self.by_name[route.instance].engine.add_request(ids, params, rid, arrival_time)
 
-    def _push_prefix(self, ids: list[int], route: Route) -> Route:
-        """``route.transfer_from`` sends its cached prefix of ``ids`` to the routed instance
-        (indexed there); without room there, the request goes without it."""
-        src, dst = self.by_name[route.transfer_from].pool, self.by_name[route.instance].pool
+    def _push_prefix(self, src_name: str, dst_name: str, ids) -> int:
+        """``src_name`` sends its cached prefix of ``ids`` to ``dst_name`` (indexed there);
+        the tokens that moved (none without room there: the request goes without them)."""
+        src, dst = self.by_name[src_name].pool, self.by_name[dst_name].pool
         try:
             got = src.send_cached(dst, ids)
         except PoolExhausted:
             got = []
         dst.free_mem(got)  # its index keeps its own reference
-        if got:
-            self.scheduler.record(route.instance, ids[: len(got) * src.block_size])
-        return self.scheduler.landed(route, ids)
+        return len(got) * src.block_size
 
     def step(self) -> list[RequestOutput]:
         """Step every instance with work once; handed-off requests are already queued on D."""
@@ -181,11 +180,11 @@ class InProcessCluster:
             if inst.engine.has_unfinished():
                 done.extend(inst.engine.step())
             for req in inst.engine.handoffs:  # the recipe already passed them on
-                self.scheduler.prefilled(req.request_id)
+                self.frontend.prefilled(req.request_id)
             inst.engine.handoffs.clear()
             for d in inst.engine.take_deltas():  # in order: P's first token, then D's
                 if d.start == 0:
-                    self.scheduler.started(d.request_id)
+                    self.frontend.started(d.request_id)
                 if (have := self._deltas.get(d.request_id)) is None:
                     self._deltas[d.request_id] = d
                 else:
@@ -194,8 +193,7 @@ class InProcessCluster:
                         have.logprobs += d.logprobs
         for out in done:  # its output carries every token
             self._deltas.pop(out.request_id, None)
-            answered = out.finish_reason in ("stop", "length")
-            self.scheduler.finished(out.request_id, None, len(out.token_ids) if answered else None)
+            self.frontend.finished(out)
         return done
 
     def take_deltas(self) -> list[TokenDelta]:
@@ -210,7 +208,7 @@ class InProcessCluster:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort ``request_id`` on whichever instance holds it."""
         self._deltas.pop(request_id, None)
-        self.scheduler.finished(request_id)
+        self.frontend.dropped(request_id)
         for inst in self.instances:
             if (out := inst.engine.abort(request_id)) is not None:
                 return out

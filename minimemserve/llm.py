@@ -22,36 +22,35 @@ class LLM:
     """Offline generation over one deployment, run in this process: ``config`` is ``PD``,
     ``PD-CC``, ``1P1D``, ``1P1D-CC1/2/3`` (``1P1D-CC`` = CC3) or ``xPyD``. ``engine`` is their
     cluster (a ``Serving``); ``model_dir=None`` uses the tiny preset checkpoint. Other keyword
-    arguments are ``EngineConfig`` fields (``num_blocks``, ``max_num_seqs``...).
-    :meth:`from_spec` takes a whole :class:`DeploymentSpec` (any runtime).
+    arguments are ``EngineConfig`` fields (``num_blocks``, ``max_num_seqs``...). Given a
+    whole :class:`DeploymentSpec` (any runtime) instead of ``model_dir``, it runs that (as
+    :meth:`from_spec` does; the other arguments are the spec's then).
 
     >>> LLM(None, config="PD-CC").generate(["Hello"], SamplingParams(temperature=0.0))[0].text
     """
 
     def __init__(
         self,
-        model_dir: str | Path | None = None,
+        model_dir: str | Path | DeploymentSpec | None = None,
         *,
         config: str = "PD",
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
         **engine_config: Any,
     ):
-        spec = DeploymentSpec(config, model_dir, device, dtype, EngineConfig(**engine_config))
-        self._start(spec)
-
-    @classmethod
-    def from_spec(cls, spec: DeploymentSpec) -> LLM:
-        """Generation over the deployment ``spec`` describes."""
-        llm = cls.__new__(cls)
-        llm._start(spec)
-        return llm
-
-    def _start(self, spec: DeploymentSpec) -> None:
+        if isinstance(model_dir, DeploymentSpec):  # a whole deployment, as from_spec takes
+            spec = model_dir
+        else:
+            spec = DeploymentSpec(config, model_dir, device, dtype, EngineConfig(**engine_config))
         self.spec = spec
         self.model_dir = spec.model_dir
         self.deployment = parse_config_name(spec.config)
         self.engine: Serving = spec.build()
+
+    @classmethod
+    def from_spec(cls, spec: DeploymentSpec) -> LLM:
+        """Generation over the deployment ``spec`` describes."""
+        return cls(spec)
 
     def close(self) -> None:
         """Release the deployment's resources (tensor-parallel worker processes)."""

@@ -8,13 +8,14 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 
-from minimemserve.config import HANDOFF_MODES, LOAD_FORMATS, SCHEDULERS, EngineConfig
+from minimemserve.config import HANDOFF_MODES, LOAD_FORMATS, EngineConfig
 from minimemserve.deployment import DTYPES, RUNTIMES, DeploymentSpec
 from minimemserve.disagg.links import transport_names
 from minimemserve.disagg.placement import PLACEMENTS
 from minimemserve.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from minimemserve.scheduler.cost_model import CostModel
-from minimemserve.scheduler.global_scheduler import POLICIES
+from minimemserve.scheduler.global_scheduler import ROUTING_POLICIES
+from minimemserve.scheduler.local import STEP_POLICIES
 from minimemserve.workloads.results import (
     DEFAULT_CONFIGS,
     DEFAULT_RATE,
@@ -22,6 +23,7 @@ from minimemserve.workloads.results import (
     DEFAULT_WORKLOAD,
 )
 from minimemserve.workloads.sessions import WORKLOADS
+from minimemserve.workloads.trace import parse_window
 
 # Where the commands write their JSON and plots unless ``--out`` says otherwise (relative to
 # the working directory).
@@ -79,7 +81,7 @@ DEPLOYMENT_FLAGS = {
         "one process per instance, every instance in this one, or one Ray actor per instance",
         RUNTIMES,
     ),
-    "policy": ("--policy", "global scheduler policy", POLICIES),
+    "policy": ("--policy", "global scheduler policy", ROUTING_POLICIES),
     "cost_model": (
         "--cost-model",
         "JSON of a fitted cost model (bench/cost_model.py writes one) for the global "
@@ -126,9 +128,12 @@ DEPLOYMENT_FLAGS = {
 PARALLEL_FLAGS = ("tensor_parallel_size", "decode_tensor_parallel_size")
 
 
-def add_workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_workload_arguments(
+    p: argparse.ArgumentParser, rate: float | None = DEFAULT_RATE
+) -> argparse.ArgumentParser:
     """The options ``minimemserve bench`` and ``minimemserve sim`` share: configs, workload,
-    sessions, rate, turns and lengths, seed, output folder, routing policy, progress."""
+    sessions, rate, turns and lengths, seed, output folder, routing policy, progress.
+    ``rate`` is ``--rate``'s default; None: the command probes what the machine sustains."""
     p.add_argument(
         "--configs",
         default=",".join(DEFAULT_CONFIGS),
@@ -142,7 +147,13 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="sessions (ShareGPT conversations, LooGLE documents, ReAct questions; default "
         f"{DEFAULT_SESSIONS}; sim --paper sizes its own runs)",
     )
-    p.add_argument("--rate", type=float, default=DEFAULT_RATE, help="session arrivals per second")
+    probed = "a share of what the slowest configuration sustains, probed first"
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=rate,
+        help=f"session arrivals per second (default: {probed if rate is None else rate})",
+    )
     p.add_argument(
         "--max-turns",
         type=int,
@@ -167,14 +178,51 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParse
     add_deployment_arguments(p, ("policy",))
     p.add_argument(
         "--scheduler",
-        choices=SCHEDULERS,
+        choices=STEP_POLICIES,
         default=None,
         help="local step policy: chunked prefill beside decodes (the default), or "
         "prefill_first (whole prompts in steps of their own, vLLM 0.4.0's; the default of "
         "sim --paper)",
     )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_trace_arguments(p)
     return p
+
+
+def add_trace_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of a production trace (Mooncake's JSONL format) as the workload."""
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="replay this trace file (Mooncake's JSONL: timestamp, input_length, "
+        "output_length, hash_ids) instead of --workload; 'mooncake' is the shared "
+        "conversation trace",
+    )
+    p.add_argument(
+        "--trace-window",
+        type=parse_window,
+        default=(0, None),
+        help="--trace: its requests START:STOP (or the first N; default: all)",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="--trace: arrival times are multiplied by this (0.5 replays twice as fast)",
+    )
+    p.add_argument(
+        "--length-scale",
+        type=int,
+        default=1,
+        help="--trace: every length is divided by this (a divisor of 512, e.g. 32 for the "
+        "tiny model on a CPU)",
+    )
+    return p
+
+
+def trace_path(args: argparse.Namespace) -> str | None:
+    """The trace file ``--trace`` names (None: the shared conversation trace)."""
+    return None if args.trace == "mooncake" else args.trace
 
 
 def add_engine_arguments(

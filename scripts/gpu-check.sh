@@ -145,13 +145,13 @@ command -v nvidia-smi >/dev/null && nvidia-smi >>"$WORK/env.log" 2>&1
 # (steps: each decode shape eagerly and through the decode CUDA graphs, with the profiler's
 # GPU-busy time and kernel count; generate: LLM.generate end to end, eager against graphs)
 if [ "$DRY" = 1 ]; then
-    stage kernels 60 "$PY" bench/kernels.py --out "$OUT_DIR"
+    stage kernels 60 "$PY" bench/attention_kernels.py --out "$OUT_DIR"
     # the 7B dry run takes the Triton backend (interpreted), so the graph path runs too
     stage steps-7b 90 "$PY" bench/gpu_steps.py --dry-run --model 7b --backend triton --out "$OUT_DIR"
     stage generate-7b 60 "$PY" bench/gpu_generate.py --dry-run --out "$OUT_DIR"
     stage steps-13b 60 "$PY" bench/gpu_steps.py --dry-run --model 13b --out "$OUT_DIR"
 else
-    stage kernels 75 "$PY" bench/kernels.py --quick --out "$OUT_DIR"
+    stage kernels 75 "$PY" bench/attention_kernels.py --quick --out "$OUT_DIR"
     stage steps-7b 80 "$PY" bench/gpu_steps.py --model 7b --out "$OUT_DIR"
     stage generate-7b 70 "$PY" bench/gpu_generate.py --out "$OUT_DIR"
     stage steps-13b 70 "$PY" bench/gpu_steps.py --model 13b --out "$OUT_DIR"
@@ -216,7 +216,7 @@ fi
 BENCH_CAP=90
 if [ "$DRY" = 1 ]; then
     BENCH_CAP=150 # a 32M-parameter model on the CPU, which may be shared
-    BENCH=(--device cpu --dtype float32 --runtime inline --configs PD,PD-CC --sessions 1
+    BENCH=(--device cpu --dtype float32 --runtime inline --configs PD,PD-CC --sessions 1 --rate 1
         --max-turns 2 --max-output-tokens 2 --max-context 256)
 else
     BENCH=(--device cuda --dtype bfloat16 --runtime process --sessions 6 --rate 2 --max-turns 3

@@ -43,6 +43,11 @@ TINY_LLAMA_DEFAULTS = dict(
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "docs_full" not in (config.getoption("markexpr") or ""):
+        whole = pytest.mark.skip(reason="the docs' whole set: pytest -m docs_full")
+        for item in items:
+            if "docs_full" in item.keywords:
+                item.add_marker(whole)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -161,4 +166,18 @@ def hf_tokenizer_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tok.save(str(out / "tokenizer.json"))
     config = {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHATML}
     (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+WIDE_ROWS = 640  # embedding rows of ``wide_embedding_dir``, over a 512-entry tokenizer
+
+
+@pytest.fixture(scope="session")
+def wide_embedding_dir(tiny_llama_factory, hf_tokenizer_files, tmp_path_factory) -> Path:
+    """A Llama-3-shaped checkpoint (an HF ``tokenizer.json``) whose embedding has more rows
+    (640) than its tokenizer has entries (512), as Qwen2.5's 152,064 over 151,665."""
+    model_dir = tiny_llama_factory(vocab_size=WIDE_ROWS, num_key_value_heads=1)
+    out = tmp_path_factory.mktemp("wide_embedding")
+    for src in (*model_dir.iterdir(), *hf_tokenizer_files.iterdir()):
+        (out / src.name).write_bytes(src.read_bytes())
     return out

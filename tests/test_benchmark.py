@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from minimemserve import cli
-from minimemserve.harness.driver import run_bench, run_workload
+from minimemserve.harness.driver import (
+    PROBE_LOAD,
+    burst_capacity,
+    probed_configs,
+    run_bench,
+    run_workload,
+)
 from minimemserve.request import RequestMetrics, RequestOutput
 from minimemserve.sampling import SamplingParams
 from minimemserve.serving import Serving
@@ -284,6 +290,81 @@ def test_write_plots(tmp_path):
     assert [p.name for p in paths] == ["e2e_x_bars.png", "e2e_x_cdf.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_write_plots_marks_an_unstable_config(tmp_path, monkeypatch):
+    """An overloaded configuration's bars are hatched and its tick says so; a stable one's not."""
+    from matplotlib.axes import Axes
+
+    ticks, hatches = [], []
+    set_xticks = Axes.set_xticks
+    monkeypatch.setattr(
+        Axes, "set_xticks", lambda ax, x, labels: ticks.append(labels) or set_xticks(ax, x, labels)
+    )
+    bar = Axes.bar
+
+    def spy(ax, *args, **kwargs):
+        drawn = bar(ax, *args, **kwargs)
+        hatches.append(drawn)
+        return drawn
+
+    monkeypatch.setattr(Axes, "bar", spy)
+    recs = {"PD": [_rec(0, 1.0, 2.0, 0.1)], "1P1D": [_rec(0, 1.0, 2.0, 0.1)]}
+    summaries = {k: summarize(v) for k, v in recs.items()}
+    summaries["1P1D"]["stability"] = {"stable": False}
+    write_plots(recs, summaries, tmp_path / "e2e_x")
+    assert ticks[0] == ["PD", "1P1D\n(overloaded)"]
+    assert all([b.get_hatch() for b in drawn] == [None, "//"] for drawn in hatches)
+
+
+def _burst(session: str, ends: list[float]) -> list[dict]:
+    """A session's records, all arriving at 0 (the burst), turn k finishing at ends[k]."""
+    starts = [0.0, *ends[:-1]]
+    recs = [_rec(k, 0.1, e - a, 0.01, arrival=a) for k, (a, e) in enumerate(zip(starts, ends))]
+    return [r | {"session": session} for r in recs]
+
+
+def test_burst_capacity_counts_turns_until_half_the_sessions_finished():
+    # four sessions: two done by 2 s (3 turns in all), the others run on alone to 9 s
+    records = _burst("a", [1.0]) + _burst("b", [1.0, 2.0])
+    records += _burst("c", [1.5, 3.0, 9.0]) + _burst("d", [2.0, 8.0])
+    # by 2 s: a's 1, b's 2, c's 1, d's 1 = 5 turns in 2 s, 2.5 turns per session
+    assert burst_capacity(records, 2.5) == pytest.approx(5 / 2 / 2.5)
+    assert burst_capacity(records[:1], 1.0) == pytest.approx(1.0)  # one session: to its end
+
+
+def test_probe_runs_the_configs_without_their_caching_variant():
+    assert probed_configs(["PD", "PD-CC", "1P1D", "1P1D-CC"]) == ["PD", "1P1D"]
+    assert probed_configs(["PD-CC", "1P1D-CC", "2P2D"]) == ["PD-CC", "1P1D-CC", "2P2D"]
+    assert probed_configs(["http://a", "http://b"]) == ["http://a", "http://b"]
+
+
+def test_run_bench_without_a_rate_probes_then_runs_at_a_share_of_it(tiny_llama_dir):
+    built = []
+
+    def factory(spec):
+        built.append(ScriptedServing())
+        return built[-1]
+
+    result = run_bench(
+        configs=("FAKE",),
+        factories={"FAKE": factory},
+        num_sessions=3,
+        rate=None,
+        max_turns=2,
+        max_output_tokens=2,
+        model_dir=tiny_llama_dir,
+        out_dir=None,
+        progress=False,
+        verbose=False,
+    )
+    probe = result["setup"]["rate_probe"]
+    assert len(built) == 2 and all(s.closed and s.audits == [True] for s in built)
+    assert len(built[0].added) == len(built[1].added)  # the probe: the same 3 sessions at once
+    assert len({a for _, _, a in built[0].added[2:5]}) == 1  # after the two warm-ups
+    assert probe["load"] == PROBE_LOAD and probe["capacity"]["FAKE"] > 0
+    assert result["setup"]["rate"] == probe["rate"]
+    assert probe["rate"] == pytest.approx(PROBE_LOAD * probe["capacity"]["FAKE"], rel=0.05)
 
 
 def _bench_on(serving: ScriptedServing, model_dir):

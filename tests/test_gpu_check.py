@@ -260,7 +260,7 @@ def _bench_module(name: str, monkeypatch):
 def test_the_gpu_paths_of_the_benchmarks_and_the_summary_on_the_cpu(tmp_path, monkeypatch):
     """What only a GPU run executes, here with tiny shapes and a stand-in timer: the kernel
     sweep's rows and targets, the step grid at the Llama-2 shapes, and the summary of it all."""
-    kernels = _bench_module("kernels", monkeypatch)
+    kernels = _bench_module("attention_kernels", monkeypatch)
     monkeypatch.setattr(kernels, "device_peaks", lambda device: ("NVIDIA H200", 4.8e12, 989e12))
     monkeypatch.setattr(kernels, "copy_gbps", lambda device: 4300.0)
     monkeypatch.setattr(kernels, "time_cuda", lambda fn: (fn(), 1e-3)[1])

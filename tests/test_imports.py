@@ -34,7 +34,7 @@ LAYERS = (
     ("llm",),
     ("minimemserve",),
     ("workloads",),
-    ("options",),
+    ("options", "explain"),
     ("server", "sim"),
     ("harness",),
     ("cli",),

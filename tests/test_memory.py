@@ -164,8 +164,8 @@ def test_a_tensor_parallel_instance_counts_its_shard_of_the_weights(tiny_llama_d
     cfg = ModelConfig.from_hf(tiny_llama_dir)
     engine = EngineConfig().placed(2)
     cpu = torch.device("cpu")
-    whole = pool_blocks(engine, None, cfg, TPShard(0, 1, cfg), cpu, torch.float32)
-    half = pool_blocks(engine, None, cfg, TPShard(0, 2, cfg), cpu, torch.float32)
+    whole = pool_blocks(engine, TPShard(0, 1, cfg), cpu, torch.float32)
+    half = pool_blocks(engine, TPShard(0, 2, cfg), cpu, torch.float32)
     block_bytes = TPShard(0, 1, cfg).kv_layout(16).block_bytes(4)
     budget = int(0.45 * gpu.total_bytes) - gpu.context_bytes  # no step profiled: no model here
     assert whole == (budget - model_bytes(cfg, torch.float32)) // block_bytes

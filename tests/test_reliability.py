@@ -60,6 +60,36 @@ def test_a_request_whose_sampling_fails_ends_alone(llm, monkeypatch):
     assert llm.generate(prompts(1), GREEDY)[0].token_ids == healthy[0].token_ids
 
 
+def _poisoned(real):
+    """``real`` (an engine method or a pool call taking the request second), raising for the
+    request seeded ``POISON_SEED``."""
+
+    def call(first, req, *args):
+        if req.params.seed == POISON_SEED:
+            raise KeyError("injected")
+        return real(first, req, *args)
+
+    return call
+
+
+@pytest.mark.parametrize("where", ["stop check", "finish hook"])
+def test_a_failure_in_one_requests_postprocessing_ends_it_alone(llm, monkeypatch, where, caplog):
+    healthy = llm.generate(prompts(3), GREEDY)
+    if where == "stop check":
+        stop = engine_module.Engine._stop_reason
+        monkeypatch.setattr(engine_module.Engine, "_stop_reason", _poisoned(stop))
+    else:
+        monkeypatch.setitem(recipes.OPS, "insert", _poisoned(recipes.OPS["insert"]))
+    poison = SamplingParams(max_tokens=6, temperature=0.0, seed=POISON_SEED, ignore_eos=True)
+    outs = llm.generate(prompts(3), [GREEDY, poison, GREEDY])
+    assert outs[1].finish_reason == "error" and "KeyError: 'injected'" in outs[1].error
+    assert "post-processing failed" in caplog.text and outs[1].request_id in caplog.text
+    assert [outs[0].token_ids, outs[2].token_ids] == [healthy[0].token_ids, healthy[2].token_ids]
+    llm.engine.check_pools(require_idle=True)
+    monkeypatch.undo()
+    assert llm.generate(prompts(1), GREEDY)[0].token_ids == healthy[0].token_ids
+
+
 def test_a_failing_forward_pass_fails_its_batch_and_the_engine_lives(llm, monkeypatch):
     runner = llm.engine.instances[0].engine.runner
     monkeypatch.setattr(runner, "run", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))

@@ -26,7 +26,13 @@ from ..model.config import ModelConfig
 from ..parallel import HostStore
 from ..scheduler.global_scheduler import MOVES_PREFIXES
 from . import rpc
-from .instance import DEFAULT_HEARTBEAT_S, StandaloneOptions, instance_main, instance_spec
+from .instance import (
+    DEFAULT_HEARTBEAT_S,
+    InstanceSpec,
+    StandaloneOptions,
+    instance_main,
+    instance_spec,
+)
 from .links import AUTO, KV_LINKS, ONE_HOST, kv_link, transport_names
 
 # Time a process gets to exit after Shutdown before it is terminated, then killed.
@@ -218,6 +224,7 @@ class Launcher:
         self.beacon = beacon
         self.instances: dict[str, InstanceInfo] = {}
         self.store: HostStore | None = None  # where torch.distributed pairs meet, if any
+        self._spawns: dict[str, tuple[Any, InstanceSpec]] = {}  # name -> (context, spec)
 
     def spawn(self, how: SpawnSpec, secret: bytes, curve) -> None:
         """Start one process per instance of the deployment on this host."""
@@ -241,11 +248,25 @@ class Launcher:
                 num_threads=how.cores_per_instance,
                 parent_pid=os.getpid(),
             )
-            spec = instance_spec(self.join_message(name), opts, engine_config)
-            proc = ctx.Process(target=instance_main, args=(spec,), name=f"mms-{name}")
-            proc.daemon = True
-            proc.start()
-            self.instances[name] = InstanceInfo(name, role, proc)
+            self._spawns[name] = (ctx, instance_spec(self.join_message(name), opts, engine_config))
+            self.instances[name] = InstanceInfo(name, role, self._start(name))
+
+    def _start(self, name: str):
+        """Start the process of spawned instance ``name`` (it reports ``Ready`` when loaded)."""
+        ctx, spec = self._spawns[name]
+        proc = ctx.Process(target=instance_main, args=(spec,), name=f"mms-{name}")
+        proc.daemon = True
+        proc.start()
+        return proc
+
+    def respawn(self, name: str) -> None:
+        """Start spawned instance ``name`` again, its last process having exited: a new process
+        of the same spec, on a new shared segment, not ready until it reports ``Ready``."""
+        inst = self.instances[name]
+        inst.process.join(0)  # reap the one that exited
+        inst.process = self._start(name)
+        inst.ready = False
+        inst.handle = None
 
     def join(self, addresses: Sequence[str], model_config: ModelConfig, timeout_s: float) -> None:
         """Ask each standalone instance what it is, name it by role, and send it the deployment."""

@@ -1,7 +1,8 @@
 """The frontend's ledger of a process deployment's requests: each one in flight (where it
 runs, its streamed tokens, its reruns) until its output arrives, hand-offs between
-instances, requests lost with an instance (re-run or ended), and aborts (an instance answers
-one between its steps, with the request's output or where it handed it on)."""
+instances, requests lost with an instance (re-run or ended, by the ``Frontend``'s rule), and
+aborts (an instance answers one between its steps, with the request's output or where it
+handed it on). The request's transitions are the ``Frontend``'s; this follows it over RPC."""
 
 from __future__ import annotations
 
@@ -14,13 +15,10 @@ from typing import Any
 
 from ..errors import MiniMemServeError, TransferError
 from ..request import Request, RequestOutput, TokenDelta, logprobs_fit
-from ..scheduler.global_scheduler import GlobalScheduler
+from ..scheduler.frontend import Frontend
 from . import rpc
 
 logger = logging.getLogger(__name__)
-
-# A request is re-run at most this many times after instances died under it.
-MAX_RERUNS = 2
 
 
 @dataclass
@@ -51,23 +49,20 @@ class Ledger:
     def __init__(
         self,
         node: rpc.RpcNode,
-        scheduler: GlobalScheduler,
+        frontend: Frontend,
         names: Iterable[str],
         dead: dict[str, str],
         vocab_size: int,
-        rerun_on_failure: bool,
         resubmit: Callable[[str, Inflight], str],
     ) -> None:
         self.node = node
-        self.scheduler = scheduler
+        self.frontend = frontend
         self.names = list(names)
         self.vocab_size = vocab_size  # to check what arrives
-        self.rerun_on_failure = rerun_on_failure
         self.resubmit = resubmit
         self.dead = dead  # instance name -> why it died (the membership's)
         self.inflight: dict[str, Inflight] = {}
         self.done: list[RequestOutput] = []
-        self.num_reruns = 0  # requests re-run after the instance holding them died
 
     def take_done(self) -> list[RequestOutput]:
         """The requests that ended since the last call."""
@@ -92,8 +87,7 @@ class Ledger:
         out = msg.output
         if self.inflight.pop(out.request_id, None) is not None:
             self.done.append(out)
-            answered = out.finish_reason in ("stop", "length")
-            self.scheduler.finished(out.request_id, None, len(out.token_ids) if answered else None)
+            self.frontend.finished(out)
 
     def on_tokens(self, sender: str, msg: rpc.Tokens) -> None:
         """Stream positions from P and D may arrive out of order: keep them by position."""
@@ -110,7 +104,7 @@ class Ledger:
             ):
                 raise ValueError(f"{sender} sent tokens that do not fit {d.request_id!r}")
             if d.start == 0:
-                self.scheduler.started(d.request_id)
+                self.frontend.started(d.request_id)
             lps = d.logprobs or [None] * len(d.token_ids)
             for i, (tok, lp) in enumerate(zip(d.token_ids, lps)):
                 if d.start + i >= f.streamed:
@@ -140,19 +134,19 @@ class Ledger:
             self.recover(msg.request_id, f, reason)
         else:
             f.where = msg.to
-            self.scheduler.prefilled(msg.request_id)
+            self.frontend.prefilled(msg.request_id)
 
     def recover(self, rid: str, f: Inflight, error: str) -> None:
         """Re-run a request whose instance died, or end it with ``error``."""
-        if self.rerun_on_failure and f.reruns < MAX_RERUNS:
+        if self.frontend.may_rerun(f.reruns):
             with contextlib.suppress(TransferError, MiniMemServeError):
                 f.reruns += 1
                 where = self.resubmit(rid, f)
-                self.num_reruns += 1
+                self.frontend.num_reruns += 1
                 logger.warning("request %s re-run on %s after: %s", rid, where, error)
                 return
         self.inflight.pop(rid, None)
-        self.scheduler.finished(rid)
+        self.frontend.dropped(rid)
         self.done.append(f.end("error", error))
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -161,7 +155,7 @@ class Ledger:
         its steps, and follows its hand-off when it passed the request on), then the others."""
         if (f := self.inflight.pop(request_id, None)) is None:
             return None
-        self.scheduler.finished(request_id)
+        self.frontend.dropped(request_id)
         order = [f.where] + [n for n in self.names if n != f.where]
         asked: set[str] = set()
         while order:

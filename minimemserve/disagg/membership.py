@@ -8,7 +8,12 @@ step to end; so an instance is declared dead only when its process exited, or wh
 came from it for ``heartbeat_timeout_s`` (stopped, wedged, cut off). A step that hangs
 inside, on a peer or a collective, ends on that wait's own deadline. An instance that ended
 its session on its own (it says so with ``Rejoin``, or refuses a request as waiting) counts
-as dead until it has joined again: nothing is routed to it meanwhile."""
+as dead until it has joined again: nothing is routed to it meanwhile.
+
+A spawned instance whose process exited is started again (a new process of the same spec)
+after ``RESTART_WAIT_S``, doubling with each restart up to ``RESTART_MAX_WAIT_S``, at most
+``MAX_RESTARTS`` times; it rejoins as a standalone one does. Standalone instances are restarted
+by whoever started them (a supervisor), and then rejoin on their own."""
 
 from __future__ import annotations
 
@@ -22,6 +27,13 @@ from .launch import InstanceInfo, Launcher, unlink_segment
 from .ledger import Ledger
 
 logger = logging.getLogger(__name__)
+
+# A spawned instance whose process exited is started again after this long, doubling with each
+# restart (a crash at start-up does not spin), waiting at most RESTART_MAX_WAIT_S ...
+RESTART_WAIT_S = 1.0
+RESTART_MAX_WAIT_S = 30.0
+# ... and at most this many times over the cluster's life (then it stays dead: a crash loop).
+MAX_RESTARTS = 5
 
 
 class Membership:
@@ -49,6 +61,9 @@ class Membership:
         self.joining: dict[str, float] = {}
         self.ended: dict[str, str] = {}
         self.num_rejoins = 0  # instances taken back after they were declared dead
+        # spawned instances whose process exited: when each is started again; restarts made
+        self.restart_at: dict[str, float] = {}
+        self.restarts: dict[str, int] = {}
 
     def admits(self, sender: str, msg: rpc.Msg) -> bool:
         """Whether ``sender`` may send ``msg`` now (a dead instance only its way back)."""
@@ -79,13 +94,55 @@ class Membership:
                 self._on_death(inst, f"no heartbeat for {timeout:g} s")
         for name in list(self.back):
             self._ask_back(self.instances[name])
+        self._watch_restarts()
+        self._watch_joining(timeout)
+        return self.dead
+
+    def _watch_restarts(self) -> None:
+        """Restart the spawned instances whose time came; plan it for one declared dead while
+        alive (silent) whose process has exited since."""
+        for name in list(self.gone):
+            if (proc := self.instances[name].process) is not None and not proc.is_alive():
+                self.gone.discard(name)
+                self._plan_restart(self.instances[name])
+        for name, due in list(self.restart_at.items()):
+            if time.monotonic() >= due:
+                self._restart(self.instances[name])
+
+    def _watch_joining(self, timeout: float) -> None:
+        """Revive the instances asked back that are ready; a restarted process that exited is
+        restarted later; one silent for ``timeout`` is waited for (its ``Rejoin``)."""
         for name, asked in list(self.joining.items()):
-            if self.instances[name].ready:
-                self._revive(self.instances[name])
+            inst = self.instances[name]
+            if inst.ready:
+                self._revive(inst)
+            elif inst.process is not None and not inst.process.is_alive():  # restart failed
+                del self.joining[name]
+                logger.error("instance %s exited while restarting", name)
+                self._plan_restart(inst)
             elif self.silent(name, asked) > timeout:  # gone while it loaded: wait for a Rejoin
                 del self.joining[name]
                 self.gone.add(name)
-        return self.dead
+
+    def _plan_restart(self, inst: InstanceInfo) -> None:
+        """Start spawned ``inst`` again later (its process exited), unless it used its restarts."""
+        made = self.restarts.get(inst.name, 0)
+        if made >= MAX_RESTARTS:
+            logger.error("instance %s exited after %d restarts: it stays dead", inst.name, made)
+            return
+        wait = min(RESTART_WAIT_S * 2**made, RESTART_MAX_WAIT_S)
+        self.restart_at[inst.name] = time.monotonic() + wait
+        logger.warning(
+            "instance %s: restart %d of %d in %g s", inst.name, made + 1, MAX_RESTARTS, wait
+        )
+
+    def _restart(self, inst: InstanceInfo) -> None:
+        """A new process for spawned ``inst``; it reports ``Ready``, then ``monitor`` revives it."""
+        del self.restart_at[inst.name]
+        self.restarts[inst.name] = self.restarts.get(inst.name, 0) + 1
+        self.launcher.respawn(inst.name)
+        self.node.dead.pop(inst.name, None)  # the node would refuse to reach the new process
+        self.joining[inst.name] = time.monotonic()
 
     def on_rejoin(self, sender: str, msg: rpc.Rejoin) -> None:
         """A standalone instance is waiting: one declared dead is asked back by ``monitor``;
@@ -136,6 +193,8 @@ class Membership:
     def _revive(self, inst: InstanceInfo) -> None:
         """Take a rejoined instance back: peers reach it again, the scheduler routes to it."""
         del self.joining[inst.name]
+        if inst.process is not None:  # a new process, where its Ready said it listens
+            self.node.connect(inst.name, inst.address)
         self.num_rejoins += 1
         scope = f"r{self.num_rejoins}"  # new pair groups: the old ones died with its session
         others = [i for i in self.instances.values() if i.name not in self.dead]
@@ -178,3 +237,5 @@ class Membership:
             handed = rep.data.get("handed", ()) if isinstance(rep, rpc.Info) else ()
             self.ledger.moved(handed, other.name, inst.name)
         self.ledger.lost(inst.name, f"InstanceDied: instance {inst.name} died ({reason})")
+        if inst.process is not None and not inst.process.is_alive():
+            self._plan_restart(inst)

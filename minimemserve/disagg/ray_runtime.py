@@ -59,7 +59,7 @@ from .runtime import ProcessCluster
 logger = logging.getLogger(__name__)
 
 # What to install when Ray is missing.
-RAY_EXTRA = "pip install 'minimemserve[ray]'"
+RAY_EXTRA = "pip install -e '.[ray]' in the checkout"
 
 
 def import_ray() -> Any:

@@ -1,6 +1,7 @@
-"""Routing of a process deployment's requests: the global scheduler picks an entry instance
-among the live ones (after the prefix push it may ask for, from the instance holding most of
-the prompt), and the request is submitted there and entered in the ledger.
+"""Routing of a process deployment's requests: the ``Frontend`` picks an entry instance among
+the live ones (after the prefix push it may ask for, from the instance holding most of the
+prompt: :func:`push_prefix` here), and the request is submitted there and entered in the
+ledger.
 
 A submission does not wait for the instance's answer: an instance answers between its steps,
 and one step can take seconds (a long prompt on a CPU) or more. The request is queued on its
@@ -15,7 +16,8 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import InstanceDied, MiniMemServeError, TransferError
-from ..scheduler.global_scheduler import GlobalScheduler, Route
+from ..scheduler.frontend import Frontend
+from ..scheduler.global_scheduler import Route
 from . import rpc
 from .instance import SessionOver
 from .launch import InstanceInfo
@@ -24,8 +26,18 @@ from .ledger import Inflight, Ledger
 logger = logging.getLogger(__name__)
 
 
+def push_prefix(node: rpc.RpcNode, src: str, dst: str, prompt: Sequence[int]) -> int:
+    """Have instance ``src`` send ``dst`` its cached prefix of ``prompt``; the tokens that
+    moved (0 when the transfer failed: the request goes without them)."""
+    try:
+        return int(node.call(src, rpc.PushPrefix(list(prompt), dst)).data["tokens"])
+    except (TransferError, MiniMemServeError) as e:
+        logger.warning("prefix transfer %s -> %s failed: %s", src, dst, e)
+        return 0
+
+
 class Router:
-    """Routes and submits requests through ``node`` with ``scheduler``; ``roles`` must each
+    """Routes and submits requests through ``node`` with ``frontend``; ``roles`` must each
     have a live instance of ``instances`` (the ledger's ``dead`` says which died);
     ``ended(name, why)`` is told of an instance that refused a request because it ended its
     session."""
@@ -33,7 +45,7 @@ class Router:
     def __init__(
         self,
         node: rpc.RpcNode,
-        scheduler: GlobalScheduler,
+        frontend: Frontend,
         ledger: Ledger,
         instances: Mapping[str, InstanceInfo],
         roles: Sequence[str],
@@ -41,12 +53,11 @@ class Router:
     ) -> None:
         self.node = node
         self.ended = ended
-        self.scheduler = scheduler
+        self.frontend = frontend
         self.ledger = ledger
         self.instances = instances
         self.roles = roles
         self.dead = ledger.dead
-        self.prefix_tokens_moved = 0  # tokens of KV moved by the scheduler's prefix transfers
 
     def route(self, prompt: Sequence[int], max_tokens: int, session_id: str | None = None) -> Route:
         """The scheduler's route for a prompt (of conversation ``session_id``), after the
@@ -55,25 +66,9 @@ class Router:
         if not live.issuperset(self.roles):
             raise InstanceDied(f"a role has no live instance left: {self.dead}")
         try:
-            route = self.scheduler.route(prompt, max_tokens, session_id)
+            return self.frontend.route(prompt, max_tokens, session_id)
         except InstanceDied:
             raise InstanceDied(f"every instance taking new requests died: {self.dead}") from None
-        if route.transfer_from is not None:
-            route = self._push_prefix(prompt, route)
-        return route
-
-    def _push_prefix(self, prompt: Sequence[int], route: Route) -> Route:
-        """Have ``route.transfer_from`` send its cached prefix first; on failure, go without it."""
-        src, dst = route.transfer_from, route.instance
-        try:
-            moved = int(self.node.call(src, rpc.PushPrefix(list(prompt), dst)).data["tokens"])
-        except (TransferError, MiniMemServeError) as e:
-            logger.warning("prefix transfer %s -> %s failed: %s", src, dst, e)
-            moved = 0
-        self.prefix_tokens_moved += moved
-        if moved:
-            self.scheduler.record(dst, prompt[:moved])
-        return self.scheduler.landed(route, prompt)
 
     def submit(self, route: Route, rid: str, f: Inflight) -> None:
         """Send a request where ``route`` says, without waiting for the answer (see the
@@ -81,13 +76,13 @@ class Router:
         self.ledger.inflight[rid] = f
         f.where = f.answer_from = route.instance
         # before sending: the instance may report on it as soon as it has the request
-        self.scheduler.dispatched(rid, route, f.req.num_prompt, f.req.params.max_tokens)
+        self.frontend.dispatched(rid, route, f.req.num_prompt, f.req.params.max_tokens)
         to, msg = route.instance, rpc.Submit(rpc.RequestState.of(f.req))
         try:
             self.node.send(to, msg, lambda reply: self._answered(rid, f, to, reply))
         except BaseException:
             self.ledger.inflight.pop(rid, None)
-            self.scheduler.finished(rid)
+            self.frontend.dropped(rid)
             raise
 
     def _answered(self, rid: str, f: Inflight, to: str, reply: rpc.Msg) -> None:
@@ -100,7 +95,7 @@ class Router:
         refused = isinstance(reply, rpc.Error)
         if refused and reply.kind == SessionOver.__name__:
             self.ledger.inflight.pop(rid)
-            self.scheduler.finished(rid)
+            self.frontend.dropped(rid)
             logger.warning("%s refused %s: %s; routing it again", to, rid, reply.message)
             self.ended(to, f"it ended its session ({reply.message})")
             self._reroute(rid, f)
@@ -108,7 +103,7 @@ class Router:
             self.ledger.recover(rid, f, f"InstanceDied: instance {to} died ({self.dead[to]})")
         elif refused:
             self.ledger.inflight.pop(rid)
-            self.scheduler.finished(rid)
+            self.frontend.dropped(rid)
             self.ledger.done.append(f.end("error", f"{reply.kind}: {reply.message}"))
 
     def _reroute(self, rid: str, f: Inflight) -> None:
@@ -128,4 +123,4 @@ class Router:
         """An entry instance's index gained or lost prefixes: its prompt tree follows, in
         order."""
         for added, tokens in msg.events:
-            self.scheduler.cache_changed(sender, added, tokens)
+            self.frontend.scheduler.cache_changed(sender, added, tokens)

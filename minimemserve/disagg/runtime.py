@@ -5,10 +5,11 @@ process per instance (``instance.instance_main``), waits until all are ready, te
 where its peers are, routes requests, and implements ``Serving``. KV moves between processes
 only through MemPool's transfer calls, whose receiving side is an ``peering.RemotePool``.
 
-Routing: a ``GlobalScheduler`` picks the entry instance (colocated, or prefill) by its
-``policy``; its prompt trees mirror what each entry instance reports its index gained and
-evicted (``CacheEvents``); under ``prompt_tree`` the instance holding most of a prompt may
-first send the missing KV to the chosen one (``PushPrefix``).
+Routing: the ``Frontend`` (the request's life across instances, shared with the in-process
+runtime and the simulator) picks the entry instance (colocated, or prefill) by its ``policy``;
+its prompt trees mirror what each entry instance reports its index gained and evicted
+(``CacheEvents``); under ``prompt_tree`` the instance holding most of a prompt may first send
+the missing KV to the chosen one (``PushPrefix``).
 
 Instances started on their own (``minimemserve instance``, any host) join a frontend given
 their addresses (``instances=``) and the cluster key: it asks each its role (``Hello``), names
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import secrets
@@ -50,13 +52,11 @@ from ..errors import (
 from ..mempool import TIERS, PoolAccountingError
 from ..model.config import ModelConfig
 from ..model.tokenizer import Tokenizer
+from ..presets import preset_dir
 from ..request import Request, RequestOutput, TokenDelta
 from ..sampling import SamplingParams
-from ..scheduler.global_scheduler import (
-    DEFAULT_TTL_S,
-    Cost,
-    GlobalScheduler,
-)
+from ..scheduler.frontend import Frontend
+from ..scheduler.global_scheduler import DEFAULT_TTL_S, Cost
 from . import rpc
 from .instance import CLOSING, DEFAULT_HEARTBEAT_S
 from .launch import (
@@ -70,7 +70,7 @@ from .launch import (
 )
 from .ledger import Inflight, Ledger
 from .membership import Membership
-from .routing import Router
+from .routing import Router, push_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -90,12 +90,12 @@ class ProcessCluster:
     address they reach. ``timeout_s`` bounds every control request. ``policy``,
     ``cost_model`` and ``ttl_s`` configure the ``GlobalScheduler``; ``transport`` forces the
     KV transport of every pair (``shm``, ``gloo``; ``auto``: shared memory within a host).
-    Use as a context manager, or call :meth:`close`; an abandoned cluster is reaped when
-    garbage collected."""
+    ``model_dir`` None is the tiny preset, as for ``LLM``. Use as a context manager, or call
+    :meth:`close`; an abandoned cluster is reaped when garbage collected."""
 
     def __init__(
         self,
-        model_dir: str | Path,
+        model_dir: str | Path | None,
         config_name: str = "1P1D",
         *,
         cores_per_instance: int = 1,
@@ -124,7 +124,7 @@ class ProcessCluster:
         spawn = SpawnSpec(
             device, dtype, cores_per_instance, num_colocated, host, base_port, start_method
         )
-        self.model_dir = Path(model_dir)
+        self.model_dir = Path(preset_dir("tiny") if model_dir is None else model_dir)
         self.engine_config = engine_config or EngineConfig()
         self.timeout_s = timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -172,26 +172,28 @@ class ProcessCluster:
         else:
             self.launcher.join(members, model_config, startup_timeout_s)
         entry = milestone.roles[0]
-        self.scheduler = GlobalScheduler(
+        self.frontend = Frontend(
             [n for n, i in self.instances.items() if i.role == entry],
+            functools.partial(push_prefix, self.node),
             policy=policy,
             block_size=self.engine_config.block_size,
             cost_model=cost_model,
             ttl_s=ttl_s,
             caching=milestone.entry_caches,
+            rerun_on_failure=self.rerun_on_failure,
         )
+        self.scheduler = self.frontend.scheduler
         self.ledger = Ledger(
             self.node,
-            self.scheduler,
+            self.frontend,
             self.instances,
             self.dead,
             model_config.vocab_size,
-            self.rerun_on_failure,
             lambda rid, f: self.router.resubmit(rid, f),
         )
         self.router = Router(
             self.node,
-            self.scheduler,
+            self.frontend,
             self.ledger,
             self.instances,
             milestone.roles,
@@ -273,7 +275,7 @@ class ProcessCluster:
     @property
     def num_reruns(self) -> int:
         """Requests re-run after the instance holding them died."""
-        return self.ledger.num_reruns
+        return self.frontend.num_reruns
 
     @property
     def num_rejoins(self) -> int:
@@ -283,7 +285,7 @@ class ProcessCluster:
     @property
     def prefix_tokens_moved(self) -> int:
         """Tokens of KV moved by the scheduler's prefix transfers."""
-        return self.router.prefix_tokens_moved
+        return self.frontend.prefix_tokens_moved
 
     # ---- engine API ------------------------------------------------------------------------
     def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:

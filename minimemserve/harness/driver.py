@@ -50,6 +50,7 @@ from minimemserve.request import RequestOutput
 from minimemserve.sampling import SamplingParams
 from minimemserve.serving import Serving
 from minimemserve.workloads.results import (
+    CACHING_SUFFIX,
     DEFAULT_CONFIGS,
     DEFAULT_RATE,
     DEFAULT_SESSIONS,
@@ -93,6 +94,15 @@ WARMUP_PROMPT_TOKENS = 64
 WARMUP_OUTPUT_TOKENS = 8
 # Longest idle sleep while waiting for the next arrival, so progress stays responsive.
 MAX_IDLE_SLEEP_S = 0.05
+# Without a rate, the bench first probes what the machine sustains: the first PROBE_SESSIONS
+# sessions of the workload arrive at once under each probed configuration; while at least half
+# of them are still running, the turns finished per second over the workload's turns per
+# session is that configuration's capacity in sessions/s (the burst's tail, a few long
+# sessions' turns one after another, measures their latency, not the machine). The measured
+# runs then load the slowest configuration at PROBE_LOAD of its capacity: headroom for
+# Poisson bursts, for a busy machine, and for the later turns' longer prompts.
+PROBE_SESSIONS = 8
+PROBE_LOAD = 0.6
 
 
 TargetFactory = Callable[[DeploymentSpec], Serving]
@@ -276,9 +286,60 @@ def _sessions(
     if verbose:
         print(
             f"workload {workload}: {len(sessions)} sessions, {setup['turns']} turns, "
-            f"rate {setup['rate']}/s, context {context}, model {model_dir}"
+            f"context {context}, model {model_dir}"
         )
     return tokenizer, sessions
+
+
+def probed_configs(configs: Sequence[str]) -> list[str]:
+    """The configurations a rate probe runs: all but those whose base (``X`` of ``X-CC``) is
+    among them too, as caching only removes work from its base on the same sessions."""
+    suffix = CACHING_SUFFIX
+    return [c for c in configs if not (c.endswith(suffix) and c[: -len(suffix)] in configs)]
+
+
+def burst_capacity(records: Sequence[dict], turns_per_session: float) -> float:
+    """Sessions/s a configuration sustains, from the records of a burst (sessions arriving
+    at once): turns finished per second until half the sessions have finished, over
+    ``turns_per_session``."""
+    ends: dict[str, float] = {}
+    for r in records:
+        end = r["arrival"] + (r["jct"] or 0.0)
+        ends[r["session"]] = max(ends.get(r["session"], 0.0), end)
+    half = sorted(ends.values())[max(len(ends) // 2 - 1, 0)]
+    done = sum(1 for r in records if r["arrival"] + (r["jct"] or 0.0) <= half)
+    start = min(r["arrival"] for r in records)
+    return done / max(half - start, 1e-9) / turns_per_session
+
+
+def probe_rate(
+    measure: Callable[[str, Sequence[Session], float], tuple[list[dict], dict[str, Any]]],
+    configs: Sequence[str],
+    sessions: Sequence[Session],
+    verbose: bool,
+) -> dict[str, Any]:
+    """The load the machine sustains: ``measure(config, sessions, rate)`` (a real run) of the
+    first :data:`PROBE_SESSIONS` sessions, all arriving at once, under each of
+    :func:`probed_configs`, and their :func:`burst_capacity`; returns ``{"capacity": {config:
+    sessions/s}, "load": PROBE_LOAD, "rate": PROBE_LOAD x the least capacity, to two
+    significant digits}``."""
+    burst = list(sessions[:PROBE_SESSIONS])
+    if verbose:
+        print(f"probing the load: {len(burst)} sessions at once under each of ", end="")
+        print(", ".join(probed_configs(configs)))
+    capacity = {}
+    for config in probed_configs(configs):
+        records, _ = measure(config, burst, math.inf)
+        capacity[config] = burst_capacity(records, total_turns(sessions) / len(sessions))
+    slowest = min(capacity, key=capacity.__getitem__)
+    rate = float(f"{PROBE_LOAD * capacity[slowest]:.2g}")
+    if verbose:
+        print(
+            f"rate {rate} sessions/s: {PROBE_LOAD:.0%} of {slowest}'s "
+            f"{capacity[slowest]:.2f} sessions/s, the least any probed configuration sustained "
+            f"({len(burst)} sessions at once; --rate sets a rate instead)"
+        )
+    return {"capacity": capacity, "load": PROBE_LOAD, "rate": rate}
 
 
 def _measure(
@@ -323,7 +384,7 @@ def run_bench(
     configs: Sequence[str] = DEFAULT_CONFIGS,
     workload: str = DEFAULT_WORKLOAD,
     num_sessions: int = DEFAULT_SESSIONS,
-    rate: float = DEFAULT_RATE,
+    rate: float | None = DEFAULT_RATE,
     max_turns: int | None = None,
     model_dir: str | Path | None = None,
     out_dir: str | Path | None = None,
@@ -338,8 +399,9 @@ def run_bench(
 ) -> dict[str, Any]:
     """Run ``workload`` under every config in ``configs`` on the same sessions; compare.
 
-    ``model_dir`` None uses the tiny preset. ``max_context`` None is the model's context.
-    ``max_turns`` and ``max_output_tokens`` None take the workload's defaults (see
+    ``rate`` (sessions/s) None probes the machine first (:func:`probe_rate`; the setup's
+    ``rate_probe``). ``model_dir`` None uses the tiny preset. ``max_context`` None is the
+    model's context. ``max_turns`` and ``max_output_tokens`` None take the workload's defaults (see
     :func:`minimemserve.workloads.sessions.make_workload`).
     ``options`` is every config's deployment but its name (default: in this process, seeded
     with ``seed``); ``factories`` maps config names to :data:`TargetFactory`, others are
@@ -368,13 +430,19 @@ def run_bench(
     }
     tokenizer, sessions = _sessions(setup, model_dir, num_sessions, max_context, verbose)
 
+    def measure(config: str, sessions: Sequence[Session], rate: float):
+        spec = replace(options, config=config)
+        return _measure(known[config], spec, tokenizer, sessions, (rate, seed), progress, verbose)
+
+    if rate is None:
+        setup["rate_probe"] = probe_rate(measure, configs, sessions, verbose)
+        rate = setup["rate"] = setup["rate_probe"]["rate"]
+    elif verbose:
+        print(f"rate {rate} sessions/s")
     records: dict[str, list[dict]] = {}
     pool_stats: dict[str, Any] = {}
     for config in configs:
-        spec = replace(options, config=config)
-        records[config], pool_stats[config] = _measure(
-            known[config], spec, tokenizer, sessions, (rate, seed), progress, verbose
-        )
+        records[config], pool_stats[config] = measure(config, sessions, rate)
     result = _compare(setup, records, pool_stats, verbose)
     if out_dir is not None:
         _write(result, Path(out_dir), model_dir.name, verbose)
@@ -431,7 +499,7 @@ DESCRIPTION = (
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the options of ``minimemserve bench`` to ``p``; returns ``p``."""
-    add_workload_arguments(p)
+    add_workload_arguments(p, rate=None)
     add_deployment_arguments(p, ("model", "device", "dtype"))
     add_engine_arguments(p, BENCH_ENGINE_FLAGS)
     p.add_argument(

@@ -15,7 +15,7 @@ this class. Bookkeeping is plain Python, torch only moves data; one owner calls 
 
 from __future__ import annotations
 
-import functools
+import itertools
 from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,16 +27,10 @@ from ..blocks.layout import KVLayout
 from ..errors import ConfigError, PoolExhausted
 from .audit import audit, tier_states, tree_counts
 from .radix import RadixTree, as_tokens
-from .tiers import DRAM, HBM, TIERS, PoolAccountingError, Tier, TierStore
-from .transfer import KVReceiver, receive_alloc, send, send_cached_path
+from .tiers import COUNTERS, DRAM, HBM, TIERS, PoolAccountingError, Tier, TierStore
+from .transfer import KVReceiver
 
-# match: calls, whole-block tokens asked, tokens hit; blocks newly inserted, deleted, evicted,
-# offloaded to dram, onloaded back by match; transfers: blocks and bytes each way, calls
-COUNTERS = (
-    "match_calls query_tokens hit_tokens inserted_blocks deleted_blocks evicted_blocks "
-    "offloaded_blocks onloaded_blocks sent_blocks sent_bytes recv_blocks recv_bytes "
-    "transfers_sent transfers_recv transfers_aborted dram_sent_blocks"
-).split()
+__all__ = ["COUNTERS", "MemPool"]
 
 
 def _checked_pin(layout, num_blocks, dram_blocks, pin_memory: bool | None) -> bool:
@@ -80,14 +74,21 @@ class MemPool:
         self.instance_id = str(instance_id)
         self._block_dim = layout.block_dim
         self.block_bytes = layout.block_bytes(dtype.itemsize)
-        make = functools.partial(_make_tier, layout=layout, dtype=dtype, factory=tensor_factory)
-        self._tiers = {HBM: make(HBM, num_blocks, self.device, False)}
-        if dram_blocks:
-            self._tiers[DRAM] = make(DRAM, dram_blocks, torch.device("cpu"), pin)
-        self._clock = 0  # logical time: one tick per call, so LRU order is deterministic
-        self.counters = dict.fromkeys(COUNTERS, 0)
-        self._store = TierStore(self._tiers, self.block_size, self.counters, self.copy_tier)
-        self._tree = self._store.tree
+        sizes = {HBM: num_blocks} | ({DRAM: dram_blocks} if dram_blocks else {})
+        self._store = TierStore(sizes, self.block_size)  # the books: tiers, index, counters
+        self._kv: dict[str, torch.Tensor] = {}  # the data: one pool tensor per tier
+        for name, n in sizes.items():
+            where, pinned = (self.device, False) if name == HBM else (torch.device("cpu"), pin)
+            shape = layout.pool_shape(n)
+            if tensor_factory is not None:
+                self._kv[name] = tensor_factory(shape, dtype, where)
+            else:
+                self._kv[name] = torch.zeros(shape, dtype=dtype, device=where, pin_memory=pinned)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The :data:`COUNTERS` by name (read them; the pool updates them)."""
+        return self._store.counters
 
     @property
     def on_change(self) -> Callable[[bool, array], None] | None:
@@ -101,22 +102,28 @@ class MemPool:
 
     def copy_tier(self, dst: str, dst_ids: list[int], src: str, src_ids: list[int]) -> None:
         """Copy blocks between tiers (a hook: a tensor-parallel pool's ranks copy theirs too)."""
-        t = self._tiers
-        move_blocks(t[dst].kv, dst_ids, t[src].kv, src_ids, self._block_dim)
+        move_blocks(self._kv[dst], dst_ids, self._kv[src], src_ids, self._block_dim)
+
+    def _copy_moves(self) -> None:
+        """Copy the data of the tier moves the books made, in the order they made them."""
+        moves, self._store.moves = self._store.moves, []
+        for dst, dst_ids, src, src_ids in moves:
+            self.copy_tier(dst, dst_ids, src, src_ids)
 
     @property
     def tiers(self) -> tuple[str, ...]:
         """Names of the tiers this pool has."""
-        return tuple(self._tiers)
+        return tuple(self._store.tiers)
 
     @property
     def index(self) -> RadixTree:
         """The radix index (read it; change it only through the pool)."""
-        return self._tree
+        return self._store.tree
 
     def kv(self, tier: str = HBM) -> torch.Tensor:
         """The pool tensor of ``tier``, shaped ``layout.pool_shape(capacity(tier))``."""
-        return self._tier(tier).kv
+        self._tier(tier)
+        return self._kv[tier]
 
     def capacity(self, tier: str = HBM) -> int:
         """Total blocks of ``tier``."""
@@ -142,7 +149,7 @@ class MemPool:
         return bool(t.indexed[block])
 
     def _tier(self, tier: str) -> Tier:
-        if (t := self._tiers.get(tier)) is None:
+        if (t := self._store.tiers.get(tier)) is None:
             if tier in TIERS:
                 raise ValueError(f"this pool has no {tier!r} tier (dram_blocks=0)")
             raise ValueError(f"unknown tier {tier!r}; tiers are {TIERS}")
@@ -162,7 +169,10 @@ class MemPool:
                 f"{free} are free and {t.evictable} cached blocks are evictable "
                 f"({total} in total, {total - free - t.evictable} in use)"
             )
-        return self._store.take(t, n, contiguous)
+        try:
+            return self._store.take(t, n, contiguous)
+        finally:
+            self._copy_moves()
 
     def free_mem(self, blocks: Sequence[int], tier: str = HBM) -> None:
         """Drop one of the caller's references on each block (never the index's own)."""
@@ -177,57 +187,26 @@ class MemPool:
         nb, blocks = len(toks) // bs, list(blocks)
         if len(blocks) < nb:
             raise ValueError(f"{len(toks)} tokens fill {nb} blocks but {len(blocks)} were given")
-        hbm = self._tiers[HBM]
-        _check_held(hbm, blocks[:nb])
+        _check_held(self._store.tiers[HBM], blocks[:nb])
         if nb == 0:
             return 0
-        if len(toks) != nb * bs:
-            toks = toks[: nb * bs]
-        self._clock += 1
-        now = self._clock
-        match = self._tree.match_prefix(toks, now=now)
-        matched = len(match.values)
-        spans, pos = [], 0  # (node, first position, blocks matched in it)
-        for node in match.nodes:
-            c = min(len(node.values), matched - pos)
-            spans.append((node, pos, c))
-            pos += c
-        # the index takes the caller's blocks where the prefix is in dram, and the new tail
-        taken = [b for n, p, c in spans if n.tier != HBM for b in blocks[p : p + c]]
-        taken += blocks[matched:nb]
-        _check_new(hbm, taken)
-        parent = self._tree.root
-        for node, p, c in spans:
-            if c < len(node.values):  # the match ends inside this node: cut it there
-                node = self._store.split(node, c)
-            if node.tier != HBM:
-                self._store.unindex(self._tiers[node.tier], node.values)
-                self._store.uncount(node)
-                node.values, node.tier, node.holder = blocks[p : p + c], HBM, self.instance_id
-                self._store.index(hbm, node, adopt=True)
-            parent = node
-        self._tree.insert(toks, blocks[:nb], now=now, tier=HBM, holder=self.instance_id)
-        if matched < nb:
-            new = parent.children[toks[matched * bs : (matched + 1) * bs].tobytes()]
-            self._store.index(hbm, new, adopt=True)
-        self.counters["inserted_blocks"] += len(taken)
-        if matched < nb and self.on_change is not None:
-            self.on_change(True, toks)
-        return len(taken)
+        return self._store.insert(toks[: nb * bs], blocks[:nb], self.instance_id)
 
     def match(self, tokens: Sequence[int]) -> list[int]:
         """Longest cached prefix of ``tokens`` in whole blocks, as hbm block ids the caller
         holds a new reference on. Cached dram blocks are onloaded while hbm has room."""
-        toks = as_tokens(tokens)
-        self._clock += 1
-        now = self._clock
-        match = self._tree.match_prefix(toks, now=now)
+        toks, store = as_tokens(tokens), self._store
+        now = store.tick()
+        match = store.tree.match_prefix(toks, now=now)
         if match.nodes and match.nodes[-1].tier != HBM:
-            self._store.onload(toks, now)
-            match = self._tree.match_prefix(toks, now=now)
-        nodes, blocks = self._store.hbm_prefix(match)
+            try:
+                store.onload(toks, now)
+            finally:
+                self._copy_moves()
+            match = store.tree.match_prefix(toks, now=now)
+        nodes, blocks = store.hbm_prefix(match)
         if blocks:
-            self._store.hold(self._tiers[HBM], nodes, blocks)
+            store.hold(store.tiers[HBM], nodes, blocks)
         c = self.counters
         c["match_calls"] += 1
         c["query_tokens"] += len(toks) - len(toks) % self.block_size
@@ -243,37 +222,44 @@ class MemPool:
         """Drop the cached path of ``tokens`` below its last branch, with every extension
         (nothing if the cached part continues with other tokens; a shorter sequence inside
         goes too); return how many blocks left the index."""
-        toks, bs = as_tokens(tokens), self.block_size
-        match = self._tree.match_prefix(toks, touch=False)
-        path, matched = match.nodes, len(match.values)
-        ends_inside = sum(len(n.values) for n in path) != matched
-        if not path or (matched < len(toks) // bs and (ends_inside or path[-1].children)):
-            return 0
-        # drop the path below its last branching node (all of it when it never branches)
-        forks = [i for i in range(1, len(path)) if len(path[i - 1].children) > 1]
-        cut = path[forks[-1] if forks else 0]
-        parent, blocked = cut.parent, cut.blocked
-        dropped = self._store.drop(self._tree.remove(cut))
-        if blocked:
-            parent.below -= 1
-            self._store.restate(parent)
-        self._store.candidate(parent)  # perhaps a leaf of its tier now
-        self.counters["deleted_blocks"] += dropped
-        return dropped
+        return self._store.delete(as_tokens(tokens))
 
     def recv_alloc(
         self, tokens: Sequence[int] | None, num_blocks: int
     ) -> tuple[list[int], list[int]]:
         """Receiving side, step 1: ``(matched, allocated)``, ``num_blocks`` held blocks in all
         (a cached prefix of ``tokens`` is matched first; the rest is one run if possible)."""
-        return receive_alloc(self, tokens, num_blocks)
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+        if tokens is None:
+            return [], self.alloc_mem(num_blocks, contiguous=True)
+        toks = as_tokens(tokens)
+        # every block missing from hbm costs one hbm block, onloaded or allocated: fail
+        # before matching, so a refused transfer leaves the pool as it was
+        in_hbm, _, room = self._store.match_room(toks)
+        if num_blocks - in_hbm > room:
+            raise PoolExhausted(
+                f"instance {self.instance_id}: receiving {num_blocks} blocks needs "
+                f"{num_blocks - in_hbm} hbm blocks beyond the {in_hbm} cached there, "
+                f"but only {room} are free or evictable"
+            )
+        matched = self.match(toks)
+        if len(matched) > num_blocks:
+            self.free_mem(matched[num_blocks:])
+            matched = matched[:num_blocks]
+        try:
+            new = self.alloc_mem(num_blocks - len(matched), contiguous=True)
+        except BaseException:
+            self.free_mem(matched)
+            raise
+        return matched, new
 
     def recv_copy(self, blocks: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
         """Receiving side, step 2, when the sender's pool tensor ``src`` is in this process:
         copy its blocks ``src_ids`` straight into ``blocks`` (one pass when they are a run)."""
         check_pool_tensor(self.layout, self.dtype, src, "recv_copy")
         blocks = self.held_blocks(blocks, "recv_copy into")
-        move_blocks(self._tiers[HBM].kv, blocks, src, src_ids, self._block_dim)
+        move_blocks(self._kv[HBM], blocks, src, src_ids, self._block_dim)
         self.counters["recv_blocks"] += len(blocks)
         self.counters["recv_bytes"] += len(blocks) * self.block_bytes
 
@@ -290,7 +276,7 @@ class MemPool:
 
     def transfer(self, dst: KVReceiver, src_blocks: Sequence[int]) -> list[int]:
         """Send hbm blocks to ``dst``, which allocates them; return its ids, held by the caller."""
-        return send(self, dst, None, src_blocks)
+        return self._send(dst, None, src_blocks)
 
     def transfer_with_insert(
         self, dst: KVReceiver, tokens: Sequence[int], src_blocks: Sequence[int]
@@ -301,11 +287,37 @@ class MemPool:
         lo, hi = len(toks) // self.block_size, self.layout.num_blocks_for(len(toks))
         if not lo <= n <= hi:
             raise ValueError(f"{len(toks)} tokens need {hi} blocks (or {lo} whole ones), got {n}")
-        return send(self, dst, toks, src_blocks)
+        return self._send(dst, toks, src_blocks)
+
+    def _check_peer(self, dst: KVReceiver) -> None:
+        if dst.model_layout != self.model_layout or dst.dtype != self.dtype:
+            raise ValueError(
+                f"cannot transfer between pools of different layout or dtype: "
+                f"{self.model_layout}/{self.dtype} -> {dst.model_layout}/{dst.dtype}"
+            )
+
+    def _send(self, dst: KVReceiver, toks: array | None, src_blocks: Sequence[int]) -> list[int]:
+        """dst allocates what it lacks, this pool's tensor is read straight into dst's blocks
+        (here, or one-sided into a peer's mapping), dst commits; or dst releases it all."""
+        self._check_peer(dst)
+        src = self.held_blocks(src_blocks, "cannot send")
+        matched, new = dst.recv_alloc(toks, len(src))
+        src = src[len(matched) :]
+        try:
+            if src:
+                self.send_blocks(dst, new, src)
+                self.counters["sent_blocks"] += len(src)
+                self.counters["sent_bytes"] += len(src) * self.block_bytes
+            dst.recv_commit(toks, matched + new)
+        except BaseException:
+            dst.recv_abort(matched + new)
+            raise
+        self.counters["transfers_sent"] += 1
+        return matched + new
 
     def held_blocks(self, blocks: Sequence[int], what: str) -> list[int]:
         """``blocks`` as a list, each checked to be held by someone (``what`` names the use)."""
-        alloc, blocks = self._tiers[HBM].alloc, list(blocks)
+        alloc, blocks = self._store.tiers[HBM].alloc, list(blocks)
         rc, capacity = alloc.refcounts(), alloc.num_blocks
         for b in blocks:
             if type(b) is not int or not 0 <= b < capacity:
@@ -325,14 +337,55 @@ class MemPool:
     ) -> None:
         """The data movement of a send: this pool's ``tier`` blocks ``src`` into ``dst``'s
         (hbm) ``blocks`` (a hook: a tensor-parallel pool gathers its ranks' shards)."""
-        dst.recv_copy(blocks, self._tiers[tier].kv, src)
+        dst.recv_copy(blocks, self.kv(tier), src)
 
     def send_cached(self, dst: KVReceiver, tokens: Sequence[int]) -> list[int]:
         """Send the cached whole blocks of ``tokens`` to ``dst`` and index them there, each
         block read from the tier that holds it: a block cached in dram goes to ``dst`` without
         being onloaded to hbm first (``dram_sent_blocks`` counts those). Only what ``dst``
         lacks moves; returns ``dst``'s blocks, held by the caller."""
-        return send_cached_path(self, dst, tokens)
+        toks, store = as_tokens(tokens), self._store
+        match = store.tree.match_prefix(toks, now=store.tick())
+        spans: list[tuple[str, list, list[int]]] = []  # runs of nodes in one tier, in order
+        pos = 0
+        for node in match.nodes:
+            c = min(len(node.values), len(match.values) - pos)
+            if not spans or spans[-1][0] != node.tier:
+                spans.append((node.tier, [], []))
+            spans[-1][1].append(node)
+            spans[-1][2].extend(match.values[pos : pos + c])
+            pos += c
+        if not spans:
+            return []
+        for tier, nodes, blocks in spans:  # pinned: a peer's call may evict while we send
+            store.hold(store.tiers[tier], nodes, blocks)
+        try:
+            return self._send_spans(dst, toks[: len(match.values) * self.block_size], spans)
+        finally:
+            for tier, _, blocks in spans:
+                store.unhold(store.tiers[tier], blocks)
+
+    def _send_spans(self, dst: KVReceiver, toks: array, spans: list[tuple]) -> list[int]:
+        """Send ``send_cached``'s pinned spans, each run of blocks from the tier holding it."""
+        self._check_peer(dst)
+        pairs = [(tier, b) for tier, _, blocks in spans for b in blocks]
+        matched, new = dst.recv_alloc(toks, len(pairs))
+        todo, at, c = pairs[len(matched) :], 0, self.counters
+        try:
+            for tier, run in itertools.groupby(todo, key=lambda p: p[0]):
+                src = [b for _, b in run]
+                self.send_blocks(dst, new[at : at + len(src)], src, tier)
+                at += len(src)
+                if tier != HBM:
+                    c["dram_sent_blocks"] += len(src)
+            dst.recv_commit(toks, matched + new)
+        except BaseException:
+            dst.recv_abort(matched + new)
+            raise
+        c["sent_blocks"] += len(todo)
+        c["sent_bytes"] += len(todo) * self.block_bytes
+        c["transfers_sent"] += 1
+        return matched + new
 
     def counter(self, name: str) -> int:
         """One of the :data:`COUNTERS` (what :meth:`stats` reports, without its block scan)."""
@@ -341,25 +394,16 @@ class MemPool:
     def stats(self) -> dict[str, Any]:
         """Per tier ``{"total", "free", "referenced", "cached_only"}``; index size; counters."""
         counters = {"counters": dict(self.counters)}
-        return tier_states(self._tiers) | tree_counts(self._tree) | counters
+        return tier_states(self._store.tiers) | tree_counts(self._store.tree) | counters
 
     def check(self) -> None:
         """Audit the bookkeeping by a full scan; raise ``PoolAccountingError`` if it is off."""
-        if errors := audit(self._tiers, self._tree, self.block_size):
+        if errors := audit(self._store.tiers, self._store.tree, self.block_size):
             raise PoolAccountingError("MemPool accounting: " + "; ".join(errors[:20]))
 
     def __repr__(self) -> str:
-        sizes = ", ".join(f"{n}={t.alloc.num_blocks}" for n, t in self._tiers.items())
+        sizes = ", ".join(f"{n}={t.alloc.num_blocks}" for n, t in self._store.tiers.items())
         return f"MemPool(instance={self.instance_id!r}, {sizes}, block_size={self.block_size})"
-
-
-def _check_new(hbm: Tier, taken: list[int]) -> None:
-    """Blocks the index is about to take: distinct, and cached nowhere yet."""
-    if len(set(taken)) != len(taken):
-        raise ValueError("insert got the same block id twice")
-    for b in taken:
-        if hbm.indexed[b]:
-            raise ValueError(f"block {b} is already cached under another prefix")
 
 
 def _check_held(hbm: Tier, blocks: list[int]) -> None:
@@ -369,11 +413,3 @@ def _check_held(hbm: Tier, blocks: list[int]) -> None:
             hbm.alloc.check_id(b)
         if rc[b] - indexed[b] < 1:
             raise ValueError(f"block {b} is not held by the caller (refcount {rc[b]})")
-
-
-def _make_tier(name: str, n: int, where: torch.device, pinned: bool, *, layout, dtype, factory):
-    """A tier of ``n`` zero-filled blocks on ``where`` (made by ``factory`` when given)."""
-    shape = layout.pool_shape(n)
-    if factory is not None:
-        return Tier(name, factory(shape, dtype, where), n)
-    return Tier(name, torch.zeros(shape, dtype=dtype, device=where, pin_memory=pinned), n)

@@ -1,5 +1,6 @@
-"""MemPool's tiers (:class:`TierStore`, which a pool composes): per-tier bookkeeping, the
-evictable counts, eviction, offload, onload.
+"""MemPool's state (:class:`TierStore`, which a pool composes): the tiers' bookkeeping, the
+radix index, the logical clock and the counters; the evictable counts, eviction, offload,
+onload. Plain Python: moves between tiers are booked here and copied by the pool.
 
 A cached block is evictable when it and every block below it in the index (later in its
 node, and in all descendants of any tier) are cached-only. Each tier keeps that count up
@@ -12,8 +13,6 @@ import itertools
 from array import array
 from collections.abc import Callable
 
-import torch
-
 from minimemserve.blocks.allocator import BlockAllocator
 from minimemserve.mempool.radix import Match, RadixNode, RadixTree
 
@@ -21,6 +20,13 @@ HBM = "hbm"
 DRAM = "dram"
 TIERS = (HBM, DRAM)
 LRU_SLACK = 1024  # stale eviction-heap entries tolerated beyond twice the node count
+# match: calls, whole-block tokens asked, tokens hit; blocks newly inserted, deleted, evicted,
+# offloaded to dram, onloaded back by match; transfers: blocks and bytes each way, calls
+COUNTERS = (
+    "match_calls query_tokens hit_tokens inserted_blocks deleted_blocks evicted_blocks "
+    "offloaded_blocks onloaded_blocks sent_blocks sent_bytes recv_blocks recv_bytes "
+    "transfers_sent transfers_recv transfers_aborted dram_sent_blocks"
+).split()
 
 
 class PoolAccountingError(AssertionError):
@@ -43,15 +49,14 @@ class PoolNode(RadixNode):
 
 
 class Tier:
-    """One tier's pool tensor, allocator, indexed blocks and evictable count, and ``lru``:
+    """One tier's allocator, indexed blocks and evictable count, and ``lru``:
     a heap of ``(last access, order, node)`` holding at least one entry for every node that
     eviction may take (stale entries are checked, re-keyed or dropped when they surface)."""
 
-    __slots__ = ("name", "kv", "alloc", "indexed", "node_of", "evictable", "lru", "order")
+    __slots__ = ("name", "alloc", "indexed", "node_of", "evictable", "lru", "order")
 
-    def __init__(self, name: str, kv: torch.Tensor, num_blocks: int) -> None:
+    def __init__(self, name: str, num_blocks: int) -> None:
         self.name = name
-        self.kv = kv
         self.alloc = BlockAllocator(num_blocks)
         self.indexed = bytearray(num_blocks)  # 1 where the index holds a reference
         self.node_of: list[PoolNode | None] = [None] * num_blocks  # the node listing a block
@@ -61,27 +66,86 @@ class Tier:
 
 
 class TierStore:
-    """A MemPool's tiers and index, and what keeps them consistent: the evictable counts,
-    eviction, offload to dram and onload back. Along every path of the index, ``hbm`` nodes
-    come before ``dram`` ones: eviction takes ``hbm`` nodes with no ``hbm`` child; onload
-    goes top-down. ``copy_tier(dst, dst_ids, src, src_ids)`` moves block data between tiers
-    (the pool's hook); ``on_change`` is told what eviction drops from the index."""
+    """A MemPool's state and what keeps it consistent: its tiers, its index, its logical clock
+    (one tick per call, so LRU order is deterministic) and its :data:`COUNTERS`; the evictable
+    counts, eviction, offload to dram and onload back. Along every path of the index, ``hbm``
+    nodes come before ``dram`` ones: eviction takes ``hbm`` nodes with no ``hbm`` child;
+    onload goes top-down. A move between tiers is booked at once and queued in ``moves`` as
+    ``(dst, dst_ids, src, src_ids)`` for the pool to copy, in order, before the call returns;
+    ``on_change`` is told what eviction drops from the index."""
 
-    def __init__(
-        self,
-        tiers: dict[str, Tier],
-        block_size: int,
-        counters: dict[str, int],
-        copy_tier: Callable[[str, list[int], str, list[int]], None],
-    ) -> None:
-        self.tiers = tiers
+    def __init__(self, sizes: dict[str, int], block_size: int) -> None:
+        self.tiers = {name: Tier(name, n) for name, n in sizes.items()}
         self.tree = RadixTree(block_size, node_type=PoolNode)
         self.block_size = block_size
-        self.counters = counters
-        self.copy_tier = copy_tier
+        self.clock = 0
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.moves: list[tuple[str, list[int], str, list[int]]] = []
         # told (True, tokens) when tokens are newly cached, (False, path) when the subtree
         # whose token path ends with path's last block is evicted; in the order they happen
         self.on_change: Callable[[bool, array], None] | None = None
+
+    def tick(self) -> int:
+        """Advance the logical clock; return the new time."""
+        self.clock += 1
+        return self.clock
+
+    def insert(self, toks: array, blocks: list[int], holder: str) -> int:
+        """Index ``toks`` (whole blocks) -> ``blocks``, hbm blocks the caller holds: the index
+        takes a reference on those of the new tail and of any prefix cached in dram (whose
+        dram blocks it releases); a prefix cached in hbm keeps its blocks. Return how many
+        blocks it took."""
+        bs, nb, hbm = self.block_size, len(blocks), self.tiers[HBM]
+        now = self.tick()
+        match = self.tree.match_prefix(toks, now=now)
+        matched = len(match.values)
+        spans, pos = [], 0  # (node, first position, blocks matched in it)
+        for node in match.nodes:
+            c = min(len(node.values), matched - pos)
+            spans.append((node, pos, c))
+            pos += c
+        # the index takes the caller's blocks where the prefix is in dram, and the new tail
+        taken = [b for n, p, c in spans if n.tier != HBM for b in blocks[p : p + c]]
+        taken += blocks[matched:nb]
+        _check_new(hbm, taken)
+        parent = self.tree.root
+        for node, p, c in spans:
+            if c < len(node.values):  # the match ends inside this node: cut it there
+                node = self.split(node, c)
+            if node.tier != HBM:
+                self.unindex(self.tiers[node.tier], node.values)
+                self.uncount(node)
+                node.values, node.tier, node.holder = blocks[p : p + c], HBM, holder
+                self.index(hbm, node, adopt=True)
+            parent = node
+        self.tree.insert(toks, blocks, now=now, tier=HBM, holder=holder)
+        if matched < nb:
+            new = parent.children[toks[matched * bs : (matched + 1) * bs].tobytes()]
+            self.index(hbm, new, adopt=True)
+        self.counters["inserted_blocks"] += len(taken)
+        if matched < nb and self.on_change is not None:
+            self.on_change(True, toks)
+        return len(taken)
+
+    def delete(self, toks: array) -> int:
+        """``MemPool.delete``: drop the cached path of ``toks`` below its last branch."""
+        match = self.tree.match_prefix(toks, touch=False)
+        path, matched = match.nodes, len(match.values)
+        ends_inside = sum(len(n.values) for n in path) != matched
+        short = matched < len(toks) // self.block_size
+        if not path or (short and (ends_inside or path[-1].children)):
+            return 0
+        # drop the path below its last branching node (all of it when it never branches)
+        forks = [i for i in range(1, len(path)) if len(path[i - 1].children) > 1]
+        cut = path[forks[-1] if forks else 0]
+        parent, blocked = cut.parent, cut.blocked
+        dropped = self.drop(self.tree.remove(cut))
+        if blocked:
+            parent.below -= 1
+            self.restate(parent)
+        self.candidate(parent)  # perhaps a leaf of its tier now
+        self.counters["deleted_blocks"] += dropped
+        return dropped
 
     def index(self, t: Tier, node: PoolNode, adopt: bool) -> None:
         """List ``node``'s blocks: with ``adopt`` blocks the caller holds (so pinned), which
@@ -275,7 +339,7 @@ class TierStore:
 
     def move(self, node: PoolNode, src: Tier, dst: Tier, new: list[int]) -> None:
         """Move ``node``'s blocks to ``new`` blocks of ``dst``; the index's references go along."""
-        self.copy_tier(dst.name, new, src.name, node.values)
+        self.moves.append((dst.name, new, src.name, list(node.values)))
         self.unindex(src, node.values)
         self.uncount(node)
         node.values, node.tier = new, dst.name
@@ -308,3 +372,12 @@ class TierStore:
                 self.unhold(dram, pinned)
             if j < want or not j:
                 return
+
+
+def _check_new(hbm: Tier, taken: list[int]) -> None:
+    """Blocks the index is about to take: distinct, and cached nowhere yet."""
+    if len(set(taken)) != len(taken):
+        raise ValueError("insert got the same block id twice")
+    for b in taken:
+        if hbm.indexed[b]:
+            raise ValueError(f"block {b} is already cached under another prefix")

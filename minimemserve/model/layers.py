@@ -148,39 +148,20 @@ class DecoderLayer(nn.Module):
         h, residual = ops.add_rmsnorm(h, residual, self.post_attention_layernorm)
         return self.mlp(h, ops), residual
 
-
-class CausalLM(nn.Module):
-    """A pre-norm decoder causal LM over flattened new tokens ``[T]`` of a batch of sequences.
-    A family subclasses it, setting ``qkv_bias`` and ``qk_norm`` (both off: Llama)."""
-
-    qkv_bias = False  # q, k and v projections carry a bias (Qwen2)
-    qk_norm = False  # each head of q and k is RMS-normalised before rotary (Qwen3)
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, self.qkv_bias, self.qk_norm) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = Rotary(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-        )
-
     @classmethod
-    def layer_tensors(cls, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-        """The HF tensors of one decoder layer (names after ``model.layers.<i>.``) and their
-        shapes: what a checkpoint of this family holds per layer."""
+    def hf_tensors(
+        cls, cfg: ModelConfig, qkv_bias: bool, qk_norm: bool
+    ) -> dict[str, tuple[int, ...]]:
+        """The HF tensors of one layer (names after ``model.layers.<i>.``) and their shapes:
+        what a checkpoint of a family with this layer holds per layer."""
         h, inter = cfg.hidden_size, cfg.intermediate_size
         q_size = cfg.num_attention_heads * cfg.head_dim
         kv_size = cfg.num_key_value_heads * cfg.head_dim
         projections = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
         shapes = {f"self_attn.{p}.weight": (n, h) for p, n in projections.items()}
-        if cls.qkv_bias:
+        if qkv_bias:
             shapes |= {f"self_attn.{p}.bias": (n,) for p, n in projections.items()}
-        if cls.qk_norm:
+        if qk_norm:
             shapes |= {f"self_attn.{p}.weight": (cfg.head_dim,) for p in ("q_norm", "k_norm")}
         return shapes | {
             "self_attn.o_proj.weight": (h, q_size),
@@ -190,6 +171,30 @@ class CausalLM(nn.Module):
             "input_layernorm.weight": (h,),
             "post_attention_layernorm.weight": (h,),
         }
+
+
+class CausalLM(nn.Module):
+    """A pre-norm decoder causal LM over flattened new tokens ``[T]`` of a batch of sequences.
+    A family subclasses it, setting ``qkv_bias`` and ``qk_norm`` (both off: Llama), and may
+    bring its own ``layer`` class (the registry hands it over): built as
+    ``layer(cfg, layer_id, qkv_bias, qk_norm)``, called as :class:`DecoderLayer` is, listing
+    its checkpoint tensors in ``layer.hf_tensors``."""
+
+    qkv_bias = False  # q, k and v projections carry a bias (Qwen2)
+    qk_norm = False  # each head of q and k is RMS-normalised before rotary (Qwen3)
+
+    def __init__(self, cfg: ModelConfig, layer: type[nn.Module] = DecoderLayer):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            layer(cfg, i, self.qkv_bias, self.qk_norm) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
 
     def forward(
         self, input_ids: torch.Tensor, backend: AttentionBackend, md: AttentionMetadata

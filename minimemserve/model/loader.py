@@ -33,7 +33,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     family defines it (``lm_head.weight`` too, which a checkpoint with tied embeddings may
     omit); an unknown family is a ``CheckpointError``."""
     h = config.hidden_size
-    layer = family_of(config).model.layer_tensors(config)
+    layer = family_of(config).layer_tensors(config)
     shapes: dict[str, tuple[int, ...]] = {EMBED_NAME: (config.vocab_size, h)}
     for i in range(config.num_hidden_layers):
         shapes.update({f"model.layers.{i}.{name}": s for name, s in layer.items()})

@@ -47,5 +47,7 @@ def family_of(cfg: ModelConfig) -> Family:
 
 
 def build_model(cfg: ModelConfig) -> CausalLM:
-    """An untrained model of ``cfg``'s family at ``cfg``'s sizes (weights come after)."""
-    return family_of(cfg).model(cfg)
+    """An untrained model of ``cfg``'s family at ``cfg``'s sizes, built of the family's
+    layers (weights come after)."""
+    family = family_of(cfg)
+    return family.model(cfg, family.layer)

@@ -207,10 +207,11 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
-        """Text of ``ids``; special tokens dropped (shown as pieces unless ``skip_special``)."""
-        ids, n = [int(i) for i in ids], self.vocab_size
-        if bad := [i for i in ids if not 0 <= i < n]:
-            raise InvalidRequest(f"token id(s) {bad[:5]} outside the vocabulary [0, {n})")
+        """Text of ``ids``; special tokens dropped (shown as pieces unless ``skip_special``).
+        An id the tokenizer has no entry for has no text: a checkpoint's embedding often has
+        more rows than its tokenizer has tokens, and the model may generate any row."""
+        n = self.vocab_size
+        ids = [i for i in map(int, ids) if 0 <= i < n]
         pieces = self._pieces
         if skip_special:
             return pieces.decode([i for i in ids if i not in self._special])
@@ -222,7 +223,7 @@ class Tokenizer:
 
     def id_to_piece(self, token_id: int) -> str:
         """The piece of one id (sentencepiece: ``"▁the"``, ``"<0x0A>"``, ``"</s>"``; HF: its
-        text, ``" the"``, ``"<|im_end|>"``)."""
+        text, ``" the"``, ``"<|im_end|>"``); empty for an id the tokenizer has no entry for."""
         if not 0 <= token_id < self.vocab_size:
-            raise InvalidRequest(f"token id {token_id} outside the vocabulary")
+            return ""
         return self._pieces.piece(token_id)

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 import zlib
+from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,9 +36,6 @@ from minimemserve.mempool.radix import RadixTree, as_tokens
 
 # Expired entries on paths no lookup walks are swept this often, so the trees stay bounded.
 SWEEP_EVERY_S = 10.0
-POLICIES = ("round_robin", "least_load", "session", "prompt_tree", "prompt_tree_local")
-# The policies that may have one instance send another a cached prefix before a request.
-MOVES_PREFIXES = ("prompt_tree",)
 # How long a prompt-tree entry is trusted after its request finished (instances evict on
 # their own; a stale entry costs one misrouted request, a short one forgets useful caches).
 DEFAULT_TTL_S = 600.0
@@ -170,8 +169,8 @@ class GlobalScheduler:
         caching: bool = True,
         clock: Clock = time.monotonic,
     ) -> None:
-        if policy not in POLICIES:
-            raise ConfigError(f"unknown routing policy {policy!r}; choose from {POLICIES}")
+        if policy not in ROUTING:
+            raise ConfigError(f"unknown routing policy {policy!r}; choose from {ROUTING_POLICIES}")
         if not instances:
             raise ValueError("a global scheduler needs at least one instance")
         if len(set(instances)) != len(instances):
@@ -263,16 +262,11 @@ class GlobalScheduler:
         if (now := self._clock()) - self._last_sweep >= SWEEP_EVERY_S:
             self._last_sweep = now
             self.trees.expire()
-        if self.policy == "round_robin":
-            name = self.live[next(self._rr) % len(self.live)]
-        elif self.policy == "least_load":
-            name = min(self.live, key=lambda p: (self.queued_requests(p), self.live.index(p)))
-        elif self.policy == "session":
-            key = session_id.encode() if session_id else toks[: self.block_size].tobytes()
-            name = self.live[zlib.crc32(key) % len(self.live)]
-        else:
+        rule = ROUTING[self.policy]
+        if rule.pick is None:
             cached = {p: self.cached_tokens(p, toks) for p in self.live}
             return self._by_cost(len(toks), cached, max_tokens)
+        name = rule.pick(self, toks, session_id)
         cached = self.cached_tokens(name, toks)
         return Route(name, cached, self.marginal_cost(name, len(toks), cached, max_tokens))
 
@@ -287,7 +281,7 @@ class GlobalScheduler:
 
     def _by_cost(self, x: int, cached: dict[str, int], max_tokens: int | None) -> Route:
         holder = max(self.live, key=lambda q: cached[q])  # the first of those holding most
-        moves = self.policy in MOVES_PREFIXES
+        moves = ROUTING[self.policy].moves_prefixes
         options = []  # the first cheapest wins ties
         for p in self.live:
             base, n = self._load(p, x, max_tokens)
@@ -301,10 +295,20 @@ class GlobalScheduler:
             self.num_transfers += 1
         return best
 
+    def after_push(self, route: Route, tokens: Sequence[int], moved: int = 0) -> Route:
+        """``route`` once its prefix push is over, ``moved`` tokens of it landed (0: none, the
+        push failed): the hit is what the trees now believe its instance holds, and
+        ``transfer_from`` / ``transfer_tokens`` say what was sent (None / 0 when nothing was)."""
+        cached = self.cached_tokens(route.instance, tokens)
+        src = route.transfer_from if moved else None
+        return Route(route.instance, cached, route.cost, src, moved)
+
     def landed(self, route: Route, tokens: Sequence[int]) -> Route:
-        """``route`` once its prefix push is over, landed or not: the hit is what the trees
-        now believe its instance holds."""
-        return Route(route.instance, self.cached_tokens(route.instance, tokens), route.cost)
+        """Deprecated spelling of :meth:`after_push` (a KV link's ``landed`` is another thing)."""
+        warnings.warn(
+            "GlobalScheduler.landed is deprecated; use after_push", DeprecationWarning, stacklevel=2
+        )
+        return self.after_push(route, tokens)
 
     def dispatched(
         self, request_id: str, route: Route, num_tokens: int, max_tokens: int = 0
@@ -353,3 +357,54 @@ class GlobalScheduler:
         """``tokens`` are now cached on ``instance`` (e.g. after a prefix transfer)."""
         if self.caching:
             self.trees.record(instance, tokens)
+
+
+def _round_robin(s: GlobalScheduler, toks: array, session_id: str | None) -> str:
+    """The live instance after the one picked last time."""
+    return s.live[next(s._rr) % len(s.live)]
+
+
+def _least_load(s: GlobalScheduler, toks: array, session_id: str | None) -> str:
+    """The live instance with the fewest unfinished requests (the first of equals)."""
+    return min(s.live, key=lambda p: (s.queued_requests(p), s.live.index(p)))
+
+
+def _by_session(s: GlobalScheduler, toks: array, session_id: str | None) -> str:
+    """A hash of the conversation (without one, of the prompt's first block) over the live."""
+    key = session_id.encode() if session_id else toks[: s.block_size].tobytes()
+    return s.live[zlib.crc32(key) % len(s.live)]
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    """How a routing policy picks: ``pick(scheduler, tokens, session_id)`` names the instance
+    (None: the one where the request costs least, see the module); ``moves_prefixes``: a
+    cached prefix may be sent to it first from the instance holding most of the prompt."""
+
+    pick: Callable[[GlobalScheduler, array, str | None], str] | None = None
+    moves_prefixes: bool = False
+
+
+# The routing policies by name (``DeploymentSpec.policy``, ``--policy``).
+ROUTING: dict[str, RoutingPolicy] = {
+    "round_robin": RoutingPolicy(_round_robin),
+    "least_load": RoutingPolicy(_least_load),
+    "session": RoutingPolicy(_by_session),
+    "prompt_tree": RoutingPolicy(moves_prefixes=True),
+    "prompt_tree_local": RoutingPolicy(),
+}
+ROUTING_POLICIES = tuple(ROUTING)
+# The policies that may have one instance send another a cached prefix before a request.
+MOVES_PREFIXES = tuple(name for name, rule in ROUTING.items() if rule.moves_prefixes)
+
+
+def __getattr__(name: str):
+    """``POLICIES``: the deprecated name of :data:`ROUTING_POLICIES`."""
+    if name == "POLICIES":
+        warnings.warn(
+            "global_scheduler.POLICIES is deprecated; use ROUTING_POLICIES",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return ROUTING_POLICIES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

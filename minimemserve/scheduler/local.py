@@ -1,10 +1,11 @@
 """Local scheduler: continuous batching with a per-step token budget, preemption by recompute
-when the pool is full, and one of two step policies (:data:`POLICIES`). Plain Python: no
+when the pool is full, and one of two step policies (:data:`STEP_POLICIES`). Plain Python: no
 tensors here."""
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 
@@ -15,7 +16,19 @@ from ..request import Request, Status
 # ``chunked``: decodes first, prompts fill the rest of the budget in chunks (vLLM and SGLang
 # today). ``prefill_first``: waiting prompts run whole in a step of their own before any
 # decode (vLLM 0.4.0's default, MemServe's base).
-POLICIES = ("chunked", "prefill_first")
+STEP_POLICIES = ("chunked", "prefill_first")
+
+
+def __getattr__(name: str):
+    """``POLICIES``: the deprecated name of :data:`STEP_POLICIES`."""
+    if name == "POLICIES":
+        warnings.warn(
+            "scheduler.local.POLICIES is deprecated; use STEP_POLICIES",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return STEP_POLICIES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class LocalScheduler:
@@ -46,8 +59,8 @@ class LocalScheduler:
         policy: str = "chunked",
         clock: Callable[[], float] = time.perf_counter,
     ):
-        if policy not in POLICIES:
-            raise ConfigError(f"unknown local scheduler {policy!r}; choose from {POLICIES}")
+        if policy not in STEP_POLICIES:
+            raise ConfigError(f"unknown local scheduler {policy!r}; choose from {STEP_POLICIES}")
         self.pool = pool
         self.block_size = pool.layout.block_size
         self.recipe = recipe

@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import re
+import resource
 import signal
 import time
 import uuid
@@ -31,6 +32,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -51,6 +53,7 @@ from ..request import RequestOutput, TokenDelta
 from ..sampling import INT64_LIMIT, SamplingParams
 from ..serving import Serving
 from . import DEFAULT_MAX_PENDING, SERVE_ENGINE_FLAGS, SERVE_FIELDS, protocol
+from .connections import KEEP_ALIVE_S, GuardedHttp
 from .engine_loop import TICK_S, EngineLoop
 from .metrics import ServerMetrics, Snapshot
 
@@ -74,10 +77,16 @@ STARTUP_TIMEOUT_S = 300.0
 # Connections beyond --max-pending that uvicorn still accepts (health checks, scrapes);
 # past them it answers 503 itself, so idle or slow connections cannot pile up without end.
 SPARE_CONNECTIONS = 64
+# Open files the server process may hold (connections, instances' sockets, shared memory).
+OPEN_FILES = 65536
 # The environment variable an API key may come from (keeps it off the command line).
 API_KEY_ENV = "MINIMEMSERVE_API_KEY"
 # Largest request body read (a long prompt as token ids is a few MB).
 MAX_BODY_BYTES = 16 * 2**20
+# How much of a client's own text (a model name) an error message quotes.
+QUOTE_CHARS = 80
+# Media types a request body may declare (none declared is taken as JSON).
+JSON_TYPES = ("application/json",)
 _PARAM = re.compile(r"SamplingParams\.(\w+)")
 
 
@@ -110,6 +119,13 @@ class ApiError(Exception):
     def response(self) -> JSONResponse:
         """The JSON response of this error."""
         return JSONResponse(self.body(), status_code=self.status)
+
+
+def quote(text: str) -> str:
+    """``text`` as an error message quotes it: ``repr``, cut to ``QUOTE_CHARS`` characters."""
+    if len(text) <= QUOTE_CHARS:
+        return repr(text)
+    return f"{text[:QUOTE_CHARS]!r}... ({len(text)} characters)"
 
 
 def api_error(e: Exception) -> ApiError:
@@ -271,10 +287,15 @@ class Server:
             raise
 
     def _abort(self, choices: list[Choice]) -> None:
-        """Stop delivering to ``choices`` and abort their requests (unknown ids are no-ops)."""
+        """Stop delivering to ``choices`` and abort their requests (unknown ids are no-ops);
+        each aborted one is counted as ended with ``finished_reason="abort"``."""
         for c in choices:
             self.loop.unregister(c.rid)
-            self.loop.post(lambda s, rid=c.rid: s.abort(rid))
+            self.loop.post(lambda s, rid=c.rid: self._count(s.abort(rid)))
+
+    def _count(self, out: RequestOutput | None) -> None:
+        if out is not None:
+            self.metrics.observe_output(out)
 
     async def submit(self, parsed: protocol.Parsed, t0: float, chat: bool) -> Generation:
         """Validate and start a request's choices (the first of each prompt; the others follow
@@ -364,6 +385,7 @@ class Server:
         self.loop.unregister(c.rid)
         out = await self.loop.call(lambda s: s.abort(c.rid))
         if out is not None:
+            out.finish_reason = "stop"  # what the client is told, and what is counted
             self.metrics.observe_output(out)
             c.out = out
         c.finish_reason = "stop"
@@ -386,6 +408,15 @@ class Server:
 
     async def parse(self, request: Request, chat: bool) -> protocol.Parsed:
         """Read and check a request body (the engine validates the prompts in :meth:`submit`)."""
+        media = request.headers.get("content-type", JSON_TYPES[0]).split(";")[0].strip().lower()
+        if media not in JSON_TYPES:
+            raise ApiError(
+                415,
+                f"the body must be JSON (content-type: application/json), not {quote(media)}",
+                "invalid_request_error",
+                "content-type",
+                "unsupported_media_type",
+            )
         raw = bytearray()
         async for part in request.stream():
             raw += part
@@ -407,7 +438,7 @@ class Server:
         if parsed.model != self.model_name:
             raise ApiError(
                 404,
-                f"model {parsed.model!r} does not exist; this server has {self.model_name!r}",
+                f"model {quote(parsed.model)} does not exist; this server has {self.model_name!r}",
                 "invalid_request_error",
                 "model",
                 "model_not_found",
@@ -494,7 +525,7 @@ class Server:
             why = f"no view of the instances for {age:.0f} s (the engine thread is held up)"
             return ApiError(503, why, "service_unavailable").response()
         if missing := set(self.roles) - {v["role"] for v in snap.load.values()}:
-            why = f"no live instance for role(s) {sorted(missing)}"
+            why = f"no live instance for role(s) {', '.join(sorted(map(str, missing)))}"
             return ApiError(503, why, "service_unavailable").response()
         if self.loop.num_streams >= self.max_pending:
             why = f"at capacity: {self.loop.num_streams} choices in flight (--max-pending)"
@@ -641,10 +672,32 @@ def make_server(args: argparse.Namespace) -> Server:
     )
 
 
+def web_config(server: Server, host: str, port: int, log_level: str = "warning"):
+    """uvicorn's configuration of ``server``'s app: its connections guarded (see
+    :mod:`.connections`), at most ``max_pending`` + ``SPARE_CONNECTIONS`` at once."""
+    return uvicorn.Config(
+        build_app(server),
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=GuardedHttp,
+        limit_concurrency=server.max_pending + SPARE_CONNECTIONS,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
+
+
+def allow_open_files(need: int) -> None:
+    """Raise this process's soft limit on open files towards ``need`` (up to the hard limit),
+    so the connections the server accepts do not exhaust a default of 1,024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
 def main(args: argparse.Namespace) -> int:
     """``minimemserve serve``: start the engine, then serve HTTP until interrupted."""
-    import uvicorn  # lazy: the optional serve extra
-
     logging.basicConfig(level=args.log_level.upper())
     server = make_server(args)
     if args.host not in LOOPBACK_HOSTS and not server.api_key:
@@ -656,12 +709,6 @@ def main(args: argparse.Namespace) -> int:
         f"http://{args.host}:{args.port}",
         flush=True,
     )
-    uvicorn.run(
-        build_app(server),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        limit_concurrency=args.max_pending + SPARE_CONNECTIONS,
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-    )
+    allow_open_files(OPEN_FILES)
+    uvicorn.Server(web_config(server, args.host, args.port, args.log_level)).run()
     return 1 if server.loop.error is not None else 0

@@ -203,8 +203,11 @@ class EngineLoop:
             if (dest := self._streams.get(ev.request_id)) is not None:
                 batch.setdefault(dest[0], []).append((dest[1], ev))
         for out in outputs:
-            self._on_output(out)
             self._streams.pop(out.request_id, None)
+            try:
+                self._on_output(out)
+            except Exception as e:  # one output's bookkeeping; the thread serves on
+                logger.error("recording request %s failed: %r", out.request_id, e)
         for loop, items in batch.items():
             loop.call_soon_threadsafe(_put_all, items)
 

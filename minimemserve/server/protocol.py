@@ -268,6 +268,13 @@ def parse(body: Any, tok: Tokenizer, chat: ChatFormat | None, max_model_len: int
         raise
     except InvalidRequest as e:  # empty, not integers: the prompt is the problem
         raise BadField(where, str(e)) from None
+    if (longest := max(map(len, prompts))) >= max_model_len:
+        what = "the rendered conversation" if chat else "the prompt"
+        raise BadField(
+            where,
+            f"'{where}': {what} is {longest} tokens but the context holds {max_model_len} "
+            "(the prompt and at least one generated token)",
+        )
     n = _get(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise BadField("n", f"'n' must be in [1, {MAX_N}], got {n}")

@@ -10,8 +10,8 @@ link, between the control calls its receiver answers between steps where the top
 so, and a handed-off request reaches its decode instance when it has landed; a prefill
 instance's hand-offs move while its next step computes (``handoff="overlap"``, that step
 ending once both have) or after the step that prefilled them (``"inline"``). New requests
-are routed by the real ``GlobalScheduler`` whose prompt trees follow what entry instances
-report they cache, as in the process runtime. Output tokens are deterministic stand-ins (a
+go through the runtimes' ``Frontend``: routed by the global scheduler, whose prompt trees
+follow what entry instances report they cache. Output tokens are deterministic stand-ins (a
 hash of request id and position), so a request's prompt and output lengths, cache hits and
 transfers are those of a real run."""
 
@@ -22,7 +22,6 @@ import functools
 import heapq
 import itertools
 import math
-import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -32,14 +31,15 @@ from tqdm.auto import tqdm
 
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.config import Deployment, EngineConfig, parse_config_name
-from minimemserve.engine import Engine, StepPlan
+from minimemserve.engine import Engine, EngineParts, StepPlan
 from minimemserve.errors import ConfigError, PoolExhausted
 from minimemserve.mempool import KVReceiver, MemPool
 from minimemserve.model.config import ModelConfig
 from minimemserve.parallel import TPShard
 from minimemserve.recipes import Role
 from minimemserve.request import Request, RequestOutput
-from minimemserve.scheduler.global_scheduler import DEFAULT_TTL_S, Cost, GlobalScheduler
+from minimemserve.scheduler.frontend import Frontend
+from minimemserve.scheduler.global_scheduler import DEFAULT_TTL_S, Cost
 from minimemserve.workloads.results import greedy_params, record
 from minimemserve.workloads.sessions import Session, build_prompt, poisson_arrivals, total_turns
 
@@ -131,7 +131,7 @@ class _TokenIds:
 
 
 class SimEngine(Engine):
-    """``Engine`` without a model (:meth:`Engine.from_parts` over a :class:`SimPool`, on the
+    """``Engine`` without a model (its :class:`EngineParts` a :class:`SimPool`, on the
     cluster's virtual clock): :meth:`begin_step` schedules (the step's start), :meth:`end_step`
     postprocesses with stand-in tokens when the step model says the step ends."""
 
@@ -446,8 +446,6 @@ class SimCluster:
         self.steps = 0
         # instance-seconds in steps, in steps with prefill work, and decode-seconds held up
         self.busy_s = self.prefill_busy_s = self.decode_stall_s = 0.0
-        self.route_calls = 0
-        self.route_wall_s = 0.0
         self.instances = self._make_instances(
             config, colocated, model_config, engine_config, num_blocks, dtype
         )
@@ -455,8 +453,9 @@ class SimCluster:
         self.by_pool = {id(i.pool): i for i in self.instances}
         milestone = self.deployment.milestone
         self.entry = [i for i in self.instances if i.role == milestone.roles[0]]
-        self.scheduler = GlobalScheduler(
+        self.frontend = Frontend(
             [i.name for i in self.entry],
+            self._push_prefix,
             policy=policy,
             block_size=engine_config.block_size,
             cost_model=cost,
@@ -464,8 +463,9 @@ class SimCluster:
             caching=milestone.entry_caches,
             clock=self.clock,
         )
+        self.scheduler = self.frontend.scheduler
         for inst in self.entry:  # the prompt trees follow what entry instances cache
-            inst.pool.on_change = functools.partial(self.scheduler.cache_changed, inst.name)
+            self.frontend.follow(inst.name, inst.pool)
         # instances to try to start, and those parked behind full decode instances: dicts, so
         # they are taken in a fixed order (a set of objects would follow memory addresses)
         self.dirty: dict[SimInstance, None] = {}
@@ -479,10 +479,8 @@ class SimCluster:
         out = []
         for i, (name, role) in enumerate(self.deployment.instances(colocated=colocated)):
             pool = SimPool(layout, num_blocks, on_send=self.net.send, dtype=dtype, instance_id=name)
-            eng = SimEngine.from_parts(
-                pool,
-                model_config,
-                _TokenIds(),
+            eng = SimEngine(
+                EngineParts(model_config, _TokenIds(), pool),
                 config=config,
                 role=role,
                 peers=self,
@@ -641,14 +639,7 @@ class SimCluster:
         session = self._sessions[si]
         prompt = build_prompt(session, k, history)
         rid, params = f"{session.id}/{k}", self._params_for(session.turns[k])
-        t0 = time.perf_counter()
-        route = self.scheduler.route(prompt, params.max_tokens, session.id)
-        self.route_wall_s += time.perf_counter() - t0
-        self.route_calls += 1
-        pushed = None
-        if route.transfer_from is not None:
-            pushed = self._push_prefix(prompt, route.transfer_from, route.instance)
-            route = self.scheduler.landed(route, prompt)
+        route = self.frontend.route(prompt, params.max_tokens, session.id)
         inst = self.by_name[route.instance]
         try:
             inst.engine.validate(prompt, params)
@@ -658,34 +649,34 @@ class SimCluster:
             self._bar.update(len(session.turns) - k if self._follows else 1)
             return
         self._inflight[rid] = (si, k, self.now)
-        self.scheduler.dispatched(rid, route, len(prompt), params.max_tokens)
+        self.frontend.dispatched(rid, route, len(prompt), params.max_tokens)
         enqueue = functools.partial(self._enqueue, inst, prompt, params, rid, self.now)
-        if pushed is None:
+        if route.transfer_from is None:
             self.at(self.now, enqueue)
-        else:  # after the cached prefix has landed
-            pushed.done.append(enqueue)
+        else:  # after the cached prefix has landed (the push booked it last from there)
+            self.by_name[route.transfer_from].pool.last.done.append(enqueue)
 
     def _enqueue(self, inst: SimInstance, prompt, params, rid: str, arrival: float) -> None:
         inst.engine.add_request(prompt, params, rid, arrival)
         self.dirty[inst] = None
 
-    def _push_prefix(self, prompt: Sequence[int], src_name: str, dst_name: str) -> Transfer | None:
-        """``src`` sends its cached prefix of ``prompt`` to ``dst``: the transfer, or None when
-        nothing of it is cached there any more or ``dst`` has no room for it."""
+    def _push_prefix(self, src_name: str, dst_name: str, prompt: Sequence[int]) -> int:
+        """``src`` sends its cached prefix of ``prompt`` to ``dst`` (booked as ``src``'s last
+        transfer): the tokens sent, 0 when nothing of it is cached there any more or ``dst``
+        has no room for it."""
         src, dst = self.by_name[src_name].pool, self.by_name[dst_name].pool
         blocks = src.match(prompt)
         if not blocks:
-            return None
+            return 0
         n = len(blocks) * src.block_size
         try:
             got = src.transfer_with_insert(dst, prompt[:n], blocks)
         except PoolExhausted:  # no room there: the request goes without it, as in the runtime
-            return None
+            return 0
         finally:
             src.free_mem(blocks)
         dst.free_mem(got)
-        self.scheduler.record(dst_name, prompt[:n])
-        return src.last
+        return n
 
     def _end_step(self, inst: SimInstance) -> None:
         """``inst``'s step computed; it ends once the transfers it began have landed (the
@@ -698,7 +689,7 @@ class SimCluster:
         inst.beside = []
         outs, first = inst.engine.end_step()
         for rid in first:  # the frontend sees a first token as it streams
-            self.scheduler.started(rid)
+            self.frontend.started(rid)
         handoffs = [req.request_id for req in inst.engine.handoffs]
         inst.engine.handoffs.clear()
         self.net.answer(inst)
@@ -712,13 +703,12 @@ class SimCluster:
     def _report(self, outs: list[RequestOutput], handoffs: list[str]) -> None:
         """What a step's end tells the frontend: its hand-offs and finished requests."""
         for rid in handoffs:
-            self.scheduler.prefilled(rid)
+            self.frontend.prefilled(rid)
         if outs and self._blocked:
             self.dirty |= self._blocked
             self._blocked.clear()
         for out in outs:  # the frontend takes a step's outputs together, then sends next turns
-            answered = out.finish_reason in ("stop", "length")
-            self.scheduler.finished(out.request_id, None, len(out.token_ids) if answered else None)
+            self.frontend.finished(out)
         for out in outs:
             self._collect(out)
 

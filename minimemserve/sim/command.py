@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from minimemserve.errors import ConfigError
-from minimemserve.options import add_engine_arguments, add_workload_arguments
+from minimemserve.options import add_engine_arguments, add_workload_arguments, trace_path
 from minimemserve.presets import preset_dir
 from minimemserve.workloads.results import DEFAULT_SESSIONS
 
@@ -27,6 +27,7 @@ from .runner import (
     run_sim,
     sweep,
 )
+from .trace_curve import cache_curve, parse_capacities
 
 DESCRIPTION = (
     "Run the engine's scheduling, MemPool and recipes on a simulated cluster in virtual time "
@@ -94,6 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="--paper: runs simulated at once, each in a process (default: cores)",
     )
     p.add_argument(
+        "--cache-curve",
+        default=None,
+        help="with --trace: MemPool alone replays the trace at each capacity (comma-separated "
+        "tokens, e.g. 1e4,1e5,1e6,3e6,1e7,5e7) and unlimited; writes cache_curve.json and a plot",
+    )
+    p.add_argument(
         "--anchors",
         action="store_true",
         help="print the roofline against published GPU measurements",
@@ -133,6 +140,12 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if args.calibrate:
         calibration.calibrate(args.calibrate.split(","), args.hardware, args.write)
+        return 0
+    if args.cache_curve:
+        if not args.trace:
+            raise ConfigError("--cache-curve needs --trace FILE (or --trace mooncake)")
+        caps = parse_capacities(args.cache_curve)
+        cache_curve(trace_path(args), caps, args.out, args.trace_window, not args.no_progress)
         return 0
     if args.paper:
         paper.reproduce(

@@ -298,6 +298,7 @@ def simulate(
         wall = time.perf_counter() - t0
         cluster.check_pools()
         ends = [r["arrival"] + (r["jct"] or 0.0) for r in records[config]]
+        front = cluster.frontend
         stats[config] = {
             "wall_s": wall,
             "simulated_s": max(ends, default=0.0),
@@ -308,7 +309,7 @@ def simulate(
             "prefill_share": cluster.prefill_busy_s / cluster.busy_s if cluster.busy_s else 0.0,
             "decode_stall_s": cluster.decode_stall_s / max(len(records[config]), 1),
             "instances": [f"{i.name}:{i.role}" for i in cluster.instances],
-            "route_us_mean": 1e6 * cluster.route_wall_s / max(cluster.route_calls, 1),
+            "route_us_mean": 1e6 * front.route_wall_s / max(front.route_calls, 1),
             "dispatches": dict(cluster.scheduler.dispatches),
             "roles": role_stats(cluster),
         }

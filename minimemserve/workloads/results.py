@@ -259,18 +259,24 @@ def write_plots(
     prefix: Path,
     title: str = "",
 ) -> list[Path]:
-    """Bars of mean/P99 TTFT and JCT per config, and CDFs of TTFT and JCT; returns the paths."""
+    """Bars of mean/P99 TTFT and JCT per config (an unstable config's hatched and labelled
+    overloaded, as its table row says), and CDFs of TTFT and JCT; returns the paths."""
     from matplotlib.figure import Figure  # optional and slow to import: only plots need it
 
     names = list(summaries)
+    stable = [is_stable(summaries[n]) for n in names]
+    ticks = [n if ok else f"{n}\n({OVERLOADED})" for n, ok in zip(names, stable)]
     bars = Figure(figsize=(10, 4), layout="tight")
     x = np.arange(len(names))  # [configs]
     width = 0.38
     for ax, metric, name in zip(bars.subplots(1, 2), ("ttft", "jct"), ("TTFT", "JCT")):
         for j, (stat, label) in enumerate((("mean", "mean"), ("p99", "P99"))):
             vals = [(summaries[n][f"{metric}_{stat}"] or 0.0) for n in names]
-            ax.bar(x + (j - 0.5) * width, vals, width, label=label)
-        ax.set_xticks(x, names)
+            drawn = ax.bar(x + (j - 0.5) * width, vals, width, label=label)
+            for bar, ok in zip(drawn, stable):
+                if not ok:  # an unstable run's times grow with its length: no fair height
+                    bar.set_hatch("//")
+        ax.set_xticks(x, ticks)
         ax.set_ylabel("seconds")
         ax.set_title(name)
         ax.legend()

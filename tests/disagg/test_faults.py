@@ -13,6 +13,7 @@ import torch
 
 from minimemserve import LLM, SamplingParams
 from minimemserve.config import EngineConfig
+from minimemserve.disagg import membership
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.errors import InstanceDied
 
@@ -50,7 +51,15 @@ def wait_until_on_decode(c: ProcessCluster, rids: list[str], want_rid: bool = Fa
     raise AssertionError("no request reached a decode instance")
 
 
-def test_decode_death_ends_requests_with_error_and_frees_prefill_blocks(tiny_llama_dir):
+@pytest.fixture
+def no_restarts(monkeypatch):
+    """Instances that exit stay dead: the tests of what a death leaves behind."""
+    monkeypatch.setattr(membership, "MAX_RESTARTS", 0)
+
+
+def test_decode_death_ends_requests_with_error_and_frees_prefill_blocks(
+    tiny_llama_dir, no_restarts
+):
     with cluster(tiny_llama_dir, "1P1D") as c:
         params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         rids = [c.add_request(p, params) for p in prompts(3)]
@@ -76,7 +85,7 @@ def test_decode_death_ends_requests_with_error_and_frees_prefill_blocks(tiny_lla
             c.add_request(prompts(1)[0], params)
 
 
-def test_one_decode_dies_and_its_requests_finish_on_the_other(tiny_llama_dir):
+def test_one_decode_dies_and_its_requests_finish_on_the_other(tiny_llama_dir, no_restarts):
     params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     ps = prompts(6, seed=2)
     ref = LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS).generate(ps, params)
@@ -95,7 +104,7 @@ def test_one_decode_dies_and_its_requests_finish_on_the_other(tiny_llama_dir):
         assert victim not in reports and len(reports) == 2
 
 
-def test_colocated_instance_dies_and_the_scheduler_routes_around_it(tiny_llama_dir):
+def test_colocated_instance_dies_and_the_scheduler_routes_around_it(tiny_llama_dir, no_restarts):
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     ps = prompts(4, seed=3)
     ref = LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS).generate(ps, params)
@@ -116,6 +125,54 @@ def test_colocated_instance_dies_and_the_scheduler_routes_around_it(tiny_llama_d
         c.run_until_done(timeout_s=WAIT_S)
         reports = c.check_pools(require_idle=True)
         assert list(reports) == [n for n in ("C0", "C1") if n != victim]
+
+
+def test_a_spawned_instance_that_exits_is_restarted_rejoins_and_serves(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(membership, "RESTART_WAIT_S", 0.2)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with cluster(tiny_llama_dir, "1P1D-CC") as c:
+        c.add_request(prompts(1)[0], params)
+        (before,) = c.run_until_done(timeout_s=WAIT_S)
+        pid = c.instances["D0"].process.pid
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + WAIT_S
+        while "D0" not in c.dead:
+            assert time.monotonic() < deadline, "the death went unnoticed"
+            c.step()
+        with pytest.raises(InstanceDied, match="D0"):  # while it restarts, nothing goes there
+            c.add_request(prompts(1)[0], params)
+        while "D0" in c.dead:
+            assert time.monotonic() < deadline + WAIT_S, f"D0 did not come back: {c.dead}"
+            c.step()
+        assert c.num_rejoins == 1 and c.instances["D0"].process.pid != pid
+        assert c.membership.restarts == {"D0": 1}
+        c.add_request(prompts(1)[0], params)
+        (after,) = c.run_until_done(timeout_s=WAIT_S)
+        assert after.token_ids == before.token_ids and after.metrics.decode_instance == "D0"
+        c.check_pools(require_idle=True)
+
+
+def test_restarts_back_off_and_stop_at_the_bound(tiny_llama_dir, monkeypatch):
+    """A restarted instance that exits again at once (a crash loop) is restarted after twice
+    the wait each time, and no more than ``MAX_RESTARTS`` times."""
+    monkeypatch.setattr(membership, "RESTART_WAIT_S", 0.1)
+    monkeypatch.setattr(membership, "MAX_RESTARTS", 3)
+    with cluster(tiny_llama_dir, "1P1D") as c:
+        starts: list[float] = []
+
+        def crashing(name: str) -> None:  # the process "started" is the one that exited
+            starts.append(time.monotonic())
+            c.instances[name].ready = False
+
+        monkeypatch.setattr(c.launcher, "respawn", crashing)
+        killed = time.monotonic()
+        os.kill(c.instances["D0"].process.pid, signal.SIGKILL)
+        while time.monotonic() < killed + 2.5:
+            c.step()
+        assert len(starts) == 3 and "D0" in c.dead and not c.membership.restart_at
+        gaps = [b - a for a, b in zip([killed, *starts], starts)]
+        assert gaps[1] >= 0.2 and gaps[2] >= 0.4 and gaps[2] > gaps[1], gaps
+        assert c.num_rejoins == 0
 
 
 def test_an_idle_cluster_keeps_its_instances(tiny_llama_dir):

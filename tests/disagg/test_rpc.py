@@ -378,7 +378,7 @@ def test_deferred_messages_wait_for_the_end_of_a_call_and_are_answered_then():
 
 def test_deferred_messages_beyond_the_cap_are_refused(monkeypatch):
     """While a node waits, a deferred request that would exceed its queue gets an error."""
-    monkeypatch.setattr(rpc, "MAX_DEFERRED", 0)
+    monkeypatch.setattr(rpc.node, "MAX_DEFERRED", 0)
     errors = []
 
     def from_c(c):
@@ -395,7 +395,7 @@ def test_deferred_messages_beyond_the_cap_are_refused(monkeypatch):
 
 
 def test_an_oversized_frame_is_dropped_and_the_node_keeps_serving(monkeypatch) -> None:
-    monkeypatch.setattr(rpc, "MAX_MESSAGE_BYTES", 4096)  # read when the node is made
+    monkeypatch.setattr(rpc.node, "MAX_MESSAGE_BYTES", 4096)  # read when the node is made
     receiver = _Receiver()
     server = node("d", receiver)
     big, small = (node(n, lambda s, m: None, timeout_s=0.5) for n in ("big", "small"))

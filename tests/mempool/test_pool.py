@@ -299,9 +299,9 @@ def test_eviction_heap_stays_bounded_and_is_rebuilt_when_lost():
             cache(pool, seq(1, 2, 10 + i), [1, 2, 10 + i])
         for _ in range(2000):  # pins and unpins re-enter nodes; nothing is evicted
             pool.free_mem(pool.match(seq(1, 2, 13)))
-        assert len(pool._tiers["hbm"].lru) <= 2 * pool._tree.num_nodes + 1024
+        assert len(pool._store.tiers["hbm"].lru) <= 2 * pool.index.num_nodes + 1024
         pool.check()
-    pools[1]._tiers["hbm"].lru.clear()  # lost: the next eviction walks the index instead
+    pools[1]._store.tiers["hbm"].lru.clear()  # lost: the next eviction walks the index instead
     with pytest.raises(PoolAccountingError, match="missing from the LRU heap"):
         pools[1].check()
     left = []
@@ -323,8 +323,8 @@ def test_delete_leaving_only_dram_children_makes_the_parent_an_eviction_candidat
     got = pool.alloc_mem(1)  # the least recently used leaf, 3, goes to dram
     assert pool.stats()["counters"]["offloaded_blocks"] == 1
     assert pool.cached_prefix_len(seq(1, 2, 4)) == 3 * BS
-    (prefix,) = [n for n in pool._tree.nodes() if len(n.values) == 2]
-    lru = pool._tiers["hbm"].lru
+    (prefix,) = [n for n in pool.index.nodes() if len(n.values) == 2]
+    lru = pool._store.tiers["hbm"].lru
     lru[:] = [e for e in lru if e[2] is not prefix]  # its entry surfaced while not a leaf
     pool.check()
     assert pool.delete(seq(1, 2, 4)) == 1  # now its only child is in dram: a leaf of hbm
@@ -632,22 +632,22 @@ def test_check_catches_unbalanced_books():
     pool = MemPool(LAYOUT, 4)
     blocks = cache(pool, seq(1, 2), [1, 2])
     pool.check()
-    pool._tiers["hbm"].alloc.decref([blocks[0]])  # the index's reference vanishes
+    pool._store.tiers["hbm"].alloc.decref([blocks[0]])  # the index's reference vanishes
     with pytest.raises(PoolAccountingError, match="cached without a reference"):
         pool.check()
     pool = MemPool(LAYOUT, 4)
     blocks = cache(pool, seq(1, 2), [1, 2])
-    pool._tiers["hbm"].indexed[blocks[1]] = 0
+    pool._store.tiers["hbm"].indexed[blocks[1]] = 0
     with pytest.raises(PoolAccountingError, match="index flag"):
         pool.check()
     pool = MemPool(LAYOUT, 4)
     cache(pool, seq(1, 2), [1, 2])
-    pool._tiers["hbm"].evictable += 1
+    pool._store.tiers["hbm"].evictable += 1
     with pytest.raises(PoolAccountingError, match="3 blocks counted evictable, 2 are"):
         pool.check()
     pool = MemPool(LAYOUT, 4)
     (held,) = pool.alloc_mem(1)
-    alloc = pool._tiers["hbm"].alloc
+    alloc = pool._store.tiers["hbm"].alloc
     alloc._free_map[held] = 1  # listed free while referenced
     alloc._free.append(held)
     with pytest.raises(PoolAccountingError, match="refcount 1 and is in the free list"):

@@ -64,9 +64,9 @@ def test_decode_special_tokens(tokenizer):
     assert tokenizer.decode(ids, skip_special=False) == "<s>hi</s>"
 
 
-def test_bad_ids_and_input(tokenizer):
-    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
-        tokenizer.decode([5, 512])
+def test_ids_without_an_entry_have_no_text_and_bad_input_is_refused(tokenizer):
+    assert tokenizer.decode([5, 512, -1]) == tokenizer.decode([5])
+    assert tokenizer.id_to_piece(512) == ""
     with pytest.raises(InvalidRequest, match="str"):
         tokenizer.encode(b"bytes")  # type: ignore[arg-type]
 

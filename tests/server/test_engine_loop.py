@@ -5,6 +5,7 @@ step is stuck, readiness follows the instances and the room for work)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -16,8 +17,9 @@ import pytest
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
+from minimemserve.recipes import Role  # noqa: E402
 from minimemserve.request import RequestMetrics, RequestOutput, TokenDelta  # noqa: E402
-from minimemserve.server import app  # noqa: E402
+from minimemserve.server import app, connections  # noqa: E402
 from minimemserve.server.engine_loop import EngineLoop  # noqa: E402
 from minimemserve.server.metrics import ServerMetrics  # noqa: E402
 
@@ -188,6 +190,20 @@ def test_a_failing_tick_does_not_stop_the_engine():
         loop.stop()
 
 
+def test_a_failing_output_callback_does_not_stop_the_engine():
+    def on_output(out):
+        if out.request_id == "a":
+            raise KeyError("no such label")
+
+    loop = EngineLoop(Scripted, on_output=on_output)
+    loop.start(5)
+    try:
+        assert asyncio.run(_collect(loop, "a"))[-1].finish_reason == "length"
+        assert asyncio.run(_collect(loop, "b"))[-1].finish_reason == "length" and loop.alive
+    finally:
+        loop.stop()
+
+
 class Gated(Scripted):
     """A scripted serving whose steps wait for ``gate`` (a step stuck for as long as a test
     wants), and whose instance can be declared dead."""
@@ -222,12 +238,12 @@ def served():
     metrics = ServerMetrics("scripted")
     loop = EngineLoop(lambda: serving, metrics.observe_output, app.Watcher(metrics))
     loop.start(5)
-    server = app.Server(loop, None, None, "scripted", 64, ("colocated",), metrics, max_pending=2)
+    roles = (Role.COLOCATED,)
+    server = app.Server(loop, None, None, "scripted", 64, roles, metrics, max_pending=2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = uvicorn.Config(app.build_app(server), host="127.0.0.1", port=port, log_level="error")
-    web = uvicorn.Server(config)
+    web = uvicorn.Server(app.web_config(server, "127.0.0.1", port, "error"))
     thread = threading.Thread(target=web.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -266,7 +282,7 @@ def test_ready_needs_a_live_instance_per_role_and_room(served):
     while (got := _get(url + "/ready"))[0] == 200:
         assert time.monotonic() < deadline, "/ready missed the dead instance"
         time.sleep(0.05)
-    assert got[0] == 503 and "colocated" in got[1]
+    assert got[0] == 503 and "no live instance for role(s) colocated" in got[1], got
     assert _get(url + "/health")[0] == 200  # alive, just not ready
     serving.dead = False
     loop._ticked = -1e9
@@ -285,3 +301,71 @@ def test_a_dead_engine_fails_both_probes(served):
     status, text = _get(url + "/health")
     assert status == 503 and "scripted failure" in text
     assert _get(url + "/ready")[0] == 503
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closed ``sock`` (within the socket's timeout)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_idle_and_dribbling_connections_are_closed_and_the_probes_answer(served, monkeypatch):
+    """More connections than the server takes, sending nothing or a byte of headers now and
+    then: the probes answer meanwhile, the server closes them all within the header timeout
+    (here 1 s), and then serves everyone again."""
+    url, _, _, server = served
+    monkeypatch.setattr(connections, "HEADER_TIMEOUT_S", 1.0)
+    limit = server.max_pending + app.SPARE_CONNECTIONS
+    idle = [_connect(url) for _ in range(limit + 10)]
+    dribbling = [_connect(url) for _ in range(5)]
+    try:
+        time.sleep(0.2)  # every connection accepted
+        assert _get(url + "/health") == (200, '{"status":"ok"}')  # beyond the limit
+        assert _get(url + "/v1/models")[0] == 503  # the limit holds for the rest
+        for i in range(4):
+            for sock in dribbling:
+                sock.sendall(b"GET /v1/models HTTP/1.1\r\n"[i : i + 1])
+            time.sleep(0.3)
+        start = time.monotonic()
+        assert all(map(_closed_by_server, idle + dribbling))
+        assert time.monotonic() - start < 5
+        assert _get(url + "/v1/models")[0] == 200
+    finally:
+        for sock in idle + dribbling:
+            sock.close()
+
+
+def _raw(url: str, head: bytes) -> bytes:
+    with _connect(url) as sock:
+        sock.sendall(head)
+        return sock.recv(4096)
+
+
+def test_oversized_headers_a_wrong_content_type_and_a_huge_model_name(served):
+    url = served[0]
+    big = b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 2**20 + b"\r\n\r\n"
+    assert _raw(url, big).startswith(b"HTTP/1.1 431 ")
+    body = json.dumps({"model": "m", "prompt": [1, 2]}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"content-type": "text/plain"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    err = json.loads(e.value.read())["error"]
+    assert e.value.code == 415 and err["code"] == "unsupported_media_type", err
+    body = json.dumps({"model": "m" * 2**20, "prompt": [1, 2]}).encode()  # a 1 MB body
+    headers = {"content-type": "application/json; charset=utf-8"}
+    req = urllib.request.Request(url + "/v1/completions", body, headers)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    answer = e.value.read()
+    assert e.value.code == 404 and len(answer) < 1000, answer[:300]
+    assert b"1048576 characters" in answer
+    assert _get(url + "/health")[0] == 200

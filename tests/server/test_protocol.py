@@ -195,3 +195,24 @@ def test_stop_strings_count_only_after_min_tokens(tok):
     d = Detokenizer(tok, ["fox"], min_tokens=fox[0] + 2)
     out = "".join(d.feed([t]) for t in ids)
     assert d.stopped and out.startswith("the fox and") and out.count("fox") == 1
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_prompt_longer_than_the_context_names_the_prompt_and_the_lengths(
+    tiny_llama_dir, tok, chat
+):
+    body = {"model": "m", "max_tokens": 4}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "word " * 300}]
+    else:
+        body["prompt"] = list(range(3, 103))
+    form = ChatFormat(tiny_llama_dir, tok) if chat else None
+    with pytest.raises(BadField) as e:
+        parse(body, tok, form, 64)
+    assert e.value.param == ("messages" if chat else "prompt")
+    length = len(parse(body | {"max_tokens": 1}, tok, form, 10_000).prompts[0])
+    assert f"is {length} tokens but the context holds 64" in str(e.value)
+    body.pop("max_tokens")  # the default leaves no room either
+    with pytest.raises(BadField, match="context holds 64") as e:
+        parse(body, tok, form, 64)
+    assert e.value.param == ("messages" if chat else "prompt")

@@ -33,6 +33,7 @@ START_TIMEOUT_S = 180.0
 # (config, runtime): a colocated deployment in one process, a disaggregated one across processes
 DEPLOYMENTS = [("PD-CC", "inprocess"), ("1P1D-CC", "process")]
 SYSTEM = "You are a helpful assistant. You answer in short, clear sentences and stay on topic."
+JSON_HEADERS = {"content-type": "application/json"}
 QUESTION = "What should I pack for a week of hiking in the mountains in early spring?"
 
 
@@ -330,6 +331,8 @@ def test_hostile_bodies_fail_alone(server):
 
 
 def test_closing_a_stream_midway_frees_its_blocks(server):
+    aborts = 'finished_reason="abort"'
+    before = server.total("minimemserve:request_success_total", aborts)
     stream = server.client.completions.create(
         model=MODEL,
         prompt="Once upon a time",
@@ -344,8 +347,11 @@ def test_closing_a_stream_midway_frees_its_blocks(server):
     stream.close()
     server.wait_released()
     assert server.total("minimemserve:num_requests_running") == 0
-    aborted = server.total("minimemserve:request_success_total", 'finished_reason="length"')
-    assert aborted >= 0  # the server stays up and keeps its counters
+    deadline = time.monotonic() + 10  # counted in the engine thread, once the abort ran
+    while server.total("minimemserve:request_success_total", aborts) == before:
+        assert time.monotonic() < deadline, "the aborted request was not counted"
+        time.sleep(0.1)
+    assert server.total("minimemserve:request_success_total", aborts) == before + 1
     r = server.client.completions.create(model=MODEL, prompt="after the abort", max_tokens=2)
     assert len(r.choices) == 1
 
@@ -497,3 +503,75 @@ def test_a_client_that_leaves_a_request_is_one_log_line(server):
     assert log.count("client disconnected") == before + 1
     new = log[start:]
     assert "Traceback" not in new and "Exception in ASGI" not in new, new[-3000:]
+
+
+def _sse_events(srv: Server, path: str, body: dict) -> list[dict]:
+    """The JSON events of a streamed response (``[DONE]`` dropped)."""
+    req = urllib.request.Request(
+        srv.url + path, json.dumps(body | {"stream": True}).encode(), JSON_HEADERS
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        lines = r.read().decode().splitlines()
+    data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert data[-1] == "[DONE]", data[-3:]
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_ids_beyond_the_tokenizer_stream_as_no_text_and_kill_nothing(wide_embedding_dir):
+    """A model whose embedding has more rows than its tokenizer has tokens may generate those
+    ids: they come back in ``token_ids`` with no text, streamed or not, and every instance
+    lives on."""
+    srv = Server(wide_embedding_dir, "1P1D-CC", "process")
+    tok = Tokenizer.from_dir(wide_embedding_dir)
+    prompt = list(range(40, 60))
+    common = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "ignore_eos": True}
+    beyond = {"logit_bias": {"520": 4.0, "600": 4.0, "639": 4.0}, "return_token_ids": True}
+    try:
+        status, body = srv.post(
+            "/v1/completions", json.dumps(common | beyond | {"logit_bias": {"600": 100}}).encode()
+        )
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == [600] * 10 and body["choices"][0]["text"] == ""
+        for temperature in (0.0, 1.0):
+            ask = common | beyond | {"temperature": temperature, "seed": 3}
+            status, whole = srv.post("/v1/completions", json.dumps(ask).encode())
+            assert status == 200, whole
+            ids = whole["choices"][0]["token_ids"]
+            assert len(ids) == 10 and any(t >= tok.vocab_size for t in ids), ids
+            text = tok.decode([t for t in ids if t < tok.vocab_size])
+            assert whole["choices"][0]["text"] == text
+            events = _sse_events(srv, "/v1/completions", ask)
+            assert "error" not in events[-1], events[-1]
+            assert "".join(e["choices"][0]["text"] for e in events) == text
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        chat |= beyond | {"temperature": 0, "ignore_eos": True}
+        events = _sse_events(srv, "/v1/chat/completions", chat)
+        assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
+        assert _get(srv.url + "/ready")[0] == 200
+        srv.wait_released()
+        assert "died" not in srv.log(), srv.log()[-3000:]
+    finally:
+        srv.close()
+
+
+def test_a_killed_instance_is_restarted_and_the_server_is_ready_again(tiny_llama_dir):
+    srv = Server(tiny_llama_dir, "1P1D-CC", "process")
+    ask = dict(model=MODEL, prompt="After a crash", max_tokens=6, temperature=0)
+    try:
+        before = srv.client.completions.create(**ask).choices[0].text
+        instances = _spawned_children(srv.proc.pid)
+        assert len(instances) == 2  # P0 and D0
+        os.kill(instances[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _get(srv.url + "/ready")[0] == 200:
+            assert time.monotonic() < deadline, "/ready missed the death"
+            time.sleep(0.1)
+        while (ready := _get(srv.url + "/ready"))[0] != 200:
+            assert time.monotonic() < deadline + 60, f"not ready again: {ready}"
+            time.sleep(0.2)
+        assert srv.client.completions.create(**ask).choices[0].text == before
+        assert len(_spawned_children(srv.proc.pid)) == 2
+        srv.wait_released()
+    finally:
+        srv.close()

@@ -553,13 +553,13 @@ def test_a_prefix_push_to_a_full_instance_is_skipped_and_leaks_nothing():
     src.pool.insert(prompt, blocks)
     src.pool.free_mem(blocks)  # cached, unreferenced
     held = dst.pool.alloc_mem(dst.pool.num_free())  # nothing left to receive into
-    assert cluster._push_prefix(prompt, src.name, dst.name) is None
+    assert cluster._push_prefix(src.name, dst.name, prompt) == 0  # no tokens moved
     assert (cached(src), cached(dst)) == (4, 0)
     dst.pool.free_mem(held)
     for inst in (src, dst):
         inst.pool.check()
         assert inst.pool.stats()["hbm"]["referenced"] == 0
-    assert cluster._push_prefix(prompt, src.name, dst.name) is not None  # room again: it lands
+    assert cluster._push_prefix(src.name, dst.name, prompt) == len(prompt)  # room: it lands
     assert cached(dst) == 4
 
 

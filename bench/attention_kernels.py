@@ -1,6 +1,6 @@
 """Micro-benchmark of the Triton attention kernels against the copy ceiling and PyTorch SDPA.
 
-    python bench/kernels.py [--out DIR] [--quick]   # GPU: full sweep (~3 min on an H200),
+    python bench/attention_kernels.py [--out DIR] [--quick]   # GPU: full sweep (~3 min on an H200),
                                                     # --quick: bf16 only (~1 min); CPU: smoke check
 
 - ceiling: a device-to-device copy of 2 GiB, measured first in the same run; its bytes read

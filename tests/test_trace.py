@@ -1,0 +1,117 @@
+"""The trace workload on a small generated trace: determinism, equal ids -> equal tokens, the
+partial last block, the window and scale options, bad lines refused with their number."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from minimemserve.workloads.trace import (
+    TRACE_BLOCK,
+    TraceError,
+    default_trace_path,
+    load_trace,
+    parse_window,
+)
+
+VOCAB = 32000
+ROWS = [
+    {"timestamp": 0, "input_length": 1100, "output_length": 7, "hash_ids": [0, 1, 2]},
+    {"timestamp": 500, "input_length": 1024, "output_length": 3, "hash_ids": [0, 1]},
+    {"timestamp": 1500, "input_length": 600, "output_length": 40, "hash_ids": [0, 5]},
+    {"timestamp": 4000, "input_length": 513, "output_length": 1, "hash_ids": [9, 1]},
+]
+
+
+def _write(tmp_path, rows, name="t.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_prompts_are_deterministic_and_cut_to_the_input_length(tmp_path):
+    path = _write(tmp_path, ROWS)
+    a, b = load_trace(path), load_trace(path)
+    for ra, rb, row in zip(a.requests, b.requests, ROWS):
+        pa = a.prompt(ra, VOCAB)
+        assert pa == b.prompt(rb, VOCAB)
+        assert len(pa) == row["input_length"]  # the last, partial block is cut
+        assert all(3 <= t < VOCAB for t in pa)
+        assert ra.output_length == row["output_length"]
+    assert [r.arrival for r in a.requests] == [0.0, 0.5, 1.5, 4.0]
+    assert [r.line for r in a.requests] == [1, 2, 3, 4]
+
+
+def test_equal_ids_give_equal_tokens_and_different_ids_differ(tmp_path):
+    trace = load_trace(_write(tmp_path, ROWS))
+    p = [trace.prompt(r, VOCAB) for r in trace.requests]
+    blk = TRACE_BLOCK
+    assert p[0][: 2 * blk] == p[1][: 2 * blk]  # ids 0, 1 shared
+    assert p[0][:blk] == p[2][:blk] and p[0][blk : blk + 16] != p[2][blk : blk + 16]
+    # id 1 at position 1 of request 3, after a different first block: same tokens as id 1
+    assert p[3][blk:] == p[0][blk : blk + 1]
+    assert p[3][:16] != p[0][:16]
+
+
+def test_length_scale_keeps_the_sharing_and_divides_lengths(tmp_path):
+    path = _write(tmp_path, ROWS)
+    full, small = load_trace(path), load_trace(path, length_scale=32)
+    assert small.block_tokens == TRACE_BLOCK // 32
+    assert [r.input_length for r in small.requests] == [35, 32, 19, 17]
+    assert [r.output_length for r in small.requests] == [1, 1, 2, 1]
+    p = [small.prompt(r, VOCAB) for r in small.requests]
+    assert p[0][:32] == p[1][:32] and p[0][:16] == p[2][:16] and p[0][16:32] != p[2][16:32]
+    # a scaled block is the head of the full one: equal ids, equal tokens at every scale
+    assert p[0][:16] == full.prompt(full.requests[0], VOCAB)[:16]
+    for bad in (0, 3, 1024, 2.0):
+        with pytest.raises(ValueError, match="length scale"):
+            load_trace(path, length_scale=bad)
+
+
+def test_window_and_time_scale(tmp_path):
+    path = _write(tmp_path, ROWS)
+    t = load_trace(path, window=(1, 3), time_scale=0.5)
+    assert [r.line for r in t.requests] == [2, 3]
+    assert [r.arrival for r in t.requests] == [0.0, 0.5]  # from the window's first, halved
+    assert [r.line for r in load_trace(path, window=parse_window("2")).requests] == [1, 2]
+    assert [r.line for r in load_trace(path, window=parse_window("3:")).requests] == [4]
+    with pytest.raises(TraceError, match="no request in the window"):
+        load_trace(path, window=(10, None))
+    for bad in ((2, 1), (-1, None)):
+        with pytest.raises(ValueError, match="window"):
+            load_trace(path, window=bad)
+    with pytest.raises(ValueError, match="time scale"):
+        load_trace(path, time_scale=0)
+    with pytest.raises(ValueError, match="START:STOP"):
+        parse_window("a:b")
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ("{not json", "not JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"timestamp": -1, "input_length": 5, "output_length": 1, "hash_ids": [0]}', "timestamp"),
+        ('{"timestamp": 9, "input_length": 0, "output_length": 1, "hash_ids": []}', "input_length"),
+        ('{"timestamp": 9, "input_length": 5, "output_length": "2", "hash_ids": [0]}', "output"),
+        ('{"timestamp": 9, "input_length": 5, "output_length": 1, "hash_ids": [-3]}', "hash_ids"),
+        ('{"timestamp": 9, "input_length": 600, "output_length": 1, "hash_ids": [0]}', "2 blocks"),
+        ('{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": [0]}', "before"),
+    ],
+)
+def test_bad_lines_are_refused_with_their_number(tmp_path, line, field):
+    path = _write(tmp_path, [ROWS[0], ROWS[1], "", line])  # a blank line is skipped
+    with pytest.raises(TraceError, match=rf"line 4: .*{field}"):
+        load_trace(path)
+
+
+def test_missing_file_and_the_shared_trace(tmp_path):
+    with pytest.raises(TraceError, match="cannot read trace"):
+        load_trace(tmp_path / "none.jsonl")
+    try:
+        path = default_trace_path()
+    except FileNotFoundError as e:
+        assert "shared/" in str(e)
+    else:
+        assert path.name == "conversation_trace.jsonl"
