@@ -590,6 +590,15 @@ def _implied_ttft_share(workload: str) -> float | None:
     return None if jct is None or ttft is None else jct / ttft
 
 
+def knee_bound(name: str, b: dict) -> float:
+    """A cell's bound with U_P grown in proportion to the load up to the knee (at most 1):
+    about the lowest its layout can reach at any stable load. ``name`` ends in its load."""
+    load = float(name.rsplit("@", 1)[1].rstrip("%")) / 100
+    d, floor = b["d_ratio"]["mean"], b["floor"]["mean"]
+    share = 1 - floor / d  # x / n
+    return (1 - share * min(1.0, b["u_p"]["mean"] / load)) * d
+
+
 def _reason(row: dict) -> str:
     """Why a number is not reproduced, in measured numbers: the nearest steady-state value,
     the bound's floor (disaggregation), the TTFT share of JCT (caching, JCT) and the range
@@ -599,15 +608,15 @@ def _reason(row: dict) -> str:
         return "every matched load overloaded"
     near = min(cells, key=lambda k: abs(cells[k]["ratio"]["mean"] / want - 1))
     parts = [f"nearest at steady state {cells[near]['ratio']['mean']:.2f} ({near})"]
-    floors = {k: c["bound"]["floor"]["mean"] for k, c in cells.items() if c.get("bound")}
-    if floors:
-        k = min(floors, key=floors.get)
-        parts.append(f"bound at U_P = 1 no lower than {floors[k]:.2f} ({k})")
+    at_knee = {k: knee_bound(k, c["bound"]) for k, c in cells.items() if c.get("bound")}
+    if at_knee:
+        k = min(at_knee, key=at_knee.get)
+        parts.append(f"bound at the knee no lower than {at_knee[k]:.2f} ({k})")
     implied = _implied_ttft_share(row["workload"])
     shares = [c["ttft_share"]["mean"] for c in cells.values() if c.get("ttft_share")]
     if row["comparison"] == "disagg-CC vs disagg" and row["metric"].startswith("jct") and shares:
         parts.append(
-            f"TTFT {min(shares):.0%}-{max(shares):.0%} of JCT (the paper's numbers imply "
+            f"TTFT {min(shares):.1%}-{max(shares):.1%} of JCT (the paper's numbers imply "
             f"{implied:.0%})"
         )
     finite = _numeric(row.get("finite", {}).get("cells", {}))

@@ -466,8 +466,9 @@ def test_paper_reproduction_never_prints_a_gain_over_an_unstable_side(tmp_path, 
         extend=0,
         scale=0.3,
         doublings=1,
-        finite_loads=(1.0, 2.0),
+        finite_loads=(2.0,),
         step_loads=(0.7,),
+        sweep_seeds=(0,),
     )
     configs = ("PD", "PD-CC", "2P2D", "2P2D-CC")
     res = paper.reproduce(
@@ -477,7 +478,7 @@ def test_paper_reproduction_never_prints_a_gain_over_an_unstable_side(tmp_path, 
     assert set(curves) == set(configs)
     for c, cv in curves.items():
         assert len(cv["points"]) == 3 and not cv["points"]["64"]["stable"], c
-        assert cv["knee"] is not None and all(p["seeds"] == 2 for p in cv["points"].values())
+        assert cv["knee"] is not None and all(p["seeds"] == 1 for p in cv["points"].values())
         assert all(s["stable"] for s in cv["points"][f"{cv['knee']:g}"]["stability"])
     assert len(res["rows"]) == 7 and len(res["routing"]) == 3  # 18 numbers' react six, row 19
     assert sum(len(r["cells"]) for r in res["rows"]) == 7 * 3  # one layout at three loads
