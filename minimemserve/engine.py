@@ -458,9 +458,15 @@ class Engine:
 
     def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         """Token ids of ``prompt``, or a ``ValueError``/``PoolExhausted`` naming the problem."""
-        vocab = self.model_config.vocab_size
-        blocks = (self.pool.block_size, self.pool.capacity())
-        return check_request(prompt, params, self.tokenizer, vocab, self.max_model_len, *blocks)
+        return check_request(
+            prompt,
+            params,
+            self.tokenizer,
+            vocab=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.pool.block_size,
+            hbm_blocks=self.pool.capacity(),
+        )
 
     def add_request(
         self,

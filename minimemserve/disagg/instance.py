@@ -654,9 +654,11 @@ def _await_join(
         node.connect(rpc.FRONTEND, back.frontend)
     try:
         last = 0.0
+        # as often as its heartbeats went: to that frontend it is alive, with no session
+        every = min(REJOIN_EVERY_S, back.heartbeat_s) if back is not None else REJOIN_EVERY_S
         while not joined:
             node.serve(LOBBY_POLL_S)
-            if back is not None and time.monotonic() - last > REJOIN_EVERY_S:
+            if back is not None and time.monotonic() - last > every:
                 if opts.parent_pid and process_gone(opts.parent_pid):
                     raise SystemExit(f"{back.name}: the launching process is gone")
                 node.try_push(rpc.FRONTEND, rpc.Rejoin())

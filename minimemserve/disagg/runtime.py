@@ -293,10 +293,15 @@ class ProcessCluster:
         instance is asked) against the smallest context and pool of the live instances."""
         if not (live := [i for i in self.instances.values() if i.name not in self.dead]):
             raise InstanceDied(f"every instance died: {self.dead}")
-        mml = min(i.max_model_len for i in live)
-        blocks = (self.engine_config.block_size, min(i.hbm_blocks for i in live))
-        vocab = self.ledger.vocab_size
-        return check_request(prompt, params, self.tokenizer, vocab, mml, *blocks)
+        return check_request(
+            prompt,
+            params,
+            self.tokenizer,
+            vocab=self.ledger.vocab_size,
+            max_model_len=min(i.max_model_len for i in live),
+            block_size=self.engine_config.block_size,
+            hbm_blocks=min(i.hbm_blocks for i in live),
+        )
 
     def add_request(
         self,

@@ -11,7 +11,7 @@ from minimemserve.options import add_engine_arguments, add_workload_arguments, t
 from minimemserve.presets import preset_dir
 from minimemserve.workloads.results import DEFAULT_SESSIONS
 
-from . import calibration, paper
+from . import calibration, paper, trace_replay
 from .cluster import ARRIVALS
 from .profiles import TRANSFER_MODES, FittedStepModel, fit_cpu_steps
 from .runner import (
@@ -40,12 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help="llama2-7b|llama2-13b|llama2-70b, a shape JSON or an HF checkpoint dir",
+        help="llama2-7b|llama2-13b|llama2-70b|llama3-70b, a shape JSON or an HF checkpoint dir",
     )
     p.add_argument(
         "--hardware",
         default=DEFAULT_HARDWARE,
-        help="a100-80g|h100|h800|h200, a profile JSON, or 'cpu' (this machine, the "
+        help="a100-80g|a800|h100|h800|h200, a profile JSON, or 'cpu' (this machine, the "
         "fitted step model, the bench's tiny-preset layout)",
     )
     p.add_argument("--gpus", type=int, default=DEFAULT_GPUS)
@@ -66,7 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="fitted CPU step model JSON (--hardware cpu; default: fit now, ~1 min)",
     )
-    p.add_argument("--sweep", default=None, help="comma-separated rates: a rate sweep plot")
+    p.add_argument(
+        "--sweep",
+        default=None,
+        help="comma-separated rates: a rate sweep plot (with --trace: loads, multiples of the "
+        "trace's request rate, and each config's highest load within the SLO)",
+    )
     p.add_argument(
         "--calibrate",
         default=None,
@@ -101,6 +106,16 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "tokens, e.g. 1e4,1e5,1e6,3e6,1e7,5e7) and unlimited; writes cache_curve.json and a plot",
     )
     p.add_argument(
+        "--fig10",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="POLICIES",
+        help="with --trace: Mooncake's Fig. 10 (10 caching instances of Llama-3-70B on 8 x "
+        "A800, 3M-token DRAM tiers, one-token outputs) under each routing policy, or under "
+        "the comma-separated POLICIES",
+    )
+    p.add_argument(
         "--anchors",
         action="store_true",
         help="print the roofline against published GPU measurements",
@@ -133,6 +148,32 @@ def setup_from_args(args: argparse.Namespace) -> SimSetup:
     return cpu_setup(fitted, model_dir, args.policy, scheduler=scheduler, handoff=args.handoff)
 
 
+def _trace(args: argparse.Namespace) -> int:
+    """``--trace``: Fig. 10, or the configurations replayed by the trace's timestamps at each
+    load of ``--sweep`` (multiples of the trace's request rate; default 1 / --time-scale)."""
+    progress = not args.no_progress
+    if args.fig10:
+        policies = trace_replay.FIG10_ALL
+        if args.fig10 != "all":
+            policies = tuple(p.strip() for p in args.fig10.split(",") if p.strip())
+        trace_replay.fig10_study(trace_path(args), args.out, args.trace_window, progress, policies)
+        return 0
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    loads = [1.0 / args.time_scale]
+    if args.sweep:
+        try:
+            loads = [float(x) for x in args.sweep.split(",")]
+        except ValueError:
+            raise ConfigError(f"--sweep takes comma-separated loads, got {args.sweep!r}") from None
+    if not all(0 < x < float("inf") for x in loads):
+        raise ConfigError(f"loads must be finite and > 0, got {loads}")
+    policy = args.policy or "prompt_tree"
+    trace_replay.layouts_study(
+        trace_path(args), args.out, configs, loads, args.trace_window, policy, progress
+    )
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``minimemserve sim`` with parsed ``args``; returns the exit status."""
     if args.anchors:
@@ -147,6 +188,8 @@ def main(args: argparse.Namespace) -> int:
         caps = parse_capacities(args.cache_curve)
         cache_curve(trace_path(args), caps, args.out, args.trace_window, not args.no_progress)
         return 0
+    if args.trace:
+        return _trace(args)
     if args.paper:
         paper.reproduce(
             args.scheduler or "prefill_first",
