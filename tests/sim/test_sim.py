@@ -388,6 +388,13 @@ def test_cli_sim_and_sweep(tmp_path, capsys):
         "D1:decode",
     ]
     assert (tmp_path / "sim_react_bars.png").stat().st_size > 0
+    assert data["setup"]["regime"] == "closed loop"
+    finite = ["--workload", "react", "--rate", "2", "--configs", "PD", "--arrivals", "open"]
+    args = build_parser().parse_args(common + finite)
+    assert args.fn(args) == 0
+    assert "finite run (not steady state):" in capsys.readouterr().out
+    data = json.loads((tmp_path / "sim_react.json").read_text())
+    assert data["setup"]["regime"] == "finite run (not steady state)"
     args = build_parser().parse_args(common + ["--configs", "PD,1P1D-CC", "--sweep", "1,4"])
     assert args.fn(args) == 0
     rows = json.loads((tmp_path / "sim_sharegpt_sweep.json").read_text())["rows"]
