@@ -35,6 +35,30 @@ DESCRIPTION = (
 )
 
 
+def add_paper_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``minimemserve sim --paper``."""
+    p.add_argument(
+        "--paper",
+        action="store_true",
+        help="the paper's evaluation: every configuration's load sweep on its three workloads "
+        "(steady windows, three seeds, stability), its 19 gains at matched loads for every "
+        "layout with their bounds, finite runs past the knees, larger fixed costs per step and "
+        "a verdict per number; scheduler prefill_first unless --scheduler says otherwise",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="--paper: every workload and configuration on a smaller plan (a fifth of the "
+        "sessions, fewer rates, no re-runs with more sessions); its points are not the full run's",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="--paper: runs simulated at once, each in a process (default: cores)",
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the options of ``minimemserve sim`` to ``p``; returns ``p``."""
     p.add_argument(
@@ -79,26 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "profile's terms to these steps, print measured vs predicted and the held-out error",
     )
     p.add_argument("--write", default=None, help="--calibrate: where the fitted profile goes")
-    p.add_argument(
-        "--paper",
-        action="store_true",
-        help="the paper's evaluation: every configuration's load sweep on its three workloads "
-        "(steady windows, three seeds, stability), its 19 gains at matched loads for every "
-        "layout with their bounds, finite runs past the knees, larger fixed costs per step and "
-        "a verdict per number; scheduler prefill_first unless --scheduler says otherwise",
-    )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="--paper: every workload and configuration on a smaller plan (a quarter of the "
-        "sessions, fewer rates, no re-runs with more sessions); its points are not the full run's",
-    )
-    p.add_argument(
-        "--jobs",
-        type=int,
-        default=None,
-        help="--paper: runs simulated at once, each in a process (default: cores)",
-    )
+    add_paper_arguments(p)
     p.add_argument(
         "--cache-curve",
         default=None,
