@@ -121,3 +121,8 @@ def test_a_dummy_presets_name_sets_the_load_format_for_every_command(tmp_path, m
         spec = deployment_options(args, ["model"], EngineConfig(load_format=args.load_format))
         assert spec.engine.load_format == "dummy" and spec.model_dir.parent == tmp_path
     assert DeploymentSpec(model=str(tmp_path)).engine.load_format == "auto"  # a directory
+
+
+def test_llm_over_a_spec_refuses_engine_settings_beside_it():
+    with pytest.raises(ConfigError, match="from the spec.*num_blocks"):
+        LLM(DeploymentSpec(), num_blocks=3)
