@@ -12,6 +12,7 @@ from minimemserve.presets import preset_dir
 from minimemserve.workloads.results import DEFAULT_SESSIONS
 
 from . import calibration, paper, trace_replay
+from .cluster import ARRIVALS
 from .profiles import TRANSFER_MODES, FittedStepModel, fit_cpu_steps
 from .runner import (
     CPU_INSTANCES,
@@ -34,6 +35,30 @@ DESCRIPTION = (
 )
 
 
+def add_paper_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``minimemserve sim --paper``."""
+    p.add_argument(
+        "--paper",
+        action="store_true",
+        help="the paper's evaluation: every configuration's load sweep on its three workloads "
+        "(steady windows, three seeds, stability), its 19 gains at matched loads for every "
+        "layout with their bounds, finite runs past the knees, larger fixed costs per step and "
+        "a verdict per number; scheduler prefill_first unless --scheduler says otherwise",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="--paper: every workload and configuration on a smaller plan (a fifth of the "
+        "sessions, fewer rates, no re-runs with more sessions); its points are not the full run's",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="--paper: runs simulated at once, each in a process (default: cores)",
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the options of ``minimemserve sim`` to ``p``; returns ``p``."""
     p.add_argument(
@@ -51,6 +76,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor parallelism per instance")
     add_workload_arguments(p)  # as `minimemserve bench`; xPyD configs repeat to fill the GPUs
     p.add_argument("--transfer-mode", choices=TRANSFER_MODES, default="by_request_aggregated")
+    p.add_argument(
+        "--arrivals",
+        choices=ARRIVALS,
+        default="closed",
+        help="closed: a turn is sent when its session's previous turn finished (steady state); "
+        "open: a finite run, every turn sent at its own Poisson arrival time whatever finished, "
+        "its prompt built from the answers before it (not steady state)",
+    )
     add_engine_arguments(p, ("handoff",))
     p.add_argument(
         "--cpu-model",
@@ -70,24 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "profile's terms to these steps, print measured vs predicted and the held-out error",
     )
     p.add_argument("--write", default=None, help="--calibrate: where the fitted profile goes")
-    p.add_argument(
-        "--paper",
-        action="store_true",
-        help="the paper's evaluation: every configuration's load sweep on its three workloads "
-        "(steady windows, three seeds, stability), then its 19 gains at matched loads; "
-        "scheduler prefill_first unless --scheduler says otherwise",
-    )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="--paper: two workloads and four configurations only (each point as in the full run)",
-    )
-    p.add_argument(
-        "--jobs",
-        type=int,
-        default=None,
-        help="--paper: runs simulated at once, each in a process (default: cores)",
-    )
+    add_paper_arguments(p)
     p.add_argument(
         "--cache-curve",
         default=None,
@@ -209,6 +225,7 @@ def main(args: argparse.Namespace) -> int:
             args.seed,
             args.out,
             not args.no_progress,
+            arrivals=args.arrivals,
             **kw,
         )
         print("wrote " + ", ".join(res["files"]))
@@ -222,6 +239,7 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         out_dir=args.out,
         progress=not args.no_progress,
+        arrivals=args.arrivals,
         **kw,
     )
     return 0
