@@ -491,14 +491,18 @@ def _numeric(cells: dict) -> dict[str, dict]:
 
 
 def shown_layouts(
-    rows: list[dict], workloads: Sequence[str], loads: Sequence[float] = LOADS
+    rows: list[dict],
+    workloads: Sequence[str],
+    loads: Sequence[float] = LOADS,
+    named: dict[str, str] = NAMED,
 ) -> dict[str, str]:
-    """The layout the tables show per workload: the paper's where it names one, else the one
-    whose mean JCT against PD on the same GPUs is lowest, averaged over the loads measured."""
+    """The layout the tables show per workload: the paper's where it names one (``named``),
+    else the best, the one whose mean JCT against PD on the same GPUs is lowest, averaged over
+    the loads measured."""
     shown = {}
     for w in workloads:
-        if w in NAMED:
-            shown[w] = NAMED[w]
+        if w in named:
+            shown[w] = named[w]
             continue
         row = next(
             r
@@ -808,17 +812,23 @@ def _shown_cells(row: dict, shown: dict, keys: Sequence[str]) -> tuple[str, list
 
 def verdicts_md(result: dict) -> str:
     """The 19 numbers at the shown layout (the paper's where it names one, else the best at
-    matched load) with a verdict each."""
+    matched load), the best layout beside the paper's, and a verdict each."""
     keys = load_keys(result["rows"])
+    best = shown_layouts(result["rows"], list(result["shown"]), keys, named={})
     lines = [
-        f"| workload | comparison | metric | paper | layout | {' | '.join(keys)} | verdict |",
-        "|---" * (6 + len(keys)) + "|",
+        f"| workload | comparison | metric | paper | layout | {' | '.join(keys)} | best layout | "
+        "verdict |",
+        "|---" * (7 + len(keys)) + "|",
     ]
     for r in result["rows"]:
         layout, cells = _shown_cells(r, result["shown"], keys)
+        other = "-"
+        if r["comparison"] not in ROUTE and best[r["workload"]] != layout:
+            found = _shown_cells(r, best, keys)[1]
+            other = f"{best[r['workload']]}: {' / '.join(map(_cell_md, found))}"
         lines.append(
             f"| {r['workload']} | {r['comparison']} | {r['metric']} | {r['paper_ratio']:.3f} | "
-            f"{layout} | {' | '.join(map(_cell_md, cells))} | {r['verdict']} |"
+            f"{layout} | {' | '.join(map(_cell_md, cells))} | {other} | {r['verdict']} |"
         )
     return "\n".join(lines)
 
