@@ -366,6 +366,16 @@ def new_request(
     return req
 
 
+# How Engine builds its parts from a checkpoint (build_parts' options), with their defaults.
+BUILD_OPTIONS = {
+    "device": "cpu",
+    "dtype": "float32",
+    "instance_id": "0",
+    "pool_factory": None,
+    "share_model_with": None,
+}
+
+
 class Engine:
     """A ``Serving`` instance over one MemPool. ``model_dir`` is a checkpoint, whose parts
     :func:`build_parts` builds (on ``device`` in ``dtype``, the pool made by ``pool_factory``
@@ -385,30 +395,32 @@ class Engine:
         config: str = "PD",
         role: str | None = None,
         peers: Peers | None = None,
-        device: str | torch.device = "cpu",
-        dtype: str | torch.dtype = "float32",
         engine_config: EngineConfig | None = None,
-        instance_id: str = "0",
-        pool_factory=None,
-        share_model_with: Engine | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        **build: Any,
     ):
+        """``build``: how :func:`build_parts` builds the parts (:data:`BUILD_OPTIONS`:
+        ``device`` "cpu", ``dtype`` "float32", ``instance_id`` "0", ``pool_factory``,
+        ``share_model_with``); unused when ``model_dir`` is parts built already."""
+        if unknown := sorted(set(build) - set(BUILD_OPTIONS)):
+            raise TypeError(f"Engine() got unexpected keyword argument(s) {unknown}")
         role, recipe = _role_recipe(config, role)
         cfg = engine_config or EngineConfig()
         parts = model_dir
         if not isinstance(parts, EngineParts):
+            b = BUILD_OPTIONS | build
             tp = cfg.tp_size(role)
-            if tp > 1 and share_model_with is not None:
+            if tp > 1 and b["share_model_with"] is not None:
                 raise ConfigError(f"a tensor-parallel instance (size {tp}) loads its own shard")
             parts = build_parts(
                 model_dir,
                 cfg,
                 tp,
-                device=torch.device(device),
-                dtype=resolve_dtype(dtype),
-                instance_id=instance_id,
-                pool_factory=pool_factory,
-                share=share_model_with,
+                device=torch.device(b["device"]),
+                dtype=resolve_dtype(b["dtype"]),
+                instance_id=b["instance_id"],
+                pool_factory=b["pool_factory"],
+                share=b["share_model_with"],
             )
         pool = parts.pool
         self.role = role
