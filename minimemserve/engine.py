@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -282,19 +282,8 @@ def build_parts(
         if cfg.load_format != "auto":
             raise ConfigError("load_format 'dummy' is for instances of one rank")
         num_blocks = pool_blocks(cfg, shard, device, dtype, graphs=graph_bytes)
-        group = TPGroup(
-            model_dir,
-            shard,
-            num_blocks,
-            cfg.block_size,
-            cfg.attention,
-            device,
-            dtype,
-            cfg.dram_blocks,
-            cfg.collective_timeout_s,
-            graph_batch,
-            max_len,
-        )
+        sized = replace(cfg, num_blocks=num_blocks)  # what every rank builds
+        group = TPGroup(model_dir, shard, sized, device, dtype)
         model = group.model
     else:
         group = SingleRank()

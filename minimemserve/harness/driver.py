@@ -71,6 +71,7 @@ from minimemserve.workloads.sessions import (
     make_workload,
     poisson_arrivals,
     total_turns,
+    workload_args,
 )
 from minimemserve.workloads.trace import Trace, load_trace, trace_sessions
 
@@ -409,26 +410,35 @@ def _measure(
     return records, stats
 
 
+# What a benchmark's workload is made of, with the defaults ``run_bench`` takes for them.
+WORKLOAD_ARGS = {
+    "workload": DEFAULT_WORKLOAD,
+    "num_sessions": DEFAULT_SESSIONS,
+    "rate": DEFAULT_RATE,
+    "max_turns": None,
+    "seed": 0,
+    "max_output_tokens": None,
+    "max_context": None,
+}
+
+
 def run_bench(
     configs: Sequence[str] = DEFAULT_CONFIGS,
-    workload: str | Trace = DEFAULT_WORKLOAD,
-    num_sessions: int = DEFAULT_SESSIONS,
-    rate: float | None = DEFAULT_RATE,
-    max_turns: int | None = None,
+    *,
     model_dir: str | Path | None = None,
     out_dir: str | Path | None = None,
-    seed: int = 0,
-    max_output_tokens: int | None = None,
-    max_context: int | None = None,
     options: DeploymentSpec | None = None,
     factories: Mapping[str, TargetFactory] | None = None,
     progress: bool = True,
     verbose: bool = True,
     runtime: Mapping[str, Any] | None = None,
+    **run: Any,
 ) -> dict[str, Any]:
-    """Run ``workload`` under every config in ``configs`` on the same sessions; compare.
+    """Run a workload under every config in ``configs`` on the same sessions; compare.
 
-    ``workload`` is a name or a :class:`~minimemserve.workloads.trace.Trace`, whose
+    ``run`` are the workload's arguments (:data:`WORKLOAD_ARGS`): ``workload``, ``num_sessions``,
+    ``rate``, ``max_turns``, ``seed``, ``max_output_tokens`` and ``max_context``. ``workload``
+    is a name or a :class:`~minimemserve.workloads.trace.Trace`, whose
     conversations are the sessions (``num_sessions`` unused; requests that do not fit the
     context are left out). ``rate`` (sessions/s) None probes the machine first
     (:func:`probe_rate`; the setup's ``rate_probe``). ``model_dir`` None uses the tiny preset.
@@ -446,6 +456,9 @@ def run_bench(
     """
     if not configs:
         raise ValueError("no configs to benchmark")
+    w = workload_args(run, WORKLOAD_ARGS)
+    workload, rate, seed = w["workload"], w["rate"], w["seed"]
+    num_sessions, max_context = w["num_sessions"], w["max_context"]
     known = {c: resolve_factory(c, factories) for c in configs}
     model_dir = Path(model_dir or preset_dir("tiny"))
     options = replace(options or DeploymentSpec(engine=EngineConfig(seed=seed)), model=model_dir)
@@ -453,8 +466,8 @@ def run_bench(
         "workload": workload,
         "rate": rate,
         "seed": seed,
-        "max_turns": max_turns,
-        "max_output_tokens": max_output_tokens,
+        "max_turns": w["max_turns"],
+        "max_output_tokens": w["max_output_tokens"],
         "model_dir": str(model_dir),
         "configs": list(configs),
         "options": options.describe(),

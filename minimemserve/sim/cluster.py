@@ -30,7 +30,8 @@ import torch
 from tqdm.auto import tqdm
 
 from minimemserve.blocks.layout import KVLayout
-from minimemserve.config import Deployment, EngineConfig, parse_config_name
+from minimemserve.config import Deployment, parse_config_name
+from minimemserve.deployment import DeploymentSpec
 from minimemserve.engine import Engine, EngineParts, StepPlan
 from minimemserve.errors import ConfigError, PoolExhausted
 from minimemserve.mempool import KVReceiver, MemPool
@@ -39,7 +40,6 @@ from minimemserve.parallel import TPShard
 from minimemserve.recipes import Role
 from minimemserve.request import Request, RequestOutput
 from minimemserve.scheduler.frontend import Frontend
-from minimemserve.scheduler.global_scheduler import DEFAULT_TTL_S, Cost
 from minimemserve.workloads.results import greedy_params, record
 from minimemserve.workloads.sessions import Session, build_prompt, poisson_arrivals, total_turns
 
@@ -421,8 +421,9 @@ class Network:
 class SimCluster:
     """Every instance of one deployment in virtual time (see the module docstring).
     ``step_time(shape)`` prices a step; ``topology`` prices transfers in ``transfer_mode``;
-    ``policy``, ``cost`` and ``ttl_s`` configure the global scheduler as in the process
-    runtime. ``num_blocks`` KV blocks per instance, of ``dtype`` (bytes sent count in it)."""
+    ``spec`` gives every instance's engine settings and the global scheduler's policy and
+    cost model, as in the process runtime. ``num_blocks`` KV blocks per instance, of
+    ``dtype`` (bytes sent count in it)."""
 
     def __init__(
         self,
@@ -431,15 +432,13 @@ class SimCluster:
         model_config: ModelConfig,
         step_time: Callable,
         topology: Topology,
-        engine_config: EngineConfig,
+        spec: DeploymentSpec,
         num_blocks: int,
         dtype: torch.dtype,
         instances: int = 2,
-        policy: str = "prompt_tree",
-        cost: Cost | None = None,
-        ttl_s: float = DEFAULT_TTL_S,
         transfer_mode: str = "by_request_aggregated",
     ) -> None:
+        engine_config = spec.engine
         self.deployment, colocated = scaled_deployment(config, instances)
         self.model = model_config
         self.step_time = step_time
@@ -462,10 +461,9 @@ class SimCluster:
         self.frontend = Frontend(
             [i.name for i in self.entry],
             self._push_prefix,
-            policy=policy,
+            policy=spec.policy,
             block_size=engine_config.block_size,
-            cost_model=cost,
-            ttl_s=ttl_s,
+            cost_model=spec.cost_model,
             caching=milestone.entry_caches,
             clock=self.clock,
         )

@@ -36,7 +36,7 @@ from minimemserve.workloads.results import (
     summarize,
     write_plots,
 )
-from minimemserve.workloads.sessions import make_workload, total_turns
+from minimemserve.workloads.sessions import make_workload, total_turns, workload_args
 
 from .cluster import Contention, SimCluster, Topology
 from .profiles import (
@@ -109,12 +109,10 @@ class SimSetup:
             model_config=self.model_config,
             step_time=self.step_model.step_time,
             topology=self.topology,
-            engine_config=d.engine,
+            spec=d,
             num_blocks=self.num_blocks,
             dtype=self.dtype,
             instances=self.instances,
-            policy=d.policy,
-            cost=d.cost_model,
             transfer_mode=self.transfer_mode,
         )
 
@@ -316,30 +314,45 @@ def simulate(
     return records, stats
 
 
+# What a simulated workload is made of, with the defaults ``run_sim`` takes for them.
+SIM_WORKLOAD_ARGS = {
+    "workload": "sharegpt",
+    "num_sessions": 16,
+    "rate": 1.0,
+    "seed": 0,
+    "max_turns": None,
+    "max_output_tokens": None,
+    "max_context": None,
+}
+
+
 def run_sim(
     setup: SimSetup,
     configs: Sequence[str] = DEFAULT_CONFIGS,
-    workload: str = "sharegpt",
-    num_sessions: int = 16,
-    rate: float = 1.0,
-    seed: int = 0,
-    max_turns=None,
-    max_output_tokens=None,
-    max_context=None,
+    *,
     out_dir: str | Path | None = None,
     progress: bool = True,
     verbose: bool = True,
     tag: str = "sim",
     arrivals: str = "closed",
+    **workload: Any,
 ) -> dict:
-    """Simulate ``workload`` under ``configs`` and compare them as ``minimemserve bench`` does:
-    prints the table; with ``out_dir``, writes ``<tag>_<workload>.json`` and its bar and CDF
-    plots there. ``arrivals="open"``: a finite run (``SimCluster.replay``), labelled
-    :data:`FINITE_LABEL` in the table, JSON and plots."""
+    """Simulate a workload (``workload``: :data:`SIM_WORKLOAD_ARGS`) under ``configs`` and compare
+    them as ``minimemserve bench`` does: prints the table; with ``out_dir``, writes
+    ``<tag>_<workload>.json`` and its bar and CDF plots there. ``arrivals="open"``: a finite run
+    (``SimCluster.replay``), labelled :data:`FINITE_LABEL` in the table, JSON and plots."""
     for c in configs:
         parse_config_name(c)
+    w = workload_args(workload, SIM_WORKLOAD_ARGS)
+    workload, rate, seed = w["workload"], w["rate"], w["seed"]
     sessions = workload_sessions(
-        setup, workload, num_sessions, seed, max_turns, max_output_tokens, max_context
+        setup,
+        workload,
+        w["num_sessions"],
+        seed,
+        w["max_turns"],
+        w["max_output_tokens"],
+        w["max_context"],
     )
     records, stats = simulate(setup, configs, sessions, rate, seed, progress, arrivals)
     summaries = {c: summarize(records[c]) for c in configs}
