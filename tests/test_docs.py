@@ -36,6 +36,7 @@ from docs_blocks import (
     is_serve,
     logical_lines,
     python_imports,
+    unfenced_commands,
 )
 
 BLOCK_TIMEOUT_S = 300  # one block, run
@@ -241,6 +242,14 @@ def test_every_doc_has_its_blocks_found():
     assert {"README.md", "serving.md", "hosts.md", "ray.md"} <= names
     readme = [b for b in ALL if b.path == REPO / "README.md"]
     assert len(readme) >= 4 and {b.lang for b in readme} == {"bash", "python"}
+
+
+def test_every_documented_command_is_in_a_fenced_block(tmp_path):
+    found = [line for path in doc_files() for line in unfenced_commands(path)]
+    assert not found, "indented commands the docs test cannot see: " + "; ".join(found)
+    path = tmp_path / "doc.md"
+    path.write_text("Run:\n\n    minimemserve bench --rate 2\n\n```bash\nminimemserve x\n```\n")
+    assert unfenced_commands(path) == ["doc.md:3: minimemserve bench --rate 2"]
 
 
 def test_a_renamed_option_fails_the_docs_test(tmp_path):
