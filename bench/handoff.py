@@ -88,7 +88,15 @@ def sim_rates(mode: str, rates: list[float], sessions: int) -> list[dict]:
     setup = gpu_setup(DEFAULT_MODEL, DEFAULT_HARDWARE, 2, 1, handoff=mode)
     rows = []
     for rate in rates:
-        res = run_sim(setup, ["1P1D"], "loogle", sessions, rate, 0, progress=False, verbose=False)
+        res = run_sim(
+            setup,
+            ["1P1D"],
+            workload="loogle",
+            num_sessions=sessions,
+            rate=rate,
+            progress=False,
+            verbose=False,
+        )
         s = res["summaries"]["1P1D"]
         rows.append({"rate": rate, "stable": is_stable(s), "ttft_mean": s["ttft_mean"]})
     return rows

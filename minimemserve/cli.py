@@ -11,9 +11,10 @@ from dataclasses import fields
 from minimemserve import explain, server
 from minimemserve.config import EngineConfig
 from minimemserve.disagg import rpc
-from minimemserve.disagg.instance import StandaloneOptions, standalone_main
+from minimemserve.disagg.instance_spec import InstanceSpec
 from minimemserve.disagg.launch import parse_address
 from minimemserve.disagg.links import AUTO, kv_link, transport_names
+from minimemserve.disagg.sessions import standalone_main
 from minimemserve.errors import ConfigError, MiniMemServeError
 from minimemserve.harness import driver
 from minimemserve.llm import LLM
@@ -66,7 +67,7 @@ def _instance(args: argparse.Namespace) -> int:
         raise SystemExit(f"minimemserve instance: {e}") from None
 
 
-def _standalone_options(args: argparse.Namespace) -> StandaloneOptions:
+def _standalone_options(args: argparse.Namespace) -> InstanceSpec:
     host, port = parse_address(args.listen)
     if host in ("0.0.0.0", "::", "*"):
         raise ConfigError("--listen needs the address peers reach this host at, not a wildcard")
@@ -78,7 +79,7 @@ def _standalone_options(args: argparse.Namespace) -> StandaloneOptions:
             f"give a --device {moves[0]}"
         )
     sizes = {"num_blocks": args.num_blocks, "dram_blocks": args.dram_blocks}
-    return StandaloneOptions(
+    return InstanceSpec(
         role=args.role,
         model_dir=str(args.model or preset_dir("tiny")),
         host=host,

@@ -17,7 +17,7 @@ import torch
 
 from .config import LOOPBACK, EngineConfig, parse_config_name
 from .disagg.links import AUTO, transport_names
-from .disagg.placement import PLACEMENTS, RayOptions
+from .disagg.placement import PLACEMENTS
 from .errors import ConfigError
 from .inprocess import InProcessCluster
 from .presets import PRESETS, preset_dir, preset_model
@@ -96,8 +96,8 @@ class DeploymentSpec:
         if cluster is None and self.runtime == "ray":
             from .disagg.ray_runtime import RayCluster as cluster  # lazy: msgspec and ZeroMQ
 
-            ray_options = RayOptions(self.ray_address or None, self.placement)
-            process_kw = {"ray_options": ray_options} | process_kw
+            ray_options = {"ray_address": self.ray_address or None, "placement": self.placement}
+            process_kw = ray_options | process_kw
 
         parse_config_name(self.config)
         if self.runtime == "inprocess" and (cluster is not None or process_kw):

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -282,19 +282,8 @@ def build_parts(
         if cfg.load_format != "auto":
             raise ConfigError("load_format 'dummy' is for instances of one rank")
         num_blocks = pool_blocks(cfg, shard, device, dtype, graphs=graph_bytes)
-        group = TPGroup(
-            model_dir,
-            shard,
-            num_blocks,
-            cfg.block_size,
-            cfg.attention,
-            device,
-            dtype,
-            cfg.dram_blocks,
-            cfg.collective_timeout_s,
-            graph_batch,
-            max_len,
-        )
+        sized = replace(cfg, num_blocks=num_blocks)  # what every rank builds
+        group = TPGroup(model_dir, shard, sized, device, dtype)
         model = group.model
     else:
         group = SingleRank()
@@ -377,6 +366,16 @@ def new_request(
     return req
 
 
+# How Engine builds its parts from a checkpoint (build_parts' options), with their defaults.
+BUILD_OPTIONS = {
+    "device": "cpu",
+    "dtype": "float32",
+    "instance_id": "0",
+    "pool_factory": None,
+    "share_model_with": None,
+}
+
+
 class Engine:
     """A ``Serving`` instance over one MemPool. ``model_dir`` is a checkpoint, whose parts
     :func:`build_parts` builds (on ``device`` in ``dtype``, the pool made by ``pool_factory``
@@ -396,30 +395,32 @@ class Engine:
         config: str = "PD",
         role: str | None = None,
         peers: Peers | None = None,
-        device: str | torch.device = "cpu",
-        dtype: str | torch.dtype = "float32",
         engine_config: EngineConfig | None = None,
-        instance_id: str = "0",
-        pool_factory=None,
-        share_model_with: Engine | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        **build: Any,
     ):
+        """``build``: how :func:`build_parts` builds the parts (:data:`BUILD_OPTIONS`:
+        ``device`` "cpu", ``dtype`` "float32", ``instance_id`` "0", ``pool_factory``,
+        ``share_model_with``); unused when ``model_dir`` is parts built already."""
+        if unknown := sorted(set(build) - set(BUILD_OPTIONS)):
+            raise TypeError(f"Engine() got unexpected keyword argument(s) {unknown}")
         role, recipe = _role_recipe(config, role)
         cfg = engine_config or EngineConfig()
         parts = model_dir
         if not isinstance(parts, EngineParts):
+            b = BUILD_OPTIONS | build
             tp = cfg.tp_size(role)
-            if tp > 1 and share_model_with is not None:
+            if tp > 1 and b["share_model_with"] is not None:
                 raise ConfigError(f"a tensor-parallel instance (size {tp}) loads its own shard")
             parts = build_parts(
                 model_dir,
                 cfg,
                 tp,
-                device=torch.device(device),
-                dtype=resolve_dtype(dtype),
-                instance_id=instance_id,
-                pool_factory=pool_factory,
-                share=share_model_with,
+                device=torch.device(b["device"]),
+                dtype=resolve_dtype(b["dtype"]),
+                instance_id=b["instance_id"],
+                pool_factory=b["pool_factory"],
+                share=b["share_model_with"],
             )
         pool = parts.pool
         self.role = role
@@ -458,9 +459,15 @@ class Engine:
 
     def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         """Token ids of ``prompt``, or a ``ValueError``/``PoolExhausted`` naming the problem."""
-        vocab = self.model_config.vocab_size
-        blocks = (self.pool.block_size, self.pool.capacity())
-        return check_request(prompt, params, self.tokenizer, vocab, self.max_model_len, *blocks)
+        return check_request(
+            prompt,
+            params,
+            self.tokenizer,
+            vocab=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.pool.block_size,
+            hbm_blocks=self.pool.capacity(),
+        )
 
     def add_request(
         self,

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import MiniMemServeError
 from .llm import LLM
 from .recipes import Hook, Recipe
 from .sampling import SamplingParams
@@ -24,6 +25,8 @@ TURNS = (
     "And how does it hand a request to another instance?",
 )
 WIDTH = 64  # characters of one configuration's column
+# tier moves a call can cause (eviction, offload to dram, onload back): shown after its line
+MOVES = ("evicted_blocks", "offloaded_blocks", "onloaded_blocks")
 
 
 @dataclass
@@ -122,21 +125,25 @@ class PoolTrace:
     def watch(self, engine) -> None:
         """Record ``engine``'s pool calls and recipe hooks from now on (wrappers on this one
         engine's pool and recipe: nothing else changes)."""
-        pool, name = engine.pool, engine.pool.instance_id
+        pool = engine.pool
         for call, describe in DESCRIBE.items():
-            setattr(pool, call, self._wrap(name, call, describe, getattr(pool, call)))
-        engine.recipe = engine.scheduler.recipe = _HookTrace(engine.recipe, name, self)
+            setattr(pool, call, self._wrap(pool, call, describe, getattr(pool, call)))
+        hooks = _HookTrace(engine.recipe, pool.instance_id, self)
+        engine.recipe = engine.scheduler.recipe = hooks
 
-    def _wrap(self, name: str, call: str, describe, fn: Callable):
+    def _wrap(self, pool, call: str, describe, fn: Callable):
         def traced(*args, **kwargs):
             n = args[0] if call == "alloc_mem" else 0
-            event = Event(self.depth, name, call, call, n=n)
+            event = Event(self.depth, pool.instance_id, call, call, n=n)
+            before = [pool.counter(m) for m in MOVES]
             try:
                 out = self.nested(event, lambda: fn(*args, **kwargs))
             except Exception as e:
                 event.text = f"{call}: raised {type(e).__name__}"
                 raise
-            event.text = describe(args, out)
+            moved = [pool.counter(m) - b for m, b in zip(MOVES, before)]
+            tiers = ", ".join(f"{m.split('_')[0]} {k}" for m, k in zip(MOVES, moved) if k)
+            event.text = describe(args, out) + (f" ({tiers})" if tiers else "")
             return out
 
         return traced
@@ -147,14 +154,19 @@ class PoolTrace:
 
 
 def run_conversation(
-    config: str, model_dir: str | Path | None = None, max_tokens: int = 6, block_size: int = 8
+    config: str,
+    model_dir: str | Path | None = None,
+    max_tokens: int = 6,
+    **engine: int,
 ) -> tuple[list[Event], list[list[int]]]:
     """Run :data:`TURNS` as one conversation (the second prompt holds the first and its
     answer) on ``config`` in this process, greedy; the trace and each turn's output tokens.
-    Every pool balances after it (``check_pools``)."""
+    ``engine``: ``EngineConfig`` fields (default: blocks of 8 tokens, 64 of them). Every
+    pool balances after it (``check_pools``)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     trace, outputs = PoolTrace(), []
-    with LLM(model_dir, config=config, block_size=block_size, num_blocks=64) as llm:
+    engine = {"block_size": 8, "num_blocks": 64} | engine
+    with LLM(model_dir, config=config, **engine) as llm:
         for inst in llm.engine.instances:
             trace.watch(inst.engine)
         ids: list[int] = []
@@ -207,6 +219,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the tiny preset)")
     ap.add_argument("--max-tokens", type=int, default=6, help="tokens generated per turn")
     ap.add_argument("--block-size", type=int, default=8, help="tokens per KV block")
+    ap.add_argument("--num-blocks", type=int, default=64, help="hbm blocks per instance")
+    ap.add_argument(
+        "--dram-blocks", type=int, default=0, help="dram blocks per instance (offload tier)"
+    )
     ap.add_argument("--width", type=int, default=WIDTH, help="characters per column")
     return ap
 
@@ -216,10 +232,14 @@ def main(args: argparse.Namespace) -> int:
     compare = args.compare or ("PD" if args.config == "PD-CC" else "PD-CC")
     configs = [args.config] + ([] if compare.lower() == "none" else [compare])
     traces, outputs = {}, {}
-    for config in dict.fromkeys(configs):
-        traces[config], outputs[config] = run_conversation(
-            config, args.model, args.max_tokens, args.block_size
-        )
+    sizes = {"block_size": args.block_size, "num_blocks": args.num_blocks}
+    try:
+        for config in dict.fromkeys(configs):
+            traces[config], outputs[config] = run_conversation(
+                config, args.model, args.max_tokens, dram_blocks=args.dram_blocks, **sizes
+            )
+    except (MiniMemServeError, ValueError) as e:  # a bad configuration name or size
+        raise SystemExit(f"minimemserve explain: {e}") from None
     print(render(traces, args.width))
     same = len({tuple(map(tuple, o)) for o in outputs.values()}) == 1
     print(f"\ngreedy tokens {'the same' if same else 'DIFFER'} under {', '.join(traces)}")

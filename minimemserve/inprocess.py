@@ -183,8 +183,7 @@ class InProcessCluster:
                 self.frontend.prefilled(req.request_id)
             inst.engine.handoffs.clear()
             for d in inst.engine.take_deltas():  # in order: P's first token, then D's
-                if d.start == 0:
-                    self.frontend.started(d.request_id)
+                self.frontend.streamed(d)
                 if (have := self._deltas.get(d.request_id)) is None:
                     self._deltas[d.request_id] = d
                 else:

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig, parse_config_name
 from .deployment import DeploymentSpec
-from .errors import InvalidRequest
+from .errors import ConfigError, InvalidRequest
 from .request import RequestOutput
 from .sampling import SamplingParams
 from .serving import Serving
@@ -39,6 +39,10 @@ class LLM:
         **engine_config: Any,
     ):
         if isinstance(model_dir, DeploymentSpec):  # a whole deployment, as from_spec takes
+            if engine_config:
+                raise ConfigError(
+                    f"LLM(spec) takes its engine settings from the spec: {sorted(engine_config)}"
+                )
             spec = model_dir
         else:
             spec = DeploymentSpec(config, model_dir, device, dtype, EngineConfig(**engine_config))

@@ -245,54 +245,52 @@ def hf_config(
     return config_class(bos_token_id=BOS_ID, eos_token_id=EOS_ID, **kwargs)
 
 
+# The model's shape write_random_llama needs; the other config fields have defaults.
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+FIELD_DEFAULTS = {
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-6,
+}
+
+
 def write_random_llama(
     out_dir: str | Path,
     *,
-    vocab_size: int,
-    hidden_size: int,
-    intermediate_size: int,
-    num_hidden_layers: int,
-    num_attention_heads: int,
-    num_key_value_heads: int,
-    max_position_embeddings: int = 2048,
-    rope_theta: float = 10000.0,
-    rope_scaling: dict[str, Any] | None = None,
-    tie_word_embeddings: bool = False,
+    family: str = "llama",
     seed: int = 0,
     tokenizer_model: Path | None = None,
     shards: int = 1,
-    rms_norm_eps: float = 1e-6,
-    family: str = "llama",
-    head_dim: int | None = None,
+    **fields: Any,
 ) -> Path:
     """Write a random-weight Llama checkpoint with ``transformers`` into ``out_dir``.
 
-    The directory gets ``config.json`` (bos=1, eos=2), fp32 safetensors weights (split into
-    about ``shards`` files with an index when ``shards > 1``) and, if ``tokenizer_model`` is
-    given, a copy of it as ``tokenizer.model`` (its size must equal ``vocab_size``) and a
-    ``tokenizer_config.json``, so ``transformers.AutoTokenizer`` loads the directory too.
-    ``family`` (a key of :data:`HF_CLASSES`) picks the transformers classes that write it;
-    ``head_dim`` defaults to ``hidden_size / num_attention_heads``.
+    ``fields`` are the checkpoint's ``config.json`` fields: the shape (:data:`SHAPE_FIELDS`,
+    required), and any other (``max_position_embeddings`` 2048, ``tie_word_embeddings``
+    False and ``rms_norm_eps`` 1e-6 unless given; ``rope_theta``, ``rope_scaling`` and
+    ``head_dim`` as :func:`hf_config` takes them). The directory gets ``config.json`` (bos=1,
+    eos=2), fp32 safetensors weights (split into about ``shards`` files with an index when
+    ``shards > 1``) and, if ``tokenizer_model`` is given, a copy of it as ``tokenizer.model``
+    (its size must equal ``vocab_size``) and a ``tokenizer_config.json``, so
+    ``transformers.AutoTokenizer`` loads the directory too. ``family`` (a key of
+    :data:`HF_CLASSES`) picks the transformers classes that write it; ``head_dim`` defaults to
+    ``hidden_size / num_attention_heads``.
     """
+    if missing := [f for f in SHAPE_FIELDS if f not in fields]:
+        raise ConfigError(f"write_random_llama needs the model's {', '.join(missing)}")
     if shards < 1:
         raise ConfigError(f"shards must be >= 1, got {shards}")
+    fields = FIELD_DEFAULTS | fields
     if tokenizer_model is not None:
-        _check_tokenizer(tokenizer_model, vocab_size)
-    config = hf_config(
-        family,
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        max_position_embeddings=max_position_embeddings,
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        tie_word_embeddings=tie_word_embeddings,
-        rms_norm_eps=rms_norm_eps,
-        head_dim=head_dim,
-    )
+        _check_tokenizer(tokenizer_model, fields["vocab_size"])
+    config = hf_config(family, **fields)
     import transformers  # heavy: only writing weights needs it
 
     torch.manual_seed(seed)
@@ -302,7 +300,7 @@ def write_random_llama(
     out_dir = Path(out_dir)
     _save(model, out_dir, shards)
     if tokenizer_model is not None:
-        _write_tokenizer(out_dir, Path(tokenizer_model), max_position_embeddings)
+        _write_tokenizer(out_dir, Path(tokenizer_model), fields["max_position_embeddings"])
     return out_dir
 
 

@@ -22,6 +22,7 @@ from minimemserve.request import RequestMetrics, RequestOutput
 from minimemserve.sampling import SamplingParams
 from minimemserve.serving import Serving
 from minimemserve.workloads.results import (
+    DEFAULT_CONFIGS,
     OVERLOADED,
     STABLE_GROWTH,
     STABLE_NOISE,
@@ -33,6 +34,7 @@ from minimemserve.workloads.results import (
     write_plots,
 )
 from minimemserve.workloads.sessions import Session, Turn, poisson_arrivals
+from minimemserve.workloads.trace import load_trace
 
 
 @dataclass
@@ -469,3 +471,36 @@ def test_bench_over_instances_started_on_their_own(tiny_llama_dir, tmp_path, cap
     saved = json.loads((tmp_path / "e2e_sharegpt.json").read_text())
     summary = saved["summaries"]["1P1D-CC"]
     assert summary["errors"] == 0 and summary["transferred_bytes"] > 0
+
+
+def test_bench_replays_a_trace_under_the_four_configs(tiny_llama_dir, tmp_path):
+    rows = [  # two conversations after a shared first block, one request too long to fit
+        {"timestamp": 0, "input_length": 1500, "output_length": 90, "hash_ids": [0, 1, 2]},
+        {"timestamp": 10, "input_length": 700, "output_length": 9, "hash_ids": [0, 7]},
+        {"timestamp": 20, "input_length": 2000, "output_length": 50, "hash_ids": [0, 1, 2, 3]},
+        {"timestamp": 30, "input_length": 1100, "output_length": 5, "hash_ids": [0, 7, 8]},
+        {"timestamp": 40, "input_length": 99999, "output_length": 5, "hash_ids": list(range(196))},
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trace = load_trace(path, length_scale=32)
+    result = run_bench(
+        configs=DEFAULT_CONFIGS,
+        workload=trace,
+        rate=math.inf,
+        max_output_tokens=3,
+        model_dir=tiny_llama_dir,
+        out_dir=tmp_path,
+        progress=False,
+        verbose=False,
+    )
+    assert result["setup"]["trace"]["dropped_too_long"] == 1
+    for config in DEFAULT_CONFIGS:
+        recs = {(r["session"], r["turn"]): r for r in result["records"][config]}
+        assert len(recs) == 4 and all(r["error"] is None for r in recs.values())
+        assert recs["trace-0-1", 1]["prompt_tokens"] == -(-2000 // 32)  # rounded up
+        outputs = [recs[k]["output_tokens"] for k in sorted(recs)]
+        assert outputs == [3, 2, 1, 1]  # ceil(length / 32), at most 3, by (session, turn)
+        later = recs["trace-0-1", 1]["cached_tokens"]
+        assert later >= 32 if config.endswith("-CC") else later == 0  # 2 whole blocks
+    assert (tmp_path / "e2e_trace.json").exists()

@@ -13,6 +13,8 @@ from minimemserve import LLM, SamplingParams, presets
 from minimemserve.cli import build_parser
 from minimemserve.config import EngineConfig
 from minimemserve.deployment import DeploymentSpec
+from minimemserve.disagg.launch import LaunchSpec
+from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.errors import ConfigError
 from minimemserve.inprocess import InProcessCluster
 from minimemserve.options import (
@@ -121,3 +123,19 @@ def test_a_dummy_presets_name_sets_the_load_format_for_every_command(tmp_path, m
         spec = deployment_options(args, ["model"], EngineConfig(load_format=args.load_format))
         assert spec.engine.load_format == "dummy" and spec.model_dir.parent == tmp_path
     assert DeploymentSpec(model=str(tmp_path)).engine.load_format == "auto"  # a directory
+
+
+def test_the_process_runtime_takes_the_launch_spec_fields_and_names_a_wrong_one():
+    """``ProcessCluster(model_dir, config, **options)``: its options are ``LaunchSpec``'s fields,
+    checked before anything starts; a deployment spec builds one with the same names."""
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['num_block'\]; the options"):
+        ProcessCluster("unused", "1P1D", num_block=4)
+    with pytest.raises(ConfigError, match="base_port must be in"):
+        ProcessCluster("unused", "1P1D", base_port=70000)
+    spec = LaunchSpec.of("m", "1P1D-CC", {"engine_config": None, "instances": ["h:1"]})
+    assert spec.engine_config == EngineConfig() and spec.instances == ("h:1",) and spec.linked
+
+
+def test_llm_over_a_spec_refuses_engine_settings_beside_it():
+    with pytest.raises(ConfigError, match="from the spec.*num_blocks"):
+        LLM(DeploymentSpec(), num_blocks=3)

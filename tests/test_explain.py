@@ -4,11 +4,16 @@ recipe's operations."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from minimemserve.blocks.layout import KVLayout
 from minimemserve.cli import main
 from minimemserve.config import parse_config_name
-from minimemserve.explain import Event, render, run_conversation
+from minimemserve.explain import Event, PoolTrace, render, run_conversation
+from minimemserve.mempool import MemPool
+from minimemserve.recipes import Recipe
 
 CONFIGS = ("PD-CC", "1P1D-CC")
 # the pool calls each recipe operation makes on the pools (its own, or the peer's for
@@ -92,3 +97,22 @@ def test_explain_command_prints_one_configuration(capsys):
     assert main(["explain", "--config", "PD-CC", "--compare", "none", "--max-tokens", "3"]) == 0
     out = capsys.readouterr().out
     assert "C0 arrival: match" in out and "insert(" in out and "greedy tokens" in out
+
+
+def test_a_call_that_moves_blocks_between_tiers_says_so():
+    layout = KVLayout(num_layers=1, block_size=4, num_kv_heads=1, head_dim=2)
+    pool = MemPool(layout, 2, dram_blocks=2, instance_id="C0")
+    engine = SimpleNamespace(pool=pool, recipe=Recipe(), scheduler=SimpleNamespace())
+    trace = PoolTrace()
+    trace.watch(engine)
+    blocks = pool.alloc_mem(2)
+    pool.insert(list(range(8)), blocks)
+    pool.free_mem(blocks)
+    pool.alloc_mem(1)  # the cached tail goes to dram to make room
+    assert trace.events[-1].text == "alloc_mem(1) -> [1] (offloaded 1)"
+    assert [e.kind for e in trace.events] == ["alloc_mem", "insert", "free_mem", "alloc_mem"]
+
+
+def test_explain_names_a_bad_configuration():
+    with pytest.raises(SystemExit, match="explain: .*XYZ"):
+        main(["explain", "--config", "XYZ"])

@@ -26,8 +26,9 @@ LAYERS = (
     ("sampling", "blocks", "memory"),
     ("request", "attention", "mempool"),
     ("serving", "model", "recipes", "decode_graphs"),
-    ("scheduler", "parallel", "presets"),
+    ("scheduler", "presets"),
     ("config",),
+    ("parallel",),
     ("engine",),
     ("disagg", "inprocess"),
     ("deployment",),
@@ -153,8 +154,8 @@ def test_the_layer_check_catches_a_planted_upward_edge():
     planted["minimemserve.extra"] = {"minimemserve.engine"}
     assert upward_edges(planted) == [
         "extra is in no layer",
-        "minimemserve.engine imports minimemserve.disagg.runtime: layer 6 (engine) -> 7 (disagg)",
-        "minimemserve.server.app imports minimemserve.sim.runner: layer 13 (server) -> 13 (sim)",
+        "minimemserve.engine imports minimemserve.disagg.runtime: layer 7 (engine) -> 8 (disagg)",
+        "minimemserve.server.app imports minimemserve.sim.runner: layer 14 (server) -> 14 (sim)",
     ]
 
 

@@ -1,7 +1,8 @@
 """The code's shape: no class over 400 lines and no function over 80 in ``minimemserve/``,
-``bench/`` and ``triton_kernels/`` (each exception named below, with its reason), and no
-constructor packing several attributes into one tuple assignment (complexity is ruff's C901,
-at most 10, in CI's ``ruff check`` of the whole tree)."""
+``bench/`` and ``triton_kernels/`` (each exception named below, with its reason), no function
+in the package taking more than 10 parameters (a spec is one), and no constructor packing
+several attributes into one tuple assignment (complexity is ruff's C901, at most 10, in CI's
+``ruff check`` of the whole tree)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MAX_CLASS_LINES = 400
 MAX_FUNCTION_LINES = 80
+MAX_PARAMETERS = 10
+# "path:name" -> why it may take more parameters (none now).
+PARAMETER_EXCEPTIONS: dict[str, str] = {}
 CHECKED = ("minimemserve", "bench", "triton_kernels")
 # "path:name" -> why it may be longer. A @triton.jit kernel is one GPU program: its loads,
 # masks and accumulators live in registers across the whole body, and splitting it into
@@ -88,3 +92,35 @@ def test_constructors_assign_one_attribute_per_statement(tmp_path):
         "        self.c, self.d = divmod(x, 2)\n"
     )
     assert packed_in_constructors(tmp_path / "pkg") == ["pkg/m.py:3"]
+
+
+def too_many_parameters(root: Path) -> list[str]:
+    """Every function under ``root`` taking more than :data:`MAX_PARAMETERS` parameters:
+    positional, keyword-only, ``*args`` and ``**kwargs`` each count one; ``self`` and ``cls``
+    do not. What a function needs that much of is a spec: one parameter."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            a = fn.args
+            names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+            count = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+            count -= bool(names) and names[0] in ("self", "cls")
+            key = f"{path.relative_to(root.parent)}:{fn.name}"
+            if count > MAX_PARAMETERS and key not in PARAMETER_EXCEPTIONS:
+                found.append(f"{path.relative_to(root.parent)}:{fn.lineno} {fn.name}: {count}")
+    return found
+
+
+def test_no_function_takes_more_than_ten_parameters():
+    assert too_many_parameters(ROOT / "minimemserve") == []
+
+
+def test_the_parameter_check_counts_every_kind(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text(
+        "def f(a, b, /, c, *d, e, f, g, h, i, j, **k):\n    pass\n\n\n"
+        "class C:\n    def m(self, a, b, c, d, e, f, g, h, i, j):\n        pass\n"
+    )
+    assert too_many_parameters(tmp_path / "pkg") == ["pkg/m.py:1 f: 11"]

@@ -1,14 +1,13 @@
 """The process of one serving instance: an engine with a role, behind an RPC node.
 
-``instance_main(spec)`` is the entry point the launcher spawns. It builds the engine with
-its role's recipe, puts the hbm pool tensor in shared memory so peers on this host can
-write KV into it one-sided, reports ``Ready`` to the frontend, and then loops: answer
-control messages, step the engine while it has work, push finished outputs (and
-hand-offs) to the frontend. Heartbeats go to the frontend from a thread (``rpc.Beacon``),
-started before the engine is built: loading the model and a long step are work, not
-silence, and only a stopped or vanished process goes quiet. Its peers (:mod:`~.peering`)
-are reached as ``RemotePool`` proxies, a peer's MemPool as a transfer sees it, so
-``MemPool.transfer(remote, ...)`` works across processes unchanged.
+:class:`InstanceServer` builds the engine with its role's recipe, puts the hbm pool tensor in
+shared memory so peers on this host can write KV into it one-sided, reports ``Ready`` to the
+frontend, and then loops: answer control messages, step the engine while it has work, push
+finished outputs (and hand-offs) to the frontend. Heartbeats go to the frontend from a thread
+(``rpc.Beacon``), started before the engine is built: loading the model and a long step are
+work, not silence, and only a stopped or vanished process goes quiet. Its peers
+(:mod:`~.peering`) are reached as ``RemotePool`` proxies, a peer's MemPool as a transfer sees
+it, so ``MemPool.transfer(remote, ...)`` works across processes unchanged.
 
 What each instance holds for a peer is tracked (``Grants``: blocks it allocated for the
 peer's transfers and references the peer has not returned yet), so when the frontend
@@ -17,44 +16,27 @@ reports the peer dead, every such block is released and nothing leaks.
 KV reaches a peer over a KV link of the transport the frontend chose for the pair, from the
 table in :mod:`~.links`: written one-sided into the peer's pool tensor mapped here (same
 host), by NIXL, or over a two-rank torch.distributed group the pair forms through the
-frontend's store.
-
-``minimemserve instance`` runs :func:`standalone_main`: an instance started on its own (any
-host) that waits for a frontend's ``Hello`` and ``Join``, serves that frontend's deployment
-and then waits for the next one."""
+frontend's store. The process's life around the server (spawned, or started on its own and
+joined by frontends one session after another) is :mod:`~.sessions`."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import re
-import secrets
-import signal
-import socket
-import sys
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
-import msgspec
-import torch
-import zmq
-
-from ..config import EngineConfig, parse_config_name
+from ..config import parse_config_name
 from ..engine import Engine, new_request
-from ..errors import ConfigError, InstanceDied, InvalidRequest, RemoteError, TransferError
-from ..mempool import MemPool
-from ..mempool.shared import SharedPoolTensor
-from ..model.config import ModelConfig
+from ..errors import InstanceDied, InvalidRequest, RemoteError, TransferError
 from ..recipes import Role
 from ..request import Request, logprobs_fit
 from . import rpc
-from .links import AUTO, KV_LINKS, candidates, kv_link
-from .nixl import NixlEndpoint, NixlLink, nixl_missing
+from .host import host_identity, process_gone
+from .instance_spec import InstanceSpec
+from .links import link_endpoints
 from .peering import Grants, PeerLinks, RemotePool
-
-logger = logging.getLogger(__name__)
+from .shm import SharedMemPool
 
 PEER = "peer"  # any instance the frontend announced
 # How long an idle instance blocks on its socket before checking its parent and the frontend.
@@ -66,98 +48,8 @@ HANDOFF_MEMORY = 65_536
 # What the frontend asks that waits for the end of the instance's step (see InstanceServer).
 BETWEEN_STEPS = frozenset({rpc.Query, rpc.PushPrefix, rpc.AbortRequest, rpc.Peers, rpc.PeerUp})
 # Default heartbeat period; the frontend declares an instance dead after many missed beats.
-DEFAULT_HEARTBEAT_S = 0.5
-# How long a standalone instance waits between polls for a frontend.
-LOBBY_POLL_S = 0.1
-# How often a standalone instance cut off from its frontend tells it that it is back.
-REJOIN_EVERY_S = 1.0
 # The Shutdown reason of a frontend that closes: its instances have nobody to rejoin.
 CLOSING = "frontend closing"
-
-
-@dataclass(frozen=True)
-class InstanceSpec:
-    """Start-up arguments of one instance process (passed once, at spawn)."""
-
-    name: str
-    role: str
-    config: str
-    model_dir: str
-    frontend: str
-    engine_config: EngineConfig
-    device: str = "cpu"
-    dtype: str = "float32"
-    num_threads: int = 1
-    host: str = rpc.LOOPBACK
-    port: int = 0
-    timeout_s: float = rpc.DEFAULT_TIMEOUT_S
-    heartbeat_s: float = DEFAULT_HEARTBEAT_S
-    parent_pid: int = 0
-    linked: bool = False  # peers move KV into its pool (over whichever transport)
-    secret: bytes = field(default=b"", repr=False)  # the cluster's control-plane key
-    curve: tuple[bytes, bytes] | None = field(default=None, repr=False)  # off loopback
-    transport: str = AUTO  # the KV transport this instance asks for (links.transport_names)
-    frontend_timeout_s: float = 0.0  # standalone: end the session after this much silence
-    session: str = ""  # the frontend's session id: names this deployment's pair groups
-    host_id: str = ""  # the host peers see it on ("": host_identity(); Ray: its node)
-    kv_links: dict[str, str] = field(default_factory=lambda: dict(KV_LINKS), repr=False)
-
-    @property
-    def shared_pool(self) -> bool:
-        """Whether its hbm pool lives in shared memory, for peers on its host to write into."""
-        links = candidates(self.transport, self.kv_links)
-        return self.linked and any(link.shares_pool for link in links)
-
-
-def host_identity() -> str:
-    """This host as the network sees it: the kernel's boot id and the network namespace, so
-    processes in different namespaces count as different hosts (they share no sockets on
-    loopback and reach each other only through the network)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = socket.gethostname()
-    try:
-        netns = os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        netns = 0
-    return f"{boot}/{netns}"
-
-
-def process_gone(pid: int) -> bool:
-    """Whether process ``pid`` has exited, including as a zombie nobody reaped (``kill(pid, 0)``
-    still succeeds on those); without ``/proc``, the kernel's word."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")  # state, after the name
-    except FileNotFoundError:
-        return True
-    except OSError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        pass  # exists, owned by someone else
-    return False
-
-
-class SharedMemPool(MemPool):
-    """A MemPool whose hbm tier tensor lives in shared memory (CPU) or is IPC-exported (CUDA;
-    dram stays private). :attr:`shared` is the segment; publish ``shared.handle.to_dict()``."""
-
-    def __init__(self, layout, num_blocks: int, **kw) -> None:
-        self.shared: SharedPoolTensor | None = None
-
-        def factory(shape, dtype, device) -> torch.Tensor:
-            if self.shared is not None:  # the dram tier: private host memory, pinned with CUDA
-                return torch.zeros(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
-            self.shared = SharedPoolTensor.create(tuple(shape), dtype, device)
-            return self.shared.tensor  # [num_blocks, L, 2, block_size, n_kv_heads, head_dim]
-
-        super().__init__(layout, num_blocks, tensor_factory=factory, **kw)
 
 
 class SessionOver(Exception):
@@ -191,21 +83,6 @@ def _control_node(
     # time, a prefix push would call from inside a call)
     node.deferred = BETWEEN_STEPS
     return node
-
-
-def nixl_endpoint(spec: InstanceSpec, pool: MemPool) -> NixlEndpoint | None:
-    """This instance's NIXL agent over ``pool``: when it asks for NIXL (which must then load
-    here), or under "auto" (a standalone instance: peers may be on other hosts) when NIXL
-    loads and peers move KV into its pool; else None."""
-    if NixlLink not in candidates(spec.transport, spec.kv_links):
-        return None
-    missing = nixl_missing()
-    if missing is not None and spec.transport != AUTO:
-        raise ConfigError(f"{spec.name} asks for the nixl KV transport, but {missing}")
-    if missing is not None or not spec.linked:
-        return None
-    agent = f"{spec.name}-{os.getpid()}-{secrets.token_hex(4)}"  # unique across restarts
-    return NixlEndpoint(agent, pool, spec.timeout_s)
 
 
 class InstanceServer:
@@ -253,8 +130,8 @@ class InstanceServer:
             self.pool.on_change = lambda added, toks: self.cache_events.append((added, toks))
         self.node = node = _control_node(spec, node, self._handle, self._watch_parent)
         self.node.connect(rpc.FRONTEND, spec.frontend)
-        self.nixl = nixl_endpoint(spec, self.pool)
-        self.peers = PeerLinks(spec, node, self.pool, self._peer_down, self.nixl)
+        self.endpoints = link_endpoints(spec, self.pool)  # its side of each link (NIXL's agent)
+        self.peers = PeerLinks(spec, node, self.pool, self._peer_down, self.endpoints)
         vocab = self.engine.model_config.vocab_size
         self.grants = Grants(spec.name, self.pool, vocab, self.peers.links)
         self.handlers = self._handler_table()
@@ -444,7 +321,7 @@ class InstanceServer:
             handle,
             self.spec.host_id or host_identity(),
             self.spec.transport,
-            self.nixl.info() if self.nixl is not None else None,
+            {name: end.offer() for name, end in self.endpoints.items()},
         )
         ready = rpc.Ready(info, os.getpid(), self.engine.max_model_len, self.pool.capacity())
         self.node.push(rpc.FRONTEND, ready)
@@ -503,232 +380,8 @@ class InstanceServer:
         self.beacon.close()
         for link in self.peers.links.values():
             link.close()
-        if self.nixl is not None:
-            self.nixl.close()
+        for end in self.endpoints.values():
+            end.close()
         self.node.close()
         if (shared := getattr(self.pool, "shared", None)) is not None:
             shared.close()
-
-
-@dataclass(frozen=True)
-class StandaloneOptions:
-    """What ``minimemserve instance`` is started with (the frontend supplies the rest)."""
-
-    role: str
-    model_dir: str
-    host: str
-    port: int
-    key: rpc.ClusterKey
-    transport: str = AUTO
-    device: str = "cpu"
-    dtype: str = "float32"
-    num_threads: int = 1
-    engine_overrides: dict = field(default_factory=dict)  # EngineConfig sizes set on this host
-    once: bool = False  # serve one frontend, then exit
-    parent_pid: int = 0  # spawned by a frontend: end when it is gone, even while waiting
-    host_id: str = ""  # the host peers see it on ("": host_identity(); Ray: its node)
-    managed: bool = False  # a manager (Ray) restarts it: end when a frontend closes, or crashes
-    # the KV links it knows, by transport name: this process's table when it was made (a
-    # spawned instance gets its frontend's, links registered there included)
-    kv_links: dict[str, str] = field(default_factory=lambda: dict(KV_LINKS), repr=False)
-
-
-def spawned_options(spec: InstanceSpec, address: str) -> StandaloneOptions:
-    """A spawned instance as a standalone one listening where it did (``address``), so the
-    frontend that declared it dead by mistake can join it again. On loopback the CURVE key
-    pair is unused: a throwaway one makes the key whole."""
-    key = rpc.ClusterKey(spec.secret, spec.curve or zmq.curve_keypair())
-    return StandaloneOptions(
-        role=spec.role,
-        model_dir=spec.model_dir,
-        host=spec.host,
-        port=int(address.rsplit(":", 1)[1]),
-        key=key,
-        transport=spec.transport,
-        device=spec.device,
-        dtype=spec.dtype,
-        num_threads=spec.num_threads,
-        parent_pid=spec.parent_pid,
-        kv_links=spec.kv_links,
-    )
-
-
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
-
-
-def _model_summary(model_dir: str) -> dict[str, int]:
-    """The shape of the checkpoint, for the frontend to check it serves the same model."""
-    mc = ModelConfig.from_hf(model_dir)
-    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-    return {k: int(getattr(mc, k)) for k in keys}
-
-
-def _check_join(m: rpc.Join, opts: StandaloneOptions) -> InstanceSpec:
-    """The spec of the session a Join asks for; raises naming what is wrong with it."""
-    milestone = parse_config_name(m.config).milestone
-    if opts.role not in milestone.roles:
-        raise ValueError(f"{m.config} has no {opts.role} instances (roles {milestone.roles})")
-    if not _NAME.fullmatch(m.name) or m.name == rpc.FRONTEND:
-        raise ValueError(f"bad instance name {m.name!r}")
-    if not m.frontend.startswith("tcp://") or not _NAME.fullmatch(m.session):
-        raise ValueError(f"bad frontend address {m.frontend!r} or session {m.session!r}")
-    try:
-        config = msgspec.convert(m.engine_config | opts.engine_overrides, EngineConfig)
-    except (msgspec.ValidationError, ValueError) as e:
-        raise ValueError(f"bad engine config: {e}") from None
-    whole = [name for name in opts.kv_links if kv_link(name, opts.kv_links).whole_model]
-    if config.tp_size(opts.role) != 1 and opts.transport not in whole:
-        raise ValueError(  # its ranks' KV reaches peers whole only through a landing tensor
-            f"a standalone instance runs tensor-parallel ranks only over the {'/'.join(whole)} "
-            f"transport (--transport {whole[0]})"
-        )
-    return instance_spec(m, opts, config)
-
-
-def instance_spec(m: rpc.Join, opts: StandaloneOptions, config: EngineConfig) -> InstanceSpec:
-    """The spec of the instance ``opts`` describes, joined to a deployment by ``m`` with engine
-    ``config``: what the frontend decides (``m``) and what its own host does (``opts``). The
-    one place a spec is built, for spawned and standalone instances alike."""
-    return InstanceSpec(
-        name=m.name,
-        role=opts.role,
-        config=m.config,
-        model_dir=opts.model_dir,
-        frontend=m.frontend,
-        engine_config=config,
-        device=opts.device,
-        dtype=opts.dtype,
-        num_threads=opts.num_threads,
-        host=opts.host,
-        port=opts.port,
-        timeout_s=m.timeout_s,
-        heartbeat_s=m.heartbeat_s,
-        parent_pid=opts.parent_pid,
-        linked=m.linked,
-        secret=opts.key.secret,
-        curve=opts.key.curve_for(opts.host),
-        transport=opts.transport,
-        frontend_timeout_s=m.frontend_timeout_s,
-        session=m.session,
-        host_id=opts.host_id,
-        kv_links=opts.kv_links,
-    )
-
-
-def _await_join(
-    opts: StandaloneOptions, back: InstanceSpec | None = None
-) -> tuple[rpc.RpcNode, InstanceSpec]:
-    """Bind the listening address and answer frontends until one joins this instance; with
-    ``back`` (the session a frontend gave up on), keep telling that frontend it may rejoin."""
-    summary, joined = _model_summary(opts.model_dir), []
-    hello = {
-        "role": opts.role,
-        "host": opts.host_id or host_identity(),
-        "transport": opts.transport,
-        "device": opts.device,
-        "model": summary,
-    }
-
-    def handle(sender: str, msg: rpc.Msg) -> rpc.Msg | None:
-        if sender != rpc.FRONTEND or joined:
-            raise PermissionError(f"a waiting instance takes no {type(msg).__name__}")
-        if not isinstance(msg, rpc.Hello | rpc.Join):  # a frontend that has not noticed yet
-            raise SessionOver(f"{node.name} has no session: it waits to be joined")
-        if isinstance(msg, rpc.Hello):
-            return rpc.Info(hello)
-        joined.append(_check_join(msg, opts))
-        return None
-
-    node = rpc.RpcNode(
-        "waiting",
-        handle,
-        host=opts.host,
-        port=opts.port,
-        codec=rpc.Codec(opts.key.secret),
-        curve=opts.key.curve_for(opts.host),
-    )
-    node.any_recipient = True  # frontends address it by the name they are about to give it
-    logger.info("instance (%s) waiting for a frontend at %s", opts.role, node.address)
-    if back is not None:
-        node.name = back.name  # the name the frontend knows, to rejoin under
-        node.connect(rpc.FRONTEND, back.frontend)
-    try:
-        last = 0.0
-        while not joined:
-            node.serve(LOBBY_POLL_S)
-            if back is not None and time.monotonic() - last > REJOIN_EVERY_S:
-                if opts.parent_pid and process_gone(opts.parent_pid):
-                    raise SystemExit(f"{back.name}: the launching process is gone")
-                node.try_push(rpc.FRONTEND, rpc.Rejoin())
-                last = time.monotonic()
-    except BaseException:
-        node.close()
-        raise
-    return node, joined[0]
-
-
-def standalone_main(opts: StandaloneOptions) -> int:
-    """``minimemserve instance``: wait for a frontend, serve its deployment, repeat (or stop
-    after one with ``once``). Ctrl-C or SIGTERM ends it."""
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    torch.set_num_threads(opts.num_threads)
-    serve_sessions(opts)
-    return 0
-
-
-def serve_sessions(opts: StandaloneOptions, first: InstanceServer | None = None) -> None:
-    """Serve one frontend's session after another: ``first``'s (a spawned instance's), then each
-    one a frontend joins. After a session the frontend gave up on (it declared this instance
-    dead, or went silent), wait for that frontend to join it again; after one it closed, for the
-    next frontend. A spawned instance returns once its frontend closed its session, and stops
-    on a crash (a ``managed`` one too); with ``once``, return after one session."""
-    spawned, back = first is not None or opts.managed, None
-    while True:
-        server, node, first = first, None, None
-        if server is None:
-            node, spec = _await_join(opts, back)
-            logger.info("%s: joined %s as %s", spec.name, spec.config, opts.role)
-        else:
-            spec = server.spec
-        given_up = False
-        try:
-            server = server or InstanceServer(spec, node)
-            server.announce()
-            logger.info("%s: ready", spec.name)
-            server.run()
-            logger.info("%s: the frontend ended the session (%s)", spec.name, server.stop_reason)
-            given_up = server.stop_reason != CLOSING
-        except SessionOver as e:
-            logger.warning("%s: session over: %s", spec.name, e)
-            given_up = True
-        except Exception as e:  # a session that failed to start or crashed: the next one
-            if spawned:
-                raise
-            logger.error("%s: session failed: %s: %s", spec.name, type(e).__name__, e)
-            given_up = True
-        finally:
-            (server or node).close()
-        back = spec if given_up else None
-        if opts.once or (spawned and not given_up):
-            return
-
-
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
-def instance_main(spec: InstanceSpec) -> None:
-    """Entry point of a spawned instance process: it serves its frontend until that closes it
-    (or is gone); declared dead by mistake (it stalled), it waits to be joined again."""
-    # Ctrl-C reaches the whole process group; the frontend decides how we stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    torch.set_num_threads(spec.num_threads)
-    server = InstanceServer(spec)
-    try:
-        serve_sessions(spawned_options(spec, server.node.address), server)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    # Everything this process owns is released above; skip the slow interpreter teardown.
-    os._exit(0)

@@ -8,39 +8,39 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import multiprocessing as mp
 import os
 import secrets
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from ..config import NAME_PREFIX, Deployment, EngineConfig
+from ..config import NAME_PREFIX, Deployment, EngineConfig, parse_config_name
 from ..errors import ConfigError, InstanceDied, RemoteError, TransferError
 from ..mempool.shared import segment_path
 from ..model.config import ModelConfig
 from ..parallel import HostStore
-from ..scheduler.global_scheduler import MOVES_PREFIXES
+from ..presets import preset_dir
+from ..scheduler.global_scheduler import DEFAULT_TTL_S, MOVES_PREFIXES, Cost
 from . import rpc
-from .instance import (
-    DEFAULT_HEARTBEAT_S,
-    InstanceSpec,
-    StandaloneOptions,
-    instance_main,
-    instance_spec,
-)
+from .instance_spec import DEFAULT_HEARTBEAT_S, InstanceSpec
 from .links import AUTO, KV_LINKS, ONE_HOST, kv_link, transport_names
+from .placement import DEFAULT_PLACEMENT_TIMEOUT_S, check_ray_options
+from .sessions import instance_main
 
 # Time a process gets to exit after Shutdown before it is terminated, then killed.
 SHUTDOWN_GRACE_S = 5.0
 # Modules the forkserver imports once, so instances forked from it start fast.
-FORKSERVER_PRELOAD = ("minimemserve.disagg.instance",)
+FORKSERVER_PRELOAD = ("minimemserve.disagg.sessions",)
 # How long a frontend waits for a standalone instance's answer before asking again.
 HELLO_RETRY_S = 2.0
+# Loading a checkpoint and importing torch takes seconds per process; a minute means stuck.
+DEFAULT_STARTUP_TIMEOUT_S = 120.0
 # Silence after which an instance is declared dead: its heartbeats come from a thread, so
 # only a stopped, wedged or cut-off process is this quiet, never a busy one.
 DEFAULT_HEARTBEAT_TIMEOUT_S = 20.0
@@ -59,21 +59,22 @@ class InstanceInfo:
     ready: bool = False
     host: str = ""  # its host's identity (instance.host_identity)
     transport: str = AUTO  # the KV transport it asks for
-    nixl: rpc.NixlInfo | None = None  # its NIXL agent, when it has one
+    links: dict[str, bytes] = field(default_factory=dict)  # what its KV links tell peers
     max_model_len: int = 0  # the longest context it holds (from Ready)
     hbm_blocks: int = 0  # the blocks of its hbm pool (from Ready)
 
     def peer_info(self) -> rpc.PeerInfo:
         """How its peers reach it."""
         return rpc.PeerInfo(
-            self.name, self.role, self.address, self.handle, self.host, self.transport, self.nixl
+            self.name, self.role, self.address, self.handle, self.host, self.transport, self.links
         )
 
     def seen_over(self, way: str) -> rpc.PeerInfo:
-        """How a peer that reaches it over transport ``way`` sees it: what that link needs of
-        it (the pool handle for shared memory, the agent for NIXL), nothing else."""
-        told = {"handle": None, "nixl": None} | kv_link(way).metadata(self)
-        return msgspec.structs.replace(self.peer_info(), transport=way, **told)
+        """How a peer that reaches it over transport ``way`` sees it: that link's data (passed
+        on unread), and its pool's handle if the link shares the pool; nothing else."""
+        handle = self.handle if kv_link(way).shares_pool else None
+        links = {way: self.links[way]} if way in self.links else {}
+        return msgspec.structs.replace(self.peer_info(), transport=way, handle=handle, links=links)
 
 
 def pair_transport(a: InstanceInfo, b: InstanceInfo, forced: str = AUTO) -> str:
@@ -147,18 +148,79 @@ def reap(instances: Iterable[InstanceInfo], beacon: rpc.Beacon) -> None:
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """What every instance of one deployment is told at start-up."""
+    """How the process runtime runs deployment ``config_name`` of the checkpoint at ``model_dir``
+    (None: the tiny preset): the keyword options of ``ProcessCluster`` (and of the Ray runtime),
+    one field each, checked here. Every instance gets ``engine_config``; ``timeout_s`` bounds
+    every control request, ``startup_timeout_s`` the start-up, ``heartbeat_s`` and
+    ``heartbeat_timeout_s`` set the beat and the silence that means dead; the frontend (and the
+    store pair groups meet in) listens on ``host``; ``transport`` forces the KV transport of
+    every pair (``auto``: per pair, from the links table); ``policy``, ``cost_model`` and
+    ``ttl_s`` configure the global scheduler; ``rerun_on_failure`` re-runs the requests of a
+    dead instance elsewhere. Spawned instances (on this host): ``device``, ``dtype``,
+    ``cores_per_instance`` torch threads each, ``num_colocated`` engines of a colocated
+    configuration, listening on free loopback ports (``base_port`` 0) or ``base_port + 1 + i``,
+    started by ``start_method`` (``spawn`` or ``forkserver``). Joined instances instead:
+    ``instances``, the ``HOST:PORT`` of ``minimemserve instance`` processes, with the cluster
+    ``key`` they were started with. The Ray runtime's: the cluster's ``ray_address`` (None:
+    ``RAY_ADDRESS``, else a local cluster), the ``placement`` of instances over nodes
+    (:data:`~.placement.PLACEMENTS`), ``pin`` (role -> a custom resource, or a ``key=value``
+    label, a node must have to hold that role), CPUs per rank (``cores_per_instance``), each
+    actor's ``max_restarts`` and how long a placement may take."""
 
-    deployment: Deployment
-    model_dir: Path
-    engine_config: EngineConfig
-    session: str  # names this deployment's pair groups
+    model_dir: Path | None
+    config_name: str = "1P1D"
+    engine_config: EngineConfig = field(default_factory=EngineConfig)
+    device: str = "cpu"
+    dtype: str = "float32"
+    cores_per_instance: int = 1
+    num_colocated: int = 2
     timeout_s: float = rpc.DEFAULT_TIMEOUT_S
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
-    host: str = rpc.LOOPBACK  # where the frontend and its store listen
-    transport: str = AUTO  # forced KV transport of every pair
-    policy: str = "prompt_tree"  # the global scheduler's
+    host: str = rpc.LOOPBACK
+    base_port: int = 0
+    rerun_on_failure: bool = True
+    start_method: str = "spawn"
+    policy: str = "prompt_tree"
+    cost_model: Cost | None = None
+    ttl_s: float = DEFAULT_TTL_S
+    instances: tuple[str, ...] | None = None
+    key: rpc.ClusterKey | str | Path | None = None
+    transport: str = AUTO
+    ray_address: str | None = None
+    placement: str = "pack"
+    pin: Mapping[str, str] = field(default_factory=dict)
+    max_restarts: int = 0
+    placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        set_ = functools.partial(object.__setattr__, self)
+        set_("model_dir", Path(preset_dir("tiny") if self.model_dir is None else self.model_dir))
+        set_("engine_config", self.engine_config or EngineConfig())
+        if self.instances is not None:
+            set_("instances", tuple(self.instances))
+        if self.cores_per_instance < 1:
+            raise ConfigError(f"cores_per_instance must be >= 1, got {self.cores_per_instance}")
+        if self.num_colocated < 1:
+            raise ConfigError(f"num_colocated must be >= 1, got {self.num_colocated}")
+        if not 0 <= self.base_port < 65536:
+            raise ConfigError(f"base_port must be in [0, 65536), got {self.base_port}")
+        check_ray_options(self)
+
+    @classmethod
+    def of(cls, model_dir: str | Path, config_name: str, options: dict[str, Any]) -> LaunchSpec:
+        """The spec of ``ProcessCluster(model_dir, config_name, **options)``; an option it
+        does not have is a TypeError (as for any unknown keyword) naming the ones it has."""
+        names = [f.name for f in dataclasses.fields(cls)][2:]
+        if bad := sorted(set(options) - set(names)):
+            raise TypeError(f"unknown option(s) {bad}; the options are {names}")
+        return cls(model_dir, config_name, **options)
+
+    @functools.cached_property
+    def deployment(self) -> Deployment:
+        """The parsed ``config_name``."""
+        return parse_config_name(self.config_name)
 
     @property
     def linked(self) -> bool:
@@ -166,30 +228,6 @@ class LaunchSpec:
         peers reach."""
         m = self.deployment.milestone
         return m.moves_kv or (self.policy in MOVES_PREFIXES and m.entry_caches)
-
-
-@dataclass(frozen=True)
-class SpawnSpec:
-    """How instances spawned on this host run: device, dtype and torch threads of each; how
-    many engines a colocated deployment runs; where they listen (``base_port`` 0: free
-    loopback ports, else instance ``i`` binds ``base_port + 1 + i``); the start method
-    (``spawn`` or ``forkserver``)."""
-
-    device: str = "cpu"
-    dtype: str = "float32"
-    cores_per_instance: int = 1
-    num_colocated: int = 2
-    host: str = rpc.LOOPBACK
-    base_port: int = 0
-    start_method: str = "spawn"
-
-    def __post_init__(self) -> None:
-        if self.cores_per_instance < 1:
-            raise ConfigError(f"cores_per_instance must be >= 1, got {self.cores_per_instance}")
-        if self.num_colocated < 1:
-            raise ConfigError(f"num_colocated must be >= 1, got {self.num_colocated}")
-        if not 0 <= self.base_port < 65536:
-            raise ConfigError(f"base_port must be in [0, 65536), got {self.base_port}")
 
 
 class Launcher:
@@ -224,31 +262,32 @@ class Launcher:
         self.beacon = beacon
         self.instances: dict[str, InstanceInfo] = {}
         self.store: HostStore | None = None  # where torch.distributed pairs meet, if any
+        self.session = secrets.token_hex(8)  # names this deployment's pair groups
         self._spawns: dict[str, tuple[Any, InstanceSpec]] = {}  # name -> (context, spec)
 
-    def spawn(self, how: SpawnSpec, secret: bytes, curve) -> None:
+    def spawn(self, secret: bytes, curve) -> None:
         """Start one process per instance of the deployment on this host."""
         transport = self.spec.transport
         key = rpc.ClusterKey(secret, curve or rpc.ClusterKey.generate().curve)  # loopback: unused
-        ctx = mp.get_context(how.start_method)
-        if how.start_method == "forkserver":
+        ctx = mp.get_context(self.spec.start_method)
+        if self.spec.start_method == "forkserver":
             ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-        roles = self.spec.deployment.instances(colocated=how.num_colocated)
-        engine_config = self.spec.engine_config.placed(len(roles))  # all on ``how.device``
+        roles = self.spec.deployment.instances(colocated=self.spec.num_colocated)
+        engine_config = self.spec.engine_config.placed(len(roles))  # all on ``spec.device``
         for i, (name, role) in enumerate(roles):
-            opts = StandaloneOptions(
+            spec = InstanceSpec(
                 role=role,
                 model_dir=str(self.spec.model_dir),
-                host=how.host,
-                port=how.base_port + 1 + i if how.base_port else 0,
+                host=self.spec.host,
+                port=self.spec.base_port + 1 + i if self.spec.base_port else 0,
                 key=key,
                 transport=ONE_HOST if transport == AUTO else transport,
-                device=how.device,
-                dtype=how.dtype,
-                num_threads=how.cores_per_instance,
+                device=self.spec.device,
+                dtype=self.spec.dtype,
+                num_threads=self.spec.cores_per_instance,
                 parent_pid=os.getpid(),
-            )
-            self._spawns[name] = (ctx, instance_spec(self.join_message(name), opts, engine_config))
+            ).joined(self.join_message(name), engine_config)
+            self._spawns[name] = (ctx, spec)
             self.instances[name] = InstanceInfo(name, role, self._start(name))
 
     def _start(self, name: str):
@@ -303,7 +342,7 @@ class Launcher:
     def join_message(self, name: str) -> rpc.Join:
         """What a standalone instance named ``name`` is sent to join this deployment."""
         return rpc.Join(
-            self.spec.session,
+            self.session,
             name,
             self.spec.deployment.name,
             self.node.address,
@@ -386,12 +425,12 @@ class Launcher:
             segment_path(info.handle)  # only the project's own segments are ever mapped
         if inst.process is not None:  # spawned here: where it listens is what it says
             inst.address = info.address
-        inst.handle, inst.pid, inst.host, inst.transport, inst.nixl = (
+        inst.handle, inst.pid, inst.host, inst.transport, inst.links = (
             info.handle,
             msg.pid,
             info.host,
             info.transport,
-            info.nixl,
+            info.links,
         )
         inst.max_model_len, inst.hbm_blocks = msg.max_model_len, msg.hbm_blocks
         inst.ready = True

@@ -61,6 +61,10 @@ class Ledger:
         self.vocab_size = vocab_size  # to check what arrives
         self.resubmit = resubmit
         self.dead = dead  # instance name -> why it died (the membership's)
+        # dead because they ended their session: a request one never answered never ran there
+        # (an instance answers a Submit as it reads it, and its session ends only after
+        # frontend_timeout_s without a frame from the frontend, that Submit included)
+        self.sessionless: set[str] = set()
         self.inflight: dict[str, Inflight] = {}
         self.done: list[RequestOutput] = []
 
@@ -103,8 +107,7 @@ class Ledger:
                 and logprobs_fit(d.logprobs, n, f.req.params.logprobs, self.vocab_size)
             ):
                 raise ValueError(f"{sender} sent tokens that do not fit {d.request_id!r}")
-            if d.start == 0:
-                self.frontend.started(d.request_id)
+            self.frontend.streamed(d)
             lps = d.logprobs or [None] * len(d.token_ids)
             for i, (tok, lp) in enumerate(zip(d.token_ids, lps)):
                 if d.start + i >= f.streamed:

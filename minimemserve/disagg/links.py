@@ -24,9 +24,12 @@ reached this way keeps its hbm pool in shared memory), ``whole_model`` (it carri
 tensor-parallel instance's KV whole), ``devices`` (the device types it moves),
 ``meets_in_store`` (pairs form it through the frontend's store, in order) and three class
 methods: ``unfit(a, b)`` (why instances ``a`` and ``b`` cannot use it, or None),
-``metadata(info)`` (what a peer reaching ``info`` this way is told of it) and
-``reach(peers, p)`` (connect to peer ``p``: ``peers.add(p, link)``, or ``peers.on_down(name,
-why)``)."""
+``endpoint(spec, pool)`` (this instance's side of the link, or None: an object whose
+``offer()`` is the link's data, bytes its peers are told in ``PeerInfo.links[name]`` and
+only the link reads, and ``close()``) and ``reach(peers, p)`` (connect to peer ``p``, with
+``peers.endpoints[name]`` and ``p.links[name]``: ``peers.add(p, link)``, or
+``peers.on_down(name, why)``). A peer reaching an instance over a link that ``shares_pool``
+is also told its pool's handle."""
 
 from __future__ import annotations
 
@@ -109,3 +112,13 @@ def candidates(transport: str, links: Mapping[str, str] = KV_LINKS) -> list[Any]
     """The link classes an instance that asks for ``transport`` may be reached over."""
     names = list(links) if transport == AUTO else [transport]
     return [kv_link(name, links) for name in names]
+
+
+def link_endpoints(spec: Any, pool: Any) -> dict[str, Any]:
+    """The instance's side of every link it may be reached over (``spec``: its
+    ``InstanceSpec``), by transport name: those whose ``endpoint`` has one."""
+    ends = {}
+    for link in candidates(spec.transport, spec.kv_links):
+        if link.name not in ends and (end := link.endpoint(spec, pool)) is not None:
+            ends[link.name] = end
+    return ends

@@ -157,6 +157,7 @@ class Membership:
         """Instance ``name`` ended its session on its own (``why``): it is dead until it has
         joined again, which it is asked to do."""
         if name not in self.dead:
+            self.ledger.sessionless.add(name)
             self._on_death(self.instances[name], why)
             self.back.add(name)
 
@@ -212,6 +213,7 @@ class Membership:
             self.gone.add(inst.name)
             return
         del self.dead[inst.name]
+        self.ledger.sessionless.discard(inst.name)
         self.node.heard[inst.name] = time.monotonic()
         if inst.role == self.entry_role:
             self.scheduler.add(inst.name)

@@ -4,13 +4,14 @@ pair of agents).
 
 Each instance that moves KV over NIXL has one agent (:class:`NixlEndpoint`) that registers its
 pool's tiers once, HBM and DRAM, and publishes its metadata and the region peers write into
-(``rpc.NixlInfo``) in ``Ready``; the frontend hands it to the instance's NIXL peers in
-``Peers``, over the authenticated control plane, so no other store or port is opened. A
-transfer maps one to one onto MemPool's: the receiver grants blocks (``AllocRequest``), the
-sender posts one WRITE with one descriptor per aggregated block, from the tier that holds
-each block (no onload first), into those blocks, waits for it to complete and commits; the
-WRITE carries a notification (transfer id and block count) that the receiver must have before
-it commits, so a partial write is never kept. A failed or late write frees both sides.
+(:class:`NixlInfo`, the link's data in ``Ready``: bytes only this module reads); the frontend
+hands it on to the instance's NIXL peers in ``Peers``, over the authenticated control plane, so
+no other store or port is opened. A transfer maps one to one onto MemPool's: the receiver
+grants blocks (``AllocRequest``), the sender posts one WRITE with one descriptor per aggregated
+block, from the tier that holds each block (no onload first), into those blocks, waits for it
+to complete and commits; the WRITE carries a notification (transfer id and block count) that
+the receiver must have before it commits, so a partial write is never kept. A failed or late
+write frees both sides.
 
 A tensor-parallel instance's own tensor holds one rank's heads, so its agent registers a
 whole-model landing tensor indexed by the same block ids: peers write there and rank 0 moves
@@ -28,16 +29,19 @@ import atexit
 import contextlib
 import importlib
 import logging
+import os
+import secrets
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import msgspec
 import numpy as np
 import torch
 
-from ..errors import TransferError
+from ..errors import ConfigError, TransferError
 from ..mempool import MemPool
 from . import rpc
 
@@ -48,6 +52,23 @@ PROGRESS_S = 0.001
 MAX_NOTIFS = 4096  # notifications (and transfers they name) kept per peer agent
 NOTIF_SEP = "|"  # a notification is "<transfer id>|<blocks written>"
 logger = logging.getLogger(__name__)
+
+MAX_NIXL_METADATA = 1 << 20  # an agent's metadata is ~0.5 KiB on one host; a few per NIC
+
+
+class NixlInfo(msgspec.Struct, forbid_unknown_fields=True):
+    """An instance's NIXL agent as its peers learn it: the agent's name and metadata (loaded
+    by each peer that writes into it), and the region peers write into: ``num_blocks`` blocks
+    of ``block_bytes`` each (whole-model layout) from ``address``, in ``memory`` ("DRAM" or
+    "VRAM") of device ``device_id``."""
+
+    agent: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    metadata: Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_NIXL_METADATA)]
+    address: Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]
+    block_bytes: Annotated[int, msgspec.Meta(gt=0)]
+    num_blocks: Annotated[int, msgspec.Meta(gt=0)]
+    memory: Literal["DRAM", "VRAM"]
+    device_id: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 def nixl_missing() -> str | None:
@@ -225,7 +246,7 @@ class Agent:
 class NixlEndpoint:
     """This instance's NIXL agent over ``pool``: registers its tiers (or, tensor-parallel, a
     whole-model landing tensor) once; :meth:`connect` makes a :class:`NixlLink` to a peer from
-    its ``rpc.NixlInfo``. ``timeout_s`` bounds every wait for a write or its notification."""
+    its ``NixlInfo``. ``timeout_s`` bounds every wait for a write or its notification."""
 
     def __init__(self, name: str, pool: MemPool, timeout_s: float) -> None:
         """Create the agent ``name`` and register the pool's memory."""
@@ -243,10 +264,10 @@ class NixlEndpoint:
             self.agent.register(t)
         self._written: dict[str, OrderedDict[str, int]] = {}  # agent -> transfer -> blocks
 
-    def info(self) -> rpc.NixlInfo:
+    def info(self) -> NixlInfo:
         """What peers need to write into this instance."""
         memory, device = _memory(self.target)
-        return rpc.NixlInfo(
+        return NixlInfo(
             self.name,
             self.agent.metadata(),
             self.target.data_ptr(),
@@ -256,7 +277,11 @@ class NixlEndpoint:
             device,
         )
 
-    def connect(self, peer: str, info: rpc.NixlInfo) -> NixlLink:
+    def offer(self) -> bytes:
+        """The link's data peers are told (:meth:`info`, packed)."""
+        return msgspec.msgpack.encode(self.info())
+
+    def connect(self, peer: str, info: NixlInfo) -> NixlLink:
         """Load peer ``peer``'s agent, after checking its region fits this pool's blocks."""
         if info.block_bytes != self.block_bytes:
             raise TransferError(
@@ -305,7 +330,7 @@ class NixlEndpoint:
     def write(
         self,
         agent: Any,
-        info: rpc.NixlInfo,
+        info: NixlInfo,
         rows: np.ndarray,
         blocks: list[int],
         memory: str,
@@ -372,7 +397,7 @@ class NixlEndpoint:
 class NixlLink:
     """A peer reached over NIXL (a KV link, :mod:`~.links`): writes into its granted blocks,
     waits for its writes into ours before a commit, and counts both. Both instances need an
-    agent (:class:`NixlEndpoint`); peers learn one from its ``rpc.NixlInfo``."""
+    agent (:class:`NixlEndpoint`); peers learn one from its ``NixlInfo``."""
 
     kind = name = "nixl"
     shares_pool = False
@@ -380,7 +405,7 @@ class NixlLink:
     devices = ("cpu", "cuda")
     meets_in_store = False
 
-    def __init__(self, endpoint: NixlEndpoint, peer: str, agent: Any, info: rpc.NixlInfo):
+    def __init__(self, endpoint: NixlEndpoint, peer: str, agent: Any, info: NixlInfo):
         """``agent``: the peer's agent as NIXL names it; ``info``: its region."""
         self.endpoint = endpoint
         self.peer = peer
@@ -395,27 +420,36 @@ class NixlLink:
     @classmethod
     def unfit(cls, a: Any, b: Any) -> str | None:
         """Both instances need a NIXL agent."""
-        if a.nixl is not None and b.nixl is not None:
+        if cls.name in a.links and cls.name in b.links:
             return None
-        lacks = a.name if a.nixl is None else b.name
+        lacks = a.name if cls.name not in a.links else b.name
         return f"{lacks} has no NIXL agent for the nixl KV transport"
 
     @classmethod
-    def metadata(cls, info: Any) -> dict[str, Any]:
-        """A peer loads the instance's agent and writes into its region."""
-        return {"nixl": info.nixl}
+    def endpoint(cls, spec: Any, pool: MemPool) -> NixlEndpoint | None:
+        """This instance's NIXL agent over ``pool``: when it asks for NIXL (which must then
+        load here), or under "auto" (a standalone instance: peers may be on other hosts) when
+        NIXL loads and peers move KV into its pool; else None."""
+        missing = nixl_missing()
+        if missing is not None and spec.transport == cls.name:
+            raise ConfigError(f"{spec.name} asks for the nixl KV transport, but {missing}")
+        if missing is not None or not spec.linked:
+            return None
+        agent = f"{spec.name}-{os.getpid()}-{secrets.token_hex(4)}"  # unique across restarts
+        return NixlEndpoint(agent, pool, spec.timeout_s)
 
     @classmethod
     def reach(cls, peers: Any, p: rpc.PeerInfo) -> None:
-        """Load ``p``'s agent into this instance's (``peers.nixl``), or tell ``peers.on_down``
-        why it cannot be."""
-        if peers.nixl is None or p.nixl is None:
-            side = peers.name if peers.nixl is None else p.name
+        """Load ``p``'s agent into this instance's, or tell ``peers.on_down`` why it cannot be."""
+        ours, data = peers.endpoints.get(cls.name), p.links.get(cls.name)
+        if ours is None or data is None:
+            side = peers.name if ours is None else p.name
             peers.on_down(p.name, f"no NIXL link: {side} has no NIXL agent")
             return
         try:
-            link = peers.nixl.connect(p.name, p.nixl)
-        except TransferError as e:
+            info = msgspec.msgpack.decode(data, type=NixlInfo)
+            link = ours.connect(p.name, info)
+        except (msgspec.DecodeError, TransferError) as e:
             peers.on_down(p.name, f"no NIXL link: {e}")
             return
         peers.add(p, link)

@@ -19,7 +19,6 @@ from ..mempool import MemPool
 from ..request import Request
 from . import rpc
 from .links import KVLink, kv_link
-from .nixl import NixlEndpoint
 from .transports import GlooLink
 
 
@@ -194,18 +193,19 @@ class PeerLinks:
     """The other instances as this one reaches them (the frontend announces them): each one's
     pool as a :class:`RemotePool` over a KV link of the class the table (``spec.kv_links``)
     gives the pair's transport; links that meet in the frontend's store (torch.distributed
-    pairs) are queued and formed by :meth:`form`. ``nixl`` is this instance's NIXL agent, if
-    it has one; ``on_down(name, reason)`` is told about a peer that cannot be reached."""
+    pairs) are queued and formed by :meth:`form`. ``endpoints``: this instance's side of its
+    links, by transport (``links.link_endpoints``); ``on_down(name, reason)`` is told about a
+    peer that cannot be reached."""
 
     def __init__(
-        self, spec, node: rpc.RpcNode, pool: MemPool, on_down, nixl: NixlEndpoint | None = None
+        self, spec, node: rpc.RpcNode, pool: MemPool, on_down, endpoints: dict | None = None
     ) -> None:
         self.spec = spec
         self.name = spec.name
         self.node = node
         self.pool = pool
         self.on_down = on_down
-        self.nixl = nixl
+        self.endpoints: dict[str, Any] = endpoints or {}
         self.names: set[str] = set()  # the other instances, as the frontend announced
         self.infos: dict[str, rpc.PeerInfo] = {}
         self.remotes: dict[str, RemotePool] = {}

@@ -1,12 +1,14 @@
-"""Where a Ray deployment's instances go: the options of the Ray runtime and the plan that
-gives every instance one node with room for all its ranks, before anything is reserved.
+"""Where a Ray deployment's instances go: the check of the Ray runtime's options and the plan
+that gives every instance one node with room for all its ranks, before anything is reserved.
 
 Plain data, no Ray: the runtime (:mod:`~.ray_runtime`) feeds it the live nodes Ray reports."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ConfigError
 from ..recipes import Role
@@ -17,30 +19,46 @@ PLACEMENTS = ("pack", "spread")
 DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
 
 
-@dataclass(frozen=True)
-class RayOptions:
-    """How a deployment runs on Ray: the cluster's ``address`` (None: ``RAY_ADDRESS``, else a
-    local cluster started here and stopped on close), ``placement`` of the instances over
-    nodes (:data:`PLACEMENTS`), ``pin`` (role -> a custom resource, or a ``key=value`` label,
-    a node must have to hold that role), CPUs reserved per rank, ``max_restarts`` of each
-    actor, and how long a placement may take."""
+def check_ray_options(opts: Any) -> None:
+    """Check the Ray runtime's options of a spec (``placement``, ``pin``, ``max_restarts``,
+    ``placement_timeout_s``, and its CPUs per rank, ``cores_per_instance``); raises
+    ConfigError naming the first that is wrong."""
+    if opts.placement not in PLACEMENTS:
+        raise ConfigError(f"placement must be one of {PLACEMENTS}, got {opts.placement!r}")
+    if opts.cores_per_instance < 1 or opts.max_restarts < 0 or opts.placement_timeout_s <= 0:
+        raise ConfigError(
+            "cores_per_instance (CPUs per rank) must be >= 1, max_restarts >= 0 and "
+            "placement_timeout_s > 0"
+        )
+    if bad := [r for r in opts.pin if r not in {r.value for r in Role}]:
+        raise ConfigError(f"pin names no role: {bad}")
 
-    address: str | None = None
-    placement: str = "pack"
-    pin: Mapping[str, str] = field(default_factory=dict)
-    cpus_per_rank: int = 1
-    max_restarts: int = 0
-    placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S
 
-    def __post_init__(self) -> None:
-        if self.placement not in PLACEMENTS:
-            raise ConfigError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        if self.cpus_per_rank < 1 or self.max_restarts < 0 or self.placement_timeout_s <= 0:
-            raise ConfigError(
-                "cpus_per_rank must be >= 1, max_restarts >= 0 and placement_timeout_s > 0"
-            )
-        if bad := [r for r in self.pin if r not in {r.value for r in Role}]:
-            raise ConfigError(f"pin names no role: {bad}")
+def RayOptions(
+    address: str | None = None,
+    placement: str = "pack",
+    pin: Mapping[str, str] | None = None,
+    cpus_per_rank: int = 1,
+    max_restarts: int = 0,
+    placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
+) -> dict[str, Any]:
+    """Deprecated: pass these as options of the Ray runtime (``RayCluster(model_dir, config,
+    ray_address=..., placement=..., pin=..., cores_per_instance=..., max_restarts=...,
+    placement_timeout_s=...)``). Returns them as those options."""
+    warnings.warn(
+        "RayOptions is deprecated: give the Ray runtime its options as keyword arguments "
+        "(ray_address, placement, pin, cores_per_instance, max_restarts, placement_timeout_s)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return {
+        "ray_address": address,
+        "placement": placement,
+        "pin": dict(pin or {}),
+        "cores_per_instance": cpus_per_rank,
+        "max_restarts": max_restarts,
+        "placement_timeout_s": placement_timeout_s,
+    }
 
 
 @dataclass(frozen=True)
@@ -69,10 +87,16 @@ class Wanted:
     bundle: Mapping[str, float]
 
 
-def plan_nodes(wanted: Sequence[Wanted], nodes: Sequence[NodeView], opts: RayOptions) -> dict:
+def plan_nodes(
+    wanted: Sequence[Wanted],
+    nodes: Sequence[NodeView],
+    placement: str = "pack",
+    pin: Mapping[str, str] | None = None,
+) -> dict:
     """``{instance name: node id}``: every instance on one node with room for all its ranks
-    (and its role's pin), packed or spread as ``opts`` says; raises ConfigError naming the
-    first instance that fits nowhere and what each node has left."""
+    (and its role's ``pin``), packed or spread as ``placement`` says; raises ConfigError
+    naming the first instance that fits nowhere and what each node has left."""
+    pin = pin or {}
     free = {n.id: dict(n.resources) for n in nodes}
     held = dict.fromkeys(free, 0)
     plan = {}
@@ -81,13 +105,12 @@ def plan_nodes(wanted: Sequence[Wanted], nodes: Sequence[NodeView], opts: RayOpt
         fits = [
             n.id
             for n in nodes
-            if n.has(opts.pin.get(w.role))
-            and all(free[n.id].get(k, 0) >= v for k, v in need.items())
+            if n.has(pin.get(w.role)) and all(free[n.id].get(k, 0) >= v for k, v in need.items())
         ]
         if not fits:
-            raise ConfigError(_unplaced(w, need, nodes, free, opts.pin.get(w.role)))
+            raise ConfigError(_unplaced(w, need, nodes, free, pin.get(w.role)))
         # pack: the node already holding most; spread: the one holding fewest (first wins ties)
-        sign = -1 if opts.placement == "pack" else 1
+        sign = -1 if placement == "pack" else 1
         node = min(fits, key=lambda n: sign * held[n])
         plan[w.name] = node
         held[node] += 1

@@ -32,13 +32,13 @@ handed to the actors in their creation arguments). See ``docs/ray.md``."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import logging
 import os
 import secrets
 import socket
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,15 +46,15 @@ from typing import Any
 
 import torch
 
-from ..config import EngineConfig, parse_config_name
 from ..errors import ConfigError
 from . import rpc
-from .instance import StandaloneOptions, serve_sessions
-from .launch import parse_address, unlink_segment
+from .instance_spec import InstanceSpec
+from .launch import LaunchSpec, parse_address, unlink_segment
 from .links import AUTO, KV_LINKS, kv_link
 from .membership import Membership
-from .placement import NodeView, RayOptions, Wanted, plan_nodes
+from .placement import NodeView, Wanted, plan_nodes
 from .runtime import ProcessCluster
+from .sessions import serve_sessions
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class InstanceActor:
         host = ray.util.get_node_ip_address()
         key = rpc.ClusterKey(secret, curve)
         port = _free_port(host)
-        self.opts = StandaloneOptions(
+        self.opts = InstanceSpec(
             key=key, host=host, port=port, host_id=f"ray:{self.node_id}", managed=True, **options
         )
         self.ended = threading.Event()
@@ -133,7 +133,7 @@ class RayActors:
     """The actors of one deployment: placed (:meth:`place`), watched (:meth:`watch`) and
     stopped (:meth:`close`)."""
 
-    def __init__(self, ray: Any, opts: RayOptions) -> None:
+    def __init__(self, ray: Any, opts: LaunchSpec) -> None:
         self.ray = ray
         self.opts = opts
         self.placed: dict[str, Placed] = {}
@@ -148,7 +148,7 @@ class RayActors:
             for n in ray.nodes()
             if n["Alive"]
         ]
-        plan = plan_nodes(wanted, nodes, self.opts)
+        plan = plan_nodes(wanted, nodes, self.opts.placement, self.opts.pin)
         pg_api = importlib.import_module("ray.util.placement_group")
         strategies = importlib.import_module("ray.util.scheduling_strategies")
         remote = ray.remote(InstanceActor)
@@ -296,60 +296,40 @@ def ray_attached(address: str | None) -> Iterator[Any]:
 
 class RayCluster(ProcessCluster):
     """A ``ProcessCluster`` whose instances are Ray actors (see the module docstring): placed
-    by ``ray_options`` (:class:`RayOptions`), watched by Ray, joined and served by the process
-    runtime's frontend. ``host`` is where the frontend listens (default, or loopback: this
-    node's address, which every actor must reach). Other arguments as ``ProcessCluster``'s, except
-    ``instances`` and ``key``: the runtime starts the instances and makes their key."""
+    as its Ray options say (``ray_address``, ``placement``, ``pin``, ``max_restarts``,
+    ``placement_timeout_s``; ``cores_per_instance`` CPUs per rank: see
+    :class:`~.launch.LaunchSpec`), watched by Ray, joined and served by the process runtime's
+    frontend. ``host`` is where the frontend listens (default, or loopback: this node's
+    address, which every actor must reach). Other options as ``ProcessCluster``'s, except
+    ``instances`` and ``key``: the runtime starts the instances and makes their key. The old
+    ``ray_options=RayOptions(...)`` still works, with a DeprecationWarning."""
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        config_name: str = "1P1D",
-        *,
-        ray_options: RayOptions | None = None,
-        cores_per_instance: int | None = None,
-        num_colocated: int = 2,
-        engine_config: EngineConfig | None = None,
-        device: str = "cpu",
-        dtype: str = "float32",
-        transport: str = "auto",
-        host: str | None = None,
-        instances: Sequence[str] | None = None,
-        key: Any = None,
-        **kw: Any,
-    ) -> None:
-        if instances or key is not None:
+    def __init__(self, model_dir: str | Path, config_name: str = "1P1D", **options: Any) -> None:
+        if (old := options.pop("ray_options", None)) is not None:
+            warnings.warn(
+                "ray_options is deprecated: pass the Ray options as keyword arguments",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            options = old | options
+        if options.get("instances") or options.get("key") is not None:
             raise ConfigError("the ray runtime starts its own instances and makes their key")
-        opts = ray_options or RayOptions()
-        if cores_per_instance is not None:
-            opts = dataclasses.replace(opts, cpus_per_rank=cores_per_instance)
-        deployment = parse_config_name(config_name)
-        ecfg = engine_config or EngineConfig()
-        wanted, options = _wanted(deployment, ecfg, num_colocated, opts, model_dir, device, dtype)
-        if str(device).startswith("cuda") and any(w.ranks > 1 for w in wanted):
+        spec = LaunchSpec.of(model_dir, config_name, options)
+        wanted, actors = _wanted(spec)
+        if str(spec.device).startswith("cuda") and any(w.ranks > 1 for w in wanted):
             raise ConfigError("tensor-parallel instances on CUDA do not run under Ray yet")
         whole = next(name for name in KV_LINKS if kv_link(name).whole_model)  # NIXL
-        for kw_i, w in zip(options, wanted):  # a TP instance's ranks reach peers over it
-            kw_i["transport"] = whole if w.ranks > 1 and transport == AUTO else transport
+        for kw_i, w in zip(actors, wanted):  # a TP instance's ranks reach peers over it
+            kw_i["transport"] = whole if w.ranks > 1 and spec.transport == AUTO else spec.transport
         self.ray = import_ray()
-        self._owns_ray = connect(self.ray, opts.address)
-        self.actors = RayActors(self.ray, opts)
+        self._owns_ray = connect(self.ray, spec.ray_address)
+        self.actors = RayActors(self.ray, spec)
         try:
             key_made = rpc.ClusterKey.generate()
-            addresses = self.actors.place(wanted, options, key_made)
-            super().__init__(
-                model_dir,
-                config_name,
-                num_colocated=num_colocated,
-                engine_config=ecfg,
-                device=device,
-                dtype=dtype,
-                transport=transport,
-                host=_frontend_host(self.ray, host),
-                instances=addresses,
-                key=key_made,
-                **kw,
-            )
+            addresses = self.actors.place(wanted, actors, key_made)
+            host = _frontend_host(self.ray, options.get("host"))
+            joined = {"host": host, "instances": addresses, "key": key_made}
+            super().__init__(model_dir, config_name, **options | joined)
         except BaseException:
             self._stop_ray()
             raise
@@ -383,22 +363,20 @@ def _frontend_host(ray: Any, host: str | None) -> str:
     return ray.util.get_node_ip_address() if host in (None, *rpc.LOOPBACK_HOSTS) else host
 
 
-def _wanted(
-    deployment, ecfg: EngineConfig, colocated: int, opts: RayOptions, model_dir, device, dtype
-):
+def _wanted(spec: LaunchSpec):
     """The instances to place, and each actor's standalone options."""
-    gpu = str(device).startswith("cuda")
-    bundle = {"CPU": float(opts.cpus_per_rank)} | ({"GPU": 1.0} if gpu else {})
+    gpu = str(spec.device).startswith("cuda")
+    bundle = {"CPU": float(spec.cores_per_instance)} | ({"GPU": 1.0} if gpu else {})
     wanted, options = [], []
-    for name, role in deployment.instances(colocated=colocated):
-        wanted.append(Wanted(name, role, ecfg.tp_size(role), bundle))
+    for name, role in spec.deployment.instances(colocated=spec.num_colocated):
+        wanted.append(Wanted(name, role, spec.engine_config.tp_size(role), bundle))
         options.append(
             {
                 "role": role,
-                "model_dir": str(model_dir),
-                "device": str(device),
-                "dtype": str(dtype),
-                "num_threads": opts.cpus_per_rank,
+                "model_dir": str(spec.model_dir),
+                "device": str(spec.device),
+                "dtype": str(spec.dtype),
+                "num_threads": spec.cores_per_instance,
             }
         )
     return wanted, options

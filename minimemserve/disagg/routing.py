@@ -93,7 +93,7 @@ class Router:
             return  # ended or aborted meanwhile
         f.answer_from = ""
         refused = isinstance(reply, rpc.Error)
-        if refused and reply.kind == SessionOver.__name__:
+        if refused and self._never_ran(to, reply):
             self.ledger.inflight.pop(rid)
             self.frontend.dropped(rid)
             logger.warning("%s refused %s: %s; routing it again", to, rid, reply.message)
@@ -105,6 +105,13 @@ class Router:
             self.ledger.inflight.pop(rid)
             self.frontend.dropped(rid)
             self.ledger.done.append(f.end("error", f"{reply.kind}: {reply.message}"))
+
+    def _never_ran(self, to: str, reply: rpc.Error) -> bool:
+        """Whether a refusal from ``to`` shows the request never ran there: ``to`` had no
+        session, or it was declared dead for ending its session before it answered (so the
+        answer is the node giving up: see ``Ledger.sessionless``)."""
+        ended = reply.kind == InstanceDied.__name__ and to in self.ledger.sessionless
+        return reply.kind == SessionOver.__name__ or ended
 
     def _reroute(self, rid: str, f: Inflight) -> None:
         """Submit a request no instance started elsewhere, or end it if none can take it."""

@@ -1,7 +1,7 @@
 """The multi-process runtime: one process per instance, and a frontend that drives them.
 
 :class:`ProcessCluster` is the multi-process twin of ``InProcessCluster``: it spawns one
-process per instance (``instance.instance_main``), waits until all are ready, tells each
+process per instance (``sessions.instance_main``), waits until all are ready, tells each
 where its peers are, routes requests, and implements ``Serving``. KV moves between processes
 only through MemPool's transfer calls, whose receiving side is an ``peering.RemotePool``.
 
@@ -30,19 +30,17 @@ re-run elsewhere when possible, else ended with ``finish_reason="error"``."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import itertools
 import logging
-import secrets
 import signal
 import threading
 import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from ..config import EngineConfig, parse_config_name
 from ..engine import check_request
 from ..errors import (
     ConfigError,
@@ -52,38 +50,26 @@ from ..errors import (
 from ..mempool import TIERS, PoolAccountingError
 from ..model.config import ModelConfig
 from ..model.tokenizer import Tokenizer
-from ..presets import preset_dir
 from ..request import Request, RequestOutput, TokenDelta
 from ..sampling import SamplingParams
 from ..scheduler.frontend import Frontend
-from ..scheduler.global_scheduler import DEFAULT_TTL_S, Cost
 from . import rpc
-from .instance import CLOSING, DEFAULT_HEARTBEAT_S
-from .launch import (
-    DEFAULT_HEARTBEAT_TIMEOUT_S,
-    InstanceInfo,
-    Launcher,
-    LaunchSpec,
-    SpawnSpec,
-    cluster_key,
-    reap,
-)
+from .instance import CLOSING
+from .launch import InstanceInfo, Launcher, LaunchSpec, cluster_key, reap
 from .ledger import Inflight, Ledger
 from .membership import Membership
 from .routing import Router, push_prefix
 
 logger = logging.getLogger(__name__)
 
-# Loading a checkpoint and importing torch takes seconds per process; a minute means stuck.
-DEFAULT_STARTUP_TIMEOUT_S = 120.0
 # How long step() waits for a finished request before returning an empty list.
 STEP_WAIT_S = 0.005
 
 
 class ProcessCluster:
     """Instances of one deployment (``config_name``: ``PD``, ``PD-CC``, ``1P1D``,
-    ``1P1D-CC1/2/3``, ``xPyD[-CC...]``), each in its own process, behind one frontend.
-    Spawned here (:class:`~.launch.SpawnSpec` documents those options), or joined:
+    ``1P1D-CC1/2/3``, ``xPyD[-CC...]``), each in its own process, behind one frontend. Its
+    keyword options are :class:`~.launch.LaunchSpec`'s fields. Spawned here, or joined:
     ``instances`` lists addresses (``host:port``) of ``minimemserve instance`` processes,
     whose roles make the deployment; ``key`` (the cluster key file or
     :class:`~rpc.ClusterKey` they were started with) is then required and ``host`` must be an
@@ -94,49 +80,35 @@ class ProcessCluster:
     :meth:`close`; an abandoned cluster is reaped when garbage collected."""
 
     def __init__(
-        self,
-        model_dir: str | Path | None,
-        config_name: str = "1P1D",
-        *,
-        cores_per_instance: int = 1,
-        num_colocated: int = 2,
-        engine_config: EngineConfig | None = None,
-        device: str = "cpu",
-        dtype: str = "float32",
-        timeout_s: float = rpc.DEFAULT_TIMEOUT_S,
-        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
-        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-        host: str = rpc.LOOPBACK,
-        base_port: int = 0,
-        rerun_on_failure: bool = True,
-        start_method: str = "spawn",
-        policy: str = "prompt_tree",
-        cost_model: Cost | None = None,
-        ttl_s: float = DEFAULT_TTL_S,
-        instances: Sequence[str] | None = None,
-        key: rpc.ClusterKey | str | Path | None = None,
-        transport: str = "auto",
+        self, model_dir: str | Path | None, config_name: str = "1P1D", **options: Any
     ) -> None:
-        self.deployment = parse_config_name(config_name)
-        key = cluster_key(instances, key, transport)
-        self.transport = transport
-        spawn = SpawnSpec(
-            device, dtype, cores_per_instance, num_colocated, host, base_port, start_method
-        )
-        self.model_dir = Path(preset_dir("tiny") if model_dir is None else model_dir)
-        self.engine_config = engine_config or EngineConfig()
-        self.timeout_s = timeout_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.rerun_on_failure = rerun_on_failure
+        """Start the deployment; ``options`` are :class:`~.launch.LaunchSpec`'s fields (an
+        unknown one is a TypeError naming the others)."""
+        spec = LaunchSpec.of(model_dir, config_name, options)
+        self._setup(spec)
+        try:
+            self._start(spec)
+        except BaseException:
+            self.close()
+            raise
+        self._old_sigterm = _sigterm_as_interrupt()
+
+    def _setup(self, spec: LaunchSpec) -> None:
+        """The frontend's node and launcher, before any instance starts."""
+        self.deployment = spec.deployment
+        key = cluster_key(spec.instances, spec.key, spec.transport)
+        self.transport = spec.transport
+        self.model_dir = spec.model_dir
+        self.engine_config = spec.engine_config
+        self.timeout_s = spec.timeout_s
+        self.heartbeat_timeout_s = spec.heartbeat_timeout_s
+        self.rerun_on_failure = spec.rerun_on_failure
         self._closed = False
         self._old_sigterm = None
-        self.session = secrets.token_hex(8)  # names this deployment's pair groups
-        spec = LaunchSpec(self.deployment, self.model_dir, self.engine_config, self.session)
-        spec = dataclasses.replace(spec, timeout_s=timeout_s, host=host, transport=transport)
-        spec = dataclasses.replace(spec, heartbeat_s=heartbeat_s, policy=policy)
-        spec = dataclasses.replace(spec, heartbeat_timeout_s=heartbeat_timeout_s)
-        self.launcher, secret, curve = Launcher.open(spec, key, base_port, self._handle)
+        self.launcher, self._secret, self._curve = Launcher.open(
+            spec, key, spec.base_port, self._handle
+        )
+        self.session = self.launcher.session
         self.node = self.launcher.node
         self.instances: dict[str, InstanceInfo] = self.launcher.instances
         self._finalizer = weakref.finalize(
@@ -145,40 +117,32 @@ class ProcessCluster:
         self.dead: dict[str, str] = {}  # instance name -> why it died
         self.membership: Membership | None = None  # once every instance is ready
         self._handlers = {rpc.Ready: self.launcher.on_ready, rpc.Heartbeat: _ignore}
-        try:
-            args = (spawn, secret, curve) if instances is None else instances
-            self._start(args, startup_timeout_s, policy, cost_model, ttl_s)
-        except BaseException:
-            self.close()
-            raise
-        self._old_sigterm = _sigterm_as_interrupt()
 
-    def _start(self, members, startup_timeout_s, policy, cost_model, ttl_s) -> None:
-        """Spawn the instances (``members``: a spawn spec, the secret and the key pair) or join
-        those at ``members`` (addresses), wait until all are ready, link them; the scheduler,
-        ledger and membership over them."""
+    def _start(self, spec: LaunchSpec) -> None:
+        """Spawn the instances, or join those at ``spec.instances``, wait until all are ready,
+        link them; the scheduler, ledger and membership over them."""
         milestone = self.deployment.milestone
         model_config = ModelConfig.from_hf(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self._ids = itertools.count()
-        spawned = isinstance(members, tuple)
+        spawned = spec.instances is None
         if spawned and max(map(self.engine_config.tp_size, milestone.roles)) > 1:
             raise ConfigError(  # an instance process it spawns is daemonic: it cannot spawn ranks
                 "tensor parallelism runs in-process deployments, or standalone instances "
                 "(minimemserve instance --transport nixl) joined by a ProcessCluster"
             )
         if spawned:
-            self.launcher.spawn(*members)
+            self.launcher.spawn(self._secret, self._curve)
         else:
-            self.launcher.join(members, model_config, startup_timeout_s)
+            self.launcher.join(spec.instances, model_config, spec.startup_timeout_s)
         entry = milestone.roles[0]
         self.frontend = Frontend(
             [n for n, i in self.instances.items() if i.role == entry],
             functools.partial(push_prefix, self.node),
-            policy=policy,
+            policy=spec.policy,
             block_size=self.engine_config.block_size,
-            cost_model=cost_model,
-            ttl_s=ttl_s,
+            cost_model=spec.cost_model,
+            ttl_s=spec.ttl_s,
             caching=milestone.entry_caches,
             rerun_on_failure=self.rerun_on_failure,
         )
@@ -205,7 +169,7 @@ class ProcessCluster:
             rpc.Handoff: self.ledger.on_handoff,
             rpc.CacheEvents: self.router.on_cache_events,
         }
-        self.launcher.wait_ready(startup_timeout_s)
+        self.launcher.wait_ready(spec.startup_timeout_s)
         self.membership = Membership(self.launcher, self.scheduler, self.ledger, entry)
         self._handlers[rpc.Rejoin] = self.membership.on_rejoin
         # what instances report about requests and membership is handled between the
@@ -214,7 +178,7 @@ class ProcessCluster:
         for inst in self.instances.values():
             self.node.connect(inst.name, inst.address)
         if self.launcher.spec.linked:
-            self.launcher.link(startup_timeout_s)
+            self.launcher.link(spec.startup_timeout_s)
 
     # ---- start-up and shutdown -------------------------------------------------------------
     def close(self) -> None:
@@ -293,10 +257,15 @@ class ProcessCluster:
         instance is asked) against the smallest context and pool of the live instances."""
         if not (live := [i for i in self.instances.values() if i.name not in self.dead]):
             raise InstanceDied(f"every instance died: {self.dead}")
-        mml = min(i.max_model_len for i in live)
-        blocks = (self.engine_config.block_size, min(i.hbm_blocks for i in live))
-        vocab = self.ledger.vocab_size
-        return check_request(prompt, params, self.tokenizer, vocab, mml, *blocks)
+        return check_request(
+            prompt,
+            params,
+            self.tokenizer,
+            vocab=self.ledger.vocab_size,
+            max_model_len=min(i.max_model_len for i in live),
+            block_size=self.engine_config.block_size,
+            hbm_blocks=min(i.hbm_blocks for i in live),
+        )
 
     def add_request(
         self,

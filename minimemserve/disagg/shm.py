@@ -10,7 +10,7 @@ import torch
 from ..blocks.copy import move_blocks
 from ..errors import TransferError
 from ..mempool import MemPool
-from ..mempool.shared import attach, segment_path
+from ..mempool.shared import SharedPoolTensor, attach, segment_path
 from . import rpc
 from .links import Counts
 
@@ -43,9 +43,8 @@ class ShmLink:
         )
 
     @classmethod
-    def metadata(cls, info: Any) -> dict[str, Any]:
-        """A peer maps the instance's pool from its handle."""
-        return {"handle": info.handle}
+    def endpoint(cls, spec: Any, pool: MemPool) -> None:
+        """Nothing of its own: a peer maps the instance's pool from its handle."""
 
     @classmethod
     def reach(cls, peers: Any, p: rpc.PeerInfo) -> None:
@@ -86,3 +85,19 @@ class ShmLink:
     def stats(self) -> dict[str, int | str]:
         """Bytes and writes each way."""
         return self.counts.stats(self.name)
+
+
+class SharedMemPool(MemPool):
+    """A MemPool whose hbm tier tensor lives in shared memory (CPU) or is IPC-exported (CUDA;
+    dram stays private). :attr:`shared` is the segment; publish ``shared.handle.to_dict()``."""
+
+    def __init__(self, layout, num_blocks: int, **kw) -> None:
+        self.shared: SharedPoolTensor | None = None
+
+        def factory(shape, dtype, device) -> torch.Tensor:
+            if self.shared is not None:  # the dram tier: private host memory, pinned with CUDA
+                return torch.zeros(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+            self.shared = SharedPoolTensor.create(tuple(shape), dtype, device)
+            return self.shared.tensor  # [num_blocks, L, 2, block_size, n_kv_heads, head_dim]
+
+        super().__init__(layout, num_blocks, tensor_factory=factory, **kw)

@@ -273,9 +273,8 @@ class GlooLink:
         return None
 
     @classmethod
-    def metadata(cls, info: Any) -> dict[str, Any]:
-        """Nothing: the pair meets in the frontend's store."""
-        return {}
+    def endpoint(cls, spec: Any, pool: Any) -> None:
+        """Nothing of its own: the pair meets in the frontend's store."""
 
     @classmethod
     def reach(cls, peers: Any, p: rpc.PeerInfo) -> None:

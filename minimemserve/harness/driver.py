@@ -44,6 +44,7 @@ from minimemserve.options import (
     add_workload_arguments,
     deployment_options,
     engine_options,
+    trace_path,
 )
 from minimemserve.presets import preset_dir
 from minimemserve.request import RequestOutput
@@ -70,7 +71,9 @@ from minimemserve.workloads.sessions import (
     make_workload,
     poisson_arrivals,
     total_turns,
+    workload_args,
 )
+from minimemserve.workloads.trace import Trace, load_trace, trace_sessions
 
 # The DeploymentSpec fields ``bench`` takes as options (policy is a workload option, shared
 # with ``sim``), and its EngineConfig fields (seed and scheduler are workload options too).
@@ -291,6 +294,33 @@ def _sessions(
     return tokenizer, sessions
 
 
+def _trace_sessions(
+    setup: dict[str, Any], trace: Trace, model_dir: Path, max_context: int | None, verbose: bool
+) -> tuple[Tokenizer, list[Session]]:
+    """The tokenizer and the sessions (conversations) of a trace, its requests that fit the
+    model's context, outputs capped at ``setup["max_output_tokens"]``; adds the counts."""
+    context = int(min(max_context or math.inf, _model_context(model_dir)))
+    fitted = trace.limited(context, setup["max_output_tokens"])
+    tokenizer = Tokenizer.from_dir(model_dir)
+    sessions, _ = trace_sessions(fitted, tokenizer.vocab_size)
+    setup.update(sessions=len(sessions), turns=total_turns(sessions), max_context=context)
+    setup["trace"] = {
+        "path": str(trace.path),
+        "requests": len(trace.requests),
+        "dropped_too_long": len(trace.requests) - len(fitted.requests),
+        "length_scale": trace.length_scale,
+        "prompt_tokens": fitted.prompt_tokens(),
+    }
+    if verbose:
+        print(
+            f"trace {trace.path.name}: {len(fitted.requests)} requests in {len(sessions)} "
+            f"conversations (length scale {trace.length_scale}; "
+            f"{setup['trace']['dropped_too_long']} beyond the context {context}), "
+            f"model {model_dir}"
+        )
+    return tokenizer, sessions
+
+
 def probed_configs(configs: Sequence[str]) -> list[str]:
     """The configurations a rate probe runs: all but those whose base (``X`` of ``X-CC``) is
     among them too, as caching only removes work from its base on the same sessions."""
@@ -380,28 +410,40 @@ def _measure(
     return records, stats
 
 
+# What a benchmark's workload is made of, with the defaults ``run_bench`` takes for them.
+WORKLOAD_ARGS = {
+    "workload": DEFAULT_WORKLOAD,
+    "num_sessions": DEFAULT_SESSIONS,
+    "rate": DEFAULT_RATE,
+    "max_turns": None,
+    "seed": 0,
+    "max_output_tokens": None,
+    "max_context": None,
+}
+
+
 def run_bench(
     configs: Sequence[str] = DEFAULT_CONFIGS,
-    workload: str = DEFAULT_WORKLOAD,
-    num_sessions: int = DEFAULT_SESSIONS,
-    rate: float | None = DEFAULT_RATE,
-    max_turns: int | None = None,
+    *,
     model_dir: str | Path | None = None,
     out_dir: str | Path | None = None,
-    seed: int = 0,
-    max_output_tokens: int | None = None,
-    max_context: int | None = None,
     options: DeploymentSpec | None = None,
     factories: Mapping[str, TargetFactory] | None = None,
     progress: bool = True,
     verbose: bool = True,
     runtime: Mapping[str, Any] | None = None,
+    **run: Any,
 ) -> dict[str, Any]:
-    """Run ``workload`` under every config in ``configs`` on the same sessions; compare.
+    """Run a workload under every config in ``configs`` on the same sessions; compare.
 
-    ``rate`` (sessions/s) None probes the machine first (:func:`probe_rate`; the setup's
-    ``rate_probe``). ``model_dir`` None uses the tiny preset. ``max_context`` None is the
-    model's context. ``max_turns`` and ``max_output_tokens`` None take the workload's defaults (see
+    ``run`` are the workload's arguments (:data:`WORKLOAD_ARGS`): ``workload``, ``num_sessions``,
+    ``rate``, ``max_turns``, ``seed``, ``max_output_tokens`` and ``max_context``. ``workload``
+    is a name or a :class:`~minimemserve.workloads.trace.Trace`, whose
+    conversations are the sessions (``num_sessions`` unused; requests that do not fit the
+    context are left out). ``rate`` (sessions/s) None probes the machine first
+    (:func:`probe_rate`; the setup's ``rate_probe``). ``model_dir`` None uses the tiny preset.
+    ``max_context`` None is the model's context. ``max_turns`` and ``max_output_tokens`` None
+    take the workload's defaults (see
     :func:`minimemserve.workloads.sessions.make_workload`).
     ``options`` is every config's deployment but its name (default: in this process, seeded
     with ``seed``); ``factories`` maps config names to :data:`TargetFactory`, others are
@@ -414,6 +456,9 @@ def run_bench(
     """
     if not configs:
         raise ValueError("no configs to benchmark")
+    w = workload_args(run, WORKLOAD_ARGS)
+    workload, rate, seed = w["workload"], w["rate"], w["seed"]
+    num_sessions, max_context = w["num_sessions"], w["max_context"]
     known = {c: resolve_factory(c, factories) for c in configs}
     model_dir = Path(model_dir or preset_dir("tiny"))
     options = replace(options or DeploymentSpec(engine=EngineConfig(seed=seed)), model=model_dir)
@@ -421,14 +466,18 @@ def run_bench(
         "workload": workload,
         "rate": rate,
         "seed": seed,
-        "max_turns": max_turns,
-        "max_output_tokens": max_output_tokens,
+        "max_turns": w["max_turns"],
+        "max_output_tokens": w["max_output_tokens"],
         "model_dir": str(model_dir),
         "configs": list(configs),
         "options": options.describe(),
         "runtime": dict(runtime or {"kind": "inline"}),
     }
-    tokenizer, sessions = _sessions(setup, model_dir, num_sessions, max_context, verbose)
+    if isinstance(workload, Trace):
+        setup["workload"] = "trace"
+        tokenizer, sessions = _trace_sessions(setup, workload, model_dir, max_context, verbose)
+    else:
+        tokenizer, sessions = _sessions(setup, model_dir, num_sessions, max_context, verbose)
 
     def measure(config: str, sessions: Sequence[Session], rate: float):
         spec = replace(options, config=config)
@@ -571,9 +620,13 @@ def main(args: argparse.Namespace) -> int:
 
 def _run(args, configs, options, factories, runtime) -> None:
     """``run_bench`` with ``bench``'s parsed ``args``."""
+    workload = args.workload
+    if args.trace:
+        window, scales = args.trace_window, (args.time_scale, args.length_scale)
+        workload = load_trace(trace_path(args), window, *scales)
     run_bench(
         configs=configs,
-        workload=args.workload,
+        workload=workload,
         num_sessions=args.sessions or DEFAULT_SESSIONS,
         rate=args.rate,
         max_turns=args.max_turns,

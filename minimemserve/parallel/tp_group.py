@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..attention.base import SeqSlice
+from ..config import EngineConfig
 from ..errors import ConfigError, InstanceDied
 from ..mempool import MemPool
 from ..mempool.tiers import HBM
@@ -33,7 +34,7 @@ from .layers import Collectives, build_model
 from .pool import ShardedPool
 from .shard import TPShard
 from .store import LOOPBACK, HostStore
-from .worker import JOIN_TIMEOUT_S, WorkerSpec, reap_workers, worker_main
+from .worker import JOIN_TIMEOUT_S, reap_workers, worker_main
 
 POLL_S = 0.05  # rank 0 checks this often whether a starting worker is ready or dead
 
@@ -66,43 +67,31 @@ class TPGroup:
         self,
         model_dir,
         shard: TPShard,
-        num_blocks: int,
-        block_size: int,
-        attention: str | None,
+        config: EngineConfig,
         device: torch.device,
         dtype: torch.dtype,
-        dram_blocks: int,
-        timeout_s: float,
-        graph_batch: int = 0,
-        max_model_len: int = 0,
     ):
+        """``config``: the instance's, with ``num_blocks`` resolved (every rank reads its sizes,
+        attention backend, decode graphs and ``collective_timeout_s`` from it)."""
         self.size = shard.size
         self.device = device
         self.dtype = dtype
         self.shard = shard
-        self.block_size = block_size
+        self.block_size = config.block_size
         self.shards = [TPShard(r, shard.size, shard.cfg) for r in range(shard.size)]
         self.dead: str | None = None  # why the group stopped, once it has
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s = config.collective_timeout_s
         self.store = HostStore(LOOPBACK, START_TIMEOUT.total_seconds())
-        spec = WorkerSpec(
-            str(model_dir),
-            self.size,
-            self.store.port,
-            num_blocks,
-            block_size,
-            attention,
-            str(device),
-            dtype,
-            max(1, torch.get_num_threads() // self.size),
-            dram_blocks,
-            timeout_s,
-            graph_batch,
-            max_model_len,
-        )
+        threads = max(1, torch.get_num_threads() // self.size)
+        group = (self.size, self.store.port, threads)
         ctx = mp.get_context("spawn")
         self.procs = [
-            ctx.Process(target=worker_main, args=(r, spec), daemon=True, name=f"tp-rank{r}")
+            ctx.Process(
+                target=worker_main,
+                args=(r, *group, str(model_dir), config, str(device), dtype),
+                daemon=True,
+                name=f"tp-rank{r}",
+            )
             for r in range(1, self.size)
         ]
         self._reaper = weakref.finalize(self, reap_workers, self.procs)

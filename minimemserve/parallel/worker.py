@@ -3,7 +3,6 @@ model shard and one KV shard, running the ops rank 0 announces until told to sto
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import threading
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 
 from ..attention import make_backend
 from ..blocks.copy import move_blocks
+from ..config import EngineConfig
 from ..decode_graphs import DecodeGraphs, run_step
 from ..mempool.tiers import DRAM, HBM
 from ..model.config import ModelConfig
@@ -40,25 +40,6 @@ from .store import LOOPBACK
 JOIN_TIMEOUT_S = 10.0  # close() waits this long for each worker to exit before killing it
 
 
-@dataclasses.dataclass(frozen=True)
-class WorkerSpec:
-    """What a worker rank needs to build its shard (sent once, at spawn)."""
-
-    model_dir: str
-    size: int
-    port: int
-    num_blocks: int
-    block_size: int
-    attention: str | None
-    device: str
-    dtype: torch.dtype
-    threads: int
-    dram_blocks: int
-    timeout_s: float  # of each compute collective
-    graph_batch: int = 0  # decode graphs' largest batch (0: none), the same on every rank
-    max_model_len: int = 0  # the longest sequence the graphs serve
-
-
 def reap_workers(procs) -> None:
     """Kill the workers still running and collect them."""
     for p in procs:
@@ -76,39 +57,54 @@ def _exit_with_parent() -> None:
 class _Worker:
     """A worker rank's state: its model shard, its KV shard and the ops rank 0 sends."""
 
-    def __init__(self, rank: int, spec: WorkerSpec):
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        port: int,
+        model_dir: str,
+        config: EngineConfig,
+        device: str,
+        dtype: torch.dtype,
+    ):
+        """Rank ``rank`` of ``size`` (rank 0's store at ``port``): the shard of ``model_dir`` on
+        its share of ``device``, with the instance's ``config`` (``num_blocks`` resolved by
+        rank 0)."""
         self.rank = rank
-        self.device = rank_device(spec.device, rank)
-        cfg = ModelConfig.from_hf(spec.model_dir)
-        shard = TPShard(rank, spec.size, cfg)
-        weights = load_weights(Path(spec.model_dir), cfg, spec.dtype, self.device)
-        store = dist.TCPStore(LOOPBACK, spec.port, spec.size, False, timeout=START_TIMEOUT)
+        self.device = rank_device(device, rank)
+        self.dtype = dtype
+        cfg = ModelConfig.from_hf(model_dir)
+        shard = TPShard(rank, size, cfg)
+        weights = load_weights(Path(model_dir), cfg, self.dtype, self.device)
+        store = dist.TCPStore(LOOPBACK, port, size, False, timeout=START_TIMEOUT)
         store.set(f"ready{rank}", "1")
-        self.control, group = open_groups(store, rank, spec.size, self.device, spec.timeout_s)
-        self.comm = Collectives(group, spec.size)
+        timeout_s = config.collective_timeout_s
+        self.control, group = open_groups(store, rank, size, self.device, timeout_s)
+        self.comm = Collectives(group, size)
         self.store = store
         self.model = build_model(weights, shard, self.comm)
-        self.model.to(device=self.device, dtype=spec.dtype).eval()
-        layout = shard.kv_layout(spec.block_size)
+        self.model.to(device=self.device, dtype=self.dtype).eval()
+        layout = shard.kv_layout(config.block_size)
         self.kv = torch.zeros(
-            layout.pool_shape(spec.num_blocks), dtype=spec.dtype, device=self.device
+            layout.pool_shape(config.num_blocks), dtype=self.dtype, device=self.device
         )
         # the dram tier's shard: host memory, pinned on a CUDA machine, as rank 0's pool has it
         self.tiers = {
             HBM: self.kv,
             DRAM: torch.zeros(
-                layout.pool_shape(spec.dram_blocks),
-                dtype=spec.dtype,
+                layout.pool_shape(config.dram_blocks),
+                dtype=self.dtype,
                 pin_memory=self.device.type == "cuda",
             ),
         }
         self.block_dim = layout.block_dim
         self.backend = make_backend(
-            spec.attention, self.kv, layout, shard.heads, cfg.head_dim**-0.5
+            config.attention, self.kv, layout, shard.heads, cfg.head_dim**-0.5
         )
         self.graphs = None  # each rank captures and replays its own (same buckets as rank 0)
-        if spec.graph_batch and hasattr(self.backend, "plan_graph"):
-            args = (spec.graph_batch, spec.max_model_len)
+        graph_batch = config.decode_graph_batch(self.device)
+        if graph_batch and hasattr(self.backend, "plan_graph"):
+            args = (graph_batch, config.model_len(cfg))
             self.graphs = DecodeGraphs(self.model, self.backend, *args, capture=True)
         self.ops = {
             STEP: self._step,
@@ -156,11 +152,21 @@ class _Worker:
         self.kv.index_copy_(0, torch.tensor(blocks, device=self.device), piece)
 
 
-def worker_main(rank: int, spec: WorkerSpec) -> None:
-    """A worker rank: load the shard, then run each announced op until told to stop."""
-    torch.set_num_threads(spec.threads)
+def worker_main(
+    rank: int,
+    size: int,
+    port: int,
+    threads: int,
+    model_dir: str,
+    config: EngineConfig,
+    device: str,
+    dtype: torch.dtype,
+) -> None:
+    """A worker rank (see :class:`_Worker`; ``threads``: its torch threads, on its share of
+    ``device``): load the shard, then run each announced op until told to stop."""
+    torch.set_num_threads(threads)
     threading.Thread(target=_exit_with_parent, daemon=True).start()
-    worker, code = _Worker(rank, spec), 0
+    worker, code = _Worker(rank, size, port, model_dir, config, device, dtype), 0
     try:
         worker.serve()
     except Exception as e:  # rank 0 went away or a collective timed out: this rank ends

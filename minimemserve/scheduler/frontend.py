@@ -22,7 +22,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 
-from ..request import RequestOutput
+from ..request import RequestOutput, TokenDelta
 from .global_scheduler import DEFAULT_TTL_S, Clock, Cost, GlobalScheduler, Route
 
 # A request is re-run at most this many times after instances died under it.
@@ -98,6 +98,11 @@ class Frontend:
     def started(self, request_id: str) -> None:
         """``request_id``'s first token is out."""
         self.scheduler.started(request_id)
+
+    def streamed(self, delta: TokenDelta) -> None:
+        """Tokens of a request arrived: the first one means it started."""
+        if delta.start == 0:
+            self.started(delta.request_id)
 
     def prefilled(self, request_id: str) -> None:
         """``request_id`` was handed to a decode instance."""

@@ -16,8 +16,9 @@ average so far (at most the request's ``max_tokens``). ``prompt_tree``, the pape
 weighs moving a cache instead of recomputing it: the instance ``q`` holding most of the prompt
 sends ``p`` the part it lacks first, for ``transfer(y_q - y_p)``, and ``p`` then computes
 ``exec(x, y_q)``. ``prompt_tree_local`` never moves a prefix: a prompt hits only what its
-instance holds. The scheduler only decides; its owner submits, moves KV and reports back (first
-tokens, hand-offs, ends). Not thread-safe."""
+instance holds. The policies are a table, :data:`ROUTING`. The scheduler only decides; its owner,
+the ``Frontend`` (``frontend.py``), submits, moves KV and reports back (first tokens, hand-offs,
+ends). Not thread-safe."""
 
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ import torch
 from tqdm.auto import tqdm
 
 from minimemserve.blocks.layout import KVLayout
-from minimemserve.config import Deployment, EngineConfig, parse_config_name
+from minimemserve.config import Deployment, parse_config_name
+from minimemserve.deployment import DeploymentSpec
 from minimemserve.engine import Engine, EngineParts, StepPlan
 from minimemserve.errors import ConfigError, PoolExhausted
 from minimemserve.mempool import KVReceiver, MemPool
@@ -39,7 +40,6 @@ from minimemserve.parallel import TPShard
 from minimemserve.recipes import Role
 from minimemserve.request import Request, RequestOutput
 from minimemserve.scheduler.frontend import Frontend
-from minimemserve.scheduler.global_scheduler import DEFAULT_TTL_S, Cost
 from minimemserve.workloads.results import greedy_params, record
 from minimemserve.workloads.sessions import Session, build_prompt, poisson_arrivals, total_turns
 
@@ -85,12 +85,17 @@ def _moving(inst: SimInstance) -> list[Transfer]:
     return [t for t in inst.sending if t.steps]
 
 
+def _meta(shape: tuple[int, ...], dtype: torch.dtype, where: torch.device) -> torch.Tensor:
+    """A tier's tensor with no storage (a simulated dram tier is on ``meta`` too)."""
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
 class SimPool(MemPool):
     """A ``MemPool`` on the ``meta`` device that reports each transfer it sends:
     ``on_send(src, dst, blocks_sent)`` books it and returns its :class:`Transfer`."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, *, on_send, **kw) -> None:
-        super().__init__(layout, num_blocks, **kw | {"device": "meta"})
+        super().__init__(layout, num_blocks, **kw | {"device": "meta", "tensor_factory": _meta})
         self.on_send: Callable[[SimPool, MemPool, int], Transfer] = on_send
         self.last: Transfer | None = None  # the transfer sent from here last
 
@@ -228,6 +233,7 @@ class SimInstance:
     index: int
     busy: bool = False  # a step is under way (control calls wait for its end)
     busy_s: float = 0.0  # seconds in steps so far
+    prefill_busy_s: float = 0.0  # of them, in steps with prefill work
     # decode rows so far, their sum of each step's decode batch size (a row-weighted mean
     # batch, over decode_rows) and of the KV lengths they attend to
     decode_rows: int = 0
@@ -415,8 +421,9 @@ class Network:
 class SimCluster:
     """Every instance of one deployment in virtual time (see the module docstring).
     ``step_time(shape)`` prices a step; ``topology`` prices transfers in ``transfer_mode``;
-    ``policy``, ``cost`` and ``ttl_s`` configure the global scheduler as in the process
-    runtime. ``num_blocks`` KV blocks per instance, of ``dtype`` (bytes sent count in it)."""
+    ``spec`` gives every instance's engine settings and the global scheduler's policy and
+    cost model, as in the process runtime. ``num_blocks`` KV blocks per instance, of
+    ``dtype`` (bytes sent count in it)."""
 
     def __init__(
         self,
@@ -425,15 +432,13 @@ class SimCluster:
         model_config: ModelConfig,
         step_time: Callable,
         topology: Topology,
-        engine_config: EngineConfig,
+        spec: DeploymentSpec,
         num_blocks: int,
         dtype: torch.dtype,
         instances: int = 2,
-        policy: str = "prompt_tree",
-        cost: Cost | None = None,
-        ttl_s: float = DEFAULT_TTL_S,
         transfer_mode: str = "by_request_aggregated",
     ) -> None:
+        engine_config = spec.engine
         self.deployment, colocated = scaled_deployment(config, instances)
         self.model = model_config
         self.step_time = step_time
@@ -456,10 +461,9 @@ class SimCluster:
         self.frontend = Frontend(
             [i.name for i in self.entry],
             self._push_prefix,
-            policy=policy,
+            policy=spec.policy,
             block_size=engine_config.block_size,
-            cost_model=cost,
-            ttl_s=ttl_s,
+            cost_model=spec.cost_model,
             caching=milestone.entry_caches,
             clock=self.clock,
         )
@@ -478,7 +482,14 @@ class SimCluster:
         layout = TPShard(0, 1, model_config).kv_layout(engine_config.block_size)
         out = []
         for i, (name, role) in enumerate(self.deployment.instances(colocated=colocated)):
-            pool = SimPool(layout, num_blocks, on_send=self.net.send, dtype=dtype, instance_id=name)
+            pool = SimPool(
+                layout,
+                num_blocks,
+                on_send=self.net.send,
+                dtype=dtype,
+                instance_id=name,
+                dram_blocks=engine_config.dram_blocks,
+            )
             eng = SimEngine(
                 EngineParts(model_config, _TokenIds(), pool),
                 config=config,
@@ -570,6 +581,7 @@ class SimCluster:
         """A step with prefill work: its time, and what it holds up the requests decoding on
         ``inst`` (the whole step for those left out of it, its prefill part for the others)."""
         self.prefill_busy_s += seconds
+        inst.prefill_busy_s += seconds
         decoding = sum(1 for r in inst.engine.scheduler.running if r.prefilled)
         alone = self.step_time(StepShape((), shape.decodes, len(shape.decodes)))
         self.decode_stall_s += decoding * (seconds - (alone if shape.decodes else 0.0))
@@ -592,15 +604,19 @@ class SimCluster:
         progress: bool = True,
         params_for=greedy_params,
         arrivals: str = "closed",
+        schedule: Sequence[tuple[int, int, float]] | None = None,
     ) -> list[dict]:
         """Replay ``sessions`` in virtual time; returns ``minimemserve bench``'s records.
         ``arrivals="closed"`` replays as the bench does: Poisson session arrivals at ``rate``, a
         turn sent when the previous one finished, its prompt the history plus the output.
         ``"open"`` is a finite run (:func:`open_arrivals`): every turn sent at its own arrival
         time whether or not the turns before it finished, its prompt built from the answers
-        the engine will give them (:func:`stand_in_answer`)."""
+        the engine will give them (:func:`stand_in_answer`); a ``schedule`` of ``(session
+        index, turn, arrival)`` gives those times instead (a trace's timestamps)."""
         if arrivals not in ARRIVALS:
             raise ConfigError(f"arrivals must be one of {ARRIVALS}, got {arrivals!r}")
+        if schedule is not None and arrivals != "open":
+            raise ConfigError("a schedule of arrival times needs arrivals='open'")
         self._records: list[dict] = []
         self._inflight: dict[str, tuple[int, int, float]] = {}
         self._sessions, self._config, self._params_for = sessions, config, params_for
@@ -616,7 +632,7 @@ class SimCluster:
                 self.at(t, self._submit, (si, 0, ()))
         else:
             self._history: dict[int, list[int]] = {}
-            for si, k, t in open_arrivals(sessions, rate, seed):
+            for si, k, t in schedule or open_arrivals(sessions, rate, seed):
                 self.at(t, self._submit_open, (si, k))
         with self._bar:
             self.settle()

@@ -11,7 +11,8 @@ from minimemserve.options import add_engine_arguments, add_workload_arguments, t
 from minimemserve.presets import preset_dir
 from minimemserve.workloads.results import DEFAULT_SESSIONS
 
-from . import calibration, paper
+from . import calibration, paper, trace_replay
+from .cluster import ARRIVALS
 from .profiles import TRANSFER_MODES, FittedStepModel, fit_cpu_steps
 from .runner import (
     CPU_INSTANCES,
@@ -34,48 +35,21 @@ DESCRIPTION = (
 )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the options of ``minimemserve sim`` to ``p``; returns ``p``."""
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="llama2-7b|llama2-13b|llama2-70b, a shape JSON or an HF checkpoint dir",
-    )
-    p.add_argument(
-        "--hardware",
-        default=DEFAULT_HARDWARE,
-        help="a100-80g|h100|h800|h200, a profile JSON, or 'cpu' (this machine, the "
-        "fitted step model, the bench's tiny-preset layout)",
-    )
-    p.add_argument("--gpus", type=int, default=DEFAULT_GPUS)
-    p.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor parallelism per instance")
-    add_workload_arguments(p)  # as `minimemserve bench`; xPyD configs repeat to fill the GPUs
-    p.add_argument("--transfer-mode", choices=TRANSFER_MODES, default="by_request_aggregated")
-    add_engine_arguments(p, ("handoff",))
-    p.add_argument(
-        "--cpu-model",
-        default=None,
-        help="fitted CPU step model JSON (--hardware cpu; default: fit now, ~1 min)",
-    )
-    p.add_argument("--sweep", default=None, help="comma-separated rates: a rate sweep plot")
-    p.add_argument(
-        "--calibrate",
-        default=None,
-        help="gpu_steps_7b.json[,gpu_steps_13b.json] (bench/gpu_steps.py): fit the --hardware "
-        "profile's terms to these steps, print measured vs predicted and the held-out error",
-    )
-    p.add_argument("--write", default=None, help="--calibrate: where the fitted profile goes")
+def add_paper_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``minimemserve sim --paper``."""
     p.add_argument(
         "--paper",
         action="store_true",
         help="the paper's evaluation: every configuration's load sweep on its three workloads "
-        "(steady windows, three seeds, stability), then its 19 gains at matched loads; "
-        "scheduler prefill_first unless --scheduler says otherwise",
+        "(steady windows, three seeds, stability), its 19 gains at matched loads for every "
+        "layout with their bounds, finite runs past the knees, larger fixed costs per step and "
+        "a verdict per number; scheduler prefill_first unless --scheduler says otherwise",
     )
     p.add_argument(
         "--quick",
         action="store_true",
-        help="--paper: two workloads and four configurations only (each point as in the full run)",
+        help="--paper: every workload and configuration on a smaller plan (a fifth of the "
+        "sessions, fewer rates, no re-runs with more sessions); its points are not the full run's",
     )
     p.add_argument(
         "--jobs",
@@ -83,11 +57,68 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="--paper: runs simulated at once, each in a process (default: cores)",
     )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the options of ``minimemserve sim`` to ``p``; returns ``p``."""
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="llama2-7b|llama2-13b|llama2-70b|llama3-70b, a shape JSON or an HF checkpoint dir",
+    )
+    p.add_argument(
+        "--hardware",
+        default=DEFAULT_HARDWARE,
+        help="a100-80g|a800|h100|h800|h200, a profile JSON, or 'cpu' (this machine, the "
+        "fitted step model, the bench's tiny-preset layout)",
+    )
+    p.add_argument("--gpus", type=int, default=DEFAULT_GPUS)
+    p.add_argument("--tp", type=int, default=DEFAULT_TP, help="tensor parallelism per instance")
+    add_workload_arguments(p)  # as `minimemserve bench`; xPyD configs repeat to fill the GPUs
+    p.add_argument("--transfer-mode", choices=TRANSFER_MODES, default="by_request_aggregated")
+    p.add_argument(
+        "--arrivals",
+        choices=ARRIVALS,
+        default="closed",
+        help="closed: a turn is sent when its session's previous turn finished (steady state); "
+        "open: a finite run, every turn sent at its own Poisson arrival time whatever finished, "
+        "its prompt built from the answers before it (not steady state)",
+    )
+    add_engine_arguments(p, ("handoff",))
+    p.add_argument(
+        "--cpu-model",
+        default=None,
+        help="fitted CPU step model JSON (--hardware cpu; default: fit now, ~1 min)",
+    )
+    p.add_argument(
+        "--sweep",
+        default=None,
+        help="comma-separated rates: a rate sweep plot (with --trace: loads, multiples of the "
+        "trace's request rate, and each config's highest load within the SLO)",
+    )
+    p.add_argument(
+        "--calibrate",
+        default=None,
+        help="gpu_steps_7b.json[,gpu_steps_13b.json] (bench/gpu_steps.py): fit the --hardware "
+        "profile's terms to these steps, print measured vs predicted and the held-out error",
+    )
+    p.add_argument("--write", default=None, help="--calibrate: where the fitted profile goes")
+    add_paper_arguments(p)
     p.add_argument(
         "--cache-curve",
         default=None,
         help="with --trace: MemPool alone replays the trace at each capacity (comma-separated "
         "tokens, e.g. 1e4,1e5,1e6,3e6,1e7,5e7) and unlimited; writes cache_curve.json and a plot",
+    )
+    p.add_argument(
+        "--fig10",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="POLICIES",
+        help="with --trace: Mooncake's Fig. 10 (10 caching instances of Llama-3-70B on 8 x "
+        "A800, 3M-token DRAM tiers, one-token outputs) under each routing policy, or under "
+        "the comma-separated POLICIES",
     )
     p.add_argument(
         "--anchors",
@@ -122,6 +153,32 @@ def setup_from_args(args: argparse.Namespace) -> SimSetup:
     return cpu_setup(fitted, model_dir, args.policy, scheduler=scheduler, handoff=args.handoff)
 
 
+def _trace(args: argparse.Namespace) -> int:
+    """``--trace``: Fig. 10, or the configurations replayed by the trace's timestamps at each
+    load of ``--sweep`` (multiples of the trace's request rate; default 1 / --time-scale)."""
+    progress = not args.no_progress
+    if args.fig10:
+        policies = trace_replay.FIG10_ALL
+        if args.fig10 != "all":
+            policies = tuple(p.strip() for p in args.fig10.split(",") if p.strip())
+        trace_replay.fig10_study(trace_path(args), args.out, args.trace_window, progress, policies)
+        return 0
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    loads = [1.0 / args.time_scale]
+    if args.sweep:
+        try:
+            loads = [float(x) for x in args.sweep.split(",")]
+        except ValueError:
+            raise ConfigError(f"--sweep takes comma-separated loads, got {args.sweep!r}") from None
+    if not all(0 < x < float("inf") for x in loads):
+        raise ConfigError(f"loads must be finite and > 0, got {loads}")
+    policy = args.policy or "prompt_tree"
+    trace_replay.layouts_study(
+        trace_path(args), args.out, configs, loads, args.trace_window, policy, progress
+    )
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``minimemserve sim`` with parsed ``args``; returns the exit status."""
     if args.anchors:
@@ -136,6 +193,8 @@ def main(args: argparse.Namespace) -> int:
         caps = parse_capacities(args.cache_curve)
         cache_curve(trace_path(args), caps, args.out, args.trace_window, not args.no_progress)
         return 0
+    if args.trace:
+        return _trace(args)
     if args.paper:
         paper.reproduce(
             args.scheduler or "prefill_first",
@@ -166,6 +225,7 @@ def main(args: argparse.Namespace) -> int:
             args.seed,
             args.out,
             not args.no_progress,
+            arrivals=args.arrivals,
             **kw,
         )
         print("wrote " + ", ".join(res["files"]))
@@ -173,12 +233,13 @@ def main(args: argparse.Namespace) -> int:
     run_sim(
         setup,
         configs,
-        args.workload,
-        args.sessions or DEFAULT_SESSIONS,
-        args.rate,
-        args.seed,
+        workload=args.workload,
+        num_sessions=args.sessions or DEFAULT_SESSIONS,
+        rate=args.rate,
+        seed=args.seed,
         out_dir=args.out,
         progress=not args.no_progress,
+        arrivals=args.arrivals,
         **kw,
     )
     return 0

@@ -180,7 +180,7 @@ class HardwareProfile:
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> HardwareProfile:
-        """A shipped profile (``a100-80g``, ``h100``, ``h800``, ``h200``) or a JSON file."""
+        """A shipped profile (``a100-80g``, ``a800``, ``h100``, ``h800``, ``h200``) or a file."""
         path = _resolve(name_or_path, "hardware")
         d = _read_json(path, "hardware profile")
         try:

@@ -36,7 +36,7 @@ from minimemserve.workloads.results import (
     summarize,
     write_plots,
 )
-from minimemserve.workloads.sessions import make_workload, total_turns
+from minimemserve.workloads.sessions import make_workload, total_turns, workload_args
 
 from .cluster import Contention, SimCluster, Topology
 from .profiles import (
@@ -63,6 +63,8 @@ CPU_LINK = Link(gb_per_s=16.0, latency_us=0.0, sender_blocks=True, setup_us=600.
 # a whole Llama-2 prompt in one step (no chunking, as MemServe's vLLM base).
 GPU_MAX_NUM_SEQS, GPU_MAX_BATCHED_TOKENS = 256, 4096
 GPU_DTYPE = torch.bfloat16
+# What tables, JSON and plots call a closed replay and a finite run (``--arrivals open``).
+STEADY_LABEL, FINITE_LABEL = "closed loop", "finite run (not steady state)"
 _PREFILL_NAME = re.compile(r"prefill (\d+)x(\d+)(?: after (\d+) cached)?")
 _MIXED_NAME = re.compile(r"mixed (\d+)x(\d+)")
 
@@ -107,14 +109,21 @@ class SimSetup:
             model_config=self.model_config,
             step_time=self.step_model.step_time,
             topology=self.topology,
-            engine_config=d.engine,
+            spec=d,
             num_blocks=self.num_blocks,
             dtype=self.dtype,
             instances=self.instances,
-            policy=d.policy,
-            cost=d.cost_model,
             transfer_mode=self.transfer_mode,
         )
+
+
+def with_step_overhead(setup: SimSetup, ms: float) -> SimSetup:
+    """``setup`` (a GPU one) with its roofline's fixed cost per step set to ``ms``
+    milliseconds (the hardware profile's ``step_overhead_ms``)."""
+    roof = setup.step_model
+    hw = replace(roof.hw, step_overhead_ms=float(ms))
+    step_model = RooflineStepModel(hw, roof.shape, roof.tp, roof.dtype_bytes)
+    return replace(setup, step_model=step_model, describe={**setup.describe, "step_ms": ms})
 
 
 def cpu_setup(
@@ -234,6 +243,11 @@ def workload_sessions(
     )
 
 
+def regime_label(arrivals: str) -> str:
+    """What a replay with ``arrivals`` measures, as tables, JSON and plots call it."""
+    return FINITE_LABEL if arrivals == "open" else STEADY_LABEL
+
+
 def role_stats(cluster: SimCluster) -> dict[str, dict]:
     """Per role of ``cluster``'s instances: how many, their seconds in steps, and their
     decode rows with the row-weighted mean decode batch and KV length (what a bound on a
@@ -300,34 +314,54 @@ def simulate(
     return records, stats
 
 
+# What a simulated workload is made of, with the defaults ``run_sim`` takes for them.
+SIM_WORKLOAD_ARGS = {
+    "workload": "sharegpt",
+    "num_sessions": 16,
+    "rate": 1.0,
+    "seed": 0,
+    "max_turns": None,
+    "max_output_tokens": None,
+    "max_context": None,
+}
+
+
 def run_sim(
     setup: SimSetup,
     configs: Sequence[str] = DEFAULT_CONFIGS,
-    workload: str = "sharegpt",
-    num_sessions: int = 16,
-    rate: float = 1.0,
-    seed: int = 0,
-    max_turns=None,
-    max_output_tokens=None,
-    max_context=None,
+    *,
     out_dir: str | Path | None = None,
     progress: bool = True,
     verbose: bool = True,
     tag: str = "sim",
+    arrivals: str = "closed",
+    **workload: Any,
 ) -> dict:
-    """Simulate ``workload`` under ``configs`` and compare them as ``minimemserve bench`` does:
-    prints the table; with ``out_dir``, writes ``<tag>_<workload>.json`` and its bar and CDF
-    plots there."""
+    """Simulate a workload (``workload``: :data:`SIM_WORKLOAD_ARGS`) under ``configs`` and compare
+    them as ``minimemserve bench`` does: prints the table; with ``out_dir``, writes
+    ``<tag>_<workload>.json`` and its bar and CDF plots there. ``arrivals="open"``: a finite run
+    (``SimCluster.replay``), labelled :data:`FINITE_LABEL` in the table, JSON and plots."""
     for c in configs:
         parse_config_name(c)
+    w = workload_args(workload, SIM_WORKLOAD_ARGS)
+    workload, rate, seed = w["workload"], w["rate"], w["seed"]
     sessions = workload_sessions(
-        setup, workload, num_sessions, seed, max_turns, max_output_tokens, max_context
+        setup,
+        workload,
+        w["num_sessions"],
+        seed,
+        w["max_turns"],
+        w["max_output_tokens"],
+        w["max_context"],
     )
-    records, stats = simulate(setup, configs, sessions, rate, seed, progress)
+    records, stats = simulate(setup, configs, sessions, rate, seed, progress, arrivals)
     summaries = {c: summarize(records[c]) for c in configs}
+    regime = regime_label(arrivals)
     result = {
         "setup": {
             "workload": workload,
+            "arrivals": arrivals,
+            "regime": regime,
             "sessions": len(sessions),
             "turns": total_turns(sessions),
             "rate": rate,
@@ -347,11 +381,11 @@ def run_sim(
                 f"{c}: {s['simulated_s']:.1f} simulated s in {s['wall_s']:.2f} s "
                 f"({s['steps']} steps, {s['steps_per_s']:.0f} steps/s), pools balanced"
             )
-        print(format_table(summaries))
+        print(f"{regime}:\n{format_table(summaries)}")
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        title = f"simulated {workload}: {len(sessions)} sessions, {rate} sessions/s"
+        title = f"simulated {workload}: {len(sessions)} sessions, {rate} sessions/s, {regime}"
         pngs = write_plots(records, summaries, out / f"{tag}_{workload}", title=title)
         path = out / f"{tag}_{workload}.json"
         result["files"] = [str(path), *map(str, pngs)]
@@ -370,10 +404,11 @@ def sweep(
     seed: int = 0,
     out_dir: str | Path | None = None,
     progress: bool = True,
+    arrivals: str = "closed",
     **workload_kw,
 ) -> dict:
-    """Mean and P99 JCT and TTFT of each config against the request rate; with ``out_dir``,
-    writes them (JSON) and one plot there."""
+    """Mean and P99 JCT and TTFT of each config against the request rate (``arrivals``:
+    ``SimCluster.replay``'s); with ``out_dir``, writes them (JSON) and one plot there."""
     sessions = workload_sessions(
         setup,
         workload,
@@ -385,7 +420,7 @@ def sweep(
     )
     rows = []
     for rate in rates:
-        records, _ = simulate(setup, configs, sessions, rate, seed, progress=False)
+        records, _ = simulate(setup, configs, sessions, rate, seed, False, arrivals)
         for c in configs:
             s = summarize(records[c])
             rows.append(
@@ -415,9 +450,11 @@ def sweep(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     png = out / f"sim_{workload}_sweep.png"
-    _plot_sweep(rows, configs, png, f"simulated {workload}, {setup.describe}")
+    regime = regime_label(arrivals)
+    _plot_sweep(rows, configs, png, f"simulated {workload}, {regime}, {setup.describe}")
     path = out / f"sim_{workload}_sweep.json"
-    path.write_text(json.dumps({"setup": setup.describe, "rows": rows}, indent=1))
+    meta = {**setup.describe, "arrivals": arrivals, "regime": regime}
+    path.write_text(json.dumps({"setup": meta, "rows": rows}, indent=1))
     return {"rows": rows, "files": [str(path), str(png)]}
 
 

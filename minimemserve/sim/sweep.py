@@ -54,22 +54,35 @@ LADDER = {
 }
 BISECTIONS = 2
 EXTEND = 2
+# Finite runs (``--arrivals open``, not steady state) at these multiples of a comparison's
+# weaker side's knee; a step's fixed cost re-run at these fractions of it.
+# The fractions of a comparison's weaker side's knee it is measured at.
+MATCHED_LOADS = (0.5, 0.7, 0.9)
+FINITE_LOADS = (1.0, 1.5, 2.0, 3.0)
+STEP_LOADS = MATCHED_LOADS
 # Student's t at 97.5 % by degrees of freedom (seeds - 1).
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}
 
 
 @dataclass(frozen=True)
 class Plan:
-    """How much a sweep simulates: seeds, the ladders and bisections of :func:`knee_chain`,
-    the sessions per run (``scale`` times :meth:`sessions`'s; tests shrink it) and how many
-    times a comparison that has not converged is run again with twice the sessions."""
+    """How much a sweep simulates: seeds (and those that find the knees, None: the same),
+    the ladders and bisections of :func:`knee_chain`,
+    the sessions per run (``scale`` times :meth:`sessions`'s; tests shrink it), how many
+    times a comparison that has not converged is run again with twice the sessions, the
+    fractions of a knee comparisons are made at, the finite runs' multiples of a knee and the
+    fractions of it a fixed cost is re-run at."""
 
     seeds: tuple[int, ...] = SEEDS
+    sweep_seeds: tuple[int, ...] | None = None
     ladders: dict = field(default_factory=lambda: dict(LADDER))
     bisections: int = BISECTIONS
     extend: int = EXTEND
     scale: float = 1.0
     doublings: int = DOUBLINGS
+    loads: tuple[float, ...] = MATCHED_LOADS
+    finite_loads: tuple[float, ...] = FINITE_LOADS
+    step_loads: tuple[float, ...] = STEP_LOADS
 
     def sessions(self, workload: str, rate: float, doubled: int = 0) -> int:
         """N for ``workload`` at ``rate``, times 2 ** ``doubled``: each run replays twice as
@@ -106,12 +119,42 @@ def _measure(records: list[dict]) -> dict:
     }
 
 
+def _load(stats: dict) -> dict:
+    """What the bound on a gain needs of a run (``sim.bound``): PD's prefill share of its
+    busy time, each role's busy seconds and decode batches, the simulated seconds."""
+    return {k: stats[k] for k in ("prefill_share", "roles", "simulated_s")}
+
+
 def run_point(
-    setup: SimSetup, workload: str, config: str, rate: float, seed: int, n: int, cap: int | None
+    setup: SimSetup,
+    workload: str,
+    config: str,
+    rate: float,
+    seed: int,
+    n: int,
+    cap: int | None,
+    arrivals: str = "closed",
 ) -> dict:
-    """One seed of one point (a worker process runs it) with ``2 n`` sessions: the steady
+    """One seed of one point (a worker process runs it). Closed: ``2 n`` sessions, the steady
     window's statistics at ``n`` (``half``) and ``2 n`` sessions (``steady``), and the whole
-    run's stability."""
+    run's stability. Open (a finite run, not steady state): ``n`` sessions, every request
+    counted (``steady`` and ``half`` alike)."""
+    if arrivals == "open":
+        sessions = _sessions(setup, workload, n, seed, cap)
+        records, stats = simulate(setup, [config], sessions, rate, seed, False, arrivals)
+        whole = summarize(records[config])
+        measured = _measure(records[config])
+        return {
+            "sessions": n,
+            "arrivals": arrivals,
+            "stability": whole["stability"],
+            "steady": measured,
+            "half": measured,
+            "preemptions": sum(r["preemptions"] for r in records[config]),
+            "wall_s": stats[config]["wall_s"],
+            "dispatches": stats[config]["dispatches"],
+            "load": _load(stats[config]),
+        }
     sessions = _sessions(setup, workload, 2 * n, seed, cap)
     records, stats = simulate(setup, [config], sessions, rate, seed, progress=False)
     recs = records[config]
@@ -126,6 +169,7 @@ def run_point(
         "half": _measure(half),
         "wall_s": stats[config]["wall_s"],
         "dispatches": stats[config]["dispatches"],
+        "load": _load(stats[config]),
     }
 
 
@@ -160,11 +204,14 @@ def aggregate(runs: Sequence[dict]) -> dict:
     }
 
 
-def ratio(new: Sequence[dict], base: Sequence[dict], metric: str) -> dict | str:
+def ratio(
+    new: Sequence[dict], base: Sequence[dict], metric: str, finite: bool = False
+) -> dict | str:
     """``new``'s ``metric`` over ``base``'s, paired by seed: the mean ratio (1 + gain), its
     95 % interval and how much it moves between ``N`` and ``2N`` sessions (``drift``,
-    ``converged``), or :data:`OVERLOADED` when any run of either side is unstable."""
-    if not all(r["stability"]["stable"] for r in (*new, *base)):
+    ``converged``), or :data:`OVERLOADED` when any run of either side is unstable. A
+    ``finite`` run's ratio is over the whole run, stable or not (no drift: it has one N)."""
+    if not finite and not all(r["stability"]["stable"] for r in (*new, *base)):
         return OVERLOADED
     out = interval([a["steady"][metric] / b["steady"][metric] for a, b in zip(new, base)])
     half = np.mean([a["half"][metric] / b["half"][metric] for a, b in zip(new, base)])

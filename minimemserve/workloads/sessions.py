@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -153,6 +153,14 @@ def build_prompt(session: Session, turn_index: int, history: Sequence[int] = ())
 def total_turns(sessions: Iterable[Session]) -> int:
     """Number of requests a workload issues."""
     return sum(len(s.turns) for s in sessions)
+
+
+def workload_args(given: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``defaults`` (what a run's workload is made of: its name, sessions, rate, seed, ...)
+    updated with ``given``; an argument that is not one of them is a TypeError naming it."""
+    if unknown := sorted(set(given) - set(defaults)):
+        raise TypeError(f"unknown workload argument(s) {unknown}; known: {list(defaults)}")
+    return dict(defaults) | dict(given)
 
 
 def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:

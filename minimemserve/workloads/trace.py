@@ -20,13 +20,15 @@ from __future__ import annotations
 import json
 import math
 from array import array
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from minimemserve.errors import ConfigError
+
+from .sessions import Session, Turn
 
 # Tokens per hash id in Mooncake's release.
 TRACE_BLOCK = 512
@@ -102,6 +104,19 @@ class Trace:
     def prompt_tokens(self) -> int:
         """Prompt tokens over the trace."""
         return sum(r.input_length for r in self.requests)
+
+    def limited(self, max_context: int, max_output_tokens: int | None = None) -> Trace:
+        """This trace with outputs capped at ``max_output_tokens`` and without the requests
+        whose prompt and output exceed ``max_context`` tokens (a model's context)."""
+        cap = max_output_tokens or math.inf
+        out = []
+        for r in self.requests:
+            n = int(min(r.output_length, cap))
+            if r.input_length + n <= max_context:
+                out.append(replace(r, output_length=n))
+        if not out:
+            raise ConfigError(f"no request of {self.path} fits in {max_context} tokens")
+        return replace(self, requests=tuple(out))
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -205,6 +220,47 @@ def load_trace(
     if not requests:
         raise TraceError(f"trace {path} has no request in the window {window}")
     return Trace(path, tuple(requests), TRACE_BLOCK // length_scale, length_scale, time_scale)
+
+
+class TracePrompt(Sequence[int]):
+    """A request's prompt made when read (:meth:`Trace.prompt`): a trace's prompts stay
+    small until sent (the conversation trace's 145M tokens would not fit as Python ints)."""
+
+    def __init__(self, trace: Trace, req: TraceRequest, vocab_size: int) -> None:
+        self.trace = trace
+        self.req = req
+        self.vocab_size = vocab_size
+
+    def tokens(self) -> array:
+        """The token ids."""
+        return self.trace.prompt(self.req, self.vocab_size)
+
+    def __len__(self) -> int:
+        return self.req.input_length
+
+    def __getitem__(self, i):
+        return self.tokens()[i]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tokens())
+
+
+def trace_sessions(
+    trace: Trace, vocab_size: int
+) -> tuple[list[Session], list[tuple[int, int, float]]]:
+    """The trace as sessions, one per conversation (:attr:`TraceRequest.session_id`), each
+    request an independent turn (its prompt holds the history), and the schedule ``(session
+    index, turn, arrival)`` of every request in arrival order (the simulator's open replay)."""
+    turns: dict[str, list[Turn]] = {}
+    schedule = []
+    for req in trace.requests:
+        sid = req.session_id
+        mine = turns.setdefault(sid, [])
+        mine.append(Turn(sid, len(mine), TracePrompt(trace, req, vocab_size), req.output_length))
+        schedule.append((sid, len(mine) - 1, req.arrival))
+    index = {sid: i for i, sid in enumerate(turns)}
+    sessions = [Session(sid, tuple(ts), chain_outputs=False) for sid, ts in turns.items()]
+    return sessions, [(index[sid], k, t) for sid, k, t in schedule]
 
 
 def parse_window(text: str) -> tuple[int, int | None]:

@@ -479,19 +479,19 @@ def test_losing_a_prefill_instance_while_it_writes_over_nixl(tiny_llama_dir, tmp
 
 
 def test_pair_transport_prefers_nixl_between_hosts_where_both_have_an_agent():
-    agent = rpc.NixlInfo("agent", b"metadata", 4096, 64, 4, "DRAM")
+    agent = {"nixl": b"the agent's data, opaque to the frontend"}
 
-    def inst(name: str, host: str, transport: str = "auto", nixl=agent) -> InstanceInfo:
-        return InstanceInfo(name, "prefill", None, host=host, transport=transport, nixl=nixl)
+    def inst(name: str, host: str, transport: str = "auto", links=agent) -> InstanceInfo:
+        return InstanceInfo(name, "prefill", None, host=host, transport=transport, links=links)
 
     assert pair_transport(inst("a", "h1"), inst("b", "h1")) == "shm"
     assert pair_transport(inst("a", "h1"), inst("b", "h2")) == "nixl"
-    assert pair_transport(inst("a", "h1"), inst("b", "h2", nixl=None)) == "gloo"
+    assert pair_transport(inst("a", "h1"), inst("b", "h2", links={})) == "gloo"
     assert pair_transport(inst("a", "h1"), inst("b", "h1"), "nixl") == "nixl"
-    assert inst("b", "h2").seen_over("gloo").nixl is None  # the agent only to NIXL peers
-    assert inst("b", "h2").seen_over("nixl").nixl == agent
+    assert inst("b", "h2").seen_over("gloo").links == {}  # the agent only to NIXL peers
+    assert inst("b", "h2").seen_over("nixl").links == agent
     with pytest.raises(ConfigError, match="b has no NIXL agent"):
-        pair_transport(inst("a", "h1"), inst("b", "h2", nixl=None), "nixl")
+        pair_transport(inst("a", "h1"), inst("b", "h2", links={}), "nixl")
     with pytest.raises(ConfigError, match="asks for nixl KV transport, b for gloo"):
         pair_transport(inst("a", "h1", "nixl"), inst("b", "h2", "gloo"))
 

@@ -1,5 +1,6 @@
 """The KV link table: a link written here, one class and one line in the table, carries a
-1P1D-CC deployment across processes with the same greedy tokens as one colocated engine."""
+1P1D-CC deployment across processes with the same greedy tokens as one colocated engine; so
+does one that tells its peers data of its own, which the control plane passes on unread."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from minimemserve.disagg.links import KV_LINKS, Counts, candidates, kv_link, tra
 from minimemserve.disagg.peering import PeerLinks
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.errors import ConfigError
-from minimemserve.mempool.shared import attach
+from minimemserve.mempool.shared import SharedPoolTensor, attach
 
 NUM_BLOCKS = 128
 PARAMS = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
@@ -38,8 +39,8 @@ class FakeLink:
         return None if a.host == b.host else "the fake link needs one host"
 
     @classmethod
-    def metadata(cls, info) -> dict:
-        return {"handle": info.handle}
+    def endpoint(cls, spec, pool) -> None:
+        return None
 
     @classmethod
     def reach(cls, peers, p) -> None:
@@ -66,6 +67,48 @@ class FakeLink:
 
     def stats(self) -> dict:
         return self.counts.stats(self.name)
+
+
+class LandingEnd:
+    """An instance's side of the landing link: a shared tensor of its own, shaped as its pool's
+    hbm tier, that peers write into; its handle is the link's data peers are told."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self.landing = SharedPoolTensor.create(pool.kv().shape, pool.dtype, pool.device)
+
+    def offer(self) -> bytes:
+        return msgspec.msgpack.encode(self.landing.handle.to_dict())
+
+    def close(self) -> None:
+        self.landing.close()
+
+
+class LandingLink(FakeLink):
+    """A peer reached through the landing tensor its link data names (not its pool, which is
+    not shared): the receiver moves what landed into its pool before the commit, as a NIXL
+    instance does with its landing tensor. The package knows neither the class nor its data."""
+
+    name, shares_pool = "landing", False
+
+    def __init__(self, peer: str, kv, end: LandingEnd) -> None:
+        super().__init__(peer, kv)
+        self.end = end
+
+    @classmethod
+    def endpoint(cls, spec, pool) -> LandingEnd | None:
+        return LandingEnd(pool) if spec.linked else None
+
+    @classmethod
+    def reach(cls, peers, p) -> None:
+        assert p.handle is None and set(p.links) == {cls.name}  # only its own data reaches it
+        handle = msgspec.msgpack.decode(p.links[cls.name])
+        peers.add(p, cls(p.name, attach(handle), peers.endpoints[cls.name]))
+
+    def landed(self, xfer: str, new: list[int]) -> None:
+        super().landed(xfer, new)
+        if new:
+            self.end.pool.recv_copy(new, self.end.landing.tensor, new)
 
 
 def turns(engine, sessions: list[list[list[int]]]) -> list[list[int]]:
@@ -111,11 +154,39 @@ def test_a_link_added_in_a_test_file_carries_1p1d_cc(tiny_llama_dir, monkeypatch
         assert sent > 0 and link["sent_bytes"] == back["recv_bytes"] == sent
 
 
+@pytest.mark.timeout(300)
+def test_a_link_with_its_own_peer_data_carries_1p1d_cc(tiny_llama_dir, monkeypatch):
+    monkeypatch.setitem(KV_LINKS, "landing", "disagg.test_links:LandingLink")
+    sessions = sharegpt_user_turns(tiny_llama_dir, num_sessions=2, num_turns=3, max_user_tokens=40)
+    want = turns(LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS).engine, sessions)
+    with ProcessCluster(
+        tiny_llama_dir,
+        "1P1D-CC",
+        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        transport="landing",
+        timeout_s=10,
+    ) as cluster:
+        told = {name: inst.links for name, inst in cluster.instances.items()}
+        got = turns(cluster, sessions)
+        stats = cluster.stats()
+        reports = cluster.check_pools(require_idle=True)
+    assert got == want
+    assert all(set(links) == {"landing"} for links in told.values())
+    assert all(rep["ok"] and rep["pool"]["hbm"]["referenced"] == 0 for rep in reports.values())
+    for a, b in (("P0", "D0"), ("D0", "P0")):  # prefill KV to D, decode-phase KV back to P
+        link, back = stats[a]["links"][b], stats[b]["links"][a]
+        assert link["transport"] == "landing" and link["sent_messages"] > 0
+        assert (
+            link["sent_bytes"] == back["recv_bytes"] == stats[b]["pool"]["counters"]["recv_bytes"]
+        )
+
+
 def test_auto_takes_the_first_link_of_the_table_that_fits_the_pair():
-    agent = object()
+    agent = b"an agent's data"
 
     def inst(name: str, host: str, transport: str = "auto", nixl=None) -> InstanceInfo:
-        return InstanceInfo(name, "prefill", None, host=host, transport=transport, nixl=nixl)
+        links = {} if nixl is None else {"nixl": nixl}
+        return InstanceInfo(name, "prefill", None, host=host, transport=transport, links=links)
 
     assert pair_transport(inst("a", "h1"), inst("b", "h1")) == "shm"
     assert pair_transport(inst("a", "h1", nixl=agent), inst("b", "h2", nixl=agent)) == "nixl"

@@ -16,7 +16,7 @@ import torch
 
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.disagg import rpc
-from minimemserve.disagg.nixl import NixlEndpoint, nixl_missing
+from minimemserve.disagg.nixl import NixlEndpoint, NixlInfo, nixl_missing
 from minimemserve.disagg.peering import Grants
 from minimemserve.errors import TransferError
 from minimemserve.mempool import MemPool
@@ -82,8 +82,8 @@ def test_what_a_peer_claims_is_checked(pair):
         a.connect("C", c.info())
     c.close()
     with pytest.raises(TransferError, match="does not load"):
-        a.connect("C", rpc.NixlInfo("C", b"\x00garbage", 4096, info.block_bytes, 4, "DRAM"))
-    renamed = rpc.NixlInfo("someone-else", *[getattr(info, f) for f in info.__struct_fields__[1:]])
+        a.connect("C", NixlInfo("C", b"\x00garbage", 4096, info.block_bytes, 4, "DRAM"))
+    renamed = NixlInfo("someone-else", *[getattr(info, f) for f in info.__struct_fields__[1:]])
     with pytest.raises(TransferError, match="names agent"):
         a.connect("B2", renamed)
     with pytest.raises(TransferError, match="outside"):  # never posted
@@ -142,12 +142,12 @@ def _sender(info: bytes, out: mp.Queue) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def msgspec_bytes(info: rpc.NixlInfo) -> bytes:
+def msgspec_bytes(info: NixlInfo) -> bytes:
     return msgspec.msgpack.encode(info)
 
 
-def rpc_info(data: bytes) -> rpc.NixlInfo:
-    return msgspec.msgpack.decode(data, type=rpc.NixlInfo)
+def rpc_info(data: bytes) -> NixlInfo:
+    return msgspec.msgpack.decode(data, type=NixlInfo)
 
 
 def test_receiver_killed_mid_write_fails_the_sender_without_a_hang():

@@ -19,6 +19,7 @@ import torch
 
 from minimemserve import SamplingParams
 from minimemserve.config import EngineConfig, parse_config_name
+from minimemserve.disagg.launch import LaunchSpec
 from minimemserve.disagg.nixl import nixl_missing
 from minimemserve.disagg.placement import NodeView, RayOptions, Wanted, plan_nodes
 from minimemserve.disagg.ray_runtime import import_ray
@@ -38,30 +39,41 @@ def node(i: int, cpus: float, **extra: float) -> NodeView:
 def test_plan_packs_spreads_and_pins():
     nodes = [node(0, 4), node(1, 4, **{DECODE_NODE: 1})]
     wanted = [Wanted("P0", "prefill", 1, CPU), Wanted("D0", "decode", 1, CPU)]
-    packed = plan_nodes(wanted, nodes, RayOptions())
+    packed = plan_nodes(wanted, nodes)
     assert packed["P0"] == packed["D0"] == nodes[0].id
-    spread = plan_nodes(wanted, nodes, RayOptions(placement="spread"))
+    spread = plan_nodes(wanted, nodes, "spread")
     assert (spread["P0"], spread["D0"]) == (nodes[0].id, nodes[1].id)
-    pinned = plan_nodes(wanted, nodes, RayOptions(pin={"prefill": DECODE_NODE}))
+    pinned = plan_nodes(wanted, nodes, pin={"prefill": DECODE_NODE})
     assert pinned["P0"] == pinned["D0"] == nodes[1].id  # pack follows the pinned one
-    by_label = plan_nodes(wanted, nodes, RayOptions(pin={"decode": "zone=z1"}))
+    by_label = plan_nodes(wanted, nodes, pin={"decode": "zone=z1"})
     assert (by_label["P0"], by_label["D0"]) == (nodes[0].id, nodes[1].id)
     tp = [Wanted("C0", "colocated", 3, CPU), Wanted("C1", "colocated", 3, CPU)]
-    assert len(set(plan_nodes(tp, nodes, RayOptions()).values())) == 2  # 3 + 3 > 4 per node
+    assert len(set(plan_nodes(tp, nodes).values())) == 2  # 3 + 3 > 4 per node
 
 
 def test_plan_names_what_is_missing():
     nodes = [node(0, 2), node(1, 2)]
     with pytest.raises(ConfigError, match=r"decode instance D0: its 3 rank\(s\) need CPU 3"):
-        plan_nodes([Wanted("D0", "decode", 3, CPU)], nodes, RayOptions())
+        plan_nodes([Wanted("D0", "decode", 3, CPU)], nodes)
     with pytest.raises(ConfigError, match="need CPU 1 on one node with gpu_node.*not gpu_node"):
-        plan_nodes([Wanted("D0", "decode", 1, CPU)], nodes, RayOptions(pin={"decode": "gpu_node"}))
+        plan_nodes([Wanted("D0", "decode", 1, CPU)], nodes, pin={"decode": "gpu_node"})
     with pytest.raises(ConfigError, match="GPU 1 on one node"):
-        plan_nodes([Wanted("P0", "prefill", 1, {"GPU": 1.0})], nodes, RayOptions())
+        plan_nodes([Wanted("P0", "prefill", 1, {"GPU": 1.0})], nodes)
     with pytest.raises(ConfigError, match="placement must be one of"):
-        RayOptions(placement="anywhere")
+        LaunchSpec("model", placement="anywhere")
     with pytest.raises(ConfigError, match="pin names no role"):
-        RayOptions(pin={"encoder": DECODE_NODE})
+        LaunchSpec("model", pin={"encoder": DECODE_NODE})
+
+
+def test_the_old_ray_options_spelling_warns_and_gives_the_options():
+    with pytest.warns(DeprecationWarning, match="RayOptions is deprecated"):
+        old = RayOptions(address="10.0.0.1:6379", pin={"decode": DECODE_NODE}, cpus_per_rank=2)
+    spec = LaunchSpec("model", **old)
+    assert (spec.ray_address, spec.pin, spec.cores_per_instance) == (
+        "10.0.0.1:6379",
+        {"decode": DECODE_NODE},
+        2,
+    )
 
 
 def test_without_ray_the_error_says_what_to_install(monkeypatch):
@@ -142,10 +154,10 @@ def generate(cluster, prompts, params=PARAMS, timeout_s: float = 120) -> list:
     return [outs[r] for r in rids]
 
 
-def ray_cluster_of(model_dir, config: str, opts: RayOptions, **kw):
+def ray_cluster_of(model_dir, config: str, opts: dict, **kw):
     from minimemserve.disagg.ray_runtime import RayCluster
 
-    return RayCluster(model_dir, config, ray_options=opts, **{"engine_config": CONFIG} | kw)
+    return RayCluster(model_dir, config, **{"engine_config": CONFIG} | opts | kw)
 
 
 def links(cluster) -> list[dict]:
@@ -163,7 +175,7 @@ def test_same_tokens_across_two_nodes(ray_cluster, tiny_llama_dir, config, trans
     and the links' byte counters say which."""
     prompts = [prompt(i) for i in range(3)]
     want = reference(tiny_llama_dir, config, prompts)
-    opts = RayOptions(placement="spread")
+    opts = {"placement": "spread"}
     with ray_cluster_of(tiny_llama_dir, config, opts, transport=transport) as c:
         assert len({c.node_of(n) for n in c.instances}) == 2
         assert [o.token_ids for o in generate(c, prompts)] == want
@@ -187,7 +199,7 @@ def test_tensor_parallel_ranks_on_one_node(ray_cluster, tiny_llama_dir):
     prompts = [prompt(i) for i in range(2)]
     want = reference(tiny_llama_dir, "PD", prompts)
     engine = EngineConfig(num_blocks=128, tensor_parallel_size=2)
-    opts = RayOptions(pin={"colocated": "role=decode"})  # by the second node's label
+    opts = {"pin": {"colocated": "role=decode"}}  # by the second node's label
     with ray_cluster_of(tiny_llama_dir, "PD", opts, num_colocated=1, engine_config=engine) as c:
         ranks = c.actors.nodes_of_ranks("C0")
         assert len(ranks) == 2 and set(ranks) == {c.node_of("C0")}
@@ -206,7 +218,7 @@ def test_killed_decode_actor_fails_its_requests_and_rejoins(ray_cluster, tiny_ll
     tokens again."""
     prompts = [prompt(i) for i in range(3)]
     long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-    opts = RayOptions(pin={"prefill": PREFILL_NODE, "decode": DECODE_NODE}, max_restarts=1)
+    opts = {"pin": {"prefill": PREFILL_NODE, "decode": DECODE_NODE}, "max_restarts": 1}
     with ray_cluster_of(tiny_llama_dir, "1P1D-CC", opts, heartbeat_timeout_s=60.0) as c:
         decode_node = c.node_of("D0")
         assert c.node_of("P0") != decode_node
@@ -241,12 +253,12 @@ def test_killed_decode_actor_fails_its_requests_and_rejoins(ray_cluster, tiny_ll
 def test_a_deployment_that_cannot_be_placed_fails_at_start(ray_cluster, tiny_llama_dir):
     start = time.monotonic()
     with pytest.raises(ConfigError, match=r"prefill instance P0: its 1 rank\(s\) need CPU 3"):
-        ray_cluster_of(tiny_llama_dir, "1P1D", RayOptions(cpus_per_rank=3))
+        ray_cluster_of(tiny_llama_dir, "1P1D", {"cores_per_instance": 3})
     with pytest.raises(ConfigError, match="with gpu_node"):
-        ray_cluster_of(tiny_llama_dir, "1P1D", RayOptions(pin={"decode": "gpu_node"}))
+        ray_cluster_of(tiny_llama_dir, "1P1D", {"pin": {"decode": "gpu_node"}})
     engine = EngineConfig(num_blocks=128, decode_tensor_parallel_size=3)
     with pytest.raises(ConfigError, match=r"decode instance D0: its 3 rank\(s\) need CPU 3"):
-        ray_cluster_of(tiny_llama_dir, "1P1D", RayOptions(), engine_config=engine)
+        ray_cluster_of(tiny_llama_dir, "1P1D", {}, engine_config=engine)
     assert time.monotonic() - start < 30
     assert not ray_cluster.util.placement_group_table() or all(
         g["state"] == "REMOVED" for g in ray_cluster.util.placement_group_table().values()

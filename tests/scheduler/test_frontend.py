@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from minimemserve import config, scheduler
-from minimemserve.request import RequestMetrics, RequestOutput
+from minimemserve.request import RequestMetrics, RequestOutput, TokenDelta
 from minimemserve.scheduler import ROUTING, ROUTING_POLICIES, STEP_POLICIES, global_scheduler, local
 from minimemserve.scheduler.frontend import MAX_RERUNS, Frontend
 from minimemserve.scheduler.global_scheduler import Route
@@ -78,7 +78,9 @@ def test_no_push_under_a_policy_that_does_not_move_prefixes():
 def test_only_an_answered_request_counts_toward_the_mean_answer(reason, counted):
     front = Frontend(["A"], Pushes(0), block_size=BS)
     front.dispatched("r", Route("A", 0, 0.0), 8, 50)
-    front.started("r")
+    front.streamed(TokenDelta("r", 1, [5]))  # not the first token: no news
+    assert front.scheduler.decoding("A") == 0
+    front.streamed(TokenDelta("r", 0, [4]))
     assert front.scheduler.decoding("A") == 1
     front.finished(output("r", reason, 7))
     assert front.scheduler.decoding("A") == 0

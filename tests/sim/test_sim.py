@@ -23,6 +23,7 @@ from minimemserve.sim import (
     Link,
     RooflineStepModel,
     StepShape,
+    bound,
     calibrate,
     cpu_setup,
     gpu_setup,
@@ -387,6 +388,13 @@ def test_cli_sim_and_sweep(tmp_path, capsys):
         "D1:decode",
     ]
     assert (tmp_path / "sim_react_bars.png").stat().st_size > 0
+    assert data["setup"]["regime"] == "closed loop"
+    finite = ["--workload", "react", "--rate", "2", "--configs", "PD", "--arrivals", "open"]
+    args = build_parser().parse_args(common + finite)
+    assert args.fn(args) == 0
+    assert "finite run (not steady state):" in capsys.readouterr().out
+    data = json.loads((tmp_path / "sim_react.json").read_text())
+    assert data["setup"]["regime"] == "finite run (not steady state)"
     args = build_parser().parse_args(common + ["--configs", "PD,1P1D-CC", "--sweep", "1,4"])
     assert args.fn(args) == 0
     rows = json.loads((tmp_path / "sim_sharegpt_sweep.json").read_text())["rows"]
@@ -435,9 +443,39 @@ def test_knee_chain_bisects_towards_the_knee():
     assert ratio([run(True, 2.0)] * 2, [run(True, 1.0), run(False, 1.0)], "jct_mean") == OVERLOADED
 
 
+def _check_explained(res: dict, plan: Plan) -> None:
+    """Each number has a verdict, finite runs at every load of the plan (labelled, a number
+    whether stable or not), its fixed-cost re-runs and, for disaggregation, its bound."""
+    assert res["shown"] == {"react": "2P2D"}
+    for row in res["rows"]:
+        assert row["verdict"].startswith(("reproduced", "appears only", "not reproduced"))
+        finite = row["finite"]
+        assert finite["label"] == "finite run (not steady state)" and finite["layout"] == "2P2D"
+        assert set(finite["cells"]) == {f"{k:g}x" for k in plan.finite_loads}
+        for c in finite["cells"].values():  # a number, stable or not: whole-run statistics
+            assert isinstance(c["ratio"], dict) and c["past_new"] > 0 and c["past_base"] > 0
+        if row["comparison"] != "prompt_tree vs session":
+            assert set(row["step_cost"]) <= {
+                f"{ms:g} ms@{load:.0%}" for ms in paper.STEP_MS for load in plan.step_loads
+            }
+        if row["comparison"] == "disagg vs PD":
+            for cell in row["cells"].values():
+                if isinstance(cell["ratio"], dict):
+                    assert 0 < cell["bound"]["u_p"]["mean"] <= 1
+                    assert cell["bound"]["floor"]["mean"] <= cell["bound"]["bound"]["mean"]
+
+
 def test_paper_reproduction_never_prints_a_gain_over_an_unstable_side(tmp_path, capsys):
     plan = Plan(
-        seeds=(0, 1), ladders={"react": (0.5, 64.0)}, bisections=1, extend=0, scale=0.3, doublings=1
+        seeds=(0, 1),
+        ladders={"react": (0.5, 64.0)},
+        bisections=1,
+        extend=0,
+        scale=0.3,
+        doublings=1,
+        finite_loads=(2.0,),
+        step_loads=(0.7,),
+        sweep_seeds=(0,),
     )
     configs = ("PD", "PD-CC", "2P2D", "2P2D-CC")
     res = paper.reproduce(
@@ -447,12 +485,14 @@ def test_paper_reproduction_never_prints_a_gain_over_an_unstable_side(tmp_path, 
     assert set(curves) == set(configs)
     for c, cv in curves.items():
         assert len(cv["points"]) == 3 and not cv["points"]["64"]["stable"], c
-        assert cv["knee"] is not None and all(p["seeds"] == 2 for p in cv["points"].values())
+        assert cv["knee"] is not None and all(p["seeds"] == 1 for p in cv["points"].values())
         assert all(s["stable"] for s in cv["points"][f"{cv['knee']:g}"]["stability"])
-    assert len(res["rows"]) == 6 and len(res["routing"]) == 3
-    assert sum(len(r["cells"]) for r in res["rows"]) == 6 * 3  # one layout at three loads
+    assert len(res["rows"]) == 7 and len(res["routing"]) == 3  # 18 numbers' react six, row 19
+    assert sum(len(r["cells"]) for r in res["rows"]) == 7 * 3  # one layout at three loads
+    _check_explained(res, plan)
+    assert "finite run (not steady state)" in (tmp_path / "sim_paper.md").read_text()
     out = capsys.readouterr().out
-    for row in res["rows"]:
+    for row in res["rows"][:6]:
         for cell in row["cells"].values():
             if isinstance(cell["ratio"], dict):  # a number: both sides stable at that rate
                 assert cell["verdict"].startswith(("match", "miss")) and cell["ratio"]["ci95"] >= 0
@@ -531,19 +571,61 @@ def test_a_prefix_push_to_a_full_instance_is_skipped_and_leaks_nothing():
     assert cached(dst) == 4
 
 
-@pytest.mark.parametrize("run", ["full", "quick"])
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = sorted(p.parent.name for p in (ROOT / "docs/paper").glob("*/sim_paper.json"))
+
+
+@pytest.mark.parametrize("run", COMMITTED)
 def test_committed_paper_tables_are_rendered_from_their_json(run):
     """The committed tables are those the committed JSON renders to, and the README's 19-row
-    and routing tables are the full run's, line for line."""
-    root = Path(__file__).resolve().parents[2]
-    result = json.loads((root / "docs/paper" / run / "sim_paper.json").read_text())
+    table with its verdicts and the routing table are those of the run the README names."""
+    result = json.loads((ROOT / "docs/paper" / run / "sim_paper.json").read_text())
     md = paper.markdown(result)
-    assert (root / "docs/paper" / run / "sim_paper.md").read_text() == md + "\n"
-    if run == "full":
-        ours = paper.rows_md(result["rows"]) + "\n" + paper.routing_md(result)
-        readme = (root / "README.md").read_text().splitlines()
+    assert (ROOT / "docs/paper" / run / "sim_paper.md").read_text() == md + "\n"
+    readme = (ROOT / "README.md").read_text()
+    if f"docs/paper/{run}/" in readme:
+        ours = paper.verdicts_md(result) + "\n" + paper.routing_md(result)
         tables = [line for line in ours.splitlines() if line.startswith("|")]
-        assert len(tables) > 25 and all(line in readme for line in tables)
+        assert len(tables) > 25 and all(line in readme.splitlines() for line in tables)
+
+
+@pytest.mark.parametrize("run", COMMITTED)
+def test_every_stable_disaggregation_ratio_respects_its_bound(run):
+    """In the committed evaluation, every disaggregation on equal GPUs measured at a stable
+    matched load carries its bound, and its mean JCT ratio's interval reaches the bound's."""
+    result = json.loads((ROOT / "docs/paper" / run / "sim_paper.json").read_text())
+    checked = 0
+    for row in result["rows"]:
+        if (row["comparison"], row["metric"]) != ("disagg vs PD", "jct_mean"):
+            continue
+        for name, cell in row["cells"].items():
+            if not isinstance(cell["ratio"], dict) or paper.UNEQUAL_NOTE in name:
+                continue
+            assert bound.respects(cell["ratio"], cell["bound"]), (row["workload"], name)
+            checked += 1
+    assert checked >= 6
+
+
+def test_the_bound_is_its_arithmetic():
+    """(1 - (x/n) U_P) d(B_D)/d(B_PD), the stall estimate and the floor at U_P = 1, from the
+    runs' busy time and decode batches."""
+    roof = gpu_setup("llama2-13b", "h800", 8, 2).step_model
+    batch = {"decode_batch": 8.0, "decode_context": 1000.0}
+    pd = {"instances": 4, "busy_s": 40.0, "decode_rows": 1, **batch}
+    layout = {
+        "prefill": {"instances": 1, "busy_s": 5.0, "decode_rows": 0, **batch},
+        "decode": {"instances": 3, "busy_s": 30.0, "decode_rows": 1, **batch, "decode_batch": 16.0},
+    }
+    new = {"load": {"prefill_share": 0.0, "roles": layout, "simulated_s": 10.0}}
+    base = {"load": {"prefill_share": 0.2, "roles": {"colocated": pd}, "simulated_s": 10.0}}
+    b = bound.bound([new, new], [base, base], roof)
+    d = bound.decode_step_s(roof, 16, 1000) / bound.decode_step_s(roof, 8, 1000)
+    assert d > 1 and b["d_ratio"]["mean"] == pytest.approx(d)
+    assert b["u_p"]["mean"] == pytest.approx(0.5) and b["u_p"]["ci95"] == 0
+    assert b["bound"]["mean"] == pytest.approx((1 - 0.25 * 0.5) * d)
+    assert b["stall"]["mean"] == pytest.approx(0.8 * d)
+    assert b["floor"]["mean"] == pytest.approx(0.75 * d)
+    assert bound.bound([base], [base], roof) is None  # not a disaggregated layout
 
 
 def test_a_comparison_that_still_moves_is_run_again_with_twice_the_sessions():

@@ -73,28 +73,18 @@ class ProbeReply(Msg):
 # "auto" or a transport of the KV link table (disagg.links, above this module: the name is
 # checked against the table where it is used, in the frontend and in the instance)
 Transport = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
-MAX_NIXL_METADATA = 1 << 20  # an agent's metadata is ~0.5 KiB on one host; a few per NIC
-
-
-class NixlInfo(msgspec.Struct, forbid_unknown_fields=True):
-    """An instance's NIXL agent as its peers learn it: the agent's name and metadata (loaded
-    by each peer that writes into it), and the region peers write into: ``num_blocks`` blocks
-    of ``block_bytes`` each (whole-model layout) from ``address``, in ``memory`` ("DRAM" or
-    "VRAM") of device ``device_id``."""
-
-    agent: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-    metadata: Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_NIXL_METADATA)]
-    address: Annotated[int, msgspec.Meta(gt=0, le=(1 << 63) - 1)]
-    block_bytes: Annotated[int, msgspec.Meta(gt=0)]
-    num_blocks: Annotated[int, msgspec.Meta(gt=0)]
-    memory: Literal["DRAM", "VRAM"]
-    device_id: Count = 0
+# What one KV link of an instance tells its peers (an agent's metadata and region for NIXL):
+# bytes the control plane passes on unread, decoded and checked by the link's own class.
+MAX_LINK_DATA = 1 << 20  # NIXL's is ~0.5 KiB on one host; a few per NIC
+LinkData = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_LINK_DATA)]
+MAX_LINKS = 16  # link data entries one instance may announce
 
 
 class PeerInfo(msgspec.Struct, forbid_unknown_fields=True):
     """An instance as its peers learn it: where it listens, how to map its pool (``handle``,
-    same host only), its host's identity, and the KV transport: in ``Ready`` the one it asks
-    for, in ``Peers`` the one the frontend chose for the pair."""
+    same host only), its host's identity, the KV transport (in ``Ready`` the one it asks for,
+    in ``Peers`` the one the frontend chose for the pair) and ``links``: by transport, what
+    that KV link of the instance tells peers reaching it so (opaque here)."""
 
     name: str
     role: str
@@ -102,7 +92,7 @@ class PeerInfo(msgspec.Struct, forbid_unknown_fields=True):
     handle: dict[str, Any] | None
     host: str = ""
     transport: Transport = "auto"
-    nixl: NixlInfo | None = None
+    links: Annotated[dict[Transport, LinkData], msgspec.Meta(max_length=MAX_LINKS)] = {}
 
 
 class Ready(Msg):
