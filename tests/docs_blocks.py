@@ -120,6 +120,21 @@ def blocks(path: Path) -> list[Block]:
     return found
 
 
+UNFENCED = re.compile(r"^ {4,}(\.venv/bin/)?(python3?|minimemserve|bash|pip|curl) ")
+
+
+def unfenced_commands(path: Path) -> list[str]:
+    """``file:line`` of every command in an indented code block: the test sees fenced blocks
+    only, so a documented command must be in one."""
+    found, fenced = [], False
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and UNFENCED.match(line):
+            found.append(f"{path.name}:{number}: {line.strip()}")
+    return found
+
+
 # --------------------------------------------------------------------------- bash blocks
 
 

@@ -36,6 +36,7 @@ from docs_blocks import (
     is_serve,
     logical_lines,
     python_imports,
+    unfenced_commands,
 )
 
 BLOCK_TIMEOUT_S = 300  # one block, run
@@ -49,14 +50,13 @@ def _venv_bin() -> Path:
     return Path(sys.executable).parent
 
 
-def _env(tmp: Path) -> dict[str, str]:
+def _env() -> dict[str, str]:
     """The blocks' environment: the project's interpreter and commands first on PATH, the
     checkout importable, nothing proxied (loopback only)."""
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
     env["PATH"] = f"{_venv_bin()}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = str(REPO)
     env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
-    env["TMPDIR"] = str(tmp)
     return env
 
 
@@ -112,7 +112,7 @@ def _wait_healthy(proc: subprocess.Popen, port: int, log: Path) -> None:
 
 def run_block(block: Block, tmp: Path, timeout_s: float) -> None:
     """Run ``block`` in a fresh folder under ``tmp``; fails with its output unless it exits 0."""
-    work, env = _workdir(tmp), _env(tmp)
+    work, env = _workdir(tmp), _env()
     server = _server(block, work, env) if "server" in block.marks else None
     with server if server else _nothing() as port:
         if block.lang == "bash":
@@ -160,7 +160,7 @@ def dry_run(checks: list[Check], tmp: Path) -> list[str | None]:
         [sys.executable, str(Path(__file__).with_name("docs_dry_run.py")), str(out)],
         input=json.dumps([[c.kind, list(c.argv)] for c in checks]),
         cwd=REPO,
-        env=_env(tmp),
+        env=_env(),
         capture_output=True,
         text=True,
         timeout=DRY_RUN_TIMEOUT_S,
@@ -221,6 +221,7 @@ def test_docs_block(block, tmp_path, dry_runs):
 
 
 @pytest.mark.docs_full
+@pytest.mark.timeout(FULL_TIMEOUT_S + 120)
 @pytest.mark.parametrize("block", ALL, ids=[b.name for b in ALL])
 def test_docs_block_full(block, tmp_path, dry_runs):
     """The whole set: ``slow`` blocks run too; ``skip`` blocks are checked as by default."""
@@ -241,6 +242,14 @@ def test_every_doc_has_its_blocks_found():
     assert {"README.md", "serving.md", "hosts.md", "ray.md"} <= names
     readme = [b for b in ALL if b.path == REPO / "README.md"]
     assert len(readme) >= 4 and {b.lang for b in readme} == {"bash", "python"}
+
+
+def test_every_documented_command_is_in_a_fenced_block(tmp_path):
+    found = [line for path in doc_files() for line in unfenced_commands(path)]
+    assert not found, "indented commands the docs test cannot see: " + "; ".join(found)
+    path = tmp_path / "doc.md"
+    path.write_text("Run:\n\n    minimemserve bench --rate 2\n\n```bash\nminimemserve x\n```\n")
+    assert unfenced_commands(path) == ["doc.md:3: minimemserve bench --rate 2"]
 
 
 def test_a_renamed_option_fails_the_docs_test(tmp_path):
