@@ -5,12 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import warnings
 from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, renamed
 from .memory import device_share
 from .recipes import MILESTONES, Milestone, Role
 from .scheduler.local import STEP_POLICIES
@@ -180,13 +179,5 @@ class EngineConfig:
         return dataclasses.replace(self, instances_on_device=instances)
 
 
-def __getattr__(name: str):
-    """``SCHEDULERS``: the deprecated name of ``scheduler.local.STEP_POLICIES``."""
-    if name == "SCHEDULERS":
-        warnings.warn(
-            "config.SCHEDULERS is deprecated; use scheduler.local.STEP_POLICIES",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return STEP_POLICIES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The old name of the step policies, served with a warning for one release.
+__getattr__ = renamed(__name__, {"SCHEDULERS": ("scheduler.local.STEP_POLICIES", STEP_POLICIES)})

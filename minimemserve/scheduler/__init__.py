@@ -1,7 +1,6 @@
 """Schedulers: local (batching inside an instance) and global (routing between instances)."""
 
-import warnings
-
+from ..errors import renamed
 from .cost_model import CostModel, OpSample
 from .global_scheduler import (
     ROUTING,
@@ -29,14 +28,6 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    """``POLICIES``: the deprecated name of :data:`ROUTING_POLICIES` (the step policies are
-    :data:`STEP_POLICIES`)."""
-    if name == "POLICIES":
-        warnings.warn(
-            "minimemserve.scheduler.POLICIES is deprecated; use ROUTING_POLICIES",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return ROUTING_POLICIES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The old name of the routing policies (the step policies are STEP_POLICIES), served with a
+# warning for one release.
+__getattr__ = renamed(__name__, {"POLICIES": ("ROUTING_POLICIES", ROUTING_POLICIES)})

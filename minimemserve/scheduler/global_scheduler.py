@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from minimemserve.errors import ConfigError, InstanceDied, InvalidRequest
+from minimemserve.errors import ConfigError, InstanceDied, InvalidRequest, renamed
 from minimemserve.mempool.radix import RadixTree, as_tokens
 
 # Expired entries on paths no lookup walks are swept this often, so the trees stay bounded.
@@ -399,13 +399,5 @@ ROUTING_POLICIES = tuple(ROUTING)
 MOVES_PREFIXES = tuple(name for name, rule in ROUTING.items() if rule.moves_prefixes)
 
 
-def __getattr__(name: str):
-    """``POLICIES``: the deprecated name of :data:`ROUTING_POLICIES`."""
-    if name == "POLICIES":
-        warnings.warn(
-            "global_scheduler.POLICIES is deprecated; use ROUTING_POLICIES",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return ROUTING_POLICIES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The old name of the routing policies, served with a warning for one release.
+__getattr__ = renamed(__name__, {"POLICIES": ("ROUTING_POLICIES", ROUTING_POLICIES)})

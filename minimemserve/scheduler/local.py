@@ -5,11 +5,10 @@ tensors here."""
 from __future__ import annotations
 
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable
 
-from ..errors import ConfigError, PoolExhausted
+from ..errors import ConfigError, PoolExhausted, renamed
 from ..recipes import Hook, Recipe
 from ..request import Request, Status
 
@@ -19,16 +18,8 @@ from ..request import Request, Status
 STEP_POLICIES = ("chunked", "prefill_first")
 
 
-def __getattr__(name: str):
-    """``POLICIES``: the deprecated name of :data:`STEP_POLICIES`."""
-    if name == "POLICIES":
-        warnings.warn(
-            "scheduler.local.POLICIES is deprecated; use STEP_POLICIES",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return STEP_POLICIES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The old name of the step policies, served with a warning for one release.
+__getattr__ = renamed(__name__, {"POLICIES": ("STEP_POLICIES", STEP_POLICIES)})
 
 
 class LocalScheduler:
