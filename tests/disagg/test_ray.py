@@ -78,7 +78,7 @@ def test_the_old_ray_options_spelling_warns_and_gives_the_options():
 
 def test_without_ray_the_error_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray now raises ImportError
-    with pytest.raises(ConfigError, match=r"pip install 'minimemserve\[ray\]'"):
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[ray\]'"):
         import_ray()
 
 
