@@ -310,6 +310,10 @@ def test_ctrl_c_or_sigterm_on_the_frontend_shuts_everything_down(tiny_llama_dir,
         else:
             proc.send_signal(sig)
         proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"the frontend did not exit within 30 s; its log:\n{proc.stderr.read()}")
     finally:
         if proc.poll() is None:
             proc.kill()
