@@ -263,12 +263,16 @@ def test_bad_request_raises_in_the_frontend(tiny_llama_dir):
 
 
 FRONTEND_SCRIPT = """
+import signal
 import sys
 from minimemserve.config import EngineConfig
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.scheduler.global_scheduler import Route
 
 if __name__ == "__main__":
+    # Ctrl-C raises KeyboardInterrupt, as in a shell, even if the test run ignores SIGINT
+    # (an ignored signal is inherited across exec)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     cfg = EngineConfig(num_blocks=16)
     with ProcessCluster(sys.argv[1], "1P1D", engine_config=cfg, start_method="forkserver") as c:
         print(" ".join(str(i.process.pid) for i in c.instances.values()), flush=True)
