@@ -17,6 +17,7 @@ transfers are those of a real run."""
 
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
 import heapq
@@ -94,9 +95,10 @@ class SimPool(MemPool):
     """A ``MemPool`` on the ``meta`` device that reports each transfer it sends:
     ``on_send(src, dst, blocks_sent)`` books it and returns its :class:`Transfer`."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, *, on_send, **kw) -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, *, on_send, reached, **kw) -> None:
         super().__init__(layout, num_blocks, **kw | {"device": "meta", "tensor_factory": _meta})
         self.on_send: Callable[[SimPool, MemPool, int], Transfer] = on_send
+        self.reached: Callable[[MemPool], None] = reached  # before a peer touches a pool
         self.last: Transfer | None = None  # the transfer sent from here last
 
     def _sent(self, dst: MemPool, before: int) -> None:
@@ -104,6 +106,8 @@ class SimPool(MemPool):
 
     def transfer(self, dst: KVReceiver, src_blocks: Sequence[int]) -> list[int]:
         """``MemPool.transfer``, its link time booked."""
+        self.reached(self)
+        self.reached(dst)
         before = self.counters["sent_blocks"]
         got = super().transfer(dst, src_blocks)
         self._sent(dst, before)
@@ -113,6 +117,8 @@ class SimPool(MemPool):
         self, dst: KVReceiver, tokens: Sequence[int], src_blocks: Sequence[int]
     ) -> list[int]:
         """``MemPool.transfer_with_insert``, its link time booked."""
+        self.reached(self)
+        self.reached(dst)
         before = self.counters["sent_blocks"]
         got = super().transfer_with_insert(dst, tokens, src_blocks)
         self._sent(dst, before)
@@ -190,6 +196,18 @@ class SimEngine(Engine):
         span = self.model_config.vocab_size - FIRST_OUTPUT_TOKEN
         return stand_in_token(base, len(req.tokens) - req.num_prompt, span, self._eos)
 
+    def decode_ahead(self, batch: Sequence[tuple[Request, int]], k: int) -> None:
+        """What ``k`` decode steps of ``batch`` leave behind when none ends a request: each
+        request computed ``k`` more tokens and holds ``k`` more stand-in tokens, as ``k``
+        rounds of :meth:`end_step` would leave it (its blocks are the caller's to grow)."""
+        span = self.model_config.vocab_size - FIRST_OUTPUT_TOKEN
+        for req, _ in batch:
+            self._token(req)  # its hash, once
+            base, pos = self._bases[req.request_id], len(req.tokens) - req.num_prompt
+            req.tokens.extend(stand_in_tokens(base, pos, k, span, self._eos))
+            req.num_computed += k
+            req.metrics.output_tokens = len(req.tokens) - req.num_prompt
+
 
 def stand_in_token(base: int, position: int, span: int, eos: set[int]) -> int:
     """The stand-in output token at ``position`` of a request whose id hashes to ``base``:
@@ -199,6 +217,14 @@ def stand_in_token(base: int, position: int, span: int, eos: set[int]) -> int:
     while tok in eos:
         tok = FIRST_OUTPUT_TOKEN + (tok + 1 - FIRST_OUTPUT_TOKEN) % span
     return tok
+
+
+def stand_in_tokens(base: int, position: int, n: int, span: int, eos: set[int]) -> list[int]:
+    """:func:`stand_in_token` at ``n`` positions from ``position``."""
+    out = [FIRST_OUTPUT_TOKEN + (base + 7919 * p) % span for p in range(position, position + n)]
+    if not eos.isdisjoint(out):
+        out = [stand_in_token(base, p, span, eos) for p in range(position, position + n)]
+    return out
 
 
 def stand_in_answer(request_id: str, n: int, model_config: ModelConfig) -> list[int]:
@@ -222,6 +248,37 @@ def open_arrivals(
     return [(si, k, t) for (si, k), t in zip(turns, times)]
 
 
+@dataclass
+class DecodeRun:
+    """Quiet decode steps booked ahead (``SimCluster._start_run``): their ``batch``, each
+    step's shape and seconds, the times the steps begin and end (``times[k]`` to
+    ``times[k + 1]``), and how many steps it may reach (``limit``: only its last may end a
+    request, and their blocks are free)."""
+
+    batch: list
+    shapes: list[StepShape]
+    seconds: list[float]
+    times: list[float]
+    limit: int
+
+
+def _growth(batch, steps: int, block_size: int) -> int:
+    """Blocks the first ``steps`` decode steps of ``batch`` take beyond those it holds."""
+    return sum(max(0, -(-(r.num_computed + steps) // block_size) - len(r.blocks)) for r, _ in batch)
+
+
+def _growth_order(batch, steps: int, block_size: int) -> list[tuple[int, int]]:
+    """``(step, row)`` of each block that steps 2 to ``steps`` of ``batch`` take (a row's
+    blocks run out every ``block_size`` steps), in the order stepping takes them."""
+    out = []
+    for i, (r, _) in enumerate(batch):
+        # step k computes token num_computed + k - 1: it needs a block when that is past them
+        first = max(2, len(r.blocks) * block_size - r.num_computed + 1)
+        out.extend((k, i) for k in range(first, steps + 1, block_size))
+    out.sort()
+    return out
+
+
 @dataclass(eq=False)
 class SimInstance:
     """One simulated instance as peers see it (``name``, ``pool``, ``accept``)."""
@@ -242,6 +299,7 @@ class SimInstance:
     prefilling: bool = False  # that step has prefill work
     step_began: float = 0.0
     step_ends: float = 0.0
+    run: DecodeRun | None = None  # quiet decode steps booked ahead
 
     def __post_init__(self) -> None:
         self.pool = self.engine.pool
@@ -382,6 +440,7 @@ class Network:
         at its end); the copy takes its time once the link is free."""
         while t.steps:
             if t.steps[0] is Transfer.CALL:
+                self.cluster.catch_up(t.dst)
                 if t.dst.busy:
                     t.dst.asked.append(t)
                     return
@@ -449,6 +508,7 @@ class SimCluster:
         self._seq = itertools.count()
         self._events = []
         self.steps = 0
+        self.run_steps = 0  # of them, stepped in decode runs (see _start_run)
         # instance-seconds in steps, in steps with prefill work, and decode-seconds held up
         self.busy_s = self.prefill_busy_s = self.decode_stall_s = 0.0
         self.instances = self._make_instances(
@@ -486,6 +546,7 @@ class SimCluster:
                 layout,
                 num_blocks,
                 on_send=self.net.send,
+                reached=self._reached,
                 dtype=dtype,
                 instance_id=name,
                 dram_blocks=engine_config.dram_blocks,
@@ -501,6 +562,10 @@ class SimCluster:
             out.append(SimInstance(name, role, eng, self, i))
         return out
 
+    def _reached(self, pool: MemPool) -> None:
+        """A peer touches ``pool``: its instance catches up first (:meth:`catch_up`)."""
+        self.catch_up(self.by_pool[id(pool)])
+
     # ---- what recipes need (Peers) -----------------------------------------------------------
     def decodes(self) -> dict[str, SimInstance]:
         """The decode instances, by name (simulated ones do not die)."""
@@ -512,14 +577,20 @@ class SimCluster:
 
     def offer(self, peer: SimInstance, blocks: int, tokens) -> tuple[int, int] | None:
         """Its load and cached prefix of ``tokens`` if it has room for ``blocks`` blocks (KV
-        on the wire to it counted)."""
+        on the wire to it counted). A run of decodes there changes none of it while its index
+        is empty (each block it takes shrinks what its request may still grow by as much):
+        only a peer that caches anything catches up first."""
+        if peer.pool.index.num_blocks:
+            self.catch_up(peer)
         if not peer.engine.has_room(blocks, peer.incoming):
             return None
         return peer.load(), peer.pool.cached_prefix_len(tokens)
 
     def prefill_pool(self, req: Request) -> MemPool:
         """The pool of the instance that prefilled ``req``."""
-        return self.by_name[req.prefill_instance].pool
+        inst = self.by_name[req.prefill_instance]
+        self.catch_up(inst)
+        return inst.pool
 
     def peer_failed(self, name: str, error: Exception) -> None:
         """Simulated peers do not fail."""
@@ -541,6 +612,7 @@ class SimCluster:
             self._kick()
 
     def _deliver(self, inst: SimInstance, req: Request) -> None:
+        self.catch_up(inst)
         inst.incoming.remove(req)
         inst.engine.add_prefilled(req)
         self.dirty[inst] = None
@@ -563,19 +635,130 @@ class SimCluster:
                 self._blocked[inst] = None
                 continue
             started.append((inst, shape))
+        priced = []
         for inst, shape in started:
-            self.steps += 1
             seconds = self.step_time(shape) * self._slowdown(inst) if shape.tokens else 0.0
             inst.step_ends = self.now + seconds
+            priced.append((inst, shape, seconds))
+        for inst, shape, seconds in priced:  # each sees the others' steps begun
+            if self.run_ahead and not self.contended and not shape.prefills:
+                if self._start_run(inst, shape, seconds):
+                    continue
+            self._count_step(inst, shape, seconds)
             self.at(inst.step_ends, self._end_step, (inst,))
-            self.busy_s += seconds
-            inst.busy_s += seconds
-            if n := len(shape.decodes):
-                inst.decode_rows += n
-                inst.decode_batch_sum += n * n
-                inst.decode_context_sum += sum(shape.decodes)
             if shape.prefills:
                 self._count_stall(inst, shape, seconds)
+
+    def _count_step(self, inst: SimInstance, shape: StepShape, seconds: float) -> None:
+        """Count a step's time and its decode rows."""
+        self.steps += 1
+        self.busy_s += seconds
+        inst.busy_s += seconds
+        if n := len(shape.decodes):
+            inst.decode_rows += n
+            inst.decode_batch_sum += n * n
+            inst.decode_context_sum += sum(shape.decodes)
+
+    # ---- decode runs ------------------------------------------------------------------------
+    # A step of decodes alone that ends no request changes its instance and nothing else. So an
+    # instance whose batch is such decodes books them as one *run* (:class:`DecodeRun`) and
+    # steps them only when something reaches it (a request, a transfer or its calls, a peer's
+    # offer or pool call: :meth:`catch_up`) or the run's last step ends: the records are those
+    # of stepping one by one (tests/sim check it), at a fraction of the cost.
+    run_ahead = True
+    RUN_STEPS = 4  # steps a run prices first; each time they all pass, it prices twice as many
+
+    @staticmethod
+    def _steps_left(req: Request) -> int:
+        """The decode steps from the one ``req`` is in through the one that may end it."""
+        p, n = req.params, len(req.tokens)
+        if p.stop_token_ids:  # a stand-in token could be one
+            return 1
+        return max(1, min(p.max_tokens - (n - req.num_prompt), req.max_total_tokens - n))
+
+    def _quiet_batch(self, inst: SimInstance) -> list | None:
+        """The batch of ``inst``'s step under way if it holds decodes alone, every request
+        here is in it, and nothing waits, arrives, is parked or moves; else None."""
+        eng, sched = inst.engine, inst.engine.scheduler
+        plan = eng._pending
+        if plan is None or plan.failed or plan.done or eng.handoffs or inst.incoming:
+            return None
+        if inst.sending or inst.beside or inst.asked or sched.waiting or sched.parked:
+            return None
+        if len(plan.batch) != len(sched.running):
+            return None
+        for req, n in plan.batch:
+            if n != 1 or not req.prefilled:
+                return None
+        return plan.batch
+
+    def _start_run(self, inst: SimInstance, shape: StepShape, seconds: float) -> bool:
+        """Book ``inst``'s step just begun and those after it as a run when its batch is
+        quiet (:meth:`_quiet_batch`): all but its last step end no request, and their blocks
+        are there to take; free ones only where the frontend's prompt tree follows the pool
+        (evictions would change what it sees)."""
+        batch = self._quiet_batch(inst)
+        if batch is None:
+            return False
+        limit = min(self._steps_left(r) for r, _ in batch)
+        bs, pool = inst.pool.block_size, inst.pool
+        free = pool.num_free() if pool.on_change is not None else pool.num_available()
+        if limit > 1 and _growth(batch, limit, bs) > free:
+            lo, hi = 1, limit  # the most steps whose blocks are free
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if _growth(batch, mid, bs) <= free else (lo, mid)
+            limit = lo
+        if limit == 1:
+            return False
+        inst.run = DecodeRun(batch, [shape], [seconds], [self.now, self.now + seconds], limit)
+        self._price(inst, inst.run, self.RUN_STEPS)
+        return True
+
+    def _price(self, inst: SimInstance, run: DecodeRun, steps: int) -> None:
+        """Price up to ``steps`` more steps of ``run`` and book the end of its last."""
+        base, rows = run.shapes[0].decodes, len(run.batch)
+        for k in range(len(run.shapes), min(run.limit, len(run.shapes) + steps)):
+            shape = StepShape((), tuple(map(k.__add__, base)), rows)
+            run.shapes.append(shape)
+            run.seconds.append(self.step_time(shape))
+            run.times.append(run.times[-1] + run.seconds[-1])
+        self.at(run.times[-1], self._run_passes, (inst, run))
+
+    def catch_up(self, inst: SimInstance) -> None:
+        """Something reaches ``inst`` now: step its run to where stepping one by one would be
+        (every step that ended by now done, the next under way, its end booked)."""
+        if (run := inst.run) is not None:
+            done = min(bisect.bisect_right(run.times, self.now) - 1, len(run.shapes) - 1)
+            self._land(inst, run, done)
+            self.at(inst.step_ends, self._end_step, (inst,))
+
+    def _run_passes(self, inst: SimInstance, run: DecodeRun) -> None:
+        """The last step priced of ``run`` ends, nothing having reached ``inst`` (else this is
+        an old booking): price on, or end the run's last step as stepping would."""
+        if inst.run is not run:
+            return
+        if len(run.shapes) < run.limit:
+            self._price(inst, run, len(run.shapes))
+            return
+        self._land(inst, run, len(run.shapes) - 1)
+        self._end_step(inst)
+
+    def _land(self, inst: SimInstance, run: DecodeRun, done: int) -> None:
+        """Leave ``inst`` as stepping would have after ``done`` steps of ``run``, the next one
+        under way: those steps counted, their tokens made, their blocks taken in turn."""
+        inst.run = None
+        self.run_steps += done
+        for k in range(done):
+            self._count_step(inst, run.shapes[k], run.seconds[k])
+        sched, batch = inst.engine.scheduler, run.batch
+        for k, i in _growth_order(batch, done + 1, inst.pool.block_size):
+            r = batch[i][0]
+            sched._alloc_to(r, r.num_computed + k)
+        if done:
+            inst.engine.decode_ahead(batch, done)
+        self._count_step(inst, run.shapes[done], run.seconds[done])
+        inst.step_began, inst.step_ends = run.times[done], run.times[done + 1]
 
     def _count_stall(self, inst: SimInstance, shape: StepShape, seconds: float) -> None:
         """A step with prefill work: its time, and what it holds up the requests decoding on
@@ -673,6 +856,7 @@ class SimCluster:
             self.by_name[route.transfer_from].pool.last.done.append(enqueue)
 
     def _enqueue(self, inst: SimInstance, prompt, params, rid: str, arrival: float) -> None:
+        self.catch_up(inst)
         inst.engine.add_request(prompt, params, rid, arrival)
         self.dirty[inst] = None
 
@@ -680,6 +864,7 @@ class SimCluster:
         """``src`` sends its cached prefix of ``prompt`` to ``dst`` (booked as ``src``'s last
         transfer): the tokens sent, 0 when nothing of it is cached there any more or ``dst``
         has no room for it."""
+        self.catch_up(self.by_name[src_name])
         src, dst = self.by_name[src_name].pool, self.by_name[dst_name].pool
         blocks = src.match(prompt)
         if not blocks:

@@ -301,6 +301,7 @@ def simulate(
             "wall_s": wall,
             "simulated_s": max(ends, default=0.0),
             "steps": cluster.steps,
+            "run_steps": cluster.run_steps,
             "steps_per_s": cluster.steps / wall if wall else None,
             "transfers": cluster.net.transfers,
             "prefix_pushes": cluster.scheduler.num_transfers,

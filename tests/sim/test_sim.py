@@ -3,6 +3,7 @@ roofline that respects its bounds, clear errors, and the CLI end to end."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -697,3 +698,46 @@ def test_a_finite_run_sends_each_turn_at_its_arrival_whatever_finished(tiny_sess
     assert {key: r["prompt_tokens"] for key, r in got.items()} == lengths
     with pytest.raises(ConfigError, match="arrivals"):
         setup.cluster("PD").replay(tiny_sessions, 1.0, 0, progress=False, arrivals="burst")
+
+
+# (configuration, local scheduler, arrivals, KV blocks per instance: few force evictions and
+# preemptions, None: the hardware's)
+RUN_CASES = [
+    ("PD", "prefill_first", "closed", None),
+    ("PD-CC", "chunked", "closed", None),
+    ("1P3D", "prefill_first", "open", None),
+    ("1P3D-CC", "prefill_first", "closed", None),
+    ("2P2D-CC", "chunked", "open", None),
+    ("PD", "chunked", "open", 60),
+    ("PD-CC", "prefill_first", "closed", 60),
+]
+
+
+@pytest.fixture(scope="module")
+def long_answers():
+    tok = Tokenizer.from_dir(preset_dir("tiny"))
+    return make_workload("sharegpt", tok, 24, 1024, seed=2, max_turns=3, max_output_tokens=96)
+
+
+@pytest.mark.parametrize("case", RUN_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_decode_runs_leave_the_records_of_stepping_one_by_one(long_answers, case):
+    config, scheduler, arrivals, blocks = case
+    setup = gpu_setup("llama2-13b", "h800", 8, 2, scheduler=scheduler)
+    if blocks is not None:
+        setup = dataclasses.replace(setup, num_blocks=blocks)
+    runs = {}
+    for run_ahead in (False, True):
+        cluster = setup.cluster(config)
+        cluster.run_ahead = run_ahead
+        records = cluster.replay(long_answers, 6.0, 0, progress=False, arrivals=arrivals)
+        cluster.check_pools()
+        runs[run_ahead] = records, cluster
+    (one, by_one), (ahead, by_runs) = runs[False], runs[True]
+    assert ahead == one
+    assert all(r["error"] is None for r in one)
+    assert by_runs.steps == by_one.steps and by_one.run_steps == 0
+    assert by_runs.run_steps > 0.2 * by_runs.steps  # most decode steps went in runs
+    assert by_runs.busy_s == pytest.approx(by_one.busy_s)
+    assert by_runs.net.transfers == by_one.net.transfers
+    if blocks is not None:  # the pools ran full
+        assert sum(r["preemptions"] for r in one) > 0
