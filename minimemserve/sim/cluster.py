@@ -27,6 +27,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -252,19 +253,46 @@ def open_arrivals(
 class DecodeRun:
     """Quiet decode steps booked ahead (``SimCluster._start_run``): their ``batch``, each
     step's shape and seconds, the times the steps begin and end (``times[k]`` to
-    ``times[k + 1]``), and how many steps it may reach (``limit``: only its last may end a
-    request, and their blocks are free)."""
+    ``times[k + 1]``), how many steps it may reach (``limit``: only its last may end a
+    request, and their blocks are there) and the first that evicts (1-based)."""
 
     batch: list
     shapes: list[StepShape]
     seconds: list[float]
     times: list[float]
     limit: int
+    evicts: int  # the first step that evicts a cached block (past limit: none)
 
 
-def _growth(batch, steps: int, block_size: int) -> int:
-    """Blocks the first ``steps`` decode steps of ``batch`` take beyond those it holds."""
-    return sum(max(0, -(-(r.num_computed + steps) // block_size) - len(r.blocks)) for r, _ in batch)
+def _run_limit(batch, block_size: int, free: int, available: int) -> tuple[int, int]:
+    """How many decode steps of ``batch``, from the one under way, may run as one, and the
+    first of them that evicts: through the first step that may end a request (1 when a
+    stand-in token could be a stop token), and before the one that needs more new blocks than
+    ``available``; the step that needs more than ``free`` evicts."""
+    limit, firsts = 1 << 30, []
+    for r, _ in batch:
+        p = r.params
+        if p.stop_token_ids:
+            return 1, 1
+        limit = min(limit, min(p.max_tokens + r.num_prompt, r.max_total_tokens) - len(r.tokens))
+        # step k computes token num_computed + k - 1: it needs a block when that is past them
+        firsts.append(max(2, len(r.blocks) * block_size - r.num_computed + 1))
+    limit = max(1, limit)
+    f = np.array(firsts)
+
+    def needed(step: int) -> int:  # new blocks through ``step``
+        return int(np.maximum(0, (step - f) // block_size + 1).sum())
+
+    def first_past(blocks: int) -> int:  # the first step whose blocks exceed ``blocks``
+        if needed(limit) <= blocks:
+            return limit + 1
+        lo, hi = 1, limit  # needed(lo) <= blocks < needed(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if needed(mid) <= blocks else (lo, mid)
+        return hi
+
+    return min(limit, first_past(available) - 1), first_past(free)
 
 
 def _growth_order(batch, steps: int, block_size: int) -> list[tuple[int, int]]:
@@ -577,10 +605,10 @@ class SimCluster:
 
     def offer(self, peer: SimInstance, blocks: int, tokens) -> tuple[int, int] | None:
         """Its load and cached prefix of ``tokens`` if it has room for ``blocks`` blocks (KV
-        on the wire to it counted). A run of decodes there changes none of it while its index
-        is empty (each block it takes shrinks what its request may still grow by as much):
-        only a peer that caches anything catches up first."""
-        if peer.pool.index.num_blocks:
+        on the wire to it counted). A run of decodes there changes none of it (each block it
+        takes shrinks what its request may still grow by as much) until it evicts, or where
+        a dram tier's onload room counts (:meth:`_touched`)."""
+        if self._touched(peer):
             self.catch_up(peer)
         if not peer.engine.has_room(blocks, peer.incoming):
             return None
@@ -663,27 +691,23 @@ class SimCluster:
     # A step of decodes alone that ends no request changes its instance and nothing else. So an
     # instance whose batch is such decodes books them as one *run* (:class:`DecodeRun`) and
     # steps them only when something reaches it (a request, a transfer or its calls, a peer's
-    # offer or pool call: :meth:`catch_up`) or the run's last step ends: the records are those
-    # of stepping one by one (tests/sim check it), at a fraction of the cost.
+    # offer or pool call: :meth:`catch_up`), a request is routed once the run has evicted from
+    # a pool the prompt trees follow, or the run's last step ends: the records are those of
+    # stepping one by one (tests/sim check it), at a fraction of the cost.
     run_ahead = True
     RUN_STEPS = 4  # steps a run prices first; each time they all pass, it prices twice as many
 
-    @staticmethod
-    def _steps_left(req: Request) -> int:
-        """The decode steps from the one ``req`` is in through the one that may end it."""
-        p, n = req.params, len(req.tokens)
-        if p.stop_token_ids:  # a stand-in token could be one
-            return 1
-        return max(1, min(p.max_tokens - (n - req.num_prompt), req.max_total_tokens - n))
-
     def _quiet_batch(self, inst: SimInstance) -> list | None:
         """The batch of ``inst``'s step under way if it holds decodes alone, every request
-        here is in it, and nothing waits, arrives, is parked or moves; else None."""
+        here is in it, nothing arrives, is parked or moves, and what waits cannot start
+        (:meth:`_waits_alone`); else None."""
         eng, sched = inst.engine, inst.engine.scheduler
         plan = eng._pending
         if plan is None or plan.failed or plan.done or eng.handoffs or inst.incoming:
             return None
-        if inst.sending or inst.beside or inst.asked or sched.waiting or sched.parked:
+        if inst.sending or inst.beside or inst.asked or sched.parked:
+            return None
+        if sched.waiting and not self._waits_alone(eng):
             return None
         if len(plan.batch) != len(sched.running):
             return None
@@ -692,26 +716,31 @@ class SimCluster:
                 return None
         return plan.batch
 
+    @staticmethod
+    def _waits_alone(eng: SimEngine) -> bool:
+        """Whether the first waiting request of ``eng`` (it did not start with the step under
+        way) stays waiting through a run without touching the pool: admission fails for
+        what does not change in a run (the running requests, the budget, the kind of step)
+        or for blocks, of which a run only takes; it touches the pool only when a caching
+        recipe matches a prompt on arrival."""
+        sched = eng.scheduler
+        if len(sched.running) >= sched.max_num_seqs or sched.waiting[0].blocks:
+            return True
+        return not eng.recipe.caches
+
     def _start_run(self, inst: SimInstance, shape: StepShape, seconds: float) -> bool:
         """Book ``inst``'s step just begun and those after it as a run when its batch is
         quiet (:meth:`_quiet_batch`): all but its last step end no request, and their blocks
-        are there to take; free ones only where the frontend's prompt tree follows the pool
-        (evictions would change what it sees)."""
+        are there to take (:func:`_run_limit`)."""
         batch = self._quiet_batch(inst)
         if batch is None:
             return False
-        limit = min(self._steps_left(r) for r, _ in batch)
-        bs, pool = inst.pool.block_size, inst.pool
-        free = pool.num_free() if pool.on_change is not None else pool.num_available()
-        if limit > 1 and _growth(batch, limit, bs) > free:
-            lo, hi = 1, limit  # the most steps whose blocks are free
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if _growth(batch, mid, bs) <= free else (lo, mid)
-            limit = lo
+        pool = inst.pool
+        limit, evicts = _run_limit(batch, pool.block_size, pool.num_free(), pool.num_available())
         if limit == 1:
             return False
-        inst.run = DecodeRun(batch, [shape], [seconds], [self.now, self.now + seconds], limit)
+        times = [self.now, self.now + seconds]
+        inst.run = DecodeRun(batch, [shape], [seconds], times, limit, evicts)
         self._price(inst, inst.run, self.RUN_STEPS)
         return True
 
@@ -724,6 +753,16 @@ class SimCluster:
             run.seconds.append(self.step_time(shape))
             run.times.append(run.times[-1] + run.seconds[-1])
         self.at(run.times[-1], self._run_passes, (inst, run))
+
+    def _touched(self, inst: SimInstance) -> bool:
+        """Whether ``inst``'s run changed what its cached prefixes look like by now: it evicted
+        (its first evicting step has begun), or the pool has a dram tier, whose onload room
+        every block it takes shrinks."""
+        if (run := inst.run) is None:
+            return False
+        if "dram" in inst.pool.tiers and inst.pool.index.num_blocks:
+            return True
+        return run.evicts <= len(run.shapes) and run.times[run.evicts - 1] <= self.now
 
     def catch_up(self, inst: SimInstance) -> None:
         """Something reaches ``inst`` now: step its run to where stepping one by one would be
@@ -838,6 +877,9 @@ class SimCluster:
         session = self._sessions[si]
         prompt = build_prompt(session, k, history)
         rid, params = f"{session.id}/{k}", self._params_for(session.turns[k])
+        for entry in self.entry:  # the prompt trees as they are now
+            if self._touched(entry):
+                self.catch_up(entry)
         route = self.frontend.route(prompt, params.max_tokens, session.id)
         inst = self.by_name[route.instance]
         try:
