@@ -272,8 +272,10 @@ def sweep(points: Points, workloads: Sequence[str], configs: Sequence[str]) -> d
             rates[w, c] = list(next(chains[w, c]))
             pending[w, c] = [submit(w, c, r) for r in rates[w, c]]
     while pending:
-        futures = [f for keys in pending.values() for k in keys for f in points.futures[k]]
-        wait(futures, return_when=FIRST_COMPLETED)
+        # the runs still going (a finished one would end every wait at once: a busy loop)
+        going = [f for ks in pending.values() for k in ks for f in points.futures[k] if not f.done()]
+        if going:
+            wait(going, return_when=FIRST_COMPLETED)
         for (w, c), keys in list(pending.items()):
             if not all(points.done(k) for k in keys):
                 continue
