@@ -273,7 +273,8 @@ def sweep(points: Points, workloads: Sequence[str], configs: Sequence[str]) -> d
             pending[w, c] = [submit(w, c, r) for r in rates[w, c]]
     while pending:
         # the runs still going (a finished one would end every wait at once: a busy loop)
-        going = [f for ks in pending.values() for k in ks for f in points.futures[k] if not f.done()]
+        going = [f for ks in pending.values() for k in ks for f in points.futures[k]]
+        going = [f for f in going if not f.done()]
         if going:
             wait(going, return_when=FIRST_COMPLETED)
         for (w, c), keys in list(pending.items()):
