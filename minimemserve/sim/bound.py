@@ -72,6 +72,7 @@ def ttft_share(runs: Sequence[dict]) -> dict:
     return interval([r["steady"]["ttft_mean"] / r["steady"]["jct_mean"] for r in runs])
 
 
-def respects(ratio: dict, b: dict) -> bool:
-    """Whether a simulated ratio (mean, 95 % interval) lies at or above its bound's interval."""
-    return ratio["mean"] + ratio["ci95"] >= b["bound"]["mean"] - b["bound"]["ci95"]
+def respects(ratio: dict, b: dict, term: str = "bound", slack: float = 0.0) -> bool:
+    """Whether a simulated ratio (mean, 95 % interval) reaches the interval of its bound's
+    ``term`` ("bound", or "floor": U_P = 1), less a relative ``slack``."""
+    return ratio["mean"] + ratio["ci95"] >= (b[term]["mean"] - b[term]["ci95"]) * (1 - slack)

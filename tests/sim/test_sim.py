@@ -35,7 +35,7 @@ from minimemserve.sim import (
 from minimemserve.sim.cluster import open_arrivals, scaled_deployment
 from minimemserve.sim.profiles import DATA_DIR, FEATURES, with_overhead
 from minimemserve.sim.runner import CPU_LINK, anchor_time, anchors
-from minimemserve.sim.sweep import Curve, Plan, bracket, knee_chain, ratio
+from minimemserve.sim.sweep import STEADY_TOLERANCE, Curve, Plan, bracket, knee_chain, ratio
 from minimemserve.workloads.results import OVERLOADED
 from minimemserve.workloads.sessions import make_workload, total_turns
 
@@ -593,7 +593,8 @@ def test_committed_paper_tables_are_rendered_from_their_json(run):
 @pytest.mark.parametrize("run", COMMITTED)
 def test_every_stable_disaggregation_ratio_respects_its_bound(run):
     """In the committed evaluation, every disaggregation on equal GPUs measured at a stable
-    matched load carries its bound, and its mean JCT ratio's interval reaches the bound's."""
+    matched load carries its bound; its mean JCT ratio's interval reaches the floor's, and the
+    bound's within what a ratio is trusted to."""
     result = json.loads((ROOT / "docs/paper" / run / "sim_paper.json").read_text())
     checked = 0
     for row in result["rows"]:
@@ -602,7 +603,10 @@ def test_every_stable_disaggregation_ratio_respects_its_bound(run):
         for name, cell in row["cells"].items():
             if not isinstance(cell["ratio"], dict) or paper.UNEQUAL_NOTE in name:
                 continue
-            assert bound.respects(cell["ratio"], cell["bound"]), (row["workload"], name)
+            # the floor is arithmetic; the bound an estimate, trusted as far as a ratio is
+            # (a ratio that moves by STEADY_TOLERANCE between N and 2N is not converged)
+            assert bound.respects(cell["ratio"], cell["bound"], "floor"), (row["workload"], name)
+            assert bound.respects(cell["ratio"], cell["bound"], slack=STEADY_TOLERANCE), name
             checked += 1
     assert checked >= 6
 
