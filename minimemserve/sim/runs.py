@@ -1,0 +1,190 @@
+"""Decode runs: a simulated instance's quiet decode steps booked ahead as one run and stepped
+only when something reaches the instance (mixed into ``SimCluster``; see docs/simulator.md).
+
+A step of decodes alone that ends no request changes its instance and nothing else. So an
+instance whose batch is such decodes books them as one *run* (:class:`DecodeRun`) and steps
+them only when something reaches it (a request, a transfer or its calls, a peer's offer or pool
+call: :meth:`DecodeRuns.catch_up`), a request is routed once the run has evicted from a pool the
+prompt trees follow, or the run's last step ends: the records are those of stepping one by one
+(tests/sim check it), at a fraction of the cost."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .profiles import StepShape
+
+# A ``cluster.SimInstance`` and its ``SimEngine`` (not imported: the cluster imports this).
+SimInstance = SimEngine = Any
+
+
+@dataclass
+class DecodeRun:
+    """Quiet decode steps booked ahead (``SimCluster._start_run``): their ``batch``, each
+    step's shape and seconds, the times the steps begin and end (``times[k]`` to
+    ``times[k + 1]``), how many steps it may reach (``limit``: only its last may end a
+    request, and their blocks are there) and the first that evicts (1-based)."""
+
+    batch: list
+    shapes: list[StepShape]
+    seconds: list[float]
+    times: list[float]
+    limit: int
+    evicts: int  # the first step that evicts a cached block (past limit: none)
+
+
+def _run_limit(batch, block_size: int, free: int, available: int) -> tuple[int, int]:
+    """How many decode steps of ``batch``, from the one under way, may run as one, and the
+    first of them that evicts: through the first step that may end a request (1 when a
+    stand-in token could be a stop token), and before the one that needs more new blocks than
+    ``available``; the step that needs more than ``free`` evicts."""
+    limit, firsts = 1 << 30, []
+    for r, _ in batch:
+        p = r.params
+        if p.stop_token_ids:
+            return 1, 1
+        limit = min(limit, min(p.max_tokens + r.num_prompt, r.max_total_tokens) - len(r.tokens))
+        # step k computes token num_computed + k - 1: it needs a block when that is past them
+        firsts.append(max(2, len(r.blocks) * block_size - r.num_computed + 1))
+    limit = max(1, limit)
+    f = np.array(firsts)
+
+    def needed(step: int) -> int:  # new blocks through ``step``
+        return int(np.maximum(0, (step - f) // block_size + 1).sum())
+
+    def first_past(blocks: int) -> int:  # the first step whose blocks exceed ``blocks``
+        if needed(limit) <= blocks:
+            return limit + 1
+        lo, hi = 1, limit  # needed(lo) <= blocks < needed(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if needed(mid) <= blocks else (lo, mid)
+        return hi
+
+    return min(limit, first_past(available) - 1), first_past(free)
+
+
+def _growth_order(batch, steps: int, block_size: int) -> list[tuple[int, int]]:
+    """``(step, row)`` of each block that steps 2 to ``steps`` of ``batch`` take (a row's
+    blocks run out every ``block_size`` steps), in the order stepping takes them."""
+    out = []
+    for i, (r, _) in enumerate(batch):
+        # step k computes token num_computed + k - 1: it needs a block when that is past them
+        first = max(2, len(r.blocks) * block_size - r.num_computed + 1)
+        out.extend((k, i) for k in range(first, steps + 1, block_size))
+    out.sort()
+    return out
+
+
+class DecodeRuns:
+    """The decode runs of a ``SimCluster`` (a mixin: it reads the cluster's clock, bookings,
+    instances and step counts)."""
+
+    run_ahead = True
+    RUN_STEPS = 4  # steps a run prices first; each time they all pass, it prices twice as many
+
+    def _quiet_batch(self, inst: SimInstance) -> list | None:
+        """The batch of ``inst``'s step under way if it holds decodes alone, every request
+        here is in it, nothing arrives, is parked or moves, and what waits cannot start
+        (:meth:`_waits_alone`); else None."""
+        eng, sched = inst.engine, inst.engine.scheduler
+        plan = eng._pending
+        if plan is None or plan.failed or plan.done or eng.handoffs or inst.incoming:
+            return None
+        if inst.sending or inst.beside or inst.asked or sched.parked:
+            return None
+        if sched.waiting and not self._waits_alone(eng):
+            return None
+        if len(plan.batch) != len(sched.running):
+            return None
+        for req, n in plan.batch:
+            if n != 1 or not req.prefilled:
+                return None
+        return plan.batch
+
+    @staticmethod
+    def _waits_alone(eng: SimEngine) -> bool:
+        """Whether the first waiting request of ``eng`` (it did not start with the step under
+        way) stays waiting through a run without touching the pool: admission fails for
+        what does not change in a run (the running requests, the budget, the kind of step)
+        or for blocks, of which a run only takes; it touches the pool only when a caching
+        recipe matches a prompt on arrival."""
+        sched = eng.scheduler
+        if len(sched.running) >= sched.max_num_seqs or sched.waiting[0].blocks:
+            return True
+        return not eng.recipe.caches
+
+    def _start_run(self, inst: SimInstance, shape: StepShape, seconds: float) -> bool:
+        """Book ``inst``'s step just begun and those after it as a run when its batch is
+        quiet (:meth:`_quiet_batch`): all but its last step end no request, and their blocks
+        are there to take (:func:`_run_limit`)."""
+        batch = self._quiet_batch(inst)
+        if batch is None:
+            return False
+        pool = inst.pool
+        limit, evicts = _run_limit(batch, pool.block_size, pool.num_free(), pool.num_available())
+        if limit == 1:
+            return False
+        times = [self.now, self.now + seconds]
+        inst.run = DecodeRun(batch, [shape], [seconds], times, limit, evicts)
+        self._price(inst, inst.run, self.RUN_STEPS)
+        return True
+
+    def _price(self, inst: SimInstance, run: DecodeRun, steps: int) -> None:
+        """Price up to ``steps`` more steps of ``run`` and book the end of its last."""
+        base, rows = run.shapes[0].decodes, len(run.batch)
+        for k in range(len(run.shapes), min(run.limit, len(run.shapes) + steps)):
+            shape = StepShape((), tuple(map(k.__add__, base)), rows)
+            run.shapes.append(shape)
+            run.seconds.append(self.step_time(shape))
+            run.times.append(run.times[-1] + run.seconds[-1])
+        self.at(run.times[-1], self._run_passes, (inst, run))
+
+    def _touched(self, inst: SimInstance) -> bool:
+        """Whether ``inst``'s run changed what its cached prefixes look like by now: it evicted
+        (its first evicting step has begun), or the pool has a dram tier, whose onload room
+        every block it takes shrinks."""
+        if (run := inst.run) is None:
+            return False
+        if "dram" in inst.pool.tiers and inst.pool.index.num_blocks:
+            return True
+        return run.evicts <= len(run.shapes) and run.times[run.evicts - 1] <= self.now
+
+    def catch_up(self, inst: SimInstance) -> None:
+        """Something reaches ``inst`` now: step its run to where stepping one by one would be
+        (every step that ended by now done, the next under way, its end booked)."""
+        if (run := inst.run) is not None:
+            done = min(bisect.bisect_right(run.times, self.now) - 1, len(run.shapes) - 1)
+            self._land(inst, run, done)
+            self.at(inst.step_ends, self._end_step, (inst,))
+
+    def _run_passes(self, inst: SimInstance, run: DecodeRun) -> None:
+        """The last step priced of ``run`` ends, nothing having reached ``inst`` (else this is
+        an old booking): price on, or end the run's last step as stepping would."""
+        if inst.run is not run:
+            return
+        if len(run.shapes) < run.limit:
+            self._price(inst, run, len(run.shapes))
+            return
+        self._land(inst, run, len(run.shapes) - 1)
+        self._end_step(inst)
+
+    def _land(self, inst: SimInstance, run: DecodeRun, done: int) -> None:
+        """Leave ``inst`` as stepping would have after ``done`` steps of ``run``, the next one
+        under way: those steps counted, their tokens made, their blocks taken in turn."""
+        inst.run = None
+        self.run_steps += done
+        for k in range(done):
+            self._count_step(inst, run.shapes[k], run.seconds[k])
+        sched, batch = inst.engine.scheduler, run.batch
+        for k, i in _growth_order(batch, done + 1, inst.pool.block_size):
+            r = batch[i][0]
+            sched._alloc_to(r, r.num_computed + k)
+        if done:
+            inst.engine.decode_ahead(batch, done)
+        self._count_step(inst, run.shapes[done], run.seconds[done])
+        inst.step_began, inst.step_ends = run.times[done], run.times[done + 1]
