@@ -37,6 +37,12 @@ class DecodeRun:
     evicts: int  # the first step that evicts a cached block (past limit: none)
 
 
+def _first_growth(req, block_size: int) -> int:
+    """The first decode step (the one under way is 1) for which ``req`` takes a new block:
+    step k computes token ``num_computed + k - 1``, past its blocks' room once."""
+    return max(2, len(req.blocks) * block_size - req.num_computed + 1)
+
+
 def _run_limit(batch, block_size: int, free: int, available: int) -> tuple[int, int]:
     """How many decode steps of ``batch``, from the one under way, may run as one, and the
     first of them that evicts: through the first step that may end a request (1 when a
@@ -48,8 +54,7 @@ def _run_limit(batch, block_size: int, free: int, available: int) -> tuple[int, 
         if p.stop_token_ids:
             return 1, 1
         limit = min(limit, min(p.max_tokens + r.num_prompt, r.max_total_tokens) - len(r.tokens))
-        # step k computes token num_computed + k - 1: it needs a block when that is past them
-        firsts.append(max(2, len(r.blocks) * block_size - r.num_computed + 1))
+        firsts.append(_first_growth(r, block_size))
     limit = max(1, limit)
     f = np.array(firsts)
 
@@ -73,9 +78,7 @@ def _growth_order(batch, steps: int, block_size: int) -> list[tuple[int, int]]:
     blocks run out every ``block_size`` steps), in the order stepping takes them."""
     out = []
     for i, (r, _) in enumerate(batch):
-        # step k computes token num_computed + k - 1: it needs a block when that is past them
-        first = max(2, len(r.blocks) * block_size - r.num_computed + 1)
-        out.extend((k, i) for k in range(first, steps + 1, block_size))
+        out.extend((k, i) for k in range(_first_growth(r, block_size), steps + 1, block_size))
     out.sort()
     return out
 
