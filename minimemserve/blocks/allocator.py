@@ -62,6 +62,20 @@ class BlockAllocator:
         self._num_free -= n
         return out
 
+    def take(self, blocks: Sequence[int]) -> None:
+        """Take the given free blocks with count 1 (a store restoring the ids it holds)."""
+        blocks = list(blocks)
+        for b in blocks:
+            self.check_id(b)
+            if not self._free_map[b]:
+                raise ValueError(f"block {b} is not free")
+        if len(set(blocks)) != len(blocks):
+            raise ValueError("take got the same block id twice")
+        for b in blocks:
+            self._free_map[b] = 0  # its queue entry is now stale
+            self._refcount[b] = 1
+        self._num_free -= len(blocks)
+
     def incref(self, blocks: Iterable[int]) -> None:
         """Add one reference to each block (a block listed twice gains two)."""
         blocks = list(blocks)

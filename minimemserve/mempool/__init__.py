@@ -1,12 +1,17 @@
 """MemPool: the elastic KV memory pool, its tiers and its block-granular radix index."""
 
+from minimemserve.mempool.chain import DISK, DRAM, HBM, TIERS, Disk, Dram, TierSpec
 from minimemserve.mempool.pool import MemPool
 from minimemserve.mempool.radix import RadixTree, as_tokens
-from minimemserve.mempool.tiers import DRAM, HBM, TIERS, PoolAccountingError
+from minimemserve.mempool.tiers import PoolAccountingError
 from minimemserve.mempool.transfer import KVReceiver
 
 __all__ = [
+    "DISK",
     "DRAM",
+    "Disk",
+    "Dram",
+    "TierSpec",
     "HBM",
     "TIERS",
     "KVReceiver",

@@ -4,7 +4,7 @@ state (free, cached-only, referenced) and the index, counts and heaps agree with
 from __future__ import annotations
 
 from .radix import RadixTree
-from .tiers import DRAM, HBM, PoolNode, Tier
+from .tiers import PoolNode, Tier
 
 
 def audit(tiers: dict[str, Tier], tree: RadixTree, block_size: int) -> list[str]:
@@ -55,8 +55,8 @@ def _check_tree(
             errors.append(f"{where}: key does not match its first block")
         if parent is None or parent.children.get(node.key) is not node:
             errors.append(f"{where} is not its parent's child")
-        elif parent.tier == DRAM and tier == HBM:
-            errors.append(f"{where} is in hbm below a dram node")
+        elif parent.tier in tiers and tiers[parent.tier].rank > tiers[tier].rank:
+            errors.append(f"{where} is in {tier} below a {parent.tier} node")
         num_values += len(node.values)
         _check_node_blocks(tiers[tier], node, held[tier], errors)
     if num_values != tree.num_blocks:
@@ -92,8 +92,8 @@ def _check_tier(t: Tier, held: set[int], errors: list[str]) -> None:
             errors.append(f"{name} block {b} has refcount {r} and is {where} the free list")
         if cached and r == 0:
             errors.append(f"{name} block {b} is cached without a reference")
-        elif cached and r > 1 and name == DRAM:
-            errors.append(f"dram block {b} is cached and held elsewhere too")
+        elif cached and r > 1 and t.rank:
+            errors.append(f"{name} block {b} is cached and held elsewhere too")
         counts["free" if r == 0 else "cached_only" if cached and r == 1 else "referenced"] += 1
     if sum(counts.values()) != t.alloc.num_blocks or counts["free"] != len(free_list):
         errors.append(f"{name}: states {counts} do not add up to {t.alloc.num_blocks}")

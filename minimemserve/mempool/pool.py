@@ -1,9 +1,11 @@
 """MemPool: the one allocator of KV memory, its tiers and its radix index.
 
-A pool has an ``hbm`` tier (a tensor on the compute device) and optionally a ``dram`` tier
-(host memory, pinned when CUDA is present), each with its own ``BlockAllocator``. The
-radix index maps token prefixes to cached blocks and holds one reference on each block it
-lists. Every block of a tier is in one of three states:
+A pool's tiers are one ordered chain (``chain.py``): ``hbm`` (a tensor on the compute
+device), then optionally ``dram`` (host memory, pinned when CUDA is present), ``disk`` (block
+files, kept across restarts) or any tier a caller defines, each with its own
+``BlockAllocator`` and store. Eviction demotes a block a tier down, a match promotes its
+hit to ``hbm``. The radix index maps token prefixes to cached blocks and holds one
+reference on each block it lists. Every block of a tier is in one of three states:
 
 - free: no reference;
 - cached-only: its only reference is the index's (evictable);
@@ -26,21 +28,22 @@ from ..blocks.copy import check_pool_tensor, move_blocks
 from ..blocks.layout import KVLayout
 from ..errors import ConfigError, PoolExhausted
 from .audit import audit, tier_states, tree_counts
+from .chain import HBM, TIERS, Hbm, StoreContext, TierSpec, default_chain
 from .radix import RadixTree, as_tokens
-from .tiers import COUNTERS, DRAM, HBM, TIERS, PoolAccountingError, Tier, TierStore
+from .stores import BlockStore
+from .tiers import COUNTERS, PoolAccountingError, Tier, TierStore
 from .transfer import KVReceiver
 
 __all__ = ["COUNTERS", "MemPool"]
 
 
-def _checked_pin(layout, num_blocks, dram_blocks, pin_memory: bool | None) -> bool:
-    """Whether the dram tier is pinned (default: when CUDA is there), once the arguments of
-    a ``MemPool`` are checked."""
+def _checked_pin(layout, num_blocks, pin_memory: bool | None) -> bool:
+    """Whether host-memory tiers are pinned (default: when CUDA is there), once the arguments
+    of a ``MemPool`` are checked."""
     if not isinstance(layout, KVLayout):
         raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
-    for name, value, least in (("num_blocks", num_blocks, 1), ("dram_blocks", dram_blocks, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ConfigError(f"{name} must be an int >= {least}, got {value!r}")
+    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+        raise ConfigError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
     cuda = torch.cuda.is_available()
     pin = cuda if pin_memory is None else bool(pin_memory)
     if pin and not cuda:
@@ -51,8 +54,11 @@ def _checked_pin(layout, num_blocks, dram_blocks, pin_memory: bool | None) -> bo
 class MemPool:
     """Elastic KV memory pool of one instance: tiers, refcounted blocks, a radix index. Block ids
     are per tier. Every call that hands out blocks (``alloc_mem``, ``match``, ``transfer*``) gives
-    the caller one reference per block, released with ``free_mem``. When given,
-    ``tensor_factory(shape, dtype, device)`` makes the zero-filled tensors."""
+    the caller one reference per block, released with ``free_mem``. Below ``num_blocks`` of
+    ``hbm`` come ``tiers`` (:mod:`~minimemserve.mempool.chain`), or the ones ``dram_blocks``,
+    ``disk_blocks`` and ``disk_dir`` name; ``model`` names the model whose KV a persistent
+    tier keeps. When given, ``tensor_factory(shape, dtype, device)`` makes the zero-filled
+    tensors."""
 
     def __init__(
         self,
@@ -60,13 +66,26 @@ class MemPool:
         num_blocks: int,
         *,
         dram_blocks: int = 0,
+        disk_blocks: int = 0,
+        disk_dir: str | None = None,
+        tiers: Sequence[TierSpec] | None = None,
+        model: str = "",
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         instance_id: str = "0",
         pin_memory: bool | None = None,
         tensor_factory: Callable[..., torch.Tensor] | None = None,
     ) -> None:
-        pin = _checked_pin(layout, num_blocks, dram_blocks, pin_memory)
+        pin = _checked_pin(layout, num_blocks, pin_memory)
+        below = default_chain(dram_blocks, disk_blocks, disk_dir)
+        if tiers is not None:
+            if below:
+                raise ConfigError("give the tiers below hbm as tiers=[...] or by size, not both")
+            below = list(tiers)
+        chain = [Hbm(num_blocks), *below]
+        names = [t.name for t in chain]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"a chain names each tier once, got {names}")
         self.layout = layout
         self.block_size = layout.block_size
         self.dtype = dtype
@@ -74,16 +93,36 @@ class MemPool:
         self.instance_id = str(instance_id)
         self._block_dim = layout.block_dim
         self.block_bytes = layout.block_bytes(dtype.itemsize)
-        sizes = {HBM: num_blocks} | ({DRAM: dram_blocks} if dram_blocks else {})
-        self._store = TierStore(sizes, self.block_size)  # the books: tiers, index, counters
-        self._kv: dict[str, torch.Tensor] = {}  # the data: one pool tensor per tier
-        for name, n in sizes.items():
-            where, pinned = (self.device, False) if name == HBM else (torch.device("cpu"), pin)
-            shape = layout.pool_shape(n)
-            if tensor_factory is not None:
-                self._kv[name] = tensor_factory(shape, dtype, where)
-            else:
-                self._kv[name] = torch.zeros(shape, dtype=dtype, device=where, pin_memory=pinned)
+        self._store = TierStore({t.name: t.blocks for t in chain}, self.block_size)  # the books
+        ctx = StoreContext(layout, dtype, self.device, pin, tensor_factory, model)
+        self._stores: dict[str, BlockStore] = {}  # the data: where each tier's blocks live
+        try:
+            for spec in chain:
+                self._stores[spec.name] = store = spec.store(ctx)
+                self._hook(self._store.tiers[spec.name], store)
+        except BaseException:
+            self.close()
+            raise
+        # a pool tensor per tier that has one (the rest keep blocks elsewhere, as files)
+        self._kv = {name: st.kv for name, st in self._stores.items() if st.kv is not None}
+
+    def _hook(self, t: Tier, store: BlockStore) -> None:
+        """Give the books ``store``'s hooks and index what it held at start."""
+        if store.intake is not None:
+            t.intake = store.intake
+        t.readable = store.readable
+        for toks, blocks in store.restored():
+            self._store.restore(t.name, toks, blocks, self.instance_id)
+
+    def close(self) -> None:
+        """Release what the tiers' stores hold open (a disk tier finishes its queued writes)."""
+        for store in self._stores.values():
+            store.close()
+
+    def store(self, tier: str) -> BlockStore:
+        """Where ``tier``'s blocks live."""
+        self._tier(tier)
+        return self._stores[tier]
 
     @property
     def counters(self) -> dict[str, int]:
@@ -107,8 +146,19 @@ class MemPool:
     def _copy_moves(self) -> None:
         """Copy the data of the tier moves the books made, in the order they made them."""
         moves, self._store.moves = self._store.moves, []
-        for dst, dst_ids, src, src_ids in moves:
-            self.copy_tier(dst, dst_ids, src, src_ids)
+        tiers, stores = self._store.tiers, self._stores
+        try:
+            for dst, dst_ids, src, src_ids, path in moves:
+                if dst in self._kv and src in self._kv:
+                    self.copy_tier(dst, dst_ids, src, src_ids)
+                else:
+                    stores[dst].write(dst_ids, stores[src].read(src_ids), path)
+                moved = len(dst_ids) * self.block_bytes
+                tiers[src].counters["read_bytes"] += moved
+                tiers[dst].counters["written_bytes"] += moved
+        finally:
+            for store in stores.values():
+                store.done()
 
     @property
     def tiers(self) -> tuple[str, ...]:
@@ -123,6 +173,8 @@ class MemPool:
     def kv(self, tier: str = HBM) -> torch.Tensor:
         """The pool tensor of ``tier``, shaped ``layout.pool_shape(capacity(tier))``."""
         self._tier(tier)
+        if tier not in self._kv:
+            raise ValueError(f"the {tier!r} tier keeps its blocks in {self._stores[tier]!r}")
         return self._kv[tier]
 
     def capacity(self, tier: str = HBM) -> int:
@@ -151,8 +203,8 @@ class MemPool:
     def _tier(self, tier: str) -> Tier:
         if (t := self._store.tiers.get(tier)) is None:
             if tier in TIERS:
-                raise ValueError(f"this pool has no {tier!r} tier (dram_blocks=0)")
-            raise ValueError(f"unknown tier {tier!r}; tiers are {TIERS}")
+                raise ValueError(f"this pool has no {tier!r} tier ({tier}_blocks=0)")
+            raise ValueError(f"unknown tier {tier!r}; this pool's tiers are {self.tiers}")
         return t
 
     def alloc_mem(self, n: int, tier: str = HBM, contiguous: bool = False) -> list[int]:
@@ -160,6 +212,8 @@ class MemPool:
         (hbm ones to dram if it has room) or raises ``PoolExhausted``, changing nothing.
         ``contiguous`` asks for one ascending run of ids when the free blocks hold one."""
         t = self._tier(tier)
+        if tier not in self._kv:
+            raise ValueError(f"the {tier!r} tier takes blocks only from the tier above it")
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"block count must be a non-negative int, got {n!r}")
         if n - t.alloc.num_free > t.evictable:
@@ -198,6 +252,7 @@ class MemPool:
         toks, store = as_tokens(tokens), self._store
         now = store.tick()
         match = store.tree.match_prefix(toks, now=now)
+        where = [n.tier for n in match.nodes for _ in n.values][: len(match.values)]
         if match.nodes and match.nodes[-1].tier != HBM:
             try:
                 store.onload(toks, now)
@@ -207,14 +262,17 @@ class MemPool:
         nodes, blocks = store.hbm_prefix(match)
         if blocks:
             store.hold(store.tiers[HBM], nodes, blocks)
-        c = self.counters
+        c, bs = self.counters, self.block_size
         c["match_calls"] += 1
-        c["query_tokens"] += len(toks) - len(toks) % self.block_size
-        c["hit_tokens"] += len(blocks) * self.block_size
+        c["query_tokens"] += len(toks) - len(toks) % bs
+        c["hit_tokens"] += len(blocks) * bs
+        for tier in where[: len(blocks)]:
+            store.tiers[tier].counters["hit_tokens"] += bs
         return blocks
 
     def cached_prefix_len(self, tokens: Sequence[int]) -> int:
-        """Tokens ``match(tokens)`` would return now, taking no references."""
+        """Tokens ``match(tokens)`` would return now, taking no references (unless a block
+        below the top fails its check when read)."""
         in_hbm, in_dram, room = self._store.match_room(as_tokens(tokens))
         return (in_hbm + min(in_dram, room)) * self.block_size
 
@@ -342,13 +400,17 @@ class MemPool:
     def send_cached(self, dst: KVReceiver, tokens: Sequence[int]) -> list[int]:
         """Send the cached whole blocks of ``tokens`` to ``dst`` and index them there, each
         block read from the tier that holds it: a block cached in dram goes to ``dst`` without
-        being onloaded to hbm first (``dram_sent_blocks`` counts those). Only what ``dst``
-        lacks moves; returns ``dst``'s blocks, held by the caller."""
+        being onloaded to hbm first (``dram_sent_blocks`` counts those sent from below the
+        top). The path stops at a tier with no pool tensor (a disk's blocks are checked and
+        promoted by ``match`` first). Only what ``dst`` lacks moves; returns ``dst``'s
+        blocks, held by the caller."""
         toks, store = as_tokens(tokens), self._store
         match = store.tree.match_prefix(toks, now=store.tick())
         spans: list[tuple[str, list, list[int]]] = []  # runs of nodes in one tier, in order
         pos = 0
         for node in match.nodes:
+            if node.tier not in self._kv:
+                break
             c = min(len(node.values), len(match.values) - pos)
             if not spans or spans[-1][0] != node.tier:
                 spans.append((node.tier, [], []))
@@ -360,7 +422,7 @@ class MemPool:
         for tier, nodes, blocks in spans:  # pinned: a peer's call may evict while we send
             store.hold(store.tiers[tier], nodes, blocks)
         try:
-            return self._send_spans(dst, toks[: len(match.values) * self.block_size], spans)
+            return self._send_spans(dst, toks[: pos * self.block_size], spans)
         finally:
             for tier, _, blocks in spans:
                 store.unhold(store.tiers[tier], blocks)
@@ -392,9 +454,18 @@ class MemPool:
         return self.counters[name]
 
     def stats(self) -> dict[str, Any]:
-        """Per tier ``{"total", "free", "referenced", "cached_only"}``; index size; counters."""
-        counters = {"counters": dict(self.counters)}
+        """Per tier ``{"total", "free", "referenced", "cached_only"}``; index size; counters,
+        with ``counters["tiers"]``: per tier its :data:`~minimemserve.mempool.tiers.TIER_COUNTERS`
+        (hit tokens share the denominator ``counters["query_tokens"]``) and its store's own."""
+        counters = {"counters": dict(self.counters) | {"tiers": self.tier_counters()}}
         return tier_states(self._store.tiers) | tree_counts(self._store.tree) | counters
+
+    def tier_counters(self) -> dict[str, dict[str, int]]:
+        """Per tier, in chain order: its counters and its store's (no block scan)."""
+        return {
+            name: dict(t.counters) | self._stores[name].stats()
+            for name, t in self._store.tiers.items()
+        }
 
     def check(self) -> None:
         """Audit the bookkeeping by a full scan; raise ``PoolAccountingError`` if it is off."""

@@ -1,6 +1,7 @@
 """MemPool's state (:class:`TierStore`, which a pool composes): the tiers' bookkeeping, the
-radix index, the logical clock and the counters; the evictable counts, eviction, offload,
-onload. Plain Python: moves between tiers are booked here and copied by the pool.
+radix index, the logical clock and the counters; the evictable counts, eviction (a block
+goes one tier down the chain, or out of the last), and promotion of a hit back to the top.
+Plain Python: moves between tiers are booked here and copied by the pool.
 
 A cached block is evictable when it and every block below it in the index (later in its
 node, and in all descendants of any tier) are cached-only. Each tier keeps that count up
@@ -16,16 +17,21 @@ from collections.abc import Callable
 from minimemserve.blocks.allocator import BlockAllocator
 from minimemserve.mempool.radix import Match, RadixNode, RadixTree
 
-HBM = "hbm"
-DRAM = "dram"
-TIERS = (HBM, DRAM)
+HBM = "hbm"  # the top of every chain: the tier the model computes from
 LRU_SLACK = 1024  # stale eviction-heap entries tolerated beyond twice the node count
-# match: calls, whole-block tokens asked, tokens hit; blocks newly inserted, deleted, evicted,
-# offloaded to dram, onloaded back by match; transfers: blocks and bytes each way, calls
+# match: calls, whole-block tokens asked, tokens hit; blocks newly inserted, deleted, evicted
+# (dropped from the last tier that took them), offloaded (a tier down), onloaded back to the
+# top by match; transfers: blocks and bytes each way, calls, blocks sent from below the top
 COUNTERS = (
     "match_calls query_tokens hit_tokens inserted_blocks deleted_blocks evicted_blocks "
     "offloaded_blocks onloaded_blocks sent_blocks sent_bytes recv_blocks recv_bytes "
     "transfers_sent transfers_recv transfers_aborted dram_sent_blocks"
+).split()
+# per tier, one denominator (the pool's query_tokens): tokens a match found in the tier;
+# blocks promoted from it to the top, demoted from it a tier down, dropped from it out of the
+# chain (evicted, refused by a full write queue, or failing a checksum); bytes read, written
+TIER_COUNTERS = (
+    "hit_tokens promoted_blocks demoted_blocks dropped_blocks read_bytes written_bytes"
 ).split()
 
 
@@ -53,37 +59,66 @@ class Tier:
     a heap of ``(last access, order, node)`` holding at least one entry for every node that
     eviction may take (stale entries are checked, re-keyed or dropped when they surface)."""
 
-    __slots__ = ("name", "alloc", "indexed", "node_of", "evictable", "lru", "order")
+    __slots__ = (
+        "name",
+        "rank",
+        "alloc",
+        "indexed",
+        "node_of",
+        "evictable",
+        "lru",
+        "order",
+        "counters",
+        "intake",
+        "readable",
+    )
 
-    def __init__(self, name: str, num_blocks: int) -> None:
+    def __init__(self, name: str, num_blocks: int, rank: int = 0) -> None:
         self.name = name
+        self.rank = rank  # its place in the chain, 0 at the top
         self.alloc = BlockAllocator(num_blocks)
         self.indexed = bytearray(num_blocks)  # 1 where the index holds a reference
         self.node_of: list[PoolNode | None] = [None] * num_blocks  # the node listing a block
         self.evictable = 0
         self.lru: list[tuple[int, int, PoolNode]] = []
         self.order = itertools.count()
+        self.counters = dict.fromkeys(TIER_COUNTERS, 0)
+        # how many of n blocks the tier's store takes now (it reserves them): a write queue
+        # may refuse some, which are then dropped instead of demoted
+        self.intake: Callable[[int], int] = _all
+        # how many leading blocks of a node's first n are intact in the store (a disk tier
+        # reads and checks them; the token path given ends at the node's last block)
+        self.readable: Callable[[list[int], array], int] | None = None
 
 
 class TierStore:
-    """A MemPool's state and what keeps it consistent: its tiers, its index, its logical clock
-    (one tick per call, so LRU order is deterministic) and its :data:`COUNTERS`; the evictable
-    counts, eviction, offload to dram and onload back. Along every path of the index, ``hbm``
-    nodes come before ``dram`` ones: eviction takes ``hbm`` nodes with no ``hbm`` child;
-    onload goes top-down. A move between tiers is booked at once and queued in ``moves`` as
-    ``(dst, dst_ids, src, src_ids)`` for the pool to copy, in order, before the call returns;
-    ``on_change`` is told what eviction drops from the index."""
+    """A MemPool's state and what keeps it consistent: its tiers, one ordered chain (the first
+    is the one the model computes from), its index, its logical clock (one tick per call, so
+    LRU order is deterministic) and its :data:`COUNTERS`; the evictable counts, eviction a tier
+    down the chain (out of the last) and promotion of a hit to the top. Along every path of the
+    index, tiers never rise: a node's children are in its tier or below. Eviction takes nodes
+    with no child in their tier; promotion goes top-down, straight to the top (the data passes
+    the tiers between). A move between tiers is booked at once and queued in ``moves`` as
+    ``(dst, dst_ids, src, src_ids, path)`` (``path``: the token path through the moved blocks)
+    for the pool to copy, in order, before the call returns; ``on_change`` is told what
+    eviction drops from the index."""
 
     def __init__(self, sizes: dict[str, int], block_size: int) -> None:
-        self.tiers = {name: Tier(name, n) for name, n in sizes.items()}
+        self.tiers = {name: Tier(name, n, rank) for rank, (name, n) in enumerate(sizes.items())}
+        self.chain = list(self.tiers.values())
+        self.top = self.chain[0]
         self.tree = RadixTree(block_size, node_type=PoolNode)
         self.block_size = block_size
         self.clock = 0
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self.moves: list[tuple[str, list[int], str, list[int]]] = []
+        self.moves: list[tuple[str, list[int], str, list[int], array]] = []
         # told (True, tokens) when tokens are newly cached, (False, path) when the subtree
         # whose token path ends with path's last block is evicted; in the order they happen
         self.on_change: Callable[[bool, array], None] | None = None
+
+    def below(self, t: Tier) -> Tier | None:
+        """The tier after ``t`` in the chain (None for the last)."""
+        return self.chain[t.rank + 1] if t.rank + 1 < len(self.chain) else None
 
     def tick(self) -> int:
         """Advance the logical clock; return the new time."""
@@ -91,11 +126,11 @@ class TierStore:
         return self.clock
 
     def insert(self, toks: array, blocks: list[int], holder: str) -> int:
-        """Index ``toks`` (whole blocks) -> ``blocks``, hbm blocks the caller holds: the index
-        takes a reference on those of the new tail and of any prefix cached in dram (whose
-        dram blocks it releases); a prefix cached in hbm keeps its blocks. Return how many
-        blocks it took."""
-        bs, nb, hbm = self.block_size, len(blocks), self.tiers[HBM]
+        """Index ``toks`` (whole blocks) -> ``blocks``, top-tier blocks the caller holds: the
+        index takes a reference on those of the new tail and of any prefix cached lower down
+        (whose blocks there it releases); a prefix cached at the top keeps its blocks. Return
+        how many blocks it took."""
+        bs, nb, hbm = self.block_size, len(blocks), self.top
         now = self.tick()
         match = self.tree.match_prefix(toks, now=now)
         matched = len(match.values)
@@ -104,21 +139,21 @@ class TierStore:
             c = min(len(node.values), matched - pos)
             spans.append((node, pos, c))
             pos += c
-        # the index takes the caller's blocks where the prefix is in dram, and the new tail
-        taken = [b for n, p, c in spans if n.tier != HBM for b in blocks[p : p + c]]
+        # the index takes the caller's blocks where the prefix is lower down, and the new tail
+        taken = [b for n, p, c in spans if n.tier != hbm.name for b in blocks[p : p + c]]
         taken += blocks[matched:nb]
         _check_new(hbm, taken)
         parent = self.tree.root
         for node, p, c in spans:
             if c < len(node.values):  # the match ends inside this node: cut it there
                 node = self.split(node, c)
-            if node.tier != HBM:
+            if node.tier != hbm.name:
                 self.unindex(self.tiers[node.tier], node.values)
                 self.uncount(node)
-                node.values, node.tier, node.holder = blocks[p : p + c], HBM, holder
+                node.values, node.tier, node.holder = blocks[p : p + c], hbm.name, holder
                 self.index(hbm, node, adopt=True)
             parent = node
-        self.tree.insert(toks, blocks, now=now, tier=HBM, holder=holder)
+        self.tree.insert(toks, blocks, now=now, tier=hbm.name, holder=holder)
         if matched < nb:
             new = parent.children[toks[matched * bs : (matched + 1) * bs].tobytes()]
             self.index(hbm, new, adopt=True)
@@ -227,10 +262,11 @@ class TierStore:
             self.settle(node)
 
     def match_room(self, toks) -> tuple[int, int, int]:
-        """Cached blocks of ``toks`` in hbm, then in dram, and hbm room with the first held."""
+        """Cached blocks of ``toks`` at the top, then lower down, and the top's room with the
+        first held."""
         match = self.tree.match_prefix(toks, touch=False)
         nodes, blocks = self.hbm_prefix(match)
-        hbm, left = self.tiers[HBM], len(blocks)
+        hbm, left = self.top, len(blocks)
         room = hbm.alloc.num_free + hbm.evictable
         for node in nodes:
             n = len(node.values)
@@ -262,11 +298,10 @@ class TierStore:
             self.unindex(self.tiers[node.tier], values)
         return sum(len(values) for _, values in dropped)
 
-    @staticmethod
-    def hbm_prefix(match: Match) -> tuple[list[PoolNode], list[int]]:
-        """The nodes and values of a match up to its first non-hbm node."""
-        nodes, k = match.nodes, len(match.nodes)
-        while k and nodes[k - 1].tier != HBM:
+    def hbm_prefix(self, match: Match) -> tuple[list[PoolNode], list[int]]:
+        """The nodes and values of a match up to its first node below the top tier."""
+        nodes, k, top = match.nodes, len(match.nodes), self.top.name
+        while k and nodes[k - 1].tier != top:
             k -= 1
         if k == len(nodes):
             return nodes, match.values
@@ -279,10 +314,11 @@ class TierStore:
         return t.alloc.alloc(n, contiguous)
 
     def evict(self, t: Tier, need: int) -> None:
-        """Free ``need`` blocks of ``t``: cached-only ones, LRU first; hbm ones go to dram."""
-        dram = self.tiers.get(DRAM) if t.name == HBM else None
-        if dram is not None and dram.alloc.num_free < need and dram.evictable:  # room there first
-            self.evict(dram, min(need - dram.alloc.num_free, dram.evictable))
+        """Free ``need`` blocks of ``t``: cached-only ones, LRU first, each a tier down the
+        chain while the tier below has room (which it makes first), else dropped."""
+        lower = self.below(t)
+        if lower is not None and lower.alloc.num_free < need and lower.evictable:  # room first
+            self.evict(lower, min(need - lower.alloc.num_free, lower.evictable))
         name, heap = t.name, t.lru
         renewed = False
         while need > 0:
@@ -302,7 +338,7 @@ class TierStore:
                 continue
             k, parent = min(node.evictable, need), node.parent
             gone = k == len(node.values)
-            self.evict_tail(t, node, k, dram)
+            self.evict_tail(t, node, k, lower)
             need -= k
             if gone:
                 self.candidate(parent)  # perhaps a leaf of its tier now
@@ -317,61 +353,119 @@ class TierStore:
         ]
         heapq.heapify(t.lru)
 
-    def evict_tail(self, t: Tier, node: PoolNode, k: int, dram: Tier | None) -> None:
-        """Evict ``node``'s last ``k`` blocks: to dram while it has free blocks, else dropped."""
-        moved = min(k, dram.alloc.num_free) if dram is not None else 0
+    def evict_tail(self, t: Tier, node: PoolNode, k: int, lower: Tier | None) -> None:
+        """Evict ``node``'s last ``k`` blocks: to the tier ``lower`` as far as it has free blocks
+        and its store takes them, the rest dropped."""
+        moved = min(k, lower.alloc.num_free) if lower is not None else 0
+        if moved and t.readable is not None:  # what goes down is read first: damaged, dropped
+            end = len(node.values) - (k - moved)
+            moved = t.readable(node.values[end - moved : end], self.path_to(node, end))
+        moved = lower.intake(moved) if moved else 0
         cut = k - moved
-        if cut and self.on_change is not None:  # the token path through the first evicted block
-            path, up = node.tokens[: (len(node.values) - cut + 1) * self.block_size], node.parent
-            while up is not self.tree.root:
-                path, up = up.tokens + path, up.parent
-            self.on_change(False, path)
         if cut:
-            self.counters["evicted_blocks"] += self.drop(self.tree.truncate(node, cut))
-            if node.parent is not None:
-                node.run -= cut
-                self.restate(node)
+            self.cut(t, node, cut)
+            self.counters["evicted_blocks"] += cut
         if moved:
             if moved < len(node.values):
                 self.split(node, len(node.values) - moved)  # node keeps the tail
-            self.move(node, t, dram, dram.alloc.alloc(moved, contiguous=True))
+            self.move(node, t, lower, lower.alloc.alloc(moved, contiguous=True))
             self.counters["offloaded_blocks"] += moved
+            t.counters["demoted_blocks"] += moved
+
+    def cut(self, t: Tier, node: PoolNode, cut: int) -> None:
+        """Drop ``node``'s last ``cut`` blocks and everything below them (all cached-only):
+        ``on_change`` hears of it, ``dropped_blocks`` counts it in each block's tier."""
+        if self.on_change is not None:  # the token path through the first dropped block
+            self.on_change(False, self.path_to(node, len(node.values) - cut + 1))
+        parent = node.parent
+        dropped = self.tree.truncate(node, cut)
+        for gone, values in dropped:
+            self.tiers[gone.tier].counters["dropped_blocks"] += len(values)
+        self.drop(dropped)
+        if node.parent is not None:
+            self.settle(node, fresh=True)
+        else:
+            self.candidate(parent)  # perhaps a leaf of its tier now
+
+    def path_to(self, node: PoolNode, k: int) -> array:
+        """The token path from the root through ``node``'s first ``k`` blocks."""
+        path, up = node.tokens[: k * self.block_size], node.parent
+        while up is not None and up is not self.tree.root:
+            path, up = up.tokens + path, up.parent
+        return path
 
     def move(self, node: PoolNode, src: Tier, dst: Tier, new: list[int]) -> None:
         """Move ``node``'s blocks to ``new`` blocks of ``dst``; the index's references go along."""
-        self.moves.append((dst.name, new, src.name, list(node.values)))
+        path = self.path_to(node, len(node.values))
+        self.moves.append((dst.name, new, src.name, list(node.values), path))
         self.unindex(src, node.values)
         self.uncount(node)
         node.values, node.tier = new, dst.name
         self.index(dst, node, adopt=False)
 
     def onload(self, toks, now: int) -> None:
-        """Bring the dram part of ``toks``' cached path to hbm, top-down, while hbm has room."""
-        hbm, dram = self.tiers[HBM], self.tiers[DRAM]
+        """Bring the part of ``toks``' cached path below the top to the top, node by node
+        top-down, while the top has room; a block its store finds damaged is dropped with
+        everything below it."""
+        hbm = self.top
         while True:
             match = self.tree.match_prefix(toks, now=now)
             nodes, held = self.hbm_prefix(match)
             if len(held) == len(match.values):
                 return
             node = match.nodes[len(nodes)]
+            src = self.tiers[node.tier]
             want = min(len(match.values) - len(held), len(node.values))
+            if src.readable is not None:
+                good = src.readable(node.values[:want], self.path_to(node, want))
+                if good < want:
+                    self.cut(src, node, len(node.values) - good)
+                    if not good:
+                        return
+                    want = good
             pinned = node.values[:want]
-            # pin the path so making room in hbm (and then dram) cannot evict it
+            # pin the path so making room at the top (and below) cannot evict it
             self.hold(hbm, nodes, held)
-            self.hold(dram, [node], pinned)
+            self.hold(src, [node], pinned)
             try:
                 j = min(want, hbm.alloc.num_free + hbm.evictable)
                 if j:
                     new = self.take(hbm, j, contiguous=True)
                     if j < len(node.values):
                         node = self.split(node, j)
-                    self.move(node, dram, hbm, new)
+                    self.move(node, src, hbm, new)
                     self.counters["onloaded_blocks"] += j
+                    src.counters["promoted_blocks"] += j
             finally:
                 self.unhold(hbm, held)
-                self.unhold(dram, pinned)
+                self.unhold(src, pinned)
             if j < want or not j:
                 return
+
+    def restore(self, tier: str, toks: array, blocks: list[int], holder: str) -> None:
+        """Index ``toks`` -> ``blocks`` of ``tier`` found in its store at start (a disk tier's
+        files): the path's blocks already indexed keep theirs, the rest are taken from the
+        tier's free blocks, the index's references alone."""
+        t, bs = self.tiers[tier], self.block_size
+        match = self.tree.match_prefix(toks, touch=False)
+        matched = len(match.values)
+        if matched == len(blocks):
+            return
+        if match.nodes:
+            last, ends = match.nodes[-1], sum(len(n.values) for n in match.nodes)
+            if ends > matched:  # the match ends inside this node: cut it there
+                self.split(last, len(last.values) - (ends - matched))
+        self.tree.insert(toks, blocks, now=self.tick(), tier=tier, holder=holder)
+        parent = self.tree.match_prefix(toks[: matched * bs], touch=False).nodes
+        up = parent[-1] if parent else self.tree.root
+        new = up.children[toks[matched * bs : (matched + 1) * bs].tobytes()]
+        t.alloc.take(new.values)
+        self.index(t, new, adopt=False)
+
+
+def _all(n: int) -> int:
+    """A store that takes every block it is given."""
+    return n
 
 
 def _check_new(hbm: Tier, taken: list[int]) -> None:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.base import SeqSlice
-from ..mempool.tiers import DRAM, HBM
+from ..mempool.chain import DRAM, HBM
 from .store import LOOPBACK
 
 START_TIMEOUT = timedelta(seconds=180)  # a worker imports torch and loads its shard (slow CPUs)

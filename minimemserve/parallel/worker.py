@@ -16,7 +16,7 @@ from ..attention import make_backend
 from ..blocks.copy import move_blocks
 from ..config import EngineConfig
 from ..decode_graphs import DecodeGraphs, run_step
-from ..mempool.tiers import DRAM, HBM
+from ..mempool.chain import DRAM, HBM
 from ..model.config import ModelConfig
 from ..model.loader import load_weights
 from .groups import (

@@ -1,4 +1,6 @@
 """Random call sequences on two MemPools, checked against a naive model after every step.
+Pool ``a`` has three tiers (hbm, dram and a disk whose write queue is short enough to
+refuse blocks); pool ``b`` has hbm only.
 
 The model keeps, in plain dicts, what the caller holds (references per block) and what
 each held block must contain. Block contents are a function of the tokens they cover, as
@@ -7,6 +9,8 @@ real KV is, so any block ``match`` returns can be checked whatever the pool evic
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import zlib
 from collections import Counter
 from dataclasses import dataclass
@@ -18,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.errors import PoolExhausted
-from minimemserve.mempool import MemPool
+from minimemserve.mempool import Disk, Dram, MemPool
 
 BS = 4
 LAYOUT = KVLayout(num_layers=1, block_size=BS, num_kv_heads=1, head_dim=1)
@@ -52,8 +56,9 @@ class Request:
 class PoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="kv-disk-")
         self.pools = {
-            "a": MemPool(LAYOUT, 8, dram_blocks=6, instance_id="a"),
+            "a": MemPool(LAYOUT, 8, tiers=[Dram(3), Disk(5, self.dir, 3)], instance_id="a"),
             "b": MemPool(LAYOUT, 9, instance_id="b"),
         }
         # model: caller references and expected contents per (pool, tier, block)
@@ -65,6 +70,11 @@ class PoolMachine(RuleBasedStateMachine):
         # sequences inserted since the pool last evicted, offloaded or deleted
         self.surely_cached: dict[str, list[list[int]]] = {"a": [], "b": []}
         self.evictions_seen = {"a": 0, "b": 0}
+
+    def teardown(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        shutil.rmtree(self.dir)
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -259,6 +269,9 @@ class PoolMachine(RuleBasedStateMachine):
         for name, pool in self.pools.items():
             pool.check()
             for tier in pool.tiers:
+                if tier == "disk":  # no block there is ever held; what match reads is checked
+                    assert pool.stats()[tier]["referenced"] == 0
+                    continue
                 kv = pool.kv(tier)
                 free = 0
                 for b in range(pool.capacity(tier)):
