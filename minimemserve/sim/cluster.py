@@ -40,7 +40,7 @@ from minimemserve.parallel import TPShard
 from minimemserve.recipes import Role
 from minimemserve.request import Request, RequestOutput
 from minimemserve.scheduler.frontend import Frontend
-from minimemserve.workloads.results import greedy_params, record
+from minimemserve.workloads.results import greedy_params, record, stability, stopped_record
 from minimemserve.workloads.sessions import Session, build_prompt, poisson_arrivals, total_turns
 
 from .profiles import Link, StepShape
@@ -476,6 +476,7 @@ class SimCluster(DecodeRuns):
         self.contended = topology.contention.any  # read at every step's start
         self.net = Network(self, topology, transfer_mode)
         self.now = 0.0
+        self.stopped = False  # the last replay ended at its window's end (unstable)
         self._seq = itertools.count()
         self._events = []
         self.steps = 0
@@ -575,9 +576,10 @@ class SimCluster(DecodeRuns):
         """Run ``fn(*args)`` at virtual time ``t`` (not before now)."""
         heapq.heappush(self._events, (max(t, self.now), next(self._seq), fn, args))
 
-    def settle(self) -> None:
-        """Run every booked event in time order, starting steps as instances free up."""
-        while self._events:
+    def settle(self, until: float = math.inf) -> None:
+        """Run every booked event in time order (those up to ``until``), starting steps as
+        instances free up."""
+        while self._events and self._events[0][0] <= until:
             self.now, _, fn, args = heapq.heappop(self._events)
             fn(*args)
             self._kick()
@@ -658,6 +660,7 @@ class SimCluster(DecodeRuns):
         params_for=greedy_params,
         arrivals: str = "closed",
         schedule: Sequence[tuple[int, int, float]] | None = None,
+        stop_unstable: bool = False,
     ) -> list[dict]:
         """Replay ``sessions`` in virtual time; returns ``minimemserve bench``'s records.
         ``arrivals="closed"`` replays as the bench does: Poisson session arrivals at ``rate``, a
@@ -665,13 +668,21 @@ class SimCluster(DecodeRuns):
         ``"open"`` is a finite run (:func:`open_arrivals`): every turn sent at its own arrival
         time whether or not the turns before it finished, its prompt built from the answers
         the engine will give them (:func:`stand_in_answer`); a ``schedule`` of ``(session
-        index, turn, arrival)`` gives those times instead (a trace's timestamps)."""
+        index, turn, arrival)`` gives those times instead (a trace's timestamps).
+
+        ``stop_unstable``: once virtual time reaches the arrival window's end (the last session
+        start), take ``stability``'s verdict (final by then) with every unfinished request as
+        still in system; if unstable, end the run there (:attr:`stopped`), those requests'
+        records marked ``"stopped"`` (:func:`stopped_record`)."""
         if arrivals not in ARRIVALS:
             raise ConfigError(f"arrivals must be one of {ARRIVALS}, got {arrivals!r}")
         if schedule is not None and arrivals != "open":
             raise ConfigError("a schedule of arrival times needs arrivals='open'")
         self._records: list[dict] = []
-        self._inflight: dict[str, tuple[int, int, float]] = {}
+        # request id -> (session index, turn, arrival, prompt tokens)
+        self._inflight: dict[str, tuple[int, int, float, int]] = {}
+        self._ended: dict[str, RequestOutput] = {}  # finished, reported once transfers land
+        self.stopped = False
         self._sessions, self._config, self._params_for = sessions, config, params_for
         self._follows = arrivals == "closed"  # a finished turn sends the next
         self._bar = tqdm(
@@ -680,14 +691,21 @@ class SimCluster(DecodeRuns):
             unit="req",
             desc=f"{config or 'sim'} turns",
         )
+        starts = []
         if self._follows:
             for si, t in enumerate(poisson_arrivals(rate, len(sessions), seed)):
                 self.at(t, self._submit, (si, 0, ()))
+                starts.append(t)
         else:
             self._history: dict[int, list[int]] = {}
             for si, k, t in schedule or open_arrivals(sessions, rate, seed):
                 self.at(t, self._submit_open, (si, k))
+                if k == 0:
+                    starts.append(t)
         with self._bar:
+            if stop_unstable and starts:
+                self.settle(until=max(starts))
+                self._stop_if_unstable()
             self.settle()
         if self._inflight:
             raise RuntimeError(f"{len(self._inflight)} requests never finished in the simulation")
@@ -720,7 +738,7 @@ class SimCluster(DecodeRuns):
             self._records.append(rec)
             self._bar.update(len(session.turns) - k if self._follows else 1)
             return
-        self._inflight[rid] = (si, k, self.now)
+        self._inflight[rid] = (si, k, self.now, len(prompt))
         self.frontend.dispatched(rid, route, len(prompt), params.max_tokens)
         enqueue = functools.partial(self._enqueue, inst, prompt, params, rid, self.now)
         if route.transfer_from is None:
@@ -771,6 +789,7 @@ class SimCluster(DecodeRuns):
         report = functools.partial(self._report, outs, handoffs)
         if moving := _moving(inst):  # the step's transfers go first (the runtime reports after)
             moving[-1].done.append(report)
+            self._ended.update((out.request_id, out) for out in outs)
         else:
             report()
 
@@ -787,7 +806,8 @@ class SimCluster(DecodeRuns):
             self._collect(out)
 
     def _collect(self, out: RequestOutput) -> None:
-        si, k, arrival = self._inflight.pop(out.request_id)
+        self._ended.pop(out.request_id, None)
+        si, k, arrival, _ = self._inflight.pop(out.request_id)
         session = self._sessions[si]
         rec = record(self._config, session, k, arrival, out)
         self._records.append(rec)
@@ -799,7 +819,40 @@ class SimCluster(DecodeRuns):
         elif k + 1 < len(session.turns):
             self._submit(si, k + 1, [*out.prompt_token_ids, *out.token_ids])
 
-    def check_pools(self) -> None:
-        """Audit every instance's pool; every block must be free or cached once all finished."""
+    def _stop_if_unstable(self) -> None:
+        """The arrival window ends now: its records with every unfinished request still in
+        system decide ``stability``; if unstable, the run ends here (its bookings dropped)."""
+        unfinished = self._unfinished_records()
+        if stability([*self._records, *unfinished])["stable"]:
+            return
+        self._records.extend(unfinished)
+        self._bar.update(len(unfinished))
+        self._inflight.clear()
+        self._ended.clear()
+        self._events.clear()
+        self.stopped = True
+
+    def _unfinished_records(self) -> list[dict]:
+        """A record of each request in flight: those that finished (their report waits for
+        transfers) as they finished, the others :func:`stopped_record`s with what their
+        engine measured so far."""
+        reqs = {}
         for inst in self.instances:
-            inst.engine.check_pools(require_idle=True)
+            reqs.update(inst.engine.requests)
+            reqs.update((r.request_id, r) for r in inst.incoming)
+        out = []
+        for rid, (si, k, arrival, prompt_tokens) in self._inflight.items():
+            session = self._sessions[si]
+            if (done := self._ended.get(rid)) is not None:
+                out.append(record(self._config, session, k, arrival, done))
+                continue
+            metrics = reqs[rid].metrics if rid in reqs else None
+            out.append(stopped_record(self._config, session, k, arrival, prompt_tokens, metrics))
+        return out
+
+    def check_pools(self) -> None:
+        """Audit every instance's pool; every block must be free or cached once all finished.
+        A stopped run's unfinished requests still hold theirs: its audit checks each pool's
+        invariants (the stop changed no pool) without requiring them idle."""
+        for inst in self.instances:
+            inst.engine.check_pools(require_idle=not self.stopped)

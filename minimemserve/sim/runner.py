@@ -282,9 +282,11 @@ def simulate(
     seed: int,
     progress: bool = True,
     arrivals: str = "closed",
+    stop_unstable: bool = False,
 ) -> tuple[dict, dict]:
-    """Replay ``sessions`` under each config (``arrivals``: ``SimCluster.replay``'s);
-    ``(records by config, run stats by config)``. Every instance's pool is audited after
+    """Replay ``sessions`` under each config (``arrivals`` and ``stop_unstable``:
+    ``SimCluster.replay``'s); ``(records by config, run stats by config)``, the stats saying
+    whether the run ``stopped`` at its window's end. Every instance's pool is audited after
     each run."""
     if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
         raise ConfigError(f"rate must be a finite number > 0, got {rate!r}")
@@ -292,14 +294,19 @@ def simulate(
     for config in configs:
         cluster = setup.cluster(config)
         t0 = time.perf_counter()
-        records[config] = cluster.replay(sessions, rate, seed, config, progress, arrivals=arrivals)
+        records[config] = cluster.replay(
+            sessions, rate, seed, config, progress, arrivals=arrivals, stop_unstable=stop_unstable
+        )
         wall = time.perf_counter() - t0
         cluster.check_pools()
         ends = [r["arrival"] + (r["jct"] or 0.0) for r in records[config]]
+        if cluster.stopped:
+            ends.append(cluster.now)
         front = cluster.frontend
         stats[config] = {
             "wall_s": wall,
             "simulated_s": max(ends, default=0.0),
+            "stopped": cluster.stopped,
             "steps": cluster.steps,
             "run_steps": cluster.run_steps,
             "steps_per_s": cluster.steps / wall if wall else None,

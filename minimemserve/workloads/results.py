@@ -5,6 +5,7 @@ and its plots. Shared by ``minimemserve bench`` (real runs) and ``minimemserve s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,32 @@ def record(
     }
 
 
+def stopped_record(
+    config: str,
+    session: Session,
+    turn: int,
+    arrival: float,
+    prompt_tokens: int,
+    metrics: RequestMetrics | None = None,
+) -> dict:
+    """The row of a turn a run stopped before it finished (``"stopped": True``): what it
+    measured by then (``metrics``; None when it never reached an engine), its TTFT if its first
+    token came, no end (``jct`` and ``tpot`` None). :func:`stability` counts it as in system
+    for ever."""
+    m = metrics or RequestMetrics(arrival_time=arrival)
+    return record(config, session, turn, arrival, None, prompt_tokens) | {
+        "output_tokens": m.output_tokens,
+        "cached_tokens": m.cached_tokens,
+        "ttft": m.ttft,
+        "transferred_bytes": m.transferred_bytes,
+        "handoff_bytes": m.handoff_bytes,
+        "handoff_seconds": m.handoff_seconds,
+        "preemptions": m.preemptions,
+        "finish_reason": None,
+        "stopped": True,
+    }
+
+
 def _mean(values: Sequence[float]) -> float | None:
     return float(np.mean(values)) if values else None
 
@@ -95,13 +122,17 @@ def summarize(records: Iterable[dict]) -> dict[str, Any]:
     Keys: ``requests``, ``errors``, ``{ttft,jct,tpot}_{mean,p99}`` and the same with a
     ``_later`` suffix (turn > 0), ``cached_ratio`` (cached / prompt tokens, also
     ``cached_ratio_later``), ``prompt_tokens``, ``output_tokens``, ``cached_tokens``,
-    ``transferred_bytes``. Failed requests count only in ``errors``; a statistic over no
-    values is None.
+    ``transferred_bytes``. Failed requests count only in ``errors``, those a stopped run left
+    unfinished only in ``stopped``; a statistic over no values is None.
     """
     records = list(records)
-    ok = [r for r in records if r.get("error") is None]
+    ok = [r for r in records if r.get("error") is None and not r.get("stopped")]
     later = [r for r in ok if r["turn"] > 0]
-    out: dict[str, Any] = {"requests": len(records), "errors": len(records) - len(ok)}
+    out: dict[str, Any] = {
+        "requests": len(records),
+        "errors": sum(1 for r in records if r.get("error") is not None),
+        "stopped": sum(1 for r in records if r.get("stopped")),
+    }
     for suffix, group in (("", ok), ("_later", later)):
         for metric in _METRICS:
             values = [r[metric] for r in group if r.get(metric) is not None]
@@ -118,9 +149,12 @@ def summarize(records: Iterable[dict]) -> dict[str, Any]:
     return out
 
 
-def _ends(records: list[dict]) -> list[float]:
-    """When each request left the system: its end, or its arrival when it failed."""
-    return [r["arrival"] + (r["jct"] if r.get("error") is None else 0.0) for r in records]
+def _end(r: dict) -> float:
+    """When a request left the system: its end, its arrival when it failed, never when its run
+    stopped before it finished."""
+    if r.get("error") is not None:
+        return r["arrival"]
+    return math.inf if r.get("stopped") else r["arrival"] + r["jct"]
 
 
 def stability(records: Iterable[dict]) -> dict[str, Any]:
@@ -129,8 +163,18 @@ def stability(records: Iterable[dict]) -> dict[str, Any]:
     requests in system (arrived, not finished) at the end of each quarter of the window and
     their mean over each quarter, the requests arriving in each quarter (``arrivals``) and their
     mean TTFT (``ttft_trend``), and ``stable`` by the one rule (:data:`STABLE_GROWTH`,
-    :data:`STABLE_NOISE`, :data:`STABLE_SLACK`); a window of zero is stable."""
-    records = [r for r in records if r.get("jct") is not None or r.get("error") is not None]
+    :data:`STABLE_NOISE`, :data:`STABLE_SLACK`); a window of zero is stable.
+
+    Every number the verdict is made of involves times up to the window's end alone, so a run
+    stopped there (its unfinished requests' rows marked ``"stopped"``: in system for ever) gets
+    the verdict, ``in_system``, ``mean_in_system`` and ``arrivals`` the whole run gets (the sums
+    are exact, in any order); its ``makespan_ratio`` is None and its ``ttft_trend`` counts the
+    first tokens before the stop."""
+    records = [
+        r
+        for r in records
+        if r.get("jct") is not None or r.get("error") is not None or r.get("stopped")
+    ]
     starts = [r["arrival"] for r in records if r["turn"] == 0]
     if not starts:
         return {
@@ -143,11 +187,12 @@ def stability(records: Iterable[dict]) -> dict[str, Any]:
             "stable": True,
         }
     t0, window = min(starts), max(starts) - min(starts)
-    ends = _ends(records)
+    ends = [_end(r) for r in records]
     marks = [t0 + window * q / 4 for q in (0, 1, 2, 3, 4)]
     in_system = [sum(1 for r, e in zip(records, ends) if r["arrival"] <= m < e) for m in marks[1:]]
     mean_in_system = [
-        sum(max(0.0, min(e, hi) - max(r["arrival"], lo)) for r, e in zip(records, ends)) / (hi - lo)
+        math.fsum(max(0.0, min(e, hi) - max(r["arrival"], lo)) for r, e in zip(records, ends))
+        / (hi - lo)
         if hi > lo
         else 0.0
         for lo, hi in zip(marks, marks[1:])
@@ -164,9 +209,10 @@ def stability(records: Iterable[dict]) -> dict[str, Any]:
     expected = mean_in_system[1] * (arrivals[3] / arrivals[1] if arrivals[1] else 1.0)
     limit = STABLE_GROWTH * expected + STABLE_NOISE * expected**0.5 + STABLE_SLACK
     stable = window <= 0 or mean_in_system[3] <= limit
+    last = max(ends)
     return {
         "window_s": window,
-        "makespan_ratio": (max(ends) - t0) / window if window > 0 else None,
+        "makespan_ratio": (last - t0) / window if window > 0 and last < math.inf else None,
         "in_system": in_system,
         "mean_in_system": mean_in_system,
         "ttft_trend": trend,
