@@ -33,6 +33,7 @@ LOOPBACK = "127.0.0.1"
 _MINIMUM = {
     **dict.fromkeys(["num_blocks", "kv_memory_bytes", "max_num_seqs", "max_num_batched_tokens"], 1),
     "dram_blocks": 0,
+    "disk_blocks": 0,
     "instances_on_device": 1,
     "max_model_len": 2,
     "tensor_parallel_size": 1,
@@ -91,7 +92,10 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_bytes: int | None = None
-    dram_blocks: int = 0
+    dram_blocks: int = 0  # the host-memory tier below hbm, in blocks
+    disk_blocks: int = 0  # the local-disk tier below those, in blocks (needs disk_dir)
+    # where the disk tier keeps its block files: one subdirectory per instance, by its id
+    disk_dir: str | None = None
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 512  # token budget per step; bounds a prefill chunk
     max_model_len: int | None = None  # defaults to the model's context length
@@ -119,6 +123,8 @@ class EngineConfig:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         self._check_kinds()
+        if (self.disk_dir is None) != (not self.disk_blocks):
+            raise ConfigError("disk_blocks and disk_dir go together: a capacity and a directory")
         t = self.collective_timeout_s
         if not isinstance(t, int | float) or isinstance(t, bool) or not 0 < t < math.inf:
             raise ConfigError(f"collective_timeout_s must be a positive number, got {t!r}")

@@ -6,6 +6,7 @@ tokens, the runner turns that into tensors, postprocess checks stops and runs th
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import logging
 import time
@@ -147,6 +148,17 @@ def greedy_tokens(logits: torch.Tensor) -> list[int | None]:
     best = logits.argmax(dim=-1)  # [B]
     finite = torch.isfinite(logits.amax(dim=-1))  # NaN anywhere in a row makes its max NaN
     return [t if t >= 0 else None for t in torch.where(finite, best, -1).tolist()]
+
+
+def kv_identity(model_dir: str | Path | None, cfg: EngineConfig) -> str:
+    """What a persistent KV tier must match to reuse its blocks: the checkpoint (its path,
+    config and weight files' sizes) and how its weights were made."""
+    path = Path(model_dir).resolve()
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        digest.update(f"{f.name}:{f.stat().st_size}".encode())
+    weights = f"dummy seed {cfg.seed}" if cfg.load_format == "dummy" else cfg.load_format
+    return f"{path} {digest.hexdigest()[:16]} {weights}"
 
 
 def _load_model(model_dir: Path, model_config: ModelConfig, device, dtype, load_format: str):
@@ -296,6 +308,15 @@ def build_parts(
             cfg, shard, device, dtype, model=model, owns_weights=owns, graphs=graph_bytes
         )
     layout = shard.kv_layout(cfg.block_size)
+    disk = {}
+    if cfg.disk_blocks:
+        if tp > 1:
+            raise ConfigError("a disk tier is for instances of one rank")
+        disk = {
+            "disk_blocks": cfg.disk_blocks,
+            "disk_dir": str(Path(cfg.disk_dir) / instance_id),
+            "model": kv_identity(model_dir, cfg),
+        }
     pool = group.make_pool(pool_factory or MemPool)(
         layout,
         num_blocks,
@@ -303,6 +324,7 @@ def build_parts(
         device=device,
         dtype=dtype,
         instance_id=instance_id,
+        **disk,
     )
     scale = model_config.head_dim**-0.5
     backend = make_backend(cfg.attention, pool.kv("hbm"), layout, shard.heads, scale)
@@ -549,10 +571,12 @@ class Engine:
         return {self.pool.instance_id: self.pool.stats()}
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers and the runner's thread, if any."""
+        """Stop the tensor-parallel workers and the runner's thread, if any; let the pool's
+        stores finish (a disk tier writes what it has queued)."""
         self.tp.close()
         if self.runner is not None:
             self.runner.close()
+        self.pool.close()
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule → run model → postprocess. Returns finished requests.

@@ -32,6 +32,18 @@ DEFAULT_OUT_DIR = "bench/results"
 ENGINE_FLAGS = {
     "block_size": ("--block-size", "tokens per KV block", None),
     "num_blocks": ("--num-blocks", "KV blocks per instance (default: as memory allows)", None),
+    "dram_blocks": ("--dram-blocks", "host-memory KV blocks per instance, below hbm", None),
+    "disk_blocks": (
+        "--disk-blocks",
+        "local-disk KV blocks per instance, below dram (with --disk-dir)",
+        None,
+    ),
+    "disk_dir": (
+        "--disk-dir",
+        "directory of the disk tier's block files (a subdirectory per instance, kept across "
+        "restarts)",
+        None,
+    ),
     "gpu_memory_utilization": (
         "--gpu-memory-utilization",
         "share of its GPU's memory each instance holds (weights, activations, KV); default: "

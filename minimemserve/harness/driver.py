@@ -80,6 +80,9 @@ from minimemserve.workloads.trace import Trace, load_trace, trace_sessions
 BENCH_FIELDS = ("model", "device", "dtype", "policy", "transport", "cost_model")
 BENCH_ENGINE_FLAGS = (
     "num_blocks",
+    "dram_blocks",
+    "disk_blocks",
+    "disk_dir",
     "gpu_memory_utilization",
     "load_format",
     "handoff",
