@@ -123,8 +123,8 @@ class EngineConfig:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         self._check_kinds()
-        if (self.disk_dir is None) != (not self.disk_blocks):
-            raise ConfigError("disk_blocks and disk_dir go together: a capacity and a directory")
+        if self.disk_dir is not None and not self.disk_blocks:  # (the simulator: no directory)
+            raise ConfigError("disk_dir needs disk_blocks: the disk tier's capacity in blocks")
         t = self.collective_timeout_s
         if not isinstance(t, int | float) or isinstance(t, bool) or not 0 < t < math.inf:
             raise ConfigError(f"collective_timeout_s must be a positive number, got {t!r}")

@@ -522,6 +522,7 @@ class SimCluster(DecodeRuns):
                 dtype=dtype,
                 instance_id=name,
                 dram_blocks=engine_config.dram_blocks,
+                disk_blocks=engine_config.disk_blocks,  # a capacity: no directory, no files
             )
             eng = SimEngine(
                 EngineParts(model_config, _TokenIds(), pool),

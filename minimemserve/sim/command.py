@@ -4,6 +4,7 @@ paper's evaluation, the roofline's checks)."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from minimemserve.errors import ConfigError
@@ -84,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "open: a finite run, every turn sent at its own Poisson arrival time whatever finished, "
         "its prompt built from the answers before it (not steady state)",
     )
-    add_engine_arguments(p, ("handoff",))
+    add_engine_arguments(p, ("handoff", "dram_blocks", "disk_blocks"))  # tiers: capacities
     p.add_argument(
         "--cpu-model",
         default=None,
@@ -129,7 +130,18 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def setup_from_args(args: argparse.Namespace) -> SimSetup:
-    """The :class:`SimSetup` the options describe (fits the CPU model when none is given)."""
+    """The :class:`SimSetup` the options describe (fits the CPU model when none is given),
+    its pools with the tiers below hbm ``--dram-blocks`` and ``--disk-blocks`` ask for."""
+    setup = _setup(args)
+    tiers = {"dram_blocks": args.dram_blocks, "disk_blocks": args.disk_blocks}
+    if not any(tiers.values()):
+        return setup
+    setup = setup.with_deployment(engine=replace(setup.engine_config, **tiers))
+    setup.describe = setup.describe | tiers
+    return setup
+
+
+def _setup(args: argparse.Namespace) -> SimSetup:
     scheduler = args.scheduler or "chunked"
     if args.hardware != "cpu":
         return gpu_setup(

@@ -149,11 +149,11 @@ class DecodeRuns:
 
     def _touched(self, inst: SimInstance) -> bool:
         """Whether ``inst``'s run changed what its cached prefixes look like by now: it evicted
-        (its first evicting step has begun), or the pool has a dram tier, whose onload room
-        every block it takes shrinks."""
+        (its first evicting step has begun), or the pool has a tier below hbm, whose onload
+        room every block it takes shrinks."""
         if (run := inst.run) is None:
             return False
-        if "dram" in inst.pool.tiers and inst.pool.index.num_blocks:
+        if len(inst.pool.tiers) > 1 and inst.pool.index.num_blocks:
             return True
         return run.evicts <= len(run.shapes) and run.times[run.evicts - 1] <= self.now
 
