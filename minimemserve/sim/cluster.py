@@ -279,6 +279,17 @@ class SimInstance:
         self.asked: list[Transfer] = []  # transfers whose next call waits for this step's end
         self.beside: list[Transfer] = []  # hand-offs begun with the step: it ends after them
 
+    def counters(self) -> tuple[float, float, int, int, int]:
+        """Its work so far: busy seconds, of them with prefill work, decode rows, their batch
+        sum and KV length sum."""
+        return (
+            self.busy_s,
+            self.prefill_busy_s,
+            self.decode_rows,
+            self.decode_batch_sum,
+            self.decode_context_sum,
+        )
+
     def load(self) -> int:
         """Requests waiting, running or arriving here."""
         s = self.engine.scheduler
@@ -479,6 +490,7 @@ class SimCluster(DecodeRuns):
         self.stopped = False  # the last replay ended at its window's end (unstable)
         self._seq = itertools.count()
         self._events = []
+        self.marks: list[tuple[float, dict[str, tuple]]] = []  # see replay's window
         self.steps = 0
         self.run_steps = 0  # of them, stepped in decode runs (see _start_run)
         # instance-seconds in steps, in steps with prefill work, and decode-seconds held up
@@ -662,6 +674,7 @@ class SimCluster(DecodeRuns):
         arrivals: str = "closed",
         schedule: Sequence[tuple[int, int, float]] | None = None,
         stop_unstable: bool = False,
+        window: tuple[int, int] | None = None,
     ) -> list[dict]:
         """Replay ``sessions`` in virtual time; returns ``minimemserve bench``'s records.
         ``arrivals="closed"`` replays as the bench does: Poisson session arrivals at ``rate``, a
@@ -674,7 +687,11 @@ class SimCluster(DecodeRuns):
         ``stop_unstable``: once virtual time reaches the arrival window's end (the last session
         start), take ``stability``'s verdict (final by then) with every unfinished request as
         still in system; if unstable, end the run there (:attr:`stopped`), those requests'
-        records marked ``"stopped"`` (:func:`stopped_record`)."""
+        records marked ``"stopped"`` (:func:`stopped_record`).
+
+        A closed replay's ``window`` (two session indices) marks every instance's counters
+        when each of those sessions starts (:attr:`marks`: what the work between them is
+        measured from)."""
         if arrivals not in ARRIVALS:
             raise ConfigError(f"arrivals must be one of {ARRIVALS}, got {arrivals!r}")
         if schedule is not None and arrivals != "open":
@@ -697,6 +714,8 @@ class SimCluster(DecodeRuns):
             for si, t in enumerate(poisson_arrivals(rate, len(sessions), seed)):
                 self.at(t, self._submit, (si, 0, ()))
                 starts.append(t)
+            for si in window or ():
+                self.at(starts[si], self._mark)
         else:
             self._history: dict[int, list[int]] = {}
             for si, k, t in schedule or open_arrivals(sessions, rate, seed):
@@ -711,6 +730,14 @@ class SimCluster(DecodeRuns):
         if self._inflight:
             raise RuntimeError(f"{len(self._inflight)} requests never finished in the simulation")
         return self._records
+
+    def _mark(self) -> None:
+        """Every instance caught up to now (:meth:`catch_up`), its counters noted in
+        ``marks``: (time, {name: :meth:`SimInstance.counters`}), every step begun by now
+        counted."""
+        for inst in self.instances:
+            self.catch_up(inst)
+        self.marks.append((self.now, {i.name: i.counters() for i in self.instances}))
 
     def _submit_open(self, si: int, k: int) -> None:
         """A finite run's turn ``k`` of session ``si``: sent now, its history the turns before

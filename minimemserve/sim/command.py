@@ -43,8 +43,9 @@ def add_paper_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the paper's evaluation: every configuration's load sweep on its three workloads "
         "(steady windows, three seeds, stability), its 19 gains at matched loads for every "
-        "layout with their bounds, finite runs past the knees, larger fixed costs per step and "
-        "a verdict per number; scheduler prefill_first unless --scheduler says otherwise",
+        "layout with their estimates, a verdict per number by one rule on its designated "
+        "layout, each verdict again under six changes to the cost profile, and finite runs "
+        "past the knees; scheduler prefill_first unless --scheduler says otherwise",
     )
     p.add_argument(
         "--quick",
@@ -57,6 +58,13 @@ def add_paper_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="--paper: runs simulated at once, each in a process (default: cores)",
+    )
+    p.add_argument(
+        "--audit",
+        metavar="FILE",
+        default=None,
+        help="--paper: derive every point, knee, cell and verdict of a written sim_paper.json "
+        "again from its recorded runs alone; exits 1 naming each difference",
     )
 
 
@@ -191,6 +199,16 @@ def _trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit(path: str) -> int:
+    """``sim --paper --audit FILE``: prints each difference; 1 if any."""
+    differences = paper.audit(path)
+    for line in differences:
+        print(line)
+    said = f"{len(differences)} differences" if differences else "every number follows"
+    print(f"audit of {path}: {said}")
+    return 1 if differences else 0
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``minimemserve sim`` with parsed ``args``; returns the exit status."""
     if args.anchors:
@@ -207,6 +225,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if args.trace:
         return _trace(args)
+    if args.paper and args.audit:
+        return _audit(args.audit)
     if args.paper:
         paper.reproduce(
             args.scheduler or "prefill_first",

@@ -4,14 +4,21 @@ The paper serves Llama-2-13B on 8 GPUs at tensor parallelism 2 and reports 19 re
 gains over three workloads (:data:`PAPER`): disaggregation against colocated PD, caching on
 top of disaggregation, and prompt-tree against session routing. It states no request rates.
 :func:`reproduce` sweeps every configuration's load to past its knee (``sim.sweep``: steady
-windows, three seeds, a stability verdict per run), then measures each gain at 50, 70 and
+windows, three seeds, a stability verdict per point), then measures each gain at 50, 70 and
 90 % of the weaker side's capacity, as the ratio of (1 + gain) with its 95 % interval; a
-comparison with an unstable side is reported as overloaded, never as a number."""
+comparison with an unstable side is reported as overloaded, never as a number.
+
+One rule decides each number (:func:`judge`): on its designated layout (:func:`designate`),
+the paper's value inside the interval at a majority of the load points. Each verdict is
+derived again under six changes to the cost profile (:data:`VARIANTS`), knees swept again,
+and is robust when none flips it. Every run of every seed is kept in the JSON (``runs``), and
+:func:`audit` derives every point, knee, cell and verdict again from them alone."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import multiprocessing
 import os
 import time
@@ -19,9 +26,12 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from pathlib import Path
 
+import numpy as np
+
 from minimemserve.workloads.results import OVERLOADED, STABLE_GROWTH, STABLE_NOISE, STABLE_SLACK
 
 from . import bound
+from .cluster import ARRIVALS
 from .runner import (
     DEFAULT_HARDWARE,
     DEFAULT_MODEL,
@@ -29,7 +39,7 @@ from .runner import (
     FINITE_LABEL,
     SimSetup,
     gpu_setup,
-    with_step_overhead,
+    with_costs,
 )
 from .sweep import (
     DOUBLINGS,
@@ -39,6 +49,7 @@ from .sweep import (
     SLO_TPOT_S,
     SLO_TTFT_S,
     STEADY_TOLERANCE,
+    TIME_GROWTH,
     Curve,
     Plan,
     aggregate,
@@ -81,8 +92,10 @@ ON = " on "
 # GPUs ("disaggregated inference (1P2D) improves mean and P99 JCT by 30 % and 42 %"); each
 # against colocated PD on the same GPUs, and with and without caching.
 LAYOUTS = ("1P3D", "2P2D", "3P1D", f"1P2D{ON}6")
-# The layout the paper names for a workload; elsewhere the tables show the best one.
+# The layout the paper names for a workload; elsewhere the designated layout is the one with
+# the lowest mean JCT against PD on the same GPUs at DESIGNATING_LOAD of the knee.
 NAMED = {"sharegpt": f"1P2D{ON}6"}
+DESIGNATING_LOAD = 0.7
 # The paper does not say on how many GPUs its PD ran: 1P2D on 6 against PD on 4 and on 8.
 UNEQUAL = ((f"1P2D{ON}6", f"PD{ON}4"), (f"1P2D{ON}6", "PD"))
 UNEQUAL_NOTE = "unequal GPUs"
@@ -94,11 +107,21 @@ LOADS = MATCHED_LOADS
 # Routing compared on PD-CC at the same loads: the paper's prompt trees, session affinity and
 # the shortest queue.
 ROUTING = ("prompt_tree", "session", "least_load")
-# A simulated (1 + gain) matches the paper's when its mean is within MATCH of it (relative).
-MATCH = 0.10
-# The fixed cost per step (ms) the matched-load points of the shown layouts are re-run with;
-# the hardware profile's own is 4 ms.
-STEP_MS = (10.0, 20.0)
+# The six changes to the cost profile every verdict is derived again under (knees swept
+# again): ``runner.with_costs``'s arguments by name; "base" is the profile itself.
+BASE = "base"
+VARIANTS = {
+    BASE: {},
+    "prefill x0.7": {"prefill_speed": 0.7},
+    "prefill x1.3": {"prefill_speed": 1.3},
+    "decode x0.7": {"decode_speed": 0.7},
+    "decode x1.3": {"decode_speed": 1.3},
+    "10 ms a step": {"step_ms": 10.0},
+    "20 ms a step": {"step_ms": 20.0},
+}
+# Finite runs (not steady state): every turn at its own arrival ("open"), and each turn at
+# the later of its arrival and its session's turn before ending ("paced").
+FINITE_MODES = tuple(m for m in ("open", "paced") if m in ARRIVALS)
 # ``--quick``: every workload and configuration, on a plan sized for a shared two-core
 # machine: a fifth of the sessions; knees found with one seed from three ladder rates a
 # workload, one rate beyond the ladder and one bisection; comparisons (three seeds) at 70 % of
@@ -112,7 +135,6 @@ QUICK_PLAN = Plan(
     doublings=0,
     loads=(0.7,),
     finite_loads=(1.5, 3.0),
-    step_loads=(0.7,),
     sweep_seeds=(0,),
 )
 POLICY = "prompt_tree"
@@ -126,9 +148,26 @@ MOVED_NOTE = (
 )
 LOAD_RULE = (
     "The paper states no request rates. Each configuration is swept from light load past its "
-    "knee; its capacity is the highest rate at which every seed's run is stable. Each gain is "
+    "knee; its capacity is the highest stable rate below the lowest unstable one. Each gain is "
     "measured at 50, 70 and 90 % of the capacity of the weaker of its two sides."
 )
+VERDICT_RULE = (
+    "A number is reproduced when the paper's 1 + gain lies inside the simulated ratio's 95 % "
+    "interval at a majority of the load points, on its designated comparison: the paper's "
+    "layout where it names one (ShareGPT: 1P2D on 6 GPUs against PD on 6), else the layout "
+    f"with the lowest mean JCT against PD on the same GPUs at {DESIGNATING_LOAD:.0%} of the "
+    "knee; row 19 is PD-CC under prompt trees against session routing. Robust: the same "
+    "verdict under every change to the cost profile, knees swept again."
+)
+
+
+class AuditError(ValueError):
+    """A recorded evaluation lacks a run that its own rule needs."""
+
+
+def key_id(key: tuple) -> str:
+    """A point's key as the JSON ``runs`` table names it."""
+    return json.dumps(list(key[:7]) + [list(key[7])])
 
 
 def side(label: str) -> tuple[str, int]:
@@ -163,18 +202,35 @@ CONFIGS = tuple(
 
 class Points:
     """Every point of one reproduction: each seed's run submitted once to ``pool``, the seeds
-    aggregated once (and printed as they complete, with ``progress``)."""
+    aggregated once (and printed as they complete, with ``progress``). With ``table`` (a
+    recorded evaluation's ``runs``) and no pool, every run is read from it instead: the
+    audit's points."""
 
-    def __init__(self, pool: Executor, setup: SimSetup, plan: Plan, progress: bool) -> None:
+    def __init__(
+        self,
+        pool: Executor | None,
+        setup: SimSetup,
+        plan: Plan,
+        progress: bool,
+        table: dict | None = None,
+    ) -> None:
         self.pool = pool
         self.setup = setup
         self.plan = plan
         self.progress = progress
-        # (workload, side, policy, rate, doubled, arrivals, step_ms): N is doubled ``doubled``
-        # times; a finite run's arrivals are "open"; step_ms None: the profile's fixed cost
+        self.table = table
+        # (workload, side, policy, rate, doubled, arrivals, variant, seeds): N is doubled
+        # ``doubled`` times; a finite run's arrivals are "open" or "paced"
         self.futures: dict[tuple, list[Future]] = {}
         self._points: dict[tuple, dict] = {}
+        self._setups: dict[str, SimSetup] = {BASE: setup}
         self.t0 = time.perf_counter()
+
+    def setup_for(self, variant: str) -> SimSetup:
+        """The setup with ``variant``'s costs (:data:`VARIANTS`)."""
+        if variant not in self._setups:
+            self._setups[variant] = with_costs(self.setup, **VARIANTS[variant])
+        return self._setups[variant]
 
     def submit(
         self,
@@ -184,22 +240,23 @@ class Points:
         rate: float,
         doubled: int = 0,
         arrivals: str = "closed",
-        step_ms: float | None = None,
+        variant: str = BASE,
         seeds: tuple[int, ...] | None = None,
     ) -> tuple:
         """Simulate the point (once) of side ``config`` (:func:`side`), with N doubled
-        ``doubled`` times, ``arrivals`` as ``SimCluster.replay`` takes them, each step's
-        fixed cost ``step_ms`` (None: the profile's) and ``seeds`` (None: the plan's);
-        returns its key."""
+        ``doubled`` times, ``arrivals`` as ``SimCluster.replay`` takes them, the costs of
+        ``variant`` and ``seeds`` (None: the plan's); returns its key."""
         seeds = tuple(seeds or self.plan.seeds)
-        key = (workload, config, policy, float(rate), doubled, arrivals, step_ms, seeds)
+        key = (workload, config, policy, float(rate), doubled, arrivals, variant, seeds)
+        if self.table is not None:
+            if key_id(key) not in self.table:
+                raise AuditError(f"the rule needs a run that was not recorded: {key_id(key)}")
+            return key
         if key not in self.futures:
             name, gpus = side(config)
             setup = dataclasses.replace(
-                self.setup.with_deployment(policy=policy), instances=gpus // DEFAULT_TP
+                self.setup_for(variant).with_deployment(policy=policy), instances=gpus // DEFAULT_TP
             )
-            if step_ms is not None:
-                setup = with_step_overhead(setup, step_ms)
             n = self.plan.sessions(workload, rate, doubled)
             cap = MAX_OUTPUT_TOKENS.get(workload)
             self.futures[key] = [
@@ -208,12 +265,16 @@ class Points:
             ]
         return key
 
-    def done(self, key: tuple) -> bool:
-        """Whether every seed of ``key`` has finished."""
-        return all(f.done() for f in self.futures[key])
+    def going(self, keys: Sequence[tuple]) -> list[Future]:
+        """The runs of ``keys`` still going."""
+        if self.table is not None:
+            return []
+        return [f for k in keys for f in self.futures[k] if not f.done()]
 
     def runs(self, key: tuple) -> list[dict]:
         """Each seed's run of ``key`` (waits for them)."""
+        if self.table is not None:
+            return self.table[key_id(key)]["runs"]
         return [f.result() for f in self.futures[key]]
 
     def point(self, key: tuple) -> dict:
@@ -224,11 +285,32 @@ class Points:
                 print(f"  {point_line(key, p)} [{time.perf_counter() - self.t0:.0f} s]", flush=True)
         return self._points[key]
 
-    def unstable(self, workload: str, config: str, policy: str, rate: float) -> bool:
+    def unstable(
+        self, workload: str, config: str, policy: str, rate: float, variant: str = BASE
+    ) -> bool:
         """Whether the point is unstable at any N it was simulated with (waits for them)."""
         point = (workload, config, policy, float(rate))
-        closed = [k for k in list(self.futures) if k[:4] == point and k[5:7] == ("closed", None)]
+        keys = self.futures if self.table is None else [_key(k) for k in self.table]
+        closed = [k for k in list(keys) if k[:4] == point and k[5:7] == ("closed", variant)]
         return any(not self.point(k)["stable"] for k in closed)
+
+    def recorded(self) -> dict:
+        """Every run by key (:func:`key_id`), as the JSON keeps it: each seed's run without
+        its wall time, and the wall times beside."""
+        out = {}
+        for key in self.futures:
+            runs = self.runs(key)
+            out[key_id(key)] = {
+                "runs": [{k: v for k, v in r.items() if k != "wall_s"} for r in runs],
+                "wall_s": [r["wall_s"] for r in runs],
+            }
+        return out
+
+
+def _key(text: str) -> tuple:
+    """:func:`key_id` read back."""
+    k = json.loads(text)
+    return (*k[:7], tuple(k[7]))
 
 
 def _fmt(value: dict | str | None, scale: float = 1.0, digits: int = 2) -> str:
@@ -242,43 +324,49 @@ def _fmt(value: dict | str | None, scale: float = 1.0, digits: int = 2) -> str:
 
 def point_line(key: tuple, p: dict) -> str:
     """One point in a line: JCT and TTFT means, stability, in-system growth, drift."""
-    workload, config, policy, rate, doubled, arrivals, step_ms, _ = key
+    workload, config, policy, rate, doubled, arrivals, variant, _ = key
     grow = " ".join("/".join(f"{x:.0f}" for x in s["mean_in_system"][1::2]) for s in p["stability"])
     drift = max((abs(d) for d in p["drift"].values() if d is not None), default=0.0)
     longer = f", N x{2**doubled}" if doubled else ""
-    longer += f", {FINITE_LABEL}" if arrivals == "open" else ""
-    longer += f", {step_ms:g} ms a step" if step_ms is not None else ""
+    longer += f", {FINITE_LABEL} ({arrivals})" if arrivals != "closed" else ""
+    longer += f", {variant}" if variant != BASE else ""
+    growth = "-" if p["growth"] is None else f"{p['growth']:+.0%}"
     return (
         f"{workload} {config} ({policy}) {rate:g}/s{longer}: JCT {_fmt(p['jct_mean'])} s, TTFT "
         f"{_fmt(p['ttft_mean'], 1e3, 0)} ms, {'stable' if p['stable'] else 'UNSTABLE'} (in "
-        f"system, 2nd / 4th quarter: {grow}), moves {drift:.1%} from N to 2N"
+        f"system, 2nd / 4th quarter: {grow}; time in system {growth}), moves {drift:.1%} from "
+        "N to 2N"
     )
 
 
-def sweep(points: Points, workloads: Sequence[str], configs: Sequence[str]) -> dict:
-    """Every configuration's :func:`knee_chain` walked on ``points`` at once:
+def sweep(
+    points: Points,
+    workloads: Sequence[str],
+    configs: dict[str, Sequence[str]],
+    variant: str = BASE,
+    ladders: dict[tuple[str, str], Sequence[float]] | None = None,
+) -> dict:
+    """Every configuration's :func:`knee_chain` walked on ``points`` at once (``configs`` by
+    workload; ``ladders`` by (workload, config), else the plan's), under ``variant``'s costs:
     ``{workload: {config: Curve}}``."""
     chains, rates, pending = {}, {}, {}
     seeds = points.plan.sweep_seeds
 
     def submit(w: str, c: str, r: float) -> tuple:
-        return points.submit(w, c, POLICY, r, seeds=seeds)
+        return points.submit(w, c, POLICY, r, variant=variant, seeds=seeds)
 
     for w in workloads:
-        for c in configs:
-            chains[w, c] = knee_chain(
-                points.plan.ladders[w], points.plan.extend, points.plan.bisections
-            )
+        for c in configs[w]:
+            ladder = (ladders or {}).get((w, c)) or points.plan.ladders[w]
+            chains[w, c] = knee_chain(ladder, points.plan.extend, points.plan.bisections)
             rates[w, c] = list(next(chains[w, c]))
             pending[w, c] = [submit(w, c, r) for r in rates[w, c]]
     while pending:
         # the runs still going (a finished one would end every wait at once: a busy loop)
-        going = [f for ks in pending.values() for k in ks for f in points.futures[k]]
-        going = [f for f in going if not f.done()]
-        if going:
+        if going := points.going([k for ks in pending.values() for k in ks]):
             wait(going, return_when=FIRST_COMPLETED)
         for (w, c), keys in list(pending.items()):
-            if not all(points.done(k) for k in keys):
+            if points.going(keys):
                 continue
             verdicts = {r: points.point(submit(w, c, r))["stable"] for r in rates[w, c]}
             try:
@@ -289,7 +377,7 @@ def sweep(points: Points, workloads: Sequence[str], configs: Sequence[str]) -> d
             rates[w, c] += more
             pending[w, c] = [submit(w, c, r) for r in more]
     return {
-        w: {c: Curve({r: points.point(submit(w, c, r)) for r in rates[w, c]}) for c in configs}
+        w: {c: Curve({r: points.point(submit(w, c, r)) for r in rates[w, c]}) for c in configs[w]}
         for w in workloads
     }
 
@@ -302,11 +390,12 @@ def _pairs(layout: str) -> dict[str, tuple[str, str]]:
     }
 
 
-def _columns(comparison: str) -> list[tuple[str, tuple[str, str]]]:
-    """Each column of a row of ``comparison``: (its name, (new, base) sides): every layout,
-    and for disaggregation 1P2D against PD on other GPU counts."""
-    cols = [(layout, _pairs(layout)[comparison]) for layout in LAYOUTS]
-    if comparison == "disagg vs PD":
+def _columns(comparison: str, layouts: Sequence[str]) -> list[tuple[str, tuple[str, str]]]:
+    """Each column of a row of ``comparison``: (its name, (new, base) sides): every one of
+    ``layouts``, and for disaggregation over every layout 1P2D against PD on other GPU
+    counts."""
+    cols = [(layout, _pairs(layout)[comparison]) for layout in layouts]
+    if comparison == "disagg vs PD" and tuple(layouts) == LAYOUTS:
         cols += [(f"{new} vs {base} ({UNEQUAL_NOTE})", (new, base)) for new, base in UNEQUAL]
     return cols
 
@@ -317,15 +406,16 @@ def _rate(curves: dict, new: str, base: str, load: float) -> float | None:
     return None if None in knees else round(load * min(knees), 3)
 
 
-Comparison = tuple  # (workload, (new, base) configs, (new, base) policies, rate, metric)
+# (workload, (new, base) configs, (new, base) policies, rate, metric, variant)
+Comparison = tuple
 
 
 def _submit(points: Points, comparison: Comparison, doubled: int) -> tuple[tuple, tuple]:
     """Both sides of ``comparison`` with N doubled ``doubled`` times; their keys."""
-    workload, (new, base), (pnew, pbase), rate, _ = comparison
+    workload, (new, base), (pnew, pbase), rate, _, variant = comparison
     return (
-        points.submit(workload, new, pnew, rate, doubled),
-        points.submit(workload, base, pbase, rate, doubled),
+        points.submit(workload, new, pnew, rate, doubled, variant=variant),
+        points.submit(workload, base, pbase, rate, doubled, variant=variant),
     )
 
 
@@ -359,59 +449,71 @@ def settle(points: Points, comparisons: Sequence[Comparison]) -> dict[Comparison
 
 
 def _comparison_line(c: Comparison) -> str:
-    workload, (new, base), (pnew, pbase), rate, metric = c
+    workload, (new, base), (pnew, pbase), rate, metric, variant = c
     sides = f"{new} vs {base}" if new != base else f"{new} {pnew} vs {pbase}"
-    return f"{workload} {sides} {metric} at {rate:g}/s"
+    costs = f" ({variant})" if variant != BASE else ""
+    return f"{workload} {sides} {metric} at {rate:g}/s{costs}"
 
 
 def cell(points: Points, comparison: Comparison, doubled: int, paper: float) -> dict:
     """One comparison at one rate, its N doubled ``doubled`` times: the simulated (1 + gain)
-    with its interval against the paper's, a verdict and the reason for a miss."""
+    with its interval and each seed's, and whether it holds the paper's value (inside the
+    interval)."""
     rate = comparison[3]
     if rate is None:
         return {"rate": None, "ratio": "no stable load", "verdict": "no stable load"}
     r = _ratio(points, comparison, doubled)
     workload, configs, policies = comparison[:3]
-    if any(points.unstable(workload, c, p, rate) for c, p in zip(configs, policies)):
+    variant = comparison[5]
+    if any(points.unstable(workload, c, p, rate, variant) for c, p in zip(configs, policies)):
         r = OVERLOADED  # a side that turned unstable with more sessions is overloaded at any N
     sessions = points.plan.sessions(workload, rate, doubled)
     if isinstance(r, str):
         return {"rate": rate, "sessions": sessions, "ratio": r, "verdict": r}
-    want = 1 + paper
-    hit = abs(r["mean"] / want - 1) <= MATCH
-    held = abs(r["mean"] - want) <= r["ci95"]  # the paper's value lies inside the interval
+    new, base = (points.runs(k) for k in _submit(points, comparison, doubled))
+    metric = comparison[4]
     return {
         "rate": rate,
         "sessions": sessions,
         "ratio": r,
-        "verdict": "match" if hit else "miss" + (" (interval holds it)" if held else ""),
-        "reason": None if hit else "not explained",
+        "per_seed": [a["steady"][metric] / b["steady"][metric] for a, b in zip(new, base)],
+        "verdict": "holds" if abs(r["mean"] - (1 + paper)) <= r["ci95"] else "misses",
     }
 
 
-def matched_rows(points: Points, curves: dict, workloads: Sequence[str]) -> list[dict]:
-    """The paper's 18 disaggregation and caching numbers, each at :data:`LOADS` of the weaker
-    side's capacity for every layout swept, each run as long as :func:`settle` finds it needs."""
+def _row(workload: str, comparison: str, metric: str) -> dict:
+    paper = PAPER[workload, comparison, metric]
+    return {
+        "workload": workload,
+        "comparison": comparison,
+        "metric": metric,
+        "paper": paper,
+        "paper_ratio": 1 + paper,
+        "cells": {},
+    }
+
+
+def matched_rows(
+    points: Points,
+    curves: dict,
+    workloads: Sequence[str],
+    layouts: dict[str, Sequence[str]],
+    variant: str = BASE,
+) -> list[dict]:
+    """The paper's 18 disaggregation and caching numbers, each at the plan's loads of the
+    weaker side's capacity for each of ``layouts[workload]`` swept, under ``variant``'s
+    costs, each run as long as :func:`settle` finds it needs."""
     rows, plan = [], []  # plan: (row, cell name, comparison)
-    for (w, comparison, metric), paper in PAPER.items():
+    for w, comparison, metric in PAPER:
         if w not in workloads or comparison not in _pairs("x"):
             continue
-        row = {
-            "workload": w,
-            "comparison": comparison,
-            "metric": metric,
-            "paper": paper,
-            "paper_ratio": 1 + paper,
-            "cells": {},
-        }
-        rows.append(row)
-        for column, pair in _columns(comparison):
+        rows.append(row := _row(w, comparison, metric))
+        for column, pair in _columns(comparison, layouts[w]):
             if set(pair) <= set(curves[w]):
                 for load in points.plan.loads:
                     rate = _rate(curves[w], *pair, load)
-                    plan.append(
-                        (row, f"{column}@{load:.0%}", (w, pair, (POLICY,) * 2, rate, metric))
-                    )
+                    c = (w, pair, (POLICY,) * 2, rate, metric, variant)
+                    plan.append((row, f"{column}@{load:.0%}", c))
     doubled = settle(points, [c for _, _, c in plan if c[3] is not None])
     for row, name, c in plan:
         row["cells"][name] = x = cell(points, c, doubled.get(c, 0), row["paper"])
@@ -422,20 +524,22 @@ def matched_rows(points: Points, curves: dict, workloads: Sequence[str]) -> list
 
 def _explain(points: Points, x: dict, comparison: str, c: Comparison, doubled: int) -> None:
     """What a measured cell of ``comparison`` is made of: the TTFT share of its
-    disaggregated side's JCT and, for disaggregation on equal GPUs, the bound
+    disaggregated side's JCT and, for disaggregation on equal GPUs, the estimate
     (``sim.bound``) from both sides' runs."""
     new, base = (points.runs(k) for k in _submit(points, c, doubled))
     disagg = comparison == "disagg vs PD"
     x["ttft_share"] = bound.ttft_share(new if disagg else base)
     if disagg and side(c[1][0])[1] == side(c[1][1])[1]:
-        x["bound"] = bound.bound(new, base, points.setup.step_model)
+        x["bound"] = bound.bound(new, base, points.setup_for(c[5]).step_model)
 
 
-def routing_rows(points: Points, curves: dict, workloads: Sequence[str]) -> list[dict]:
-    """PD-CC's routing policies at :data:`LOADS` of its capacity under prompt trees: prompt
-    trees against session affinity (the paper's row 19 on ReAct) and against the shortest
-    queue, P99 and mean TTFT, each run as long as :func:`settle` finds it needs, and how
-    evenly ``session`` spread the requests."""
+def routing_rows(
+    points: Points, curves: dict, workloads: Sequence[str], variant: str = BASE
+) -> list[dict]:
+    """PD-CC's routing policies at the plan's loads of its capacity under prompt trees:
+    prompt trees against session affinity (the paper's row 19 on ReAct) and against the
+    shortest queue, P99 and mean TTFT, each run as long as :func:`settle` finds it needs,
+    and how evenly ``session`` spread the requests."""
     rows, plan = [], []  # plan: (row, cell name, comparison)
     for w in workloads:
         if "PD-CC" not in curves[w]:
@@ -446,7 +550,7 @@ def routing_rows(points: Points, curves: dict, workloads: Sequence[str]) -> list
             rows.append(row)
             for base in ROUTING[1:]:
                 for metric in ("ttft_p99", "ttft_mean"):
-                    c = (w, ("PD-CC", "PD-CC"), (POLICY, base), rate, metric)
+                    c = (w, ("PD-CC", "PD-CC"), (POLICY, base), rate, metric, variant)
                     plan.append((row, f"vs {base} {metric}", c))
     doubled = settle(points, [c for _, _, c in plan if c[3] is not None])
     paper = PAPER["react", "prompt_tree vs session", "ttft_p99"]
@@ -454,9 +558,9 @@ def routing_rows(points: Points, curves: dict, workloads: Sequence[str]) -> list
         row[name] = cell(points, c, doubled.get(c, 0), paper)
     for row in rows:
         if row["rate"] is not None:
-            runs = points.runs(points.submit(row["workload"], "PD-CC", "session", row["rate"]))
+            key = points.submit(row["workload"], "PD-CC", "session", row["rate"], variant=variant)
             n = points.setup.instances
-            row["session_max_share"] = max(spread(r["dispatches"], n) for r in runs)
+            row["session_max_share"] = max(spread(r["dispatches"], n) for r in points.runs(key))
     return rows
 
 
@@ -469,20 +573,13 @@ def spread(dispatches: dict[str, int], instances: int) -> float:
 def row19(routing: list[dict]) -> dict | None:
     """Row 19 (prompt trees against session routing, P99 TTFT on ReAct's PD-CC) as a row of
     the 19: its cells are the routing table's."""
-    (w, comparison, metric), paper = next((k, v) for k, v in PAPER.items() if k[1] in ROUTE)
+    (w, comparison, metric), _ = next((k, v) for k, v in PAPER.items() if k[1] in ROUTE)
     cells = {
         f"PD-CC@{r['load']:.0%}": r[f"vs session {metric}"] for r in routing if r["workload"] == w
     }
     if not cells:
         return None
-    return {
-        "workload": w,
-        "comparison": comparison,
-        "metric": metric,
-        "paper": paper,
-        "paper_ratio": 1 + paper,
-        "cells": cells,
-    }
+    return _row(w, comparison, metric) | {"cells": cells}
 
 
 # Row 19's sides: PD-CC under prompt trees against PD-CC under session routing.
@@ -493,100 +590,95 @@ def _numeric(cells: dict) -> dict[str, dict]:
     return {k: c for k, c in cells.items() if isinstance(c.get("ratio"), dict)}
 
 
-def shown_layouts(
-    rows: list[dict],
-    workloads: Sequence[str],
-    loads: Sequence[float] = LOADS,
-    named: dict[str, str] = NAMED,
-) -> dict[str, str]:
-    """The layout the tables show per workload: the paper's where it names one (``named``),
-    else the best, the one whose mean JCT against PD on the same GPUs is lowest, averaged over
-    the loads measured."""
-    shown = {}
+def designate(rows: list[dict], workloads: Sequence[str]) -> dict[str, str]:
+    """The designated layout per workload: the paper's where it names one (:data:`NAMED`),
+    else the one whose mean JCT against PD on the same GPUs is lowest at
+    :data:`DESIGNATING_LOAD` of the knee (an overloaded one cannot be picked; a tie goes to
+    the first of :data:`LAYOUTS`; none measured: the first)."""
+    out = {}
     for w in workloads:
-        if w in named:
-            shown[w] = named[w]
+        if w in NAMED:
+            out[w] = NAMED[w]
             continue
         row = next(
             r
             for r in rows
             if (r["workload"], r["comparison"], r["metric"]) == (w, "disagg vs PD", "jct_mean")
         )
-        scores = {}
-        for layout in LAYOUTS:
-            got = [
-                c["ratio"]["mean"]
-                for k, c in _numeric(row["cells"]).items()
-                if k.split("@")[0] == layout
-            ]
-            if got:
-                scores[layout] = sum(got) / len(got) + (len(loads) - len(got))  # overloaded: worse
-        shown[w] = min(scores, key=scores.get) if scores else LAYOUTS[0]
-    return shown
+        cells = _numeric(row["cells"])
+        scores = {
+            layout: cells[k]["ratio"]["mean"]
+            for layout in LAYOUTS
+            if (k := f"{layout}@{DESIGNATING_LOAD:.0%}") in cells
+        }
+        out[w] = min(scores, key=scores.get) if scores else LAYOUTS[0]
+    return out
+
+
+def layout_of(row: dict, designated: dict[str, str]) -> str:
+    """The column of ``row`` its verdict is decided on."""
+    return "PD-CC" if row["comparison"] in ROUTE else designated[row["workload"]]
+
+
+def judge(row: dict, designated: dict[str, str], loads: Sequence[float]) -> dict:
+    """The rule (:data:`VERDICT_RULE`): which of the designated column's load points hold
+    the paper's value, and whether a majority do."""
+    layout = layout_of(row, designated)
+    names = [f"{k:.0%}" for k in loads]
+    held = [row["cells"].get(f"{layout}@{k}", {}).get("verdict") == "holds" for k in names]
+    return {
+        "layout": layout,
+        "loads": names,
+        "held": held,
+        "reproduced": 2 * sum(held) > len(loads),
+    }
 
 
 def _sides(row: dict, layout: str) -> tuple[tuple[str, str], tuple[str, str]]:
-    """A row's (new, base) sides and policies at the shown ``layout``."""
+    """A row's (new, base) sides and policies at ``layout``."""
     if row["comparison"] in ROUTE:
         return ROUTE[row["comparison"]]
     return _pairs(layout)[row["comparison"]], (POLICY, POLICY)
 
 
 def finite_rows(
-    points: Points, curves: dict, rows: list[dict], shown: dict, loads: Sequence[float]
+    points: Points, curves: dict, rows: list[dict], designated: dict, loads: Sequence[float]
 ) -> None:
-    """Every row's comparison at the shown layout as finite runs (``--arrivals open``, not
-    steady state) at ``loads`` times its weaker side's knee; each row gets ``finite``: the
-    ratio at each load, how far past each side's knee, and the lowest load at which the
-    paper's number appears (within :data:`MATCH`), if any."""
+    """Every row's comparison at the designated layout as finite runs (not steady state) in
+    each of :data:`FINITE_MODES` at ``loads`` times its weaker side's knee; each row gets
+    ``finite``: per mode and load the ratio, how far past each side's knee, each side's
+    prefix-cache hit ratio and preemptions. Never part of a verdict."""
     plan = []
     for row in rows:
         w = row["workload"]
-        (new, base), policies = _sides(row, shown[w])
+        layout = layout_of(row, designated)
+        (new, base), policies = _sides(row, layout)
         knees = [curves[w][c].knee if c in curves[w] else None for c in (new, base)]
-        row["finite"] = {"layout": shown[w], "label": FINITE_LABEL, "cells": {}, "appears": None}
+        row["finite"] = {"layout": layout, "label": FINITE_LABEL, "cells": {}}
         if None in knees:
             continue
-        for k in loads:
-            rate = round(k * min(knees), 3)
-            keys = [points.submit(w, c, p, rate, 0, "open") for c, p in zip((new, base), policies)]
-            plan.append((row, k, rate, knees, keys))
-    for row, k, rate, knees, (a, b) in plan:
-        r = ratio(points.runs(a), points.runs(b), row["metric"], finite=True)
-        row["finite"]["cells"][f"{k:g}x"] = {
+        for mode in FINITE_MODES:
+            for k in loads:
+                rate = round(k * min(knees), 3)
+                sides = zip((new, base), policies)
+                keys = [points.submit(w, c, p, rate, 0, mode) for c, p in sides]
+                plan.append((row, f"{mode} {k:g}x", rate, knees, keys))
+    for row, name, rate, knees, (a, b) in plan:
+        runs = points.runs(a), points.runs(b)
+        row["finite"]["cells"][name] = {
             "rate": rate,
             "past_new": rate / knees[0],
             "past_base": rate / knees[1],
-            "ratio": r,
+            "ratio": ratio(*runs, row["metric"], finite=True),
+            "cached_ratio": [float(np.mean([hits(r) for r in x])) for x in runs],
+            "preemptions": [sum(r["preemptions"] for r in x) for x in runs],
             "stable": points.point(a)["stable"] and points.point(b)["stable"],
         }
-        if row["finite"]["appears"] is None and abs(r["mean"] / row["paper_ratio"] - 1) <= MATCH:
-            row["finite"]["appears"] = {"load": k, "rate": rate, "past": rate / min(knees)}
 
 
-def step_cost_rows(points: Points, rows: list[dict], shown: dict, loads: Sequence[float]) -> None:
-    """The shown layout's disaggregation and caching cells at ``loads`` re-run with a fixed
-    cost of each of :data:`STEP_MS` per step (the profile's is 4 ms), at the same rates; each
-    such row gets ``step_cost``: the ratio by cost and load."""
-    plan = []
-    for row in rows:
-        if row["comparison"] in ROUTE:
-            continue
-        layout = shown[row["workload"]]
-        pair = _pairs(layout)[row["comparison"]]
-        row["step_cost"] = {}
-        for load in loads:
-            rate = row["cells"].get(f"{layout}@{load:.0%}", {}).get("rate")
-            if rate is None:
-                continue
-            for ms in STEP_MS:
-                keys = [
-                    points.submit(row["workload"], c, POLICY, rate, 0, "closed", ms) for c in pair
-                ]
-                plan.append((row, f"{ms:g} ms@{load:.0%}", rate, keys))
-    for row, name, rate, (a, b) in plan:
-        r = ratio(points.runs(a), points.runs(b), row["metric"])
-        row["step_cost"][name] = {"rate": rate, "ratio": r}
+def hits(run: dict) -> float:
+    """A run's prefix-cache hit ratio over its measured requests (0 where none)."""
+    return run["steady"]["cached_ratio"] or 0.0
 
 
 def _implied_ttft_share(workload: str) -> float | None:
@@ -597,8 +689,8 @@ def _implied_ttft_share(workload: str) -> float | None:
     return None if jct is None or ttft is None else jct / ttft
 
 
-def knee_bound(name: str, b: dict) -> float:
-    """A cell's bound with U_P grown in proportion to the load up to the knee (at most 1):
+def knee_estimate(name: str, b: dict) -> float:
+    """A cell's estimate with U_P grown in proportion to the load up to the knee (at most 1):
     about the lowest its layout can reach at any stable load. ``name`` ends in its load."""
     load = float(name.rsplit("@", 1)[1].rstrip("%")) / 100
     d, floor = b["d_ratio"]["mean"], b["floor"]["mean"]
@@ -606,49 +698,129 @@ def knee_bound(name: str, b: dict) -> float:
     return (1 - share * min(1.0, b["u_p"]["mean"] / load)) * d
 
 
-def _reason(row: dict) -> str:
-    """Why a number is not reproduced, in measured numbers: the nearest steady-state value,
-    the bound's floor (disaggregation), the TTFT share of JCT (caching, JCT) and the range
-    of the finite runs."""
-    want, cells = row["paper_ratio"], _numeric(row["cells"])
+def _reason(row: dict, layout: str) -> str:
+    """Why a number is not reproduced on ``layout``, in measured numbers: the cell nearest
+    the paper's value, the estimate at the knee (disaggregation) and the TTFT share of JCT
+    (caching, JCT)."""
+    want = row["paper_ratio"]
+    cells = {k: c for k, c in _numeric(row["cells"]).items() if k.rsplit("@", 1)[0] == layout}
     if not cells:
-        return "every matched load overloaded"
-    near = min(cells, key=lambda k: abs(cells[k]["ratio"]["mean"] / want - 1))
-    parts = [f"nearest at steady state {cells[near]['ratio']['mean']:.2f} ({near})"]
-    at_knee = {k: knee_bound(k, c["bound"]) for k, c in cells.items() if c.get("bound")}
+        return "every load point overloaded"
+    near = min(cells, key=lambda k: abs(cells[k]["ratio"]["mean"] - want))
+    r = cells[near]["ratio"]
+    parts = [f"nearest {r['mean']:.2f} ±{r['ci95']:.2f} ({near})"]
+    at_knee = {k: knee_estimate(k, c["bound"]) for k, c in cells.items() if c.get("bound")}
     if at_knee:
         k = min(at_knee, key=at_knee.get)
-        parts.append(f"bound at the knee no lower than {at_knee[k]:.2f} ({k})")
-    implied = _implied_ttft_share(row["workload"])
+        parts.append(f"estimate at the knee {at_knee[k]:.2f}")
     shares = [c["ttft_share"]["mean"] for c in cells.values() if c.get("ttft_share")]
     if row["comparison"] == "disagg-CC vs disagg" and row["metric"].startswith("jct") and shares:
-        parts.append(
-            f"TTFT {min(shares):.1%}-{max(shares):.1%} of JCT (the paper's numbers imply "
-            f"{implied:.0%})"
-        )
-    finite = _numeric(row.get("finite", {}).get("cells", {}))
-    if finite:
-        got = [c["ratio"]["mean"] for c in finite.values()]
-        parts.append(f"finite runs {min(got):.2f}-{max(got):.2f} up to {max(finite)} the knee")
+        implied = _implied_ttft_share(row["workload"])
+        parts.append(f"TTFT {max(shares):.1%} of JCT (the paper's imply {implied:.0%})")
     return "; ".join(parts)
 
 
 def verdict(row: dict) -> str:
-    """One of: reproduced at steady state (where), reproduced only with unequal GPUs,
-    appears only in a finite run at load L (k x the knee), or not reproduced (why)."""
-    cells = _numeric(row["cells"])
-    hits = [k for k, c in cells.items() if c["verdict"] == "match"]
-    equal = [k for k in hits if UNEQUAL_NOTE not in k]
-    if equal:
-        return f"reproduced at steady state ({', '.join(equal)})"
-    if hits:
-        return f"reproduced at steady state only with {UNEQUAL_NOTE} ({', '.join(hits)})"
-    if appears := row.get("finite", {}).get("appears"):
-        return (
-            f"appears only in a finite run, at {appears['rate']:g}/s "
-            f"({appears['past']:.1f} x the knee)"
+    """A row's verdict in words: reproduced (at which loads) or not (why), and robust or
+    fragile (under which changes)."""
+    j = row["judged"]
+    loads = [k for k, h in zip(j["loads"], j["held"]) if h]
+    if j["reproduced"]:
+        text = f"reproduced ({', '.join(loads)})"
+    else:
+        text = f"not reproduced: {_reason(row, j['layout'])}"
+    flips = [v for v, ok in row.get("sensitivity", {}).items() if ok != j["reproduced"]]
+    if not row.get("sensitivity"):
+        return text
+    return text + ("; robust" if not flips else f"; fragile: flips at {', '.join(flips)}")
+
+
+def sensitivity(
+    points: Points,
+    curves: dict,
+    rows: list[dict],
+    designated: dict[str, str],
+    workloads: Sequence[str],
+) -> dict:
+    """Every verdict derived again under each of :data:`VARIANTS` but the base: the
+    designated sides' knees swept again (each ladder half, one and two times the base knee),
+    their cells measured at the same loads, judged by the same rule. Each row gets
+    ``sensitivity`` ({variant: reproduced}); returns each variant's knees and rows."""
+    out = {}
+    for variant in points.plan.variants or VARIANTS:
+        if variant == BASE:
+            continue
+        configs = {
+            w: [
+                c
+                for c in dict.fromkeys(
+                    (*_pairs(designated[w])["disagg vs PD"], cached(designated[w]), "PD-CC")
+                )
+                if c in curves[w]
+            ]
+            for w in workloads
+        }
+        ladders = {
+            (w, c): (round(k / 2, 3), k, 2 * k)
+            for w in workloads
+            for c in configs[w]
+            if (k := curves[w][c].knee) is not None
+        }
+        vcurves = sweep(points, workloads, configs, variant, ladders)
+        vrows = matched_rows(
+            points, vcurves, workloads, {w: (designated[w],) for w in workloads}, variant
         )
-    return f"not reproduced: {_reason(row)}"
+        routing = routing_rows(points, vcurves, workloads, variant)
+        vrows += [r for r in [row19(routing)] if r is not None]
+        out[variant] = {
+            "knees": {w: {c: cv.knee for c, cv in vcurves[w].items()} for w in workloads},
+            "rows": vrows,
+        }
+        by = {(r["workload"], r["comparison"], r["metric"]): r for r in vrows}
+        for row in rows:
+            v = by.get((row["workload"], row["comparison"], row["metric"]))
+            judged = judge(v, designated, points.plan.loads) if v else {"reproduced": False}
+            if v:
+                v["judged"] = judged
+            row.setdefault("sensitivity", {})[variant] = judged["reproduced"]
+    return out
+
+
+def evaluate(points: Points, workloads: Sequence[str], configs: Sequence[str]) -> dict:
+    """Every number the evaluation reports, derived from ``points`` (live runs, or a
+    recorded table for the audit): the sweep, the 19 rows at matched loads, routing, the
+    designated layouts and verdicts, the sensitivity to the cost profile and the finite
+    runs."""
+    curves = sweep(points, workloads, {w: configs for w in workloads})
+    rows = matched_rows(points, curves, workloads, {w: LAYOUTS for w in workloads})
+    routing = routing_rows(points, curves, workloads)
+    numbers = rows + [r for r in [row19(routing)] if r is not None]
+    designated = designate(rows, workloads)
+    for row in numbers:
+        row["judged"] = judge(row, designated, points.plan.loads)
+    variants = sensitivity(points, curves, numbers, designated, workloads)
+    finite_rows(points, curves, numbers, designated, points.plan.finite_loads)
+    for row in numbers:
+        row["verdict"] = verdict(row)
+    return {
+        "workloads": {w: _curves_json(curves[w]) for w in workloads},
+        "designated": designated,
+        "rows": numbers,
+        "routing": routing,
+        "sensitivity": variants,
+    }
+
+
+def _plan(text: dict) -> Plan:
+    """A recorded plan (``dataclasses.asdict``) as a :class:`Plan`."""
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in text.items()}
+    fields["ladders"] = {w: tuple(r) for w, r in text["ladders"].items()}
+    return Plan(**fields)
+
+
+def _base_setup(scheduler: str) -> SimSetup:
+    base = gpu_setup(DEFAULT_MODEL, DEFAULT_HARDWARE, GPUS, DEFAULT_TP)
+    return base.with_deployment(engine=dataclasses.replace(base.engine_config, scheduler=scheduler))
 
 
 def reproduce(
@@ -662,68 +834,94 @@ def reproduce(
     configs: Sequence[str] = CONFIGS,
 ) -> dict:
     """The paper's evaluation under the local ``scheduler`` policy (its base, vLLM 0.4.0, is
-    ``prefill_first``): every configuration swept (:func:`sweep`), the 18 gains at matched
-    loads, routing; prints the tables; with ``out_dir`` writes ``sim_paper.json``, the table
-    in markdown (``sim_paper.md``), a sweep plot per workload and the gains plot. Then each
-    of the 19 numbers at the shown layout as finite runs past the knees, the shown layouts'
-    matched-load points with a larger fixed cost per step, and a verdict per number.
-    ``quick`` runs :data:`QUICK_PLAN` (every workload and configuration, fewer bisections
-    and extra runs). Runs go ``jobs`` at a time (default: one per core), each in its own
-    process."""
+    ``prefill_first``): :func:`evaluate` on live runs; prints the tables; with ``out_dir``
+    writes ``sim_paper.json`` (every seed's run in ``runs``, so that :func:`audit` can derive
+    it all again), the tables in markdown (``sim_paper.md``), a sweep plot per workload and
+    the gains plot. ``quick`` runs :data:`QUICK_PLAN` (every workload and configuration,
+    fewer bisections and extra runs). Runs go ``jobs`` at a time (default: one per core),
+    each in its own process."""
     t0 = time.perf_counter()
     plan = plan or (QUICK_PLAN if quick else Plan())
-    base = gpu_setup(DEFAULT_MODEL, DEFAULT_HARDWARE, GPUS, DEFAULT_TP)
-    setup = base.with_deployment(
-        engine=dataclasses.replace(base.engine_config, scheduler=scheduler)
-    )
+    setup = _base_setup(scheduler)
     jobs = jobs or os.cpu_count() or 1
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(jobs, mp_context=spawn) if jobs > 1 else _Inline() as pool:
         points = Points(pool, setup, plan, progress)
-        curves = sweep(points, workloads, configs)
-        if out_dir is not None:  # the sweep alone first: it is most of the time
-            Path(out_dir).mkdir(parents=True, exist_ok=True)
-            done = {w: _curves_json(curves[w]) for w in workloads}
-            (Path(out_dir) / "sim_paper_sweep.json").write_text(json.dumps(done, indent=1))
-        rows = matched_rows(points, curves, workloads)
-        routing = routing_rows(points, curves, workloads)
-        numbers = rows + [r for r in [row19(routing)] if r is not None]
-        shown = shown_layouts(rows, workloads, plan.loads)
-        finite_rows(points, curves, numbers, shown, plan.finite_loads)
-        step_cost_rows(points, rows, shown, plan.step_loads)
-    for row in numbers:
-        row["verdict"] = verdict(row)
+        derived = evaluate(points, workloads, configs)
+        table = points.recorded()
     result = {
         "setup": {**setup.describe, "scheduler": scheduler, "quick": quick},
         "plan": dataclasses.asdict(plan),
+        "configs": list(configs),
         "load_rule": LOAD_RULE,
+        "verdict_rule": VERDICT_RULE,
         "stability_rule": STABILITY_RULE,
         "finite_rule": FINITE_RULE,
         "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S, "attainment": SLO_ATTAINMENT},
-        "workloads": {w: _curves_json(curves[w]) for w in workloads},
-        "shown": shown,
-        "rows": numbers,
-        "routing": routing,
+        **json.loads(json.dumps(derived)),
         "wall_s": time.perf_counter() - t0,
+        "run_wall_s": sum(sum(r["wall_s"]) for r in table.values()),
         "files": [],
+        "runs": table,
     }
     print(markdown(result))
     if out_dir is not None:
-        write(result, curves, Path(out_dir))
+        write(result, Path(out_dir))
     return result
 
 
+DERIVED = ("workloads", "designated", "rows", "routing", "sensitivity")
+
+
+def audit(path: str | Path) -> list[str]:
+    """Every point, knee, cell, designated layout, verdict and sensitivity of a written
+    evaluation derived again from its recorded runs alone (the same rule, no simulation);
+    the differences from what it says, as ``path: recorded != derived`` lines (none: it
+    holds), or the run its rule needed and lacks."""
+    stored = json.loads(Path(path).read_text())
+    plan = _plan(stored["plan"])
+    points = Points(None, _base_setup(stored["setup"]["scheduler"]), plan, False, stored["runs"])
+    try:
+        derived = evaluate(points, list(stored["workloads"]), stored["configs"])
+    except AuditError as e:
+        return [str(e)]
+    derived = json.loads(json.dumps(derived))
+    out: list[str] = []
+    for k in DERIVED:
+        _diff(stored.get(k), derived[k], k, out)
+    return out
+
+
+def _diff(a, b, path: str, out: list[str]) -> None:
+    """Append to ``out`` where ``a`` and ``b`` differ (numbers to 1e-9 relative)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in dict.fromkeys([*a, *b]):
+            _diff(a.get(k), b.get(k), f"{path}.{k}", out)
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _diff(x, y, f"{path}[{i}]", out)
+    elif isinstance(a, float) and isinstance(b, (int, float)) and not isinstance(b, bool):
+        if not math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12):
+            out.append(f"{path}: {a!r} != {b!r}")
+    elif a != b:
+        out.append(f"{path}: {str(a)[:80]} != {str(b)[:80]}")
+
+
 FINITE_RULE = (
-    f"{FINITE_LABEL}: the sessions a point replays (N), every turn sent at its own Poisson "
-    f"arrival time whether or not its session's turns before it finished (its prompt built "
-    f"from their answers), counted over the whole run; each comparison of the shown layout at "
-    f"{', '.join(f'{k:g}' for k in FINITE_LOADS)} times its weaker side's knee (--quick: fewer)"
+    f"{FINITE_LABEL}: the sessions a point replays (N), counted over the whole run; open: every "
+    f"turn sent at its own Poisson arrival time whether or not its session's turns before it "
+    f"finished (its prompt built from their answers); paced: each turn sent at the later of its "
+    f"arrival and the end of its session's turn before, as a user who waits for the answer; each "
+    f"comparison of the designated layout at {', '.join(f'{k:g}' for k in FINITE_LOADS)} times "
+    f"its weaker side's knee (--quick: fewer); never part of a verdict"
 )
 STABILITY_RULE = (
-    f"stable: the mean number of requests in system over the last quarter of the arrival "
-    f"window, q4, is at most {STABLE_GROWTH} e + {STABLE_NOISE} sqrt(e) + {STABLE_SLACK}, with "
-    f"e = q2 a4 / a2, q2 being that mean over its second quarter and a2, a4 the requests "
-    f"arriving in the second and last quarters; a point is stable when every seed's run is"
+    f"stable: every seed's run passes the in-system test (the mean number of requests in system "
+    f"over the last quarter of the arrival window, q4, is at most {STABLE_GROWTH} e + "
+    f"{STABLE_NOISE} sqrt(e) + {STABLE_SLACK}, with e = q2 a4 / a2, q2 being that mean over its "
+    f"second quarter and a2, a4 the requests arriving in the second and last quarters), and the "
+    f"time in system, q / a summed over the seeds, grows by at most {TIME_GROWTH:.0%} from the "
+    f"second quarter to the fourth"
 )
 
 
@@ -738,15 +936,16 @@ def _curves_json(curves: dict[str, Curve]) -> dict:
     }
 
 
-def write(result: dict, curves: dict, out: Path) -> None:
+def write(result: dict, out: Path) -> None:
     """The JSON, the markdown tables and the plots into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "sim_paper.json", out / "sim_paper.md", out / "sim_paper.png"]
-    for w, cv in curves.items():
+    for w, cv in result["workloads"].items():
         files.append(out / f"paper_sweep_{w}.png")
-        plot_sweep(cv, files[-1], f"{w}, simulated ({result['setup']['scheduler']})")
+        curves = {c: Curve({float(r): p for r, p in x["points"].items()}) for c, x in cv.items()}
+        plot_sweep(curves, files[-1], f"{w}, simulated ({result['setup']['scheduler']})")
     result["files"] = list(map(str, files))
-    files[0].write_text(json.dumps(result, indent=1))
+    files[0].write_text(json.dumps(result, indent=None, separators=(",", ":")))
     files[1].write_text(markdown(result) + "\n")
     plot_gains(result, files[2])
     print(f"wrote {', '.join(result['files'])} ({result['wall_s']:.0f} s)")
@@ -756,17 +955,19 @@ def _cell_md(c: dict | None) -> str:
     if c is None:
         return ""
     text = _fmt(c["ratio"])
-    text = f"**{text}**" if c.get("verdict") == "match" else text
+    text = f"**{text}**" if c.get("verdict") == "holds" else text
     moved = isinstance(c["ratio"], dict) and not c["ratio"].get("converged", True)
     return f"{text} {MOVED}" if moved else text
 
 
 def markdown(result: dict) -> str:
-    """The reproduction's tables: knees and goodput, the 19 numbers with their verdicts, every
-    layout's gains at matched load as ratios of (1 + gain) with 95 % intervals, the bound per
-    comparison, the finite runs, the fixed cost per step, and routing (row 19)."""
+    """The reproduction's tables: the rule, knees and goodput, the 19 numbers with their
+    verdicts, every layout's gains at matched load as ratios of (1 + gain) with 95 %
+    intervals, the estimate per comparison, the sensitivity, the finite runs and routing."""
     lines = [
         LOAD_RULE,
+        "",
+        result.get("verdict_rule", VERDICT_RULE),
         "",
         knees_md(result),
         "",
@@ -776,9 +977,9 @@ def markdown(result: dict) -> str:
         "",
         bounds_md(result["rows"]),
         "",
-        finite_md(result),
+        sensitivity_md(result),
         "",
-        step_cost_md(result),
+        finite_md(result),
         "",
         routing_md(result),
     ]
@@ -807,31 +1008,25 @@ def load_keys(rows: list[dict]) -> list[str]:
     return sorted(found, key=lambda k: float(k.rstrip("%")))
 
 
-def _shown_cells(row: dict, shown: dict, keys: Sequence[str]) -> tuple[str, list[dict | None]]:
-    """The shown layout of a row and its cells at the loads ``keys``."""
-    layout = "PD-CC" if row["comparison"] in ROUTE else shown[row["workload"]]
-    return layout, [row["cells"].get(f"{layout}@{k}") for k in keys]
+def _cells_at(row: dict, layout: str, keys: Sequence[str]) -> list[dict | None]:
+    """A row's cells on ``layout`` at the loads ``keys``."""
+    return [row["cells"].get(f"{layout}@{k}") for k in keys]
 
 
 def verdicts_md(result: dict) -> str:
-    """The 19 numbers at the shown layout (the paper's where it names one, else the best at
-    matched load), the best layout beside the paper's, and a verdict each."""
+    """The 19 numbers on their designated layouts at each load point (bold: it holds the
+    paper's value), and a verdict each by the one rule, robust or fragile."""
     keys = load_keys(result["rows"])
-    best = shown_layouts(result["rows"], list(result["shown"]), keys, named={})
     lines = [
-        f"| workload | comparison | metric | paper | layout | {' | '.join(keys)} | best layout | "
-        "verdict |",
-        "|---" * (7 + len(keys)) + "|",
+        f"| workload | comparison | metric | paper | designated | {' | '.join(keys)} | verdict |",
+        "|---" * (6 + len(keys)) + "|",
     ]
     for r in result["rows"]:
-        layout, cells = _shown_cells(r, result["shown"], keys)
-        other = "-"
-        if r["comparison"] not in ROUTE and best[r["workload"]] != layout:
-            found = _shown_cells(r, best, keys)[1]
-            other = f"{best[r['workload']]}: {' / '.join(map(_cell_md, found))}"
+        layout = r["judged"]["layout"]
+        cells = " | ".join(map(_cell_md, _cells_at(r, layout, keys)))
         lines.append(
             f"| {r['workload']} | {r['comparison']} | {r['metric']} | {r['paper_ratio']:.3f} | "
-            f"{layout} | {' | '.join(map(_cell_md, cells))} | {other} | {r['verdict']} |"
+            f"{layout} | {cells} | {r['verdict']} |"
         )
     return "\n".join(lines)
 
@@ -846,7 +1041,7 @@ def rows_md(rows: list[dict]) -> str:
     for r in rows:
         columns = dict.fromkeys(k.rsplit("@", 1)[0] for k in r["cells"])
         for col in columns:
-            cells = [r["cells"].get(f"{col}@{k}") for k in keys]
+            cells = _cells_at(r, col, keys)
             rates = ", ".join(f"{c['rate']}" for c in cells if c is not None)
             lines.append(
                 f"| {r['workload']} | {r['comparison']} | {r['metric']} | "
@@ -857,18 +1052,19 @@ def rows_md(rows: list[dict]) -> str:
 
 def bounds_md(rows: list[dict]) -> str:
     """Per disaggregation comparison on equal GPUs: ρ, U_P, both decode batches, their step
-    time ratio, the bound, the stall estimate and the floor at U_P = 1, against the
-    simulated mean and P99 JCT ratios and the TTFT share of the layout's JCT."""
+    time ratio, the estimate, the stall estimate and the floor at U_P = 1, against the
+    simulated mean JCT ratio (and that cell's P99 ratio) and the TTFT share of the layout's
+    JCT."""
     lines = [
-        "| workload | sides | load | ρ (PD) | U_P | B_PD | B_D | d(B_D)/d(B_PD) | bound | "
-        "(1 − ρ)·d ratio | floor (U_P = 1) | JCT mean ratio | holds | JCT P99 ratio | "
-        "TTFT share |",
+        "| workload | sides | load | ρ (PD) | U_P | B_PD | B_D | d(B_D)/d(B_PD) | estimate | "
+        "(1 − ρ)·d ratio | floor (U_P = 1) | JCT mean ratio | reaches the estimate | "
+        "JCT P99 ratio | TTFT share |",
         "|---" * 15 + "|",
     ]
     p99 = {
         (r["workload"], k): c
         for r in rows
-        if r["metric"] == "jct_p99"
+        if (r["comparison"], r["metric"]) == ("disagg vs PD", "jct_p99")
         for k, c in r["cells"].items()
     }
     for r in rows:
@@ -890,78 +1086,71 @@ def bounds_md(rows: list[dict]) -> str:
 
 
 BOUND_NOTE = (
-    "bound = (1 − (x/n)·U_P) × d(B_D)/d(B_PD): x of the layout's n instances prefill, U_P their "
-    "utilisation over the run, B_PD and B_D the row-weighted mean decode batch of PD and of the "
-    "layout's decode instances, d(B) a decode step's time at that batch and mean KV length "
-    "(the roofline); ρ is the share of PD's busy time in prefill steps. holds: the simulated "
-    "ratio's interval reaches the bound's."
+    "estimate = (1 − (x/n)·U_P) × d(B_D)/d(B_PD): x of the layout's n instances prefill, U_P "
+    "their utilisation, B_PD and B_D the row-weighted mean decode batch of PD and of the "
+    "layout's decode instances, d(B) a decode step's time at that batch and mean KV length (the "
+    "roofline); ρ is the share of PD's busy time in prefill steps; every term over the steady "
+    "window of the ratio (from the first steady session's start to the last session's). "
+    "reaches: the ratio's interval reaches the estimate's."
 )
 
 
+def sensitivity_md(result: dict) -> str:
+    """Each number's verdict under each change to the cost profile (knees swept again), and
+    the designated sides' knees under each."""
+    variants = [v for v in VARIANTS if v in result.get("sensitivity", {})]
+    if not variants:
+        return ""
+    mark = {True: "reproduced", False: "not"}
+    lines = [
+        f"| workload | comparison | metric | base | {' | '.join(variants)} |",
+        "|---" * (4 + len(variants)) + "|",
+    ]
+    for r in result["rows"]:
+        got = " | ".join(mark[r["sensitivity"][v]] for v in variants)
+        lines.append(
+            f"| {r['workload']} | {r['comparison']} | {r['metric']} | "
+            f"{mark[r['judged']['reproduced']]} | {got} |"
+        )
+    lines += ["", f"| workload | config | base | {' | '.join(variants)} |"]
+    lines.append("|---" * (3 + len(variants)) + "|")
+    for w, curves in result["workloads"].items():
+        first = result["sensitivity"][variants[0]]["knees"][w]
+        for c in first:
+            knees = " | ".join(str(result["sensitivity"][v]["knees"][w].get(c)) for v in variants)
+            lines.append(f"| {w} | {c} | {curves[c]['knee']} | {knees} |")
+    return "\n".join(lines)
+
+
 def finite_md(result: dict) -> str:
-    """Each number at the shown layout in finite runs past the knees (not steady state)."""
+    """Each number at the designated layout in finite runs past the knees (not steady
+    state), open and paced: the ratio, each side's cache hit ratio and preemptions."""
     rows = [r for r in result["rows"] if r.get("finite")]
     keys = list(dict.fromkeys(k for r in rows for k in r["finite"]["cells"]))
     lines = [
-        f"{FINITE_LABEL}: {result.get('finite_rule', FINITE_RULE)}",
+        f"{result.get('finite_rule', FINITE_RULE)}. Each cell: the ratio "
+        "(rate; cache hits new / base; preemptions new / base).",
         "",
-        f"| workload | comparison | metric | paper | layout | {' | '.join(keys)} | appears at |",
-        "|---" * (6 + len(keys)) + "|",
+        f"| workload | comparison | metric | paper | layout | {' | '.join(keys)} |",
+        "|---" * (5 + len(keys)) + "|",
     ]
     for r in rows:
         f = r["finite"]
         cells = []
         for k in keys:
             c = f["cells"].get(k)
-            cells.append(
-                ""
-                if c is None
-                else f"{_fmt(c['ratio'])} ({c['rate']:g}/s{'' if c['stable'] else ', unstable'})"
-            )
-        a = f["appears"]
-        where = "-" if a is None else f"{a['rate']:g}/s ({a['past']:.1f} x knee)"
+            if c is None:
+                cells.append("")
+                continue
+            hits = " / ".join(f"{x:.0%}" for x in c["cached_ratio"])
+            pre = " / ".join(str(x) for x in c["preemptions"])
+            flag = "" if c["stable"] else ", unstable"
+            cells.append(f"{_fmt(c['ratio'])} ({c['rate']:g}/s{flag}; {hits}; {pre})")
         lines.append(
             f"| {r['workload']} | {r['comparison']} | {r['metric']} | {r['paper_ratio']:.3f} | "
-            f"{f['layout']} | {' | '.join(cells)} | {where} |"
+            f"{f['layout']} | {' | '.join(cells)} |"
         )
     return "\n".join(lines)
-
-
-def step_cost_md(result: dict) -> str:
-    """The shown layouts' matched-load ratios with each fixed cost per step, and how much of
-    the gap to the paper the largest one closes."""
-    lines = [
-        "Fixed cost per step (the profile's 4 ms, then each of "
-        f"{', '.join(f'{ms:g}' for ms in STEP_MS)} ms) at the shown layout's matched rates; "
-        "moved: the share of the gap to the paper's ratio that the largest cost closes.",
-        "",
-        "| workload | comparison | metric | paper | layout | load | 4 ms | "
-        + " | ".join(f"{ms:g} ms" for ms in STEP_MS)
-        + " | moved |",
-        "|---" * (8 + len(STEP_MS)) + "|",
-    ]
-    for r in result["rows"]:
-        for load in load_keys(result["rows"]):
-            got = [r.get("step_cost", {}).get(f"{ms:g} ms@{load}") for ms in STEP_MS]
-            if not any(got):
-                continue
-            layout = result["shown"][r["workload"]]
-            base = r["cells"].get(f"{layout}@{load}")
-            lines.append(
-                f"| {r['workload']} | {r['comparison']} | {r['metric']} | {r['paper_ratio']:.3f} | "
-                f"{layout} | {load} | {_cell_md(base)} | "
-                f"{' | '.join(_fmt(g['ratio']) if g else '' for g in got)} | "
-                f"{_moved(base, got[-1], r['paper_ratio'])} |"
-            )
-    return "\n".join(lines)
-
-
-def _moved(base: dict | None, last: dict | None, want: float) -> str:
-    """The share of the gap from ``base``'s ratio to ``want`` that ``last``'s closes."""
-    if not (base and last and isinstance(base["ratio"], dict) and isinstance(last["ratio"], dict)):
-        return "-"
-    gap = want - base["ratio"]["mean"]
-    return f"{(last['ratio']['mean'] - base['ratio']['mean']) / gap:+.0%}" if gap else "-"
 
 
 def routing_md(result: dict) -> str:
@@ -986,16 +1175,17 @@ def routing_md(result: dict) -> str:
 
 
 def plot_gains(result: dict, png: Path) -> None:
-    """Each of the 19 numbers: the paper's (1 + gain) beside the simulated ones at the shown
-    layout with their intervals, at each matched load (filled) and in finite runs past the
-    knee (hollow, not steady state); an overloaded comparison is written, not drawn."""
+    """Each of the 19 numbers: the paper's (1 + gain) beside the simulated ones at the
+    designated layout with their intervals, at each matched load (filled) and in finite runs
+    past the knee (hollow, not steady state); an overloaded comparison is written, not
+    drawn."""
     from matplotlib.figure import Figure  # slow to import: only plots need it
 
     rows = result["rows"]
     if not rows:
         return
     keys = load_keys(rows)
-    series = [(f"{k} of knee", i, False) for i, k in enumerate(keys)]
+    series = [(f"{k} of knee", k, False) for k in keys]
     finite = list(dict.fromkeys(k for r in rows for k in r.get("finite", {}).get("cells", {})))
     series += [(f"{k} knee, {FINITE_LABEL}", k, True) for k in finite]
     fig = Figure(figsize=(16, 6), layout="tight")
@@ -1007,7 +1197,7 @@ def plot_gains(result: dict, png: Path) -> None:
             if open_run:
                 c = r.get("finite", {}).get("cells", {}).get(at)
             else:
-                c = _shown_cells(r, result["shown"], keys)[1][at]
+                c = r["cells"].get(f"{r['judged']['layout']}@{at}")
             x = i + k * width
             if c is None:
                 continue
@@ -1017,22 +1207,23 @@ def plot_gains(result: dict, png: Path) -> None:
                     c["ratio"]["mean"],
                     yerr=c["ratio"]["ci95"],
                     fmt="o",
-                    mfc="white" if open_run else f"C{k}",
-                    color=f"C{k}",
+                    mfc="white" if open_run else f"C{k % 10}",
+                    color=f"C{k % 10}",
                     label=label if i == 0 else None,
                     ms=4,
                 )
             else:
-                ax.text(x, 0.05, c["ratio"], rotation=90, fontsize=6, color=f"C{k}")
-    shown = [_shown_cells(r, result["shown"], keys)[0] for r in rows]
-    labels = [f"{r['workload']} {r['metric']}\n{r['comparison']}\n{s}" for r, s in zip(rows, shown)]
+                ax.text(x, 0.05, c["ratio"], rotation=90, fontsize=6, color=f"C{k % 10}")
+    labels = [
+        f"{r['workload']} {r['metric']}\n{r['comparison']}\n{r['judged']['layout']}" for r in rows
+    ]
     ax.set_xticks(range(len(rows)), labels, fontsize=6, rotation=40, ha="right")
     ax.axhline(1, color="black", linewidth=0.5)
     ax.set_ylim(0, 2)
     ax.set_ylabel("1 + gain (new / base), 95 % interval")
     ax.legend(fontsize=7, ncol=4)
     ax.set_title(
-        f"MemServe's 19 numbers, paper vs simulated at the shown layout "
+        f"MemServe's 19 numbers, paper vs simulated at the designated layout "
         f"({result['setup']['scheduler']}); filled: steady state at matched load; hollow: "
         f"{FINITE_LABEL}; text: overloaded"
     )

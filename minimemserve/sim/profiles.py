@@ -460,9 +460,24 @@ def with_overhead(model: FittedStepModel, per_step: float, per_row: float = 0.0)
 
 class RooflineStepModel:
     """Per-operator roofline of one instance: ``tp`` GPUs of ``hw`` serving ``shape`` in a
-    ``dtype_bytes``-byte dtype. ``parts`` shows each operator's seconds."""
+    ``dtype_bytes``-byte dtype. ``parts`` shows each operator's seconds. ``prefill_speed`` and
+    ``decode_speed`` divide a step's operator time (not its fixed cost): a prefill chunk's
+    share by the first, a decode row's by the second, a step mixing both by its share of
+    prefill tokens and decode rows (a sensitivity check: how much a conclusion depends on
+    the profile)."""
 
-    def __init__(self, hw: HardwareProfile, shape: ModelConfig, tp: int = 1, dtype_bytes: int = 2):
+    def __init__(
+        self,
+        hw: HardwareProfile,
+        shape: ModelConfig,
+        tp: int = 1,
+        dtype_bytes: int = 2,
+        prefill_speed: float = 1.0,
+        decode_speed: float = 1.0,
+    ):
+        for what, speed in (("prefill_speed", prefill_speed), ("decode_speed", decode_speed)):
+            _positive(what, speed)
+        self.prefill_speed, self.decode_speed = float(prefill_speed), float(decode_speed)
         if not isinstance(tp, int) or tp < 1:
             raise ConfigError(f"tensor parallelism must be an int >= 1, got {tp!r}")
         if shape.num_attention_heads % tp:
@@ -525,6 +540,11 @@ class RooflineStepModel:
             calls = ALLREDUCES_PER_LAYER * s.num_hidden_layers
             ring = 2 * (tp - 1) / tp * t * s.hidden_size * b / self.hw.efficiency["allreduce"]
             out["allreduce"] = calls * self._nvlink.seconds(ring, 1)
+        if (self.prefill_speed, self.decode_speed) != (1.0, 1.0):
+            p = sum(n for _, n in shape.prefills)
+            d = len(shape.decodes)
+            slow = (p / self.prefill_speed + d / self.decode_speed) / (p + d) if p + d else 1.0
+            out = {k: v * slow for k, v in out.items()}
         # the layers' kernel launches overlap the device's work: only what exceeds it costs
         launches = self._layer_launch - sum(out.values())
         return out | {"overhead": self._step_overhead + max(0.0, launches)}

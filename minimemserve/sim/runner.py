@@ -117,13 +117,29 @@ class SimSetup:
         )
 
 
-def with_step_overhead(setup: SimSetup, ms: float) -> SimSetup:
-    """``setup`` (a GPU one) with its roofline's fixed cost per step set to ``ms``
-    milliseconds (the hardware profile's ``step_overhead_ms``)."""
+def with_costs(
+    setup: SimSetup,
+    step_ms: float | None = None,
+    prefill_speed: float = 1.0,
+    decode_speed: float = 1.0,
+) -> SimSetup:
+    """``setup`` (a GPU one) with its roofline's fixed cost per step set to ``step_ms``
+    milliseconds (None: the hardware profile's ``step_overhead_ms``) and its prefill and
+    decode work ``prefill_speed`` and ``decode_speed`` times as fast
+    (:class:`~minimemserve.sim.profiles.RooflineStepModel`); the routing cost model prices
+    steps by the same roofline, as one fitted on that hardware would."""
     roof = setup.step_model
-    hw = replace(roof.hw, step_overhead_ms=float(ms))
-    step_model = RooflineStepModel(hw, roof.shape, roof.tp, roof.dtype_bytes)
-    return replace(setup, step_model=step_model, describe={**setup.describe, "step_ms": ms})
+    hw = roof.hw if step_ms is None else replace(roof.hw, step_overhead_ms=float(step_ms))
+    step_model = RooflineStepModel(
+        hw, roof.shape, roof.tp, roof.dtype_bytes, prefill_speed, decode_speed
+    )
+    costs = {"step_ms": hw.step_overhead_ms, "prefill_speed": prefill_speed}
+    costs["decode_speed"] = decode_speed
+    cost = setup.cost
+    if isinstance(cost, StepCost):
+        cost = StepCost(step_model, cost.link, cost.kv_bytes_per_token, cost.block_size)
+    setup = setup.with_deployment(cost_model=cost)
+    return replace(setup, step_model=step_model, describe={**setup.describe, **costs})
 
 
 def cpu_setup(
@@ -248,20 +264,22 @@ def regime_label(arrivals: str) -> str:
     return FINITE_LABEL if arrivals == "open" else STEADY_LABEL
 
 
-def role_stats(cluster: SimCluster) -> dict[str, dict]:
+def role_stats(cluster: SimCluster, counters: dict[str, tuple] | None = None) -> dict[str, dict]:
     """Per role of ``cluster``'s instances: how many, their seconds in steps, and their
     decode rows with the row-weighted mean decode batch and KV length (what a bound on a
-    layout's gain is computed from, ``sim.bound``)."""
+    layout's gain is computed from, ``sim.bound``); from ``counters`` by instance name
+    (``SimInstance.counters``; default: each instance's own so far)."""
     out: dict[str, dict] = {}
     for inst in cluster.instances:
+        busy, _, rows, b, c = counters[inst.name] if counters else inst.counters()
         r = out.setdefault(
             inst.role.value, dict.fromkeys(("instances", "busy_s", "rows", "b", "c"), 0)
         )
         r["instances"] += 1
-        r["busy_s"] += inst.busy_s
-        r["rows"] += inst.decode_rows
-        r["b"] += inst.decode_batch_sum
-        r["c"] += inst.decode_context_sum
+        r["busy_s"] += busy
+        r["rows"] += rows
+        r["b"] += b
+        r["c"] += c
     return {
         role: {
             "instances": r["instances"],
@@ -274,6 +292,22 @@ def role_stats(cluster: SimCluster) -> dict[str, dict]:
     }
 
 
+def window_stats(cluster: SimCluster) -> dict | None:
+    """The work between the two marks of a replay's ``window`` (``SimCluster.marks``): its
+    seconds, the share of busy time in steps with prefill work, and :func:`role_stats` over
+    it; None without two marks."""
+    if len(cluster.marks) != 2:
+        return None
+    (t0, a), (t1, b) = cluster.marks
+    diff = {name: tuple(y - x for x, y in zip(a[name], b[name])) for name in a}
+    busy = sum(d[0] for d in diff.values())
+    return {
+        "seconds": t1 - t0,
+        "prefill_share": sum(d[1] for d in diff.values()) / busy if busy else 0.0,
+        "roles": role_stats(cluster, diff),
+    }
+
+
 def simulate(
     setup: SimSetup,
     configs: Sequence[str],
@@ -283,11 +317,12 @@ def simulate(
     progress: bool = True,
     arrivals: str = "closed",
     stop_unstable: bool = False,
+    window: tuple[int, int] | None = None,
 ) -> tuple[dict, dict]:
-    """Replay ``sessions`` under each config (``arrivals`` and ``stop_unstable``:
+    """Replay ``sessions`` under each config (``arrivals``, ``stop_unstable`` and ``window``:
     ``SimCluster.replay``'s); ``(records by config, run stats by config)``, the stats saying
-    whether the run ``stopped`` at its window's end. Every instance's pool is audited after
-    each run."""
+    whether the run ``stopped`` at its window's end and, with a ``window``, the work within it
+    (:func:`window_stats`). Every instance's pool is audited after each run."""
     if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
         raise ConfigError(f"rate must be a finite number > 0, got {rate!r}")
     records, stats = {}, {}
@@ -295,7 +330,14 @@ def simulate(
         cluster = setup.cluster(config)
         t0 = time.perf_counter()
         records[config] = cluster.replay(
-            sessions, rate, seed, config, progress, arrivals=arrivals, stop_unstable=stop_unstable
+            sessions,
+            rate,
+            seed,
+            config,
+            progress,
+            arrivals=arrivals,
+            stop_unstable=stop_unstable,
+            window=window,
         )
         wall = time.perf_counter() - t0
         cluster.check_pools()
@@ -318,6 +360,7 @@ def simulate(
             "route_us_mean": 1e6 * front.route_wall_s / max(front.route_calls, 1),
             "dispatches": dict(cluster.scheduler.dispatches),
             "roles": role_stats(cluster),
+            "window": window_stats(cluster),
         }
     return records, stats
 

@@ -38,6 +38,10 @@ T_MIN_S = {"sharegpt": 60.0, "loogle": 30.0, "react": 22.5}
 N_MAX = {"sharegpt": 500, "loogle": 180, "react": 270}
 WARMUP = 0.25  # of the first N sessions, by start
 STEADY_TOLERANCE = 0.05
+# A point is stable only if its time in system (Little's law: mean in system over arrivals,
+# summed over the seeds) grows by at most this much from the window's second quarter to its
+# fourth, besides every seed's run passing ``workloads.results.stability``'s test.
+TIME_GROWTH = 0.10
 # A comparison that still moves by STEADY_TOLERANCE between N and 2N sessions is run again with
 # N doubled, at most this many times (the sweep's own points are not).
 DOUBLINGS = 2
@@ -54,12 +58,10 @@ LADDER = {
 }
 BISECTIONS = 2
 EXTEND = 2
-# Finite runs (``--arrivals open``, not steady state) at these multiples of a comparison's
-# weaker side's knee; a step's fixed cost re-run at these fractions of it.
 # The fractions of a comparison's weaker side's knee it is measured at.
 MATCHED_LOADS = (0.5, 0.7, 0.9)
+# Finite runs (not steady state) at these multiples of a comparison's weaker side's knee.
 FINITE_LOADS = (1.0, 1.5, 2.0, 3.0)
-STEP_LOADS = MATCHED_LOADS
 # Student's t at 97.5 % by degrees of freedom (seeds - 1).
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}
 
@@ -70,8 +72,9 @@ class Plan:
     the ladders and bisections of :func:`knee_chain`,
     the sessions per run (``scale`` times :meth:`sessions`'s; tests shrink it), how many
     times a comparison that has not converged is run again with twice the sessions, the
-    fractions of a knee comparisons are made at, the finite runs' multiples of a knee and the
-    fractions of it a fixed cost is re-run at."""
+    fractions of a knee comparisons are made at, the finite runs' multiples of a knee, and
+    the changes to the cost profile verdicts are derived again under (names of
+    ``sim.paper.VARIANTS``; None: every one)."""
 
     seeds: tuple[int, ...] = SEEDS
     sweep_seeds: tuple[int, ...] | None = None
@@ -82,7 +85,7 @@ class Plan:
     doublings: int = DOUBLINGS
     loads: tuple[float, ...] = MATCHED_LOADS
     finite_loads: tuple[float, ...] = FINITE_LOADS
-    step_loads: tuple[float, ...] = STEP_LOADS
+    variants: tuple[str, ...] | None = None
 
     def sessions(self, workload: str, rate: float, doubled: int = 0) -> int:
         """N for ``workload`` at ``rate``, times 2 ** ``doubled``: each run replays twice as
@@ -120,9 +123,10 @@ def _measure(records: list[dict]) -> dict:
 
 
 def _load(stats: dict) -> dict:
-    """What the bound on a gain needs of a run (``sim.bound``): PD's prefill share of its
-    busy time, each role's busy seconds and decode batches, the simulated seconds."""
-    return {k: stats[k] for k in ("prefill_share", "roles", "simulated_s")}
+    """What the estimate of a gain needs of a run (``sim.bound``): over the whole run and
+    over its steady window (``window``, closed runs), the share of busy time in prefill
+    steps, each role's busy seconds and decode batches, and the seconds."""
+    return {k: stats[k] for k in ("prefill_share", "roles", "simulated_s", "window")}
 
 
 def run_point(
@@ -136,10 +140,12 @@ def run_point(
     arrivals: str = "closed",
 ) -> dict:
     """One seed of one point (a worker process runs it). Closed: ``2 n`` sessions, the steady
-    window's statistics at ``n`` (``half``) and ``2 n`` sessions (``steady``), and the whole
-    run's stability. Open (a finite run, not steady state): ``n`` sessions, every request
-    counted (``steady`` and ``half`` alike)."""
-    if arrivals == "open":
+    window's statistics at ``n`` (``half``) and ``2 n`` sessions (``steady``), the whole
+    run's stability, and the work done from the first steady session's start to the last
+    session's (``load["window"]``); a run certainly unstable by its window's end stops there
+    (``stopped``). Open or paced (a finite run, not steady state): ``n`` sessions, every
+    request counted (``steady`` and ``half`` alike), and the preemptions."""
+    if arrivals != "closed":
         sessions = _sessions(setup, workload, n, seed, cap)
         records, stats = simulate(setup, [config], sessions, rate, seed, False, arrivals)
         whole = summarize(records[config])
@@ -156,10 +162,12 @@ def run_point(
             "load": _load(stats[config]),
         }
     sessions = _sessions(setup, workload, 2 * n, seed, cap)
-    records, stats = simulate(setup, [config], sessions, rate, seed, progress=False)
+    warm = int(WARMUP * n)
+    records, stats = simulate(
+        setup, [config], sessions, rate, seed, False, "closed", True, (warm, 2 * n - 1)
+    )
     recs = records[config]
     index = {s.id: i for i, s in enumerate(sessions)}  # sessions start in list order
-    warm = int(WARMUP * n)
     steady = [r for r in recs if index[r["session"]] >= warm]
     half = [r for r in steady if index[r["session"]] < n]
     return {
@@ -167,6 +175,7 @@ def run_point(
         "stability": summarize(recs)["stability"],
         "steady": _measure(steady),
         "half": _measure(half),
+        "stopped": stats[config]["stopped"],
         "wall_s": stats[config]["wall_s"],
         "dispatches": stats[config]["dispatches"],
         "load": _load(stats[config]),
@@ -182,10 +191,26 @@ def interval(values: Sequence[float]) -> dict:
     return {"mean": float(np.mean(xs)), "ci95": half}
 
 
+def time_growth(stabilities: Sequence[dict]) -> float | None:
+    """How much the time in system grows from the window's second quarter to its fourth,
+    over seeds' stability records together (Little's law: the mean number in system over a
+    quarter divided by the requests arriving in it); None without both quarters."""
+    q = [sum(s["mean_in_system"][k] for s in stabilities if s["mean_in_system"]) for k in (1, 3)]
+    a = [sum(s["arrivals"][k] for s in stabilities if s["arrivals"]) for k in (1, 3)]
+    if not (a[0] and a[1] and q[0]):
+        return None
+    return (q[1] / a[1]) / (q[0] / a[0]) - 1
+
+
 def aggregate(runs: Sequence[dict]) -> dict:
-    """A point's seeds together: each metric's mean and interval, the drift between N and 2N
-    sessions, ``converged``, ``stable`` (every seed's run) and each seed's stability record."""
-    out = {m: interval([r["steady"][m] for r in runs]) for m in (*METRICS, "slo_attainment")}
+    """A point's seeds together: each metric's mean and interval and its value per seed
+    (``per_seed``), the drift between N and 2N sessions, ``converged``, the time in
+    system's growth (:func:`time_growth`), ``stable`` (every seed's run, and a growth of at
+    most :data:`TIME_GROWTH`) and each seed's stability record."""
+    metrics = (*METRICS, "slo_attainment")
+    out = {m: interval([r["steady"][m] for r in runs]) for m in metrics}
+    stabilities = [r["stability"] for r in runs]
+    growth = time_growth(stabilities)
     drift = {}
     for m in DRIFT_METRICS:
         a = np.mean([r["half"][m] for r in runs])
@@ -198,9 +223,11 @@ def aggregate(runs: Sequence[dict]) -> dict:
         "seeds": len(runs),
         "drift": drift,
         "converged": all(d is not None and abs(d) < STEADY_TOLERANCE for d in drift.values()),
-        "stable": all(r["stability"]["stable"] for r in runs),
-        "stability": [r["stability"] for r in runs],
-        "wall_s": sum(r["wall_s"] for r in runs),
+        "growth": growth,
+        "stable": all(s["stable"] for s in stabilities)
+        and (growth is None or growth <= TIME_GROWTH),
+        "stability": stabilities,
+        "per_seed": {m: [r["steady"][m] for r in runs] for m in metrics},
     }
 
 
