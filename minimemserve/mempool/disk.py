@@ -56,7 +56,18 @@ def path_hashes(path: array, block_size: int) -> list[bytes]:
 
 
 def _digest(head: bytes, tokens: bytes, data: bytes) -> bytes:
-    return hashlib.blake2b(head + tokens + data, digest_size=16).digest()
+    h = hashlib.blake2b(head, digest_size=16)
+    h.update(tokens)
+    h.update(data)
+    return h.digest()
+
+
+def _blob(path_hash: bytes, parent: bytes, tokens: bytes, data: torch.Tensor) -> bytes:
+    """A block file: header (with the digest of all of it), tokens, data."""
+    body = data.contiguous().view(torch.uint8).numpy().tobytes()
+    head = HEADER.pack(MAGIC, path_hash, parent, bytes(16), len(body))
+    digest = _digest(head, tokens, body)
+    return HEADER.pack(MAGIC, path_hash, parent, digest, len(body)) + tokens + body
 
 
 class DiskStore(BlockStore):
@@ -97,7 +108,8 @@ class DiskStore(BlockStore):
         self._queue: queue.Queue = queue.Queue()
         self._room = queue_blocks  # queue slots neither filled nor reserved
         self._reserved = 0
-        self._pending: dict[int, tuple[int, bytes]] = {}  # id -> (write seq, file bytes)
+        # id -> (write seq, path hash, parent hash, tokens, data): queued, not yet on disk
+        self._pending: dict[int, tuple] = {}
         self._seq = 0
         self._mutex = threading.Lock()
         self._staged: dict[int, torch.Tensor] = {}  # blocks checked by readable, for read
@@ -132,31 +144,30 @@ class DiskStore(BlockStore):
     # -- BlockStore -----------------------------------------------------------------------
 
     def read(self, ids: Sequence[int]) -> torch.Tensor:
-        out = []
-        for b in ids:
+        out = torch.empty((len(ids), *self.shape), dtype=self.dtype)
+        for i, b in enumerate(ids):
             data = self._staged.pop(b, None)
             if data is None:
                 raise ValueError(f"disk block {b} was read before it was checked")
-            out.append(data)
-        self.counters["read_blocks"] += len(out)
-        return torch.stack(out)
+            out[i].copy_(data)
+        self.counters["read_blocks"] += len(ids)
+        return out
 
     def write(self, ids: Sequence[int], data: torch.Tensor, path: array) -> None:
+        """Queue the blocks (a copy in host memory and their path's hashes); the writer thread
+        builds and writes the files."""
         bs, n = self.block_size, len(ids)
         hashes = path_hashes(path, bs)
         first = len(hashes) - n
-        raw = data.detach().to("cpu", copy=True).contiguous()
+        raw = data.detach().to("cpu", copy=True)
         with self._mutex:
             self._reserved -= n
             for i, b in enumerate(ids):
-                parent = hashes[first + i - 1] if first + i else ROOT
-                toks = path[(first + i) * bs : (first + i + 1) * bs].tobytes()
-                body = raw[i].view(torch.uint8).numpy().tobytes()
-                head = HEADER.pack(MAGIC, hashes[first + i], parent, bytes(16), len(body))
-                digest = _digest(head, toks, body)
-                head = HEADER.pack(MAGIC, hashes[first + i], parent, digest, len(body))
+                at = first + i
+                parent = hashes[at - 1] if at else ROOT
+                toks = path[at * bs : (at + 1) * bs].tobytes()
                 self._seq += 1
-                self._pending[b] = (self._seq, head + toks + body)
+                self._pending[b] = (self._seq, hashes[at], parent, toks, raw[i])
                 self._queue.put_nowait((b, self._seq))
 
     def restored(self) -> list[tuple[array, list[int]]]:
@@ -198,7 +209,7 @@ class DiskStore(BlockStore):
                 with self._mutex:
                     entry = self._pending.get(b)
                 if entry is not None and entry[0] == seq:
-                    self._write_file(b, entry[1])
+                    self._write_file(b, _blob(*entry[1:]))
                 with self._mutex:
                     if self._pending.get(b, (0,))[0] == seq:
                         del self._pending[b]
@@ -221,31 +232,28 @@ class DiskStore(BlockStore):
         """Block ``b`` if it is whole, unaltered and caches the path hashed ``expect``."""
         with self._mutex:
             entry = self._pending.get(b)
+        if entry is not None:  # still queued: in memory, unaltered
+            return entry[4] if entry[1] == expect else None
+        end = HEADER.size + self.tok_bytes
+        blob = bytearray(end + self.data_bytes + 1)  # one byte more: a longer file is wrong too
         try:
-            if entry is not None:
-                blob = entry[1]
-            else:
-                blob = self._file(b).read_bytes()
+            with open(self._file(b), "rb", buffering=0) as f:
+                size = f.readinto(blob)
         except OSError:
             return None
-        body = self._check(blob)
-        if body is None or blob[8:24] != expect:
+        if size != end + self.data_bytes or not self._intact(memoryview(blob)[:size], expect):
             return None
-        flat = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+        flat = torch.frombuffer(blob, dtype=torch.uint8, count=self.data_bytes, offset=end)
         return flat.view(self.dtype).view(self.shape)
 
-    def _check(self, blob: bytes) -> bytes | None:
-        """The data of a block file if its sizes and digest hold, else None."""
+    def _intact(self, blob: memoryview, expect: bytes) -> bool:
+        """Whether a block file's header, digest and path hash (``expect``) hold."""
         end = HEADER.size + self.tok_bytes
-        if len(blob) != end + self.data_bytes:
-            return None
         magic, path_h, parent, digest, size = HEADER.unpack_from(blob)
-        if magic != MAGIC or size != self.data_bytes:
-            return None
+        if magic != MAGIC or size != self.data_bytes or path_h != expect:
+            return False
         head = HEADER.pack(magic, path_h, parent, bytes(16), size)
-        if _digest(head, blob[HEADER.size : end], blob[end:]) != digest:
-            return None
-        return blob[end:]
+        return _digest(head, blob[HEADER.size : end], blob[end:]) == digest
 
     def _open(self) -> list[tuple[array, list[int]]]:
         """Check the directory's manifest against this store; rebuild the cached paths from
