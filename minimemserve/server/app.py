@@ -26,16 +26,18 @@ import os
 import re
 import resource
 import signal
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect
 
 from ..config import EngineConfig, parse_config_name
 from ..disagg.rpc import LOOPBACK_HOSTS
@@ -74,11 +76,14 @@ METRICS_WAIT_S = 2.0
 SHUTDOWN_GRACE_S = 5.0
 # Start-up of the instances (processes load the checkpoint) before the port opens.
 STARTUP_TIMEOUT_S = 300.0
-# Connections beyond --max-pending that uvicorn still accepts (health checks, scrapes);
-# past them it answers 503 itself, so idle or slow connections cannot pile up without end.
-SPARE_CONNECTIONS = 64
-# Open files the server process may hold (connections, instances' sockets, shared memory).
-OPEN_FILES = 65536
+# What an overloaded server tells a client to wait before it tries again (Retry-After, s).
+RETRY_AFTER_S = 1
+# Open files the server takes when the host allows no more than unlimited (connections cost
+# one each; the server limits requests in flight, not connections).
+OPEN_FILES_CAP = 2**20
+# A body at least this large is parsed and tokenized in a worker thread, off the event loop
+# (smaller ones cost less there than the hand-over).
+OFFLOAD_BYTES = 64 * 2**10
 # The environment variable an API key may come from (keeps it off the command line).
 API_KEY_ENV = "MINIMEMSERVE_API_KEY"
 # Largest request body read (a long prompt as token ids is a few MB).
@@ -104,12 +109,14 @@ class ApiError(Exception):
         kind: str,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict:
         """``{"error": {"message", "type", "param", "code"}}``."""
@@ -118,7 +125,7 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         """The JSON response of this error."""
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def quote(text: str) -> str:
@@ -167,6 +174,13 @@ class Choice:
     def tokens(self) -> list[int]:
         """The generated token ids received so far."""
         return self.detok.tokens
+
+
+@dataclass
+class Admission:
+    """Choices of a request counted as in flight before their requests are in the engine."""
+
+    choices: int
 
 
 @dataclass
@@ -256,6 +270,43 @@ class Server:
         self.max_pending = max_pending
         self.api_key = api_key
         self._ids = itertools.count()
+        self._admitting = 0  # choices admitted whose requests are not in the engine yet
+        # held to count: the engine thread registers requests and settles their admission
+        # under it, so that no request is counted twice, or not at all, in between
+        self._counting = threading.RLock()
+
+    @property
+    def in_flight(self) -> int:
+        """Choices in flight: running in the engine, or admitted and being added to it."""
+        return self.loop.num_streams + self._admitting
+
+    @contextmanager
+    def admit(self, choices: int) -> Iterator[Admission]:
+        """Count ``choices`` as in flight until their requests are in the engine (or failed);
+        past ``max_pending`` the request gets 503 with ``Retry-After`` instead. Requests in
+        flight are what the server limits, not connections (an idle one costs a descriptor)."""
+        with self._counting:
+            if self.in_flight + choices > self.max_pending:
+                raise ApiError(
+                    503,
+                    f"server overloaded: {self.in_flight} choices in flight (--max-pending "
+                    f"{self.max_pending}); retry after {RETRY_AFTER_S} s",
+                    "service_unavailable",
+                    code="overloaded",
+                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                )
+            self._admitting += choices
+        admission = Admission(choices)
+        try:
+            yield admission
+        finally:
+            self._settle(admission)
+
+    def _settle(self, admission: Admission) -> None:
+        """Stop counting ``admission``'s choices as admitted (they run, or never will)."""
+        with self._counting:
+            self._admitting -= admission.choices
+            admission.choices = 0
 
     # ---- a request's choices ------------------------------------------------------------------
     def _params(self, gen: Generation, c: Choice) -> SamplingParams:
@@ -264,25 +315,45 @@ class Server:
             p = dataclasses.replace(p, seed=(p.seed + c.sibling) % INT64_LIMIT)
         return p
 
-    async def _add(self, gen: Generation, choices: list[Choice], validate: bool = False) -> None:
+    async def _add(
+        self,
+        gen: Generation,
+        choices: list[Choice],
+        validate: bool = False,
+        admission: Admission | None = None,
+    ) -> None:
         """Add ``choices`` to the engine in one call (after validating every prompt first, so
-        a bad one adds nothing); their events go to ``gen.events``."""
+        a bad one adds nothing); their events go to ``gen.events``. The requests are counted
+        in flight from then on, and ``admission`` no longer."""
         aio, prompts = asyncio.get_running_loop(), gen.parsed.prompts
 
         def add(s: Serving) -> None:
             if validate:
                 for p in prompts:
                     s.validate(p, gen.parsed.params)
-            for c in choices:
-                s.add_request(
-                    prompts[c.prompt], self._params(gen, c), c.rid, gen.t0, gen.parsed.session_id
-                )
-                self.loop.register(c.rid, aio, gen.events)
-                c.started = True
+            try:
+                for c in choices:
+                    s.add_request(
+                        prompts[c.prompt],
+                        self._params(gen, c),
+                        c.rid,
+                        gen.t0,
+                        gen.parsed.session_id,
+                    )
+                    c.started = True
+                    if c.sibling:
+                        self.metrics.share_prompt(c.rid)
+            finally:  # registered before the next step, so nothing comes before it
+                with self._counting:
+                    for c in choices:
+                        if c.started:
+                            self.loop.register(c.rid, aio, gen.events)
+                    if admission is not None:
+                        self._settle(admission)
 
         try:
             await self.loop.call(add)
-        except asyncio.CancelledError:  # the caller left while the call ran: undo what it added
+        except BaseException:  # one failed, or the caller left while the call ran: undo it all
             self._abort(choices)
             raise
 
@@ -297,9 +368,12 @@ class Server:
         if out is not None:
             self.metrics.observe_output(out)
 
-    async def submit(self, parsed: protocol.Parsed, t0: float, chat: bool) -> Generation:
+    async def submit(
+        self, parsed: protocol.Parsed, t0: float, chat: bool, admission: Admission | None = None
+    ) -> Generation:
         """Validate and start a request's choices (the first of each prompt; the others follow
-        once it computed the prompt, to share it). Bad prompts raise ``BadField`` here."""
+        once it computed the prompt, to share it), counted in flight instead of ``admission``.
+        Bad prompts raise ``BadField`` here."""
         base, n, stop = f"srv-{next(self._ids)}", parsed.n, parsed.stop
         least = parsed.params.min_tokens
         choices = [
@@ -309,7 +383,7 @@ class Server:
         ]
         gen = Generation(parsed, choices, asyncio.Queue(), t0)
         try:
-            await self._add(gen, [c for c in choices if c.sibling == 0], validate=True)
+            await self._add(gen, [c for c in choices if c.sibling == 0], True, admission)
         except PoolExhausted:
             raise
         except InvalidRequest as e:  # too long, outside the vocabulary: the prompt's fault
@@ -418,21 +492,23 @@ class Server:
                 "unsupported_media_type",
             )
         raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > MAX_BODY_BYTES:
-                raise ApiError(
-                    413,
-                    f"request body over {MAX_BODY_BYTES} bytes",
-                    "invalid_request_error",
-                    "body",
-                    "body_too_large",
-                )
         try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-            raise protocol.BadField("body", f"malformed JSON: {e}") from None
-        parsed = protocol.parse(body, self.tok, self.chat if chat else None, self.max_model_len)
+            async for part in request.stream():
+                raw += part
+                if len(raw) > MAX_BODY_BYTES:
+                    raise ApiError(
+                        413,
+                        f"request body over {MAX_BODY_BYTES} bytes",
+                        "invalid_request_error",
+                        "body",
+                        "body_too_large",
+                    )
+        except ClientDisconnect:  # or closed for sending its body too slowly
+            raise ClientGone("client disconnected while sending its request") from None
+        if len(raw) < OFFLOAD_BYTES:
+            parsed = self._decode(raw, chat)
+        else:  # a long prompt takes long to parse and tokenize: the event loop serves on
+            parsed = await asyncio.to_thread(self._decode, raw, chat)
         if header := request.headers.get("x-session-id"):
             parsed.session_id = protocol.session_id(header, "X-Session-Id")
         if parsed.model != self.model_name:
@@ -449,20 +525,22 @@ class Server:
                 f"the request asks for {choices} choices (prompts x n); this server runs at "
                 f"most {self.max_pending} at once (--max-pending)",
             )
-        if self.loop.num_streams + choices > self.max_pending:
-            raise ApiError(
-                503,
-                f"server overloaded: {self.loop.num_streams} requests in flight",
-                "service_unavailable",
-                code="overloaded",
-            )
         return parsed
+
+    def _decode(self, raw: bytes, chat: bool) -> protocol.Parsed:
+        """The request a body asks for: JSON parsed, fields checked, prompts tokenized."""
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+            raise protocol.BadField("body", f"malformed JSON: {e}") from None
+        return protocol.parse(body, self.tok, self.chat if chat else None, self.max_model_len)
 
     async def complete(self, request: Request, chat: bool) -> Response:
         """``/v1/completions`` and ``/v1/chat/completions``."""
         t0 = time.perf_counter()
         parsed = await self.parse(request, chat)
-        gen = await self.submit(parsed, t0, chat)
+        with self.admit(len(parsed.prompts) * parsed.n) as admission:
+            gen = await self.submit(parsed, t0, chat, admission)
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion" if chat else "text_completion",
@@ -527,8 +605,8 @@ class Server:
         if missing := set(self.roles) - {v["role"] for v in snap.load.values()}:
             why = f"no live instance for role(s) {', '.join(sorted(map(str, missing)))}"
             return ApiError(503, why, "service_unavailable").response()
-        if self.loop.num_streams >= self.max_pending:
-            why = f"at capacity: {self.loop.num_streams} choices in flight (--max-pending)"
+        if self.in_flight >= self.max_pending:
+            why = f"at capacity: {self.in_flight} choices in flight (--max-pending)"
             return ApiError(503, why, "service_unavailable", code="overloaded").response()
         return JSONResponse({"status": "ready"})
 
@@ -674,26 +752,30 @@ def make_server(args: argparse.Namespace) -> Server:
 
 def web_config(server: Server, host: str, port: int, log_level: str = "warning"):
     """uvicorn's configuration of ``server``'s app: its connections guarded (see
-    :mod:`.connections`), at most ``max_pending`` + ``SPARE_CONNECTIONS`` at once."""
+    :mod:`.connections`) and not limited in number (requests in flight are: ``Server.admit``)."""
     return uvicorn.Config(
         build_app(server),
         host=host,
         port=port,
         log_level=log_level,
         http=GuardedHttp,
-        limit_concurrency=server.max_pending + SPARE_CONNECTIONS,
         timeout_keep_alive=KEEP_ALIVE_S,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
 
 
-def allow_open_files(need: int) -> None:
-    """Raise this process's soft limit on open files towards ``need`` (up to the hard limit),
-    so the connections the server accepts do not exhaust a default of 1,024."""
+def allow_open_files() -> int:
+    """Raise this process's soft limit on open files to the hard limit (``OPEN_FILES_CAP`` if
+    that is unlimited), so connections do not run out at a default of 1,024; returns it."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    want = OPEN_FILES_CAP if hard == resource.RLIM_INFINITY else hard
     if soft != resource.RLIM_INFINITY and soft < want:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as e:  # beyond what the kernel allows (fs.nr_open)
+            logger.warning("could not raise the open-file limit to %d: %s", want, e)
+            return soft
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -709,6 +791,6 @@ def main(args: argparse.Namespace) -> int:
         f"http://{args.host}:{args.port}",
         flush=True,
     )
-    allow_open_files(OPEN_FILES)
+    logger.info("open files allowed: %d", allow_open_files())
     uvicorn.Server(web_config(server, args.host, args.port, args.log_level)).run()
     return 1 if server.loop.error is not None else 0

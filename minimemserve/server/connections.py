@@ -1,20 +1,19 @@
 """The HTTP/1.1 connections the server runs (uvicorn's httptools protocol), with limits a
 client cannot stretch.
 
-uvicorn closes a keep-alive connection left idle after a response, but not one that never
-completes a request: sockets that send nothing, or dribble header bytes, would stay open for
-ever and fill the server's concurrency limit, so that every request, the probes included, got
-503. Here a connection must complete a request's headers within ``HEADER_TIMEOUT_S`` of opening
-(or of its previous response) or it is closed; a request head over ``MAX_HEADER_BYTES`` gets
-431 and the connection closes; and the probes (``GET /health``, ``/ready``, ``/metrics``) are
-answered beyond the concurrency limit, so a liveness check sees a server that can still serve."""
+A connection costs a file descriptor and nothing else: the server limits requests in flight
+(see ``Server.admit``), not connections, so idle sockets cannot keep anyone out. Still, none
+is held for ever by a client that does nothing: a connection must complete a request's head
+within ``HEADER_TIMEOUT_S`` of opening (or of its previous response), and the request's body
+within ``BODY_TIMEOUT_S`` of its head, or it is closed (a late body gets 408 first). A request
+head over ``MAX_HEADER_BYTES`` gets 431 and the connection closes: every byte up to the blank
+line that ends the head counts, also those in the chunk that completes it."""
 
 from __future__ import annotations
 
 import asyncio
 import http
 
-import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 # A request's headers must be complete this long after the connection opened or its previous
@@ -22,25 +21,41 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 HEADER_TIMEOUT_S = 10.0
 # How long a connection may stay idle between a response and the next request (uvicorn's).
 KEEP_ALIVE_S = 5
+# A request's body must be complete this long after its head (the largest body the server
+# reads, 16 MiB, at about 0.5 MB/s); a client that dribbles it is closed.
+BODY_TIMEOUT_S = 30.0
 # The largest request head (request line and headers) read; larger gets 431.
 MAX_HEADER_BYTES = 64 * 2**10
-# Paths answered beyond the concurrency limit (GET only): what a supervisor polls.
-PROBES = frozenset({b"/health", b"/ready", b"/metrics"})
+# What ends a request head (httptools also takes bare newlines).
+HEAD_ENDS = (b"\r\n\r\n", b"\n\n")
+# Bytes of the previous chunk kept, where the end of a head may begin.
+HEAD_END_TAIL = max(map(len, HEAD_ENDS)) - 1
+
+
+def head_length(tail: bytes, data: bytes) -> int | None:
+    """How many bytes of ``data`` belong to a request head that ``tail`` (the end of the head
+    read so far) began: up to and including the first blank line, or None if none is in it."""
+    joined = tail + data
+    ends = [i + len(m) for m in HEAD_ENDS if (i := joined.find(m)) >= 0]
+    return min(ends) - len(tail) if ends else None
 
 
 class GuardedHttp(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a deadline on each request head, a cap on its size,
-    and the probes exempt from the concurrency limit (see the module's docstring)."""
+    """uvicorn's httptools protocol with deadlines on each request's head and body, and a cap
+    on the head's size (see the module's docstring)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_bytes = 0
-        self._deadline: asyncio.TimerHandle | None = None
+        self._tail = b""  # the last bytes of the head read so far
+        self._deadline: asyncio.TimerHandle | None = None  # of the head
+        self._body_deadline: asyncio.TimerHandle | None = None
         self._await_head()
 
     def _await_head(self) -> None:
         """A request head may begin now: it has ``HEADER_TIMEOUT_S`` to complete."""
         self._head_bytes = 0
+        self._tail = b""
         self._stop_clock()
         self._deadline = self.loop.call_later(HEADER_TIMEOUT_S, self._head_late)
 
@@ -49,20 +64,37 @@ class GuardedHttp(HttpToolsProtocol):
             self._deadline.cancel()
             self._deadline = None
 
+    def _stop_body_clock(self) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+
     def _head_late(self) -> None:
         self._deadline = None
         if not self.transport.is_closing():
             self.logger.info("closing a connection that sent no complete request in time")
             self.transport.close()
 
+    def _body_late(self) -> None:
+        self._body_deadline = None
+        if self.transport.is_closing():
+            return
+        self.logger.info("closing a connection whose request body did not arrive in time")
+        if self.cycle is not None and not self.cycle.response_started:
+            self._refuse(http.HTTPStatus.REQUEST_TIMEOUT)
+        else:
+            self.transport.close()
+
     def data_received(self, data: bytes) -> None:
-        awaiting = self._deadline is not None  # no complete head yet before these bytes
+        if self._deadline is not None:  # no complete head yet before these bytes
+            size = head_length(self._tail, data)
+            self._head_bytes += len(data) if size is None else size
+            self._tail = (self._tail + data)[-HEAD_END_TAIL:]
+            if self._head_bytes > MAX_HEADER_BYTES:
+                if not self.transport.is_closing():
+                    self._refuse(http.HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)
+                return
         super().data_received(data)
-        if not (awaiting and self._deadline is not None):
-            return  # the head completed within these bytes (what follows is a body)
-        self._head_bytes += len(data)
-        if self._head_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
-            self._refuse(http.HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE)
 
     def _refuse(self, status: http.HTTPStatus) -> None:
         """Answer ``status`` in plain text and close the connection."""
@@ -76,15 +108,12 @@ class GuardedHttp(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._stop_clock()
-        path = httptools.parse_url(self.url).path
-        probe = self.parser.get_method() == b"GET" and path in PROBES
-        limit = self.limit_concurrency
-        if probe:
-            self.limit_concurrency = None
-        try:
-            super().on_headers_complete()
-        finally:
-            self.limit_concurrency = limit
+        self._body_deadline = self.loop.call_later(BODY_TIMEOUT_S, self._body_late)
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._stop_body_clock()
+        super().on_message_complete()
 
     def on_response_complete(self) -> None:
         pipelined = bool(self.pipeline)  # a request whose head is in: it starts now
@@ -94,4 +123,5 @@ class GuardedHttp(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_clock()
+        self._stop_body_clock()
         super().connection_lost(exc)

@@ -4,7 +4,13 @@ Request histograms and token counters are observed when a request ends, labelled
 instance that did the work and its role (prefill-side times by the instance that computed
 the prompt, decode-side ones by the instance that finished it), and by the served model's
 name (``model_name``, as vLLM labels its metrics). Pool and queue gauges are read from a
-snapshot of ``Serving.pool_stats()`` / ``Serving.load()`` the engine thread refreshes."""
+snapshot of ``Serving.pool_stats()`` / ``Serving.load()`` the engine thread refreshes.
+
+The prompt-cache counters share one denominator, as vLLM's do: ``prompt_tokens_total`` and
+``prefix_cache_queries_total`` count each prompt's tokens once (the ``n`` choices of one
+prompt are one query), and ``prefix_cache_hits_total`` the tokens of those prompts found
+cached, as the responses' ``usage.prompt_tokens_details.cached_tokens`` report them: KV a
+decode instance receives from the prefill instance is a transfer, not a hit."""
 
 from __future__ import annotations
 
@@ -25,8 +31,6 @@ LABELS = ("model_name", "instance", "role")
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # Pool counters exported as Prometheus counters: (metric name, pool counter, help).
 POOL_COUNTERS = (
-    ("prefix_cache_queries", "query_tokens", "Prompt tokens looked up in the prefix cache."),
-    ("prefix_cache_hits", "hit_tokens", "Prompt tokens found in the prefix cache."),
     ("kv_transfer_bytes", "sent_bytes", "KV bytes this instance sent to other instances."),
 )
 
@@ -113,6 +117,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.roles = dict(roles or {})
         self.snapshot = Snapshot()
+        self._siblings: set[str] = set()  # requests whose prompt another one's count covers
 
         def hist(name: str, doc: str) -> Histogram:
             return Histogram(P + name, doc, LABELS, buckets=LATENCY_BUCKETS, registry=self.registry)
@@ -125,12 +130,19 @@ class ServerMetrics:
         self.e2e = hist("e2e_request_latency_seconds", "Arrival at the server to the last token.")
         self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.")
         self.prompt_tokens = count("prompt_tokens", "Prompt tokens of finished requests.")
+        self.cache_queries = count("prefix_cache_queries", "Prompt tokens looked up in the cache.")
+        self.cache_hits = count("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.generation_tokens = count("generation_tokens", "Tokens generated.")
         self.finished = count("request_success", "Requests ended.", ("finished_reason",))
         self.registry.register(_PoolCollector(self))
 
     def _labels(self, instance: str) -> tuple[str, str, str]:
         return self.model_name, instance, self.roles.get(instance, "")
+
+    def share_prompt(self, request_id: str) -> None:
+        """``request_id`` is one more choice of a prompt another request counts (``n`` > 1):
+        its prompt tokens and cache hits are not counted again when it ends."""
+        self._siblings.add(request_id)
 
     def observe_output(self, out: RequestOutput) -> None:
         """Count one ended request (called in the engine thread)."""
@@ -139,7 +151,12 @@ class ServerMetrics:
         last = self._labels(m.decode_instance or m.prefill_instance)
         if m.queue_time is not None:
             self.queue.labels(*prefill).observe(m.queue_time)
-        self.prompt_tokens.labels(*prefill).inc(len(out.prompt_token_ids))
+        if out.request_id in self._siblings:
+            self._siblings.discard(out.request_id)
+        else:
+            self.prompt_tokens.labels(*prefill).inc(len(out.prompt_token_ids))
+            self.cache_queries.labels(*prefill).inc(len(out.prompt_token_ids))
+            self.cache_hits.labels(*prefill).inc(m.cached_tokens)
         self.generation_tokens.labels(*last).inc(len(out.token_ids))
         self.finished.labels(*last, out.finish_reason).inc()
 

@@ -186,16 +186,27 @@ def test_streaming_chat_with_usage_equals_the_whole_answer(server):
     server.wait_released()
 
 
-def test_n_choices_share_the_prompt(server):
+CACHE_COUNTERS = ("prompt_tokens", "prefix_cache_queries", "prefix_cache_hits")
+
+
+def _cache_counters(server) -> dict[str, float]:
+    return {c: server.total(f"minimemserve:{c}_total") for c in CACHE_COUNTERS}
+
+
+def test_n_choices_share_the_prompt_and_count_it_once(server):
     prompt = "A long shared prompt about gardens, rivers and old stone bridges, " * 3
-    hits = server.total("minimemserve:prefix_cache_hits_total")
-    r = server.client.completions.create(
-        model=MODEL, prompt=prompt, n=2, max_tokens=6, temperature=1.0, seed=7
-    )
+    ask = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, seed=7)
+    server.client.completions.create(**ask)  # the prompt is cached from now on
+    before = _cache_counters(server)
+    r = server.client.completions.create(**ask, n=2)
     assert sorted(c.index for c in r.choices) == [0, 1]
     assert r.usage.completion_tokens == 12
-    # the second choice found the first one's prompt blocks in the pool
-    assert server.total("minimemserve:prefix_cache_hits_total") - hits >= 16
+    # one prompt, one query: the counters agree with usage (vLLM's meaning)
+    grew = {c: v - before[c] for c, v in _cache_counters(server).items()}
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16, r.usage
+    want = dict(zip(CACHE_COUNTERS, (r.usage.prompt_tokens, r.usage.prompt_tokens, cached)))
+    assert grew == want
     server.wait_released()
 
 
@@ -223,7 +234,7 @@ def test_second_chat_turn_reports_the_cached_prefix(server, tiny_llama_dir):
         {"role": "user", "content": "And what should I leave at home?"},
     ]
     server.wait_released()
-    before = server.total("minimemserve:prefix_cache_hits_total", 'role="colocated"')
+    before = _cache_counters(server)
     b = server.client.chat.completions.create(
         model=MODEL, messages=second, max_tokens=8, temperature=0
     )
@@ -231,9 +242,10 @@ def test_second_chat_turn_reports_the_cached_prefix(server, tiny_llama_dir):
     tok = Tokenizer.from_dir(tiny_llama_dir)
     prompt1 = ChatFormat(tiny_llama_dir, tok).render([(m["role"], m["content"]) for m in first])
     assert cached > shared and cached % 16 == 0 and cached >= len(prompt1) // 16 * 16
-    if server.config == "PD-CC":  # no transfer touches the counters: the match is all of it
-        after = server.total("minimemserve:prefix_cache_hits_total", 'role="colocated"')
-        assert after - before == cached
+    # the hits are the prompt cache's, as usage says (KV P sent to D is no hit)
+    grew = {c: v - before[c] for c, v in _cache_counters(server).items()}
+    want = (b.usage.prompt_tokens, b.usage.prompt_tokens, cached)
+    assert grew == dict(zip(CACHE_COUNTERS, want))
     # the same two turns through the library: its pool matches as many tokens
     chat = ChatFormat(tiny_llama_dir, tok)
     llm = LLM(tiny_llama_dir, config=server.config, num_blocks=NUM_BLOCKS)
