@@ -16,7 +16,7 @@ import torch
 
 from ..blocks.layout import KVLayout
 from ..errors import ConfigError
-from .disk import QUEUE_BLOCKS, DiskStore
+from .disk import DiskStore
 from .stores import BlockStore, TensorStore
 
 HBM = "hbm"
@@ -87,7 +87,7 @@ class Disk(TierSpec):
     name = DISK
 
     def __init__(
-        self, blocks: int, directory: str | Path | None = None, queue_blocks: int = QUEUE_BLOCKS
+        self, blocks: int, directory: str | Path | None = None, queue_blocks: int | None = None
     ) -> None:
         super().__init__(blocks)
         self.directory = None if directory is None else Path(directory)

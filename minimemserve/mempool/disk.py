@@ -40,10 +40,17 @@ log = logging.getLogger(__name__)
 MAGIC = b"MMSKV001"
 HEADER = struct.Struct("<8s16s16s16sQ")  # magic, path hash, parent hash, digest, data bytes
 ROOT = bytes(16)  # the parent hash of a first block
-QUEUE_BLOCKS = 64  # blocks waiting for the writer at most; more are dropped, never waited on
+# Bytes of blocks waiting for the writer at most (more are dropped, never waited on): one long
+# prompt's KV of a 70B model (12k tokens at 320 KiB), which one prefill may push down at once
+QUEUE_BYTES = 4 << 30
 MANIFEST = "manifest.json"
 LOCK = "lock"
 FORMAT = 1
+
+
+def queue_blocks_for(block_bytes: int) -> int:
+    """The write queue's length in blocks of ``block_bytes``: :data:`QUEUE_BYTES` of them."""
+    return max(1, QUEUE_BYTES // block_bytes)
 
 
 def path_hashes(path: array, block_size: int) -> list[bytes]:
@@ -72,7 +79,8 @@ def _blob(path_hash: bytes, parent: bytes, tokens: bytes, data: torch.Tensor) ->
 
 class DiskStore(BlockStore):
     """``num_blocks`` block files under ``directory`` for KV of ``layout`` / ``dtype`` from
-    ``model``; a writer thread drains a queue of at most ``queue_blocks`` blocks."""
+    ``model``; a writer thread drains a queue of at most ``queue_blocks`` blocks (default:
+    :data:`QUEUE_BYTES` of them)."""
 
     def __init__(
         self,
@@ -81,7 +89,7 @@ class DiskStore(BlockStore):
         layout: KVLayout,
         dtype: torch.dtype,
         model: str,
-        queue_blocks: int = QUEUE_BLOCKS,
+        queue_blocks: int | None = None,
     ) -> None:
         if layout.kind != AGGREGATED:
             raise ConfigError("the disk tier stores aggregated blocks (one file per block)")
@@ -106,6 +114,8 @@ class DiskStore(BlockStore):
         }
         self._restored = self._open()
         self._queue: queue.Queue = queue.Queue()
+        if queue_blocks is None:
+            queue_blocks = queue_blocks_for(self.data_bytes)
         self._room = queue_blocks  # queue slots neither filled nor reserved
         self._reserved = 0
         # id -> (write seq, path hash, parent hash, tokens, data): queued, not yet on disk

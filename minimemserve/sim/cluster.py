@@ -43,8 +43,9 @@ from minimemserve.scheduler.frontend import Frontend
 from minimemserve.workloads.results import greedy_params, record, stability, stopped_record
 from minimemserve.workloads.sessions import Session, build_prompt, poisson_arrivals, total_turns
 
-from .profiles import Link, StepShape
+from .profiles import Link, StepShape, TierLink
 from .runs import DecodeRun, DecodeRuns
+from .tiers import TierPrices, sim_chain
 
 # The control calls of a transfer, before and after its copy, where a receiver answers them
 # between its steps (the process runtime): a hand-off probes, allocates, [copies], commits and
@@ -93,15 +94,35 @@ def _meta(shape: tuple[int, ...], dtype: torch.dtype, where: torch.device) -> to
 
 class SimPool(MemPool):
     """A ``MemPool`` on the ``meta`` device that reports each transfer it sends:
-    ``on_send(src, dst, blocks_sent)`` books it and returns its :class:`Transfer`."""
+    ``on_send(src, dst, blocks_sent)`` books it and returns its :class:`Transfer`; with
+    ``prices`` its tier moves add up in ``move_s``, the seconds the next step waits for."""
 
     def __init__(
-        self, layout: KVLayout, num_blocks: int, *, on_send, reached=lambda pool: None, **kw
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        *,
+        on_send,
+        reached=lambda pool: None,
+        prices: Callable[[tuple[str, ...]], TierPrices] | None = None,
+        **kw,
     ) -> None:
         super().__init__(layout, num_blocks, **kw | {"device": "meta", "tensor_factory": _meta})
         self.on_send: Callable[[SimPool, MemPool, int], Transfer] = on_send
         self.reached: Callable[[MemPool], None] = reached  # before a peer touches a pool
         self.last: Transfer | None = None  # the transfer sent from here last
+        self.prices = prices(self.tiers) if prices is not None else None
+        self.move_s = 0.0
+
+    def copy_tier(self, dst: str, dst_ids: list[int], src: str, src_ids: list[int]) -> None:
+        """No data to copy: the move's time is booked."""
+        if self.prices is not None:
+            self.move_s += self.prices.seconds(src, dst, len(dst_ids) * self.block_bytes)
+
+    def take_move_s(self) -> float:
+        """The tier moves' seconds booked since the last call."""
+        s, self.move_s = self.move_s, 0.0
+        return s
 
     def _sent(self, dst: MemPool, before: int) -> None:
         self.last = self.on_send(self, dst, self.counters["sent_blocks"] - before)
@@ -353,6 +374,8 @@ class Topology:
     gpus_per_node: int = 1 << 30  # one node unless told
     calls_wait_for_steps: bool = False
     contention: Contention | float = Contention()
+    # each MemPool tier's link to the tier above it, per GPU (None: tier moves cost no time)
+    tiers: dict[str, TierLink] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.contention, Contention):
@@ -524,17 +547,20 @@ class SimCluster(DecodeRuns):
     ) -> list[SimInstance]:
         """The deployment's instances, each a simulated engine over a ``SimPool``."""
         layout = TPShard(0, 1, model_config).kv_layout(engine_config.block_size)
+        links, gpus = self.topology.tiers, self.topology.gpus_per_instance
+        prices = None if links is None else functools.partial(TierPrices, links, gpus=gpus)
         out = []
         for i, (name, role) in enumerate(self.deployment.instances(colocated=colocated)):
+            cfg = engine_config
             pool = SimPool(
                 layout,
                 num_blocks,
                 on_send=self.net.send,
                 reached=self._reached,
+                prices=prices,
                 dtype=dtype,
                 instance_id=name,
-                dram_blocks=engine_config.dram_blocks,
-                disk_blocks=engine_config.disk_blocks,  # a capacity: no directory, no files
+                tiers=sim_chain(cfg.dram_blocks, cfg.disk_blocks, links, gpus, self.clock),
             )
             eng = SimEngine(
                 EngineParts(model_config, _TokenIds(), pool),
@@ -624,6 +650,7 @@ class SimCluster(DecodeRuns):
         priced = []
         for inst, shape in started:
             seconds = self.step_time(shape) * self._slowdown(inst) if shape.tokens else 0.0
+            seconds += inst.pool.take_move_s()  # the step's tier moves: it waits for them
             inst.step_ends = self.now + seconds
             priced.append((inst, shape, seconds))
         for inst, shape, seconds in priced:  # each sees the others' steps begun

@@ -14,7 +14,7 @@ from minimemserve.workloads.results import DEFAULT_SESSIONS
 
 from . import calibration, paper, trace_replay
 from .cluster import ARRIVALS
-from .profiles import TRANSFER_MODES, FittedStepModel, fit_cpu_steps
+from .profiles import TRANSFER_MODES, FittedStepModel, HardwareProfile, fit_cpu_steps
 from .runner import (
     CPU_INSTANCES,
     DEFAULT_GPUS,
@@ -145,6 +145,8 @@ def setup_from_args(args: argparse.Namespace) -> SimSetup:
     if not any(tiers.values()):
         return setup
     setup = setup.with_deployment(engine=replace(setup.engine_config, **tiers))
+    if args.hardware != "cpu":  # tier moves priced at the profile's links (CPU: not priced)
+        setup.topology = replace(setup.topology, tiers=HardwareProfile.load(args.hardware).tiers)
     setup.describe = setup.describe | tiers
     return setup
 

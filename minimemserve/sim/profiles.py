@@ -132,6 +132,40 @@ class Link:
 
 
 @dataclass(frozen=True)
+class TierLink:
+    """The path between a MemPool tier and the tier above it, per GPU: GB/s moving a block up
+    (a hit promoted toward hbm) and down (a block demoted), whether the engine's step waits
+    for a move down (a disk's writes are queued off the step path), and the figures' source."""
+
+    up_gb_per_s: float
+    down_gb_per_s: float
+    down_waits: bool = True
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _positive("tier up_gb_per_s", self.up_gb_per_s)
+        _positive("tier down_gb_per_s", self.down_gb_per_s)
+
+
+# Per GPU, for a profile that names none: an 8-GPU PCIe 4.0 node with four NVMe data drives
+# (the DGX A100's, the class of Mooncake's A800 nodes).
+DEFAULT_TIERS = {
+    "dram": TierLink(
+        25.0,
+        25.0,
+        source="PCIe 4.0 x16 per GPU: 31.5 GB/s each way (PCI-SIG); pinned copies reach ~80 %",
+    ),
+    "disk": TierLink(
+        3.5,
+        1.9,
+        down_waits=False,
+        source="4 x 3.84 TB U.2 NVMe per 8-GPU node (DGX A100 datasheet), each 7.0 GB/s "
+        "sequential read and 3.8 GB/s write (Samsung PM1733 datasheet): 28 / 15.2 GB/s per node",
+    ),
+}
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     """One accelerator kind and its node: peak dense FLOP/s of the serving dtype, HBM
     bandwidth and capacity, links (``nvlink`` inside a node, ``network`` between nodes),
@@ -154,6 +188,8 @@ class HardwareProfile:
     # interpolated in log(tokens); empty: efficiency["matmul"] at every size)
     layer_overhead_us: float = 0.0
     matmul_by_tokens: dict[str, float] = field(default_factory=dict)
+    # the MemPool tiers below hbm, by name: each one's link to the tier above it, per GPU
+    tiers: dict[str, TierLink] = field(default_factory=lambda: dict(DEFAULT_TIERS))
 
     def __post_init__(self) -> None:
         for f in ("peak_tflops", "hbm_gb_per_s", "hbm_gb", "gpus_per_node"):
@@ -185,7 +221,8 @@ class HardwareProfile:
         d = _read_json(path, "hardware profile")
         try:
             links = {k: Link(**v) for k, v in d.pop("links", {}).items()}
-            return cls(links=links, **d)
+            tiers = {k: TierLink(**v) for k, v in d.pop("tiers", {}).items()}
+            return cls(links=links, tiers=DEFAULT_TIERS | tiers, **d)
         except TypeError as e:
             raise ConfigError(f"hardware profile {path}: {e}") from None
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +28,7 @@ from minimemserve.sampling import SamplingParams
 from minimemserve.workloads.sessions import Turn
 from minimemserve.workloads.trace import Trace, load_trace, trace_sessions
 
+from .profiles import HardwareProfile
 from .runner import SimSetup, gpu_setup
 
 # Mooncake's trace-replay cluster: a LLaMA3-70B-like model, one 8 x A800 node per instance.
@@ -54,14 +56,21 @@ def trace_setup(
     hardware: str = TRACE_HARDWARE,
     tp: int = TRACE_TP,
     scheduler: str = "chunked",
+    disk_tokens: int = 0,
 ) -> SimSetup:
     """``instances`` instances of ``model`` on ``tp`` x ``hardware`` each, every MemPool with
-    a ``dram_tokens``-token DRAM tier below its HBM, routed by ``policy``."""
+    a ``dram_tokens``-token DRAM tier below its HBM and a ``disk_tokens``-token disk tier below
+    that, routed by ``policy``; tier moves priced at the hardware profile's links."""
     setup = gpu_setup(model, hardware, instances * tp, tp, policy, scheduler=scheduler)
     block = setup.engine_config.block_size
-    engine = replace(setup.engine_config, dram_blocks=dram_tokens // block)
-    setup = setup.with_deployment(engine=engine)
-    setup.describe = setup.describe | {"dram_tokens_per_instance": dram_tokens, "policy": policy}
+    sizes = {"dram_blocks": dram_tokens // block, "disk_blocks": disk_tokens // block}
+    setup = setup.with_deployment(engine=replace(setup.engine_config, **sizes))
+    setup.topology = replace(setup.topology, tiers=HardwareProfile.load(hardware).tiers)
+    setup.describe = setup.describe | {
+        "dram_tokens_per_instance": dram_tokens,
+        "disk_tokens_per_instance": disk_tokens,
+        "policy": policy,
+    }
     return setup
 
 
@@ -98,6 +107,7 @@ def replay_trace(
     cluster.check_pools()
     ok = [r for r in records if r["error"] is None]
     prompt = sum(r["prompt_tokens"] for r in ok)
+    hit_rate = sum(r["cached_tokens"] for r in ok) / prompt if prompt else 0.0
     loads = [i.prefill_busy_s for i in cluster.instances if i.role == cluster.entry[0].role]
     mean_load = sum(loads) / len(loads)
     return {
@@ -105,7 +115,8 @@ def replay_trace(
         "policy": setup.deployment.policy,
         "requests": len(records),
         "errors": len(records) - len(ok),
-        "hit_rate": sum(r["cached_tokens"] for r in ok) / prompt if prompt else 0.0,
+        "hit_rate": hit_rate,
+        **_by_tier(cluster, hit_rate),
         "prefill_s_per_request": cluster.prefill_busy_s / max(len(ok), 1),
         "prefill_load_s": loads,
         "max_over_mean_load": max(loads) / mean_load if mean_load else None,
@@ -114,6 +125,23 @@ def replay_trace(
         **_pcts([r["tpot"] for r in ok], "tbt"),
         "simulated_s": max((r["arrival"] + (r["jct"] or 0.0) for r in records), default=0.0),
         "wall_s": wall,
+    }
+
+
+def _by_tier(cluster, hit_rate: float) -> dict:
+    """The hit rate split by the tier each hit came from (its share of the pools' hit tokens),
+    and per tier the blocks demoted, promoted and dropped, summed over the instances."""
+    counts: dict[str, Counter] = {}
+    for inst in cluster.instances:
+        for tier, c in inst.pool.tier_counters().items():
+            counts.setdefault(tier, Counter()).update(c)
+    hits = sum(c["hit_tokens"] for c in counts.values())
+    moves = ("demoted_blocks", "promoted_blocks", "dropped_blocks", "write_refused")
+    return {
+        "hit_rate_by_tier": {
+            t: hit_rate * c["hit_tokens"] / hits if hits else 0.0 for t, c in counts.items()
+        },
+        "tier_blocks": {t: {k: c[k] for k in moves if k in c} for t, c in counts.items()},
     }
 
 
