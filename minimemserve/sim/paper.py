@@ -21,6 +21,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
@@ -860,6 +861,7 @@ def reproduce(
         "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S, "attainment": SLO_ATTAINMENT},
         **json.loads(json.dumps(derived)),
         "wall_s": time.perf_counter() - t0,
+        "jobs": jobs,
         "run_wall_s": sum(sum(r["wall_s"]) for r in table.values()),
         "files": [],
         "runs": table,
@@ -1241,3 +1243,51 @@ class _Inline(Executor):
         except BaseException as e:
             future.set_exception(e)
         return future
+
+
+# ---- the docs' numbers, rendered from a committed evaluation ----------------------------------
+BLOCK = re.compile(r"<!-- sim_paper (\w+):(\w+) -->\n(.*?)<!-- /sim_paper -->", re.S)
+
+
+def summary_md(result: dict) -> str:
+    """The verdicts counted, and what the run was: its plan, points, runs and wall time."""
+    rows = result["rows"]
+    yes = [r for r in rows if r["judged"]["reproduced"]]
+    robust = [r for r in rows if r["verdict"].endswith("robust")]
+    plan = result["plan"]
+    jobs = result.get("jobs")
+    return (
+        f"By the rule, {len(yes)} of the {len(rows)} numbers are reproduced "
+        f"({sum(r in robust for r in yes)} of them robust) and {len(rows) - len(yes)} are not "
+        f"({sum(r in robust for r in rows if r not in yes)} of them robust). The run: "
+        f"{'the quick plan' if result['setup']['quick'] else 'the whole plan'} ("
+        f"{len(plan['seeds'])} seeds a comparison, sessions scaled by {plan['scale']:g}, N "
+        f"doubled at most {plan['doublings']} times), {len(result['runs'])} points "
+        f"({sum(len(x['runs']) for x in result['runs'].values())} runs), "
+        f"{result['wall_s']:.0f} s of wall time"
+        + (f" with --jobs {jobs}" if jobs else "")
+        + f", {result['run_wall_s']:.0f} s in runs."
+    )
+
+
+RENDERERS = {
+    "summary": summary_md,
+    "verdicts": verdicts_md,
+    "routing": routing_md,
+    "knees": knees_md,
+    "sensitivity": sensitivity_md,
+    "estimates": lambda result: bounds_md(result["rows"]),
+    "finite": finite_md,
+}
+
+
+def render_blocks(text: str, results: dict[str, dict]) -> str:
+    """``text`` (a markdown file) with every ``<!-- sim_paper RUN:BLOCK -->`` block rendered
+    again from ``results[RUN]`` (:data:`RENDERERS`)."""
+
+    def block(m: re.Match) -> str:
+        run, name = m.group(1), m.group(2)
+        body = RENDERERS[name](results[run])
+        return f"<!-- sim_paper {run}:{name} -->\n{body}\n<!-- /sim_paper -->"
+
+    return BLOCK.sub(block, text)
