@@ -220,6 +220,7 @@ class Points:
         self.plan = plan
         self.progress = progress
         self.table = table
+        self._recorded = [_key(k) for k in table] if table is not None else []
         # (workload, side, policy, rate, doubled, arrivals, variant, seeds): N is doubled
         # ``doubled`` times; a finite run's arrivals are "open" or "paced"
         self.futures: dict[tuple, list[Future]] = {}
@@ -291,7 +292,7 @@ class Points:
     ) -> bool:
         """Whether the point is unstable at any N it was simulated with (waits for them)."""
         point = (workload, config, policy, float(rate))
-        keys = self.futures if self.table is None else [_key(k) for k in self.table]
+        keys = self.futures if self.table is None else self._recorded
         closed = [k for k in list(keys) if k[:4] == point and k[5:7] == ("closed", variant)]
         return any(not self.point(k)["stable"] for k in closed)
 
