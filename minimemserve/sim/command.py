@@ -130,6 +130,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "the comma-separated POLICIES",
     )
     p.add_argument(
+        "--tiers",
+        action="store_true",
+        help="with --trace: Fig. 10's cluster (prompt_tree, one-token outputs) with each pool "
+        "at HBM only, + 3M tokens of DRAM, + 30M tokens of disk below it; hit rate by tier",
+    )
+    p.add_argument(
         "--anchors",
         action="store_true",
         help="print the roofline against published GPU measurements",
@@ -179,6 +185,9 @@ def _trace(args: argparse.Namespace) -> int:
     """``--trace``: Fig. 10, or the configurations replayed by the trace's timestamps at each
     load of ``--sweep`` (multiples of the trace's request rate; default 1 / --time-scale)."""
     progress = not args.no_progress
+    if args.tiers:
+        trace_replay.tiers_study(trace_path(args), args.out, args.trace_window, progress)
+        return 0
     if args.fig10:
         policies = trace_replay.FIG10_ALL
         if args.fig10 != "all":

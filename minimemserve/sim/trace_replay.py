@@ -42,6 +42,13 @@ FIG10_POLICIES = ("round_robin", "least_load", "session", "prompt_tree")
 FIG10_ALL = (*FIG10_POLICIES, "prompt_tree_local")
 # Mooncake's published Fig. 10 hit rates: routing to the best local cache, and one pooled cache.
 MOONCAKE_LOCAL_HIT, MOONCAKE_GLOBAL_HIT = 0.17, 0.38
+# The tier study: each instance's pool with HBM only, with Mooncake's 3M tokens of DRAM below,
+# and with ten times that on disk below the DRAM (tokens per instance: dram, disk).
+TIER_STUDY = {
+    "hbm": (0, 0),
+    "hbm+dram": (FIG10_DRAM_TOKENS, 0),
+    "hbm+dram+disk": (FIG10_DRAM_TOKENS, 10 * FIG10_DRAM_TOKENS),
+}
 # The service objectives of the capacity search (ours, of the size Mooncake's replay used):
 # P90 time to first token and P90 time between tokens (a request's mean inter-token time).
 SLO = {"ttft_p90_s": 30.0, "tbt_p90_s": 0.1}
@@ -240,6 +247,67 @@ def fig10_study(
         "fig10": fig10(trace, policies, progress),
     }
     return _write(result, out_dir, "trace_fig10", plot_fig10, progress)
+
+
+def tiers_row(trace: Trace, name: str, progress: bool = False) -> dict:
+    """One :data:`TIER_STUDY` configuration on Fig. 10's cluster (``prompt_tree``, PD-CC,
+    one-token outputs), tier moves priced."""
+    dram, disk = TIER_STUDY[name]
+    setup = trace_setup("prompt_tree", dram_tokens=dram, disk_tokens=disk)
+    row = replay_trace(setup, "PD-CC", trace, FIG10_OUTPUT_CAP, progress)
+    return {"tiers": name, "dram_tokens": dram, "disk_tokens": disk} | row
+
+
+def tiers_study(
+    path: str | Path | None,
+    out_dir: str | Path,
+    window: tuple[int, int | None] = (0, None),
+    progress: bool = True,
+    names: Sequence[str] = tuple(TIER_STUDY),
+) -> dict:
+    """:func:`tiers_row` of each of ``names`` on the trace's ``window``; writes
+    ``trace_tiers.json`` and its plot (the hit rate by tier) to ``out_dir``."""
+    trace = load_trace(path, window=window)
+    rows = []
+    for name in names:
+        rows.append(tiers_row(trace, name))
+        if progress:
+            r = rows[-1]
+            print(
+                f"tiers {name}: hit {r['hit_rate']:.3f}, prefill "
+                f"{r['prefill_s_per_request']:.2f} GPU s/request, TTFT p50 {r['ttft_p50']:.2f} s, "
+                f"p90 {r['ttft_p90']:.2f} s ({r['wall_s']:.0f} s)",
+                flush=True,
+            )
+    result = {
+        "trace": str(trace.path),
+        "window": list(window),
+        "requests": len(trace.requests),
+        "setup": trace_setup().describe | {"output_cap": FIG10_OUTPUT_CAP},
+        "mooncake": {"global_hit": MOONCAKE_GLOBAL_HIT},
+        "tiers": rows,
+    }
+    return _write(result, out_dir, "trace_tiers", plot_tiers, progress)
+
+
+def plot_tiers(result: dict, png: Path) -> None:
+    """The hit rate of each configuration, stacked by the tier the hits came from."""
+    from matplotlib.figure import Figure  # lazy: slow to import, only plots need it
+
+    fig = Figure(figsize=(6, 4), layout="tight")
+    ax = fig.subplots()
+    rows = result["tiers"]
+    names = [r["tiers"] for r in rows]
+    bottom = [0.0] * len(rows)
+    for i, tier in enumerate(("hbm", "dram", "disk")):
+        part = [r["hit_rate_by_tier"].get(tier, 0.0) for r in rows]
+        ax.bar(names, part, bottom=bottom, color=f"C{i}", label=f"hit in {tier}")
+        bottom = [b + p for b, p in zip(bottom, part)]
+    ax.axhline(result["mooncake"]["global_hit"], ls="--", color="C3", label="Mooncake global")
+    ax.set_ylabel("prompt tokens served from cache")
+    ax.legend(fontsize=8)
+    fig.suptitle(f"{Path(result['trace']).name}: {result['requests']} requests, 10 instances")
+    fig.savefig(png, dpi=100)
 
 
 def layouts_study(

@@ -4,6 +4,7 @@ could not hold."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -64,3 +65,16 @@ def test_a_disk_tier_serves_what_dram_could_not_hold(small_trace):  # noqa: F811
     # the same run with tier moves free: the same hits, less prefill time
     assert rows["free"]["hit_rate"] == with_disk["hit_rate"]
     assert rows["free"]["prefill_s_per_request"] < with_disk["prefill_s_per_request"]
+
+
+def test_cli_tier_study(small_trace, tmp_path):  # noqa: F811
+    from minimemserve.cli import main
+
+    assert main(["sim", "--trace", str(small_trace), "--tiers", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "trace_tiers.json").read_text())
+    rows = {r["tiers"]: r for r in result["tiers"]}
+    assert list(rows) == ["hbm", "hbm+dram", "hbm+dram+disk"]
+    assert rows["hbm"]["hit_rate_by_tier"].keys() == {"hbm"}
+    assert rows["hbm+dram+disk"]["hit_rate_by_tier"].keys() == {"hbm", "dram", "disk"}
+    assert all(r["errors"] == 0 and r["requests"] == 40 for r in rows.values())
+    assert (tmp_path / "trace_tiers.png").stat().st_size > 0
