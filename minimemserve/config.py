@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError, renamed
+from .errors import ConfigError
 from .memory import device_share
 from .recipes import MILESTONES, Milestone, Role
 from .scheduler.local import STEP_POLICIES
@@ -183,7 +183,3 @@ class EngineConfig:
     def placed(self, instances: int) -> EngineConfig:
         """This config for one of ``instances`` instances a deployment places on one device."""
         return dataclasses.replace(self, instances_on_device=instances)
-
-
-# The old name of the step policies, served with a warning for one release.
-__getattr__ = renamed(__name__, {"SCHEDULERS": ("scheduler.local.STEP_POLICIES", STEP_POLICIES)})

@@ -1,8 +1,7 @@
 """Exceptions raised by minimemserve. Bad request values are `ValueError` subclasses."""
 
 import reprlib
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 
 def shown(value: object) -> str:
@@ -11,20 +10,6 @@ def shown(value: object) -> str:
         return reprlib.repr(value)
     except ValueError:  # Python refuses to print an int of more than 4300 digits
         return f"<a {type(value).__name__} holding an integer too long to print>"
-
-
-def renamed(module: str, old_names: dict[str, tuple[str, object]]) -> Callable[[str], object]:
-    """A module ``__getattr__`` that still serves each old name (``old -> (new name, value)``)
-    for one release, with a ``DeprecationWarning`` naming the new one."""
-
-    def __getattr__(name: str) -> object:
-        if name not in old_names:
-            raise AttributeError(f"module {module!r} has no attribute {name!r}")
-        new, value = old_names[name]
-        warnings.warn(f"{module}.{name} is deprecated; use {new}", DeprecationWarning, stacklevel=2)
-        return value
-
-    return __getattr__
 
 
 class MiniMemServeError(Exception):

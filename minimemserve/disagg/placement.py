@@ -5,7 +5,6 @@ Plain data, no Ray: the runtime (:mod:`~.ray_runtime`) feeds it the live nodes R
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,33 +31,6 @@ def check_ray_options(opts: Any) -> None:
         )
     if bad := [r for r in opts.pin if r not in {r.value for r in Role}]:
         raise ConfigError(f"pin names no role: {bad}")
-
-
-def RayOptions(
-    address: str | None = None,
-    placement: str = "pack",
-    pin: Mapping[str, str] | None = None,
-    cpus_per_rank: int = 1,
-    max_restarts: int = 0,
-    placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
-) -> dict[str, Any]:
-    """Deprecated: pass these as options of the Ray runtime (``RayCluster(model_dir, config,
-    ray_address=..., placement=..., pin=..., cores_per_instance=..., max_restarts=...,
-    placement_timeout_s=...)``). Returns them as those options."""
-    warnings.warn(
-        "RayOptions is deprecated: give the Ray runtime its options as keyword arguments "
-        "(ray_address, placement, pin, cores_per_instance, max_restarts, placement_timeout_s)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return {
-        "ray_address": address,
-        "placement": placement,
-        "pin": dict(pin or {}),
-        "cores_per_instance": cpus_per_rank,
-        "max_restarts": max_restarts,
-        "placement_timeout_s": placement_timeout_s,
-    }
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,6 @@ import os
 import secrets
 import socket
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -301,17 +300,9 @@ class RayCluster(ProcessCluster):
     :class:`~.launch.LaunchSpec`), watched by Ray, joined and served by the process runtime's
     frontend. ``host`` is where the frontend listens (default, or loopback: this node's
     address, which every actor must reach). Other options as ``ProcessCluster``'s, except
-    ``instances`` and ``key``: the runtime starts the instances and makes their key. The old
-    ``ray_options=RayOptions(...)`` still works, with a DeprecationWarning."""
+    ``instances`` and ``key``: the runtime starts the instances and makes their key."""
 
     def __init__(self, model_dir: str | Path, config_name: str = "1P1D", **options: Any) -> None:
-        if (old := options.pop("ray_options", None)) is not None:
-            warnings.warn(
-                "ray_options is deprecated: pass the Ray options as keyword arguments",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            options = old | options
         if options.get("instances") or options.get("key") is not None:
             raise ConfigError("the ray runtime starts its own instances and makes their key")
         spec = LaunchSpec.of(model_dir, config_name, options)

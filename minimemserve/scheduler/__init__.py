@@ -1,6 +1,5 @@
 """Schedulers: local (batching inside an instance) and global (routing between instances)."""
 
-from ..errors import renamed
 from .cost_model import CostModel, OpSample
 from .global_scheduler import (
     ROUTING,
@@ -26,8 +25,3 @@ __all__ = [
     "Route",
     "TokenCost",
 ]
-
-
-# The old name of the routing policies (the step policies are STEP_POLICIES), served with a
-# warning for one release.
-__getattr__ = renamed(__name__, {"POLICIES": ("ROUTING_POLICIES", ROUTING_POLICIES)})

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import time
-import warnings
 import zlib
 from array import array
 from collections import Counter
@@ -32,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from minimemserve.errors import ConfigError, InstanceDied, InvalidRequest, renamed
+from minimemserve.errors import ConfigError, InstanceDied, InvalidRequest
 from minimemserve.mempool.radix import RadixTree, as_tokens
 
 # Expired entries on paths no lookup walks are swept this often, so the trees stay bounded.
@@ -304,13 +303,6 @@ class GlobalScheduler:
         src = route.transfer_from if moved else None
         return Route(route.instance, cached, route.cost, src, moved)
 
-    def landed(self, route: Route, tokens: Sequence[int]) -> Route:
-        """Deprecated spelling of :meth:`after_push` (a KV link's ``landed`` is another thing)."""
-        warnings.warn(
-            "GlobalScheduler.landed is deprecated; use after_push", DeprecationWarning, stacklevel=2
-        )
-        return self.after_push(route, tokens)
-
     def dispatched(
         self, request_id: str, route: Route, num_tokens: int, max_tokens: int = 0
     ) -> None:
@@ -397,7 +389,3 @@ ROUTING: dict[str, RoutingPolicy] = {
 ROUTING_POLICIES = tuple(ROUTING)
 # The policies that may have one instance send another a cached prefix before a request.
 MOVES_PREFIXES = tuple(name for name, rule in ROUTING.items() if rule.moves_prefixes)
-
-
-# The old name of the routing policies, served with a warning for one release.
-__getattr__ = renamed(__name__, {"POLICIES": ("ROUTING_POLICIES", ROUTING_POLICIES)})

@@ -8,7 +8,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from ..errors import ConfigError, PoolExhausted, renamed
+from ..errors import ConfigError, PoolExhausted
 from ..recipes import Hook, Recipe
 from ..request import Request, Status
 
@@ -16,10 +16,6 @@ from ..request import Request, Status
 # today). ``prefill_first``: waiting prompts run whole in a step of their own before any
 # decode (vLLM 0.4.0's default, MemServe's base).
 STEP_POLICIES = ("chunked", "prefill_first")
-
-
-# The old name of the step policies, served with a warning for one release.
-__getattr__ = renamed(__name__, {"POLICIES": ("STEP_POLICIES", STEP_POLICIES)})
 
 
 class LocalScheduler:

@@ -21,7 +21,7 @@ from minimemserve import SamplingParams
 from minimemserve.config import EngineConfig, parse_config_name
 from minimemserve.disagg.launch import LaunchSpec
 from minimemserve.disagg.nixl import nixl_missing
-from minimemserve.disagg.placement import NodeView, RayOptions, Wanted, plan_nodes
+from minimemserve.disagg.placement import NodeView, Wanted, plan_nodes
 from minimemserve.disagg.ray_runtime import import_ray
 from minimemserve.errors import ConfigError
 from minimemserve.inprocess import InProcessCluster
@@ -63,17 +63,6 @@ def test_plan_names_what_is_missing():
         LaunchSpec("model", placement="anywhere")
     with pytest.raises(ConfigError, match="pin names no role"):
         LaunchSpec("model", pin={"encoder": DECODE_NODE})
-
-
-def test_the_old_ray_options_spelling_warns_and_gives_the_options():
-    with pytest.warns(DeprecationWarning, match="RayOptions is deprecated"):
-        old = RayOptions(address="10.0.0.1:6379", pin={"decode": DECODE_NODE}, cpus_per_rank=2)
-    spec = LaunchSpec("model", **old)
-    assert (spec.ray_address, spec.pin, spec.cores_per_instance) == (
-        "10.0.0.1:6379",
-        {"decode": DECODE_NODE},
-        2,
-    )
 
 
 def test_without_ray_the_error_says_what_to_install(monkeypatch):

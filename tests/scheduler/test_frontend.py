@@ -1,6 +1,6 @@
 """Frontend: the request's life across instances (route, push, dispatch, start, hand-off,
 finish, drop, re-run rule) as every runtime and the simulator drive it; the routing-policy
-table and the deprecated names."""
+table."""
 
 from __future__ import annotations
 
@@ -104,22 +104,10 @@ def test_the_rerun_rule():
     assert [front.may_rerun(n) for n in range(MAX_RERUNS + 1)] == [True] * MAX_RERUNS + [False]
 
 
-def test_policy_names_are_one_table_and_the_old_names_warn():
+def test_policy_names_are_one_table_and_the_old_names_are_gone():
     assert ROUTING_POLICIES == tuple(ROUTING) and "prompt_tree" in ROUTING
     assert set(ROUTING_POLICIES).isdisjoint(STEP_POLICIES)
-    for module, new in ((global_scheduler, ROUTING_POLICIES), (scheduler, ROUTING_POLICIES)):
-        with pytest.warns(DeprecationWarning, match="ROUTING_POLICIES"):
-            assert module.POLICIES == new
-    for module, old in ((local, "POLICIES"), (config, "SCHEDULERS")):
-        with pytest.warns(DeprecationWarning, match="STEP_POLICIES"):
-            assert getattr(module, old) == STEP_POLICIES
-
-
-def test_the_old_spelling_of_after_push_warns_and_matches():
-    front = Frontend(["A", "B"], Pushes(0), block_size=BS)
-    prompt = list(range(1, 3 * BS + 2))
-    front.scheduler.record("B", prompt)
-    route = Route("B", 0, 1.0, "A", 3 * BS)
-    with pytest.warns(DeprecationWarning, match="after_push"):
-        old = front.scheduler.landed(route, prompt)
-    assert old == front.scheduler.after_push(route, prompt) == Route("B", 3 * BS, 1.0)
+    for module in (global_scheduler, scheduler, local):
+        assert not hasattr(module, "POLICIES")
+    assert not hasattr(config, "SCHEDULERS")
+    assert not hasattr(global_scheduler.GlobalScheduler, "landed")  # after_push is its name
