@@ -237,6 +237,24 @@ class GlobalScheduler:
         decode = n * self.answer_tokens(max_tokens) * self.cost.decode(x) if n else 0.0
         return self.queued_cost(name) + decode, n
 
+    def _loads(self, x: int, max_tokens: int | None) -> dict[str, tuple[float, int]]:
+        """:meth:`_load` of every live instance, from one pass over the queue."""
+        waiting: dict[str, list[float]] = {p: [] for p in self.live}
+        decoding = dict.fromkeys(self.live, 0)
+        for q in self._queued.values():
+            if q.active and q.instance in waiting:
+                if q.started:
+                    decoding[q.instance] += 1
+                else:
+                    waiting[q.instance].append(q.prefill)
+        if any(decoding.values()):
+            answer, step = self.answer_tokens(max_tokens), self.cost.decode(x)
+        out = {}
+        for p, n in decoding.items():
+            decode = n * answer * step if n else 0.0
+            out[p] = (sum(waiting[p]) + decode, n)
+        return out
+
     def queued_requests(self, name: str) -> int:
         """Unfinished requests routed to ``name``."""
         return sum(1 for q in self._queued.values() if q.instance == name and q.active)
@@ -282,13 +300,18 @@ class GlobalScheduler:
     def _by_cost(self, x: int, cached: dict[str, int], max_tokens: int | None) -> Route:
         holder = max(self.live, key=lambda q: cached[q])  # the first of those holding most
         moves = ROUTING[self.policy].moves_prefixes
+        loads = self._loads(x, max_tokens)
+        execs: dict[int, float] = {}  # by cached tokens: most instances share a value
+        for y in cached.values():
+            if y not in execs:
+                execs[y] = self._exec(x, y)
         options = []  # the first cheapest wins ties
         for p in self.live:
-            base, n = self._load(p, x, max_tokens)
-            options.append(Route(p, cached[p], base + (1 + n) * self._exec(x, cached[p])))
+            base, n = loads[p]
+            options.append(Route(p, cached[p], base + (1 + n) * execs[cached[p]]))
             if moves and cached[holder] > cached[p]:  # or the holder sends what p lacks first
                 cost = self.cost.transfer(cached[holder] - cached[p])
-                cost += base + (1 + n) * self._exec(x, cached[holder])
+                cost += base + (1 + n) * execs[cached[holder]]
                 options.append(Route(p, cached[holder], cost, holder, cached[holder]))
         best = min(options, key=lambda r: r.cost)
         if best.transfer_from is not None:

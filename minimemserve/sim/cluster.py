@@ -39,6 +39,7 @@ from minimemserve.model.config import ModelConfig
 from minimemserve.parallel import TPShard
 from minimemserve.recipes import Role
 from minimemserve.request import Request, RequestOutput
+from minimemserve.sampling import SamplingParams
 from minimemserve.scheduler.frontend import Frontend
 from minimemserve.workloads.results import greedy_params, record, stability, stopped_record
 from minimemserve.workloads.sessions import Session, build_prompt, poisson_arrivals, total_turns
@@ -153,10 +154,10 @@ class _TokenIds:
 
     @staticmethod
     def prompt_ids(prompt: Sequence[int]) -> list[int]:
-        """The ids, as ints."""
+        """The ids (the cluster builds prompts of ints: no conversion)."""
         if isinstance(prompt, str):
             raise ConfigError("the simulator takes prompts as token ids, not text")
-        return list(map(int, prompt))
+        return list(prompt)
 
     @staticmethod
     def decode(ids: Sequence[int]) -> None:
@@ -180,6 +181,22 @@ class SimEngine(Engine):
     def _bases(self) -> dict[str, int]:
         return {}  # request id -> the hash its stand-in tokens start from
 
+    @functools.cached_property
+    def _span(self) -> int:
+        return self.model_config.vocab_size - FIRST_OUTPUT_TOKEN  # stand-in token ids
+
+    _checked: tuple | None = None  # the last (prompt, params) validated and its ids
+
+    def validate(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
+        """``Engine.validate``, once per prompt: the cluster validates a request before routing
+        it and the engine again as it is added, with the same prompt and parameters."""
+        last = self._checked
+        if last is not None and last[0] is prompt and last[1] is params:
+            return last[2]
+        ids = super().validate(prompt, params)
+        self._checked = (prompt, params, ids)
+        return ids
+
     def begin_step(self) -> StepShape | None:
         """Schedule one step and, when hand-offs overlap steps, send the parked requests
         (their transfers move while it computes); its shape, or None when there is nothing
@@ -198,38 +215,52 @@ class SimEngine(Engine):
         plan, self._pending = self._pending, None
         tokens: list[int | None] = []
         first = []
+        span, eos, bases = self._span, self._eos, self._bases
         for r, n in plan.batch:
             if r.num_computed + n != len(r.tokens):
                 tokens.append(None)
                 continue
-            tokens.append(self._token(r))
-            if len(r.tokens) == r.num_prompt:
+            pos = len(r.tokens) - r.num_prompt
+            base = bases[r.request_id] if r.request_id in bases else self._base(r)
+            tokens.append(stand_in_token(base, pos, span, eos))
+            if pos == 0:
                 first.append(r.request_id)
         return self.postprocess(plan, tokens, {}), first
+
+    def end_quiet_step(self, k: int) -> None:
+        """End the step begun last when it and the ``k - 1`` before it were decodes alone that
+        end no request (a decode run's, already counted): what ``k`` rounds of
+        :meth:`end_step` would leave, made at once (:meth:`decode_ahead`)."""
+        plan, self._pending = self._pending, None
+        self.decode_ahead(plan.batch, k)
 
     def step(self) -> list[RequestOutput]:
         """``begin_step`` and ``end_step`` with no time between."""
         return self.end_step()[0] if self.begin_step() is not None else []
 
-    def _token(self, req: Request) -> int:
-        """A stand-in output token (:func:`stand_in_token`)."""
+    def _base(self, req: Request) -> int:
+        """The hash ``req``'s stand-in tokens start from."""
         base = self._bases.get(req.request_id)
         if base is None:
             base = self._bases[req.request_id] = zlib.crc32(req.request_id.encode())
-        span = self.model_config.vocab_size - FIRST_OUTPUT_TOKEN
-        return stand_in_token(base, len(req.tokens) - req.num_prompt, span, self._eos)
+        return base
+
+    def _token(self, req: Request) -> int:
+        """A stand-in output token (:func:`stand_in_token`)."""
+        pos = len(req.tokens) - req.num_prompt
+        return stand_in_token(self._base(req), pos, self._span, self._eos)
 
     def decode_ahead(self, batch: Sequence[tuple[Request, int]], k: int) -> None:
         """What ``k`` decode steps of ``batch`` leave behind when none ends a request: each
         request computed ``k`` more tokens and holds ``k`` more stand-in tokens, as ``k``
         rounds of :meth:`end_step` would leave it (its blocks are the caller's to grow)."""
-        span = self.model_config.vocab_size - FIRST_OUTPUT_TOKEN
+        span, eos, bases = self._span, self._eos, self._bases
         for req, _ in batch:
-            self._token(req)  # its hash, once
-            base, pos = self._bases[req.request_id], len(req.tokens) - req.num_prompt
-            req.tokens.extend(stand_in_tokens(base, pos, k, span, self._eos))
+            pos = len(req.tokens) - req.num_prompt
+            base = bases[req.request_id] if req.request_id in bases else self._base(req)
+            req.tokens.extend(stand_in_tokens(base, pos, k, span, eos))
             req.num_computed += k
-            req.metrics.output_tokens = len(req.tokens) - req.num_prompt
+            req.metrics.output_tokens = pos + k
 
 
 def stand_in_token(base: int, position: int, span: int, eos: set[int]) -> int:
@@ -292,6 +323,7 @@ class SimInstance:
     step_began: float = 0.0
     step_ends: float = 0.0
     run: DecodeRun | None = None  # quiet decode steps booked ahead
+    owed: int = 0  # quiet steps of a caught-up run whose tokens the step under way ends with
 
     def __post_init__(self) -> None:
         self.pool = self.engine.pool
@@ -487,7 +519,9 @@ class SimCluster(DecodeRuns):
     ``step_time(shape)`` prices a step; ``topology`` prices transfers in ``transfer_mode``;
     ``spec`` gives every instance's engine settings and the global scheduler's policy and
     cost model, as in the process runtime. ``num_blocks`` KV blocks per instance, of
-    ``dtype`` (bytes sent count in it)."""
+    ``dtype`` (bytes sent count in it). ``decode_time(rows, context)``, where given, is
+    ``step_time`` of ``rows`` decodes attending to ``context`` KV tokens in all, without
+    building the shape (decode runs price many)."""
 
     def __init__(
         self,
@@ -501,11 +535,13 @@ class SimCluster(DecodeRuns):
         dtype: torch.dtype,
         instances: int = 2,
         transfer_mode: str = "by_request_aggregated",
+        decode_time: Callable[[int, int], float] | None = None,
     ) -> None:
         engine_config = spec.engine
         self.deployment, colocated = scaled_deployment(config, instances)
         self.model = model_config
         self.step_time = step_time
+        self.decode_time = decode_time
         self.topology = topology
         self.contended = topology.contention.any  # read at every step's start
         self.net = Network(self, topology, transfer_mode)
@@ -664,13 +700,18 @@ class SimCluster(DecodeRuns):
 
     def _count_step(self, inst: SimInstance, shape: StepShape, seconds: float) -> None:
         """Count a step's time and its decode rows."""
+        self._count(inst, seconds, len(shape.decodes), sum(shape.decodes))
+
+    def _count(self, inst: SimInstance, seconds: float, decodes: int, context: int) -> None:
+        """Count a step of ``seconds`` with ``decodes`` decode rows attending to ``context``
+        KV tokens in all."""
         self.steps += 1
         self.busy_s += seconds
         inst.busy_s += seconds
-        if n := len(shape.decodes):
-            inst.decode_rows += n
-            inst.decode_batch_sum += n * n
-            inst.decode_context_sum += sum(shape.decodes)
+        if decodes:
+            inst.decode_rows += decodes
+            inst.decode_batch_sum += decodes * decodes
+            inst.decode_context_sum += context
 
     def _count_stall(self, inst: SimInstance, shape: StepShape, seconds: float) -> None:
         """A step with prefill work: its time, and what it holds up the requests decoding on
@@ -834,7 +875,12 @@ class SimCluster(DecodeRuns):
             beside[-1].done.append(functools.partial(self._end_step, inst))
             return
         inst.beside = []
-        outs, first = inst.engine.end_step()
+        if inst.owed:
+            inst.engine.end_quiet_step(inst.owed)
+            inst.owed = 0
+            outs, first = [], []
+        else:
+            outs, first = inst.engine.end_step()
         for rid in first:  # the frontend sees a first token as it streams
             self.frontend.started(rid)
         handoffs = [req.request_id for req in inst.engine.handoffs]

@@ -285,6 +285,12 @@ class StepShape:
         rows = len(self.prefills) + len(self.decodes)
         return [1.0, self.tokens, self.prefill_pairs, sum(self.decodes), len(self.prefills), rows]
 
+    @staticmethod
+    def decode_features(rows: int, context: int) -> list[float]:
+        """The :data:`FEATURES` of a step of ``rows`` decodes attending to ``context`` KV
+        tokens in all (:meth:`features` of that shape, without building it)."""
+        return [1.0, rows, 0, context, 0, rows]
+
 
 # --------------------------------------------------------------------------- CPU fit
 
@@ -332,6 +338,10 @@ class FittedStepModel:
         """Predicted seconds of one step."""
         seconds = sum(c * f for c, f in zip(self.coefs, shape.features()))
         return seconds * self.prefill_scale if shape.prefills else seconds
+
+    def decode_time(self, rows: int, context: int) -> float:
+        """:meth:`step_time` of ``rows`` decodes attending to ``context`` KV tokens in all."""
+        return sum(c * f for c, f in zip(self.coefs, StepShape.decode_features(rows, context)))
 
     def prefill_time(self, new: int, cached: int = 0) -> float:
         """Predicted seconds of a lone prefill of ``new`` tokens after ``cached`` ones."""
@@ -543,6 +553,7 @@ class RooflineStepModel:
         self._step_overhead = hw.step_overhead_ms * 1e-3
         self._layer_launch = hw.layer_overhead_us * 1e-6 * layers
         self._nvlink = hw.links["nvlink"]
+        self._decode_fixed: dict[int, tuple[float, float, float]] = {}  # see decode_time
 
     def kv_blocks(self, block_size: int) -> int:
         """KV blocks an instance holds: its GPUs' memory share less the weights."""
@@ -558,13 +569,29 @@ class RooflineStepModel:
 
     def parts(self, shape: StepShape) -> dict[str, float]:
         """Seconds per operator class of one step."""
+        kv_tokens = sum(shape.decodes) + sum(c for c, _ in shape.prefills)
+        prefill_tokens = sum(n for _, n in shape.prefills)
+        return self._parts(
+            shape.tokens,
+            shape.sampled,
+            shape.prefill_pairs,
+            kv_tokens,
+            prefill_tokens,
+            len(shape.decodes),
+        )
+
+    def _parts(
+        self, t: int, sampled: int, pairs: int, kv_tokens: int, prefill_tokens: int, decodes: int
+    ) -> dict[str, float]:
+        """:meth:`parts` of a step of ``t`` tokens, ``sampled`` rows, ``pairs`` prefill
+        query-key pairs, ``kv_tokens`` tokens of KV read, ``prefill_tokens`` tokens of prefill
+        chunks and ``decodes`` decode rows."""
         s, tp, b = self.shape, self.tp, self.dtype_bytes
-        t = shape.tokens
-        lin_flops = 2 * (t * self.linear_params + shape.sampled * self.head_params) / tp
+        lin_flops = 2 * (t * self.linear_params + sampled * self.head_params) / tp
         lin_bytes = (self.linear_params + self.head_params) * b / tp
         q_width = s.num_attention_heads * s.head_dim
-        attn_flops = 4 * shape.prefill_pairs * q_width * s.num_hidden_layers / tp
-        kv_read = (sum(shape.decodes) + sum(c for c, _ in shape.prefills)) * self.kv_bytes_per_token
+        attn_flops = 4 * pairs * q_width * s.num_hidden_layers / tp
+        kv_read = kv_tokens * self.kv_bytes_per_token
         elementwise = ELEMENTWISE_PASSES * t * s.hidden_size * s.num_hidden_layers * b
         flops = self.hw.peak_tflops * 1e12 * self.hw.matmul_efficiency(t)
         out = {
@@ -578,8 +605,7 @@ class RooflineStepModel:
             ring = 2 * (tp - 1) / tp * t * s.hidden_size * b / self.hw.efficiency["allreduce"]
             out["allreduce"] = calls * self._nvlink.seconds(ring, 1)
         if (self.prefill_speed, self.decode_speed) != (1.0, 1.0):
-            p = sum(n for _, n in shape.prefills)
-            d = len(shape.decodes)
+            p, d = prefill_tokens, decodes
             slow = (p / self.prefill_speed + d / self.decode_speed) / (p + d) if p + d else 1.0
             out = {k: v * slow for k, v in out.items()}
         # the layers' kernel launches overlap the device's work: only what exceeds it costs
@@ -589,6 +615,21 @@ class RooflineStepModel:
     def step_time(self, shape: StepShape) -> float:
         """Predicted seconds of one step."""
         return sum(self.parts(shape).values())
+
+    def decode_time(self, rows: int, context: int) -> float:
+        """:meth:`step_time` of ``rows`` decodes attending to ``context`` KV tokens in all: the
+        same sums of the same terms, those that do not read KV kept by ``rows``."""
+        if (self.prefill_speed, self.decode_speed) != (1.0, 1.0):
+            return sum(self._parts(rows, rows, 0, context, 0, rows).values())
+        fixed = self._decode_fixed.get(rows)
+        if fixed is None:
+            out = self._parts(rows, rows, 0, 0, 0, rows)
+            fixed = self._decode_fixed[rows] = (out["linear"], out["elementwise"], out["allreduce"])
+        linear, elementwise, allreduce = fixed
+        attention = 0.0 + context * self.kv_bytes_per_token / self.tp / self._kv_bw
+        work = sum((linear, attention, elementwise, allreduce))
+        overhead = self._step_overhead + max(0.0, self._layer_launch - work)
+        return sum((linear, attention, elementwise, allreduce, overhead))
 
     def prefill_time(self, new: int, cached: int = 0) -> float:
         """Predicted seconds of a lone prefill of ``new`` tokens after ``cached`` ones."""

@@ -14,71 +14,84 @@ import bisect
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from .profiles import StepShape
 
 # A ``cluster.SimInstance`` and its ``SimEngine`` (not imported: the cluster imports this).
 SimInstance = SimEngine = Any
+# A run's new blocks are listed by step up to this many (else found by bisection).
+LISTED_GROWTHS = 256
 
 
 @dataclass
 class DecodeRun:
-    """Quiet decode steps booked ahead (``SimCluster._start_run``): their ``batch``, each
-    step's shape and seconds, the times the steps begin and end (``times[k]`` to
+    """Quiet decode steps booked ahead (``SimCluster._start_run``): their ``batch``, the
+    shape of the first (every row attends to one more token each step after), each step's
+    KV tokens read in all and seconds, the times the steps begin and end (``times[k]`` to
     ``times[k + 1]``), how many steps it may reach (``limit``: only its last may end a
     request, and their blocks are there) and the first that evicts (1-based)."""
 
     batch: list
-    shapes: list[StepShape]
+    first: StepShape
+    growths: list[int]  # each row's first step that takes a new block (see _run_limit)
+    contexts: list[int]
     seconds: list[float]
     times: list[float]
     limit: int
     evicts: int  # the first step that evicts a cached block (past limit: none)
 
+    @property
+    def priced(self) -> int:
+        """Steps priced so far."""
+        return len(self.seconds)
 
-def _first_growth(req, block_size: int) -> int:
-    """The first decode step (the one under way is 1) for which ``req`` takes a new block:
-    step k computes token ``num_computed + k - 1``, past its blocks' room once."""
-    return max(2, len(req.blocks) * block_size - req.num_computed + 1)
 
-
-def _run_limit(batch, block_size: int, free: int, available: int) -> tuple[int, int]:
-    """How many decode steps of ``batch``, from the one under way, may run as one, and the
-    first of them that evicts: through the first step that may end a request (1 when a
-    stand-in token could be a stop token), and before the one that needs more new blocks than
-    ``available``; the step that needs more than ``free`` evicts."""
+def _run_limit(batch, block_size: int, free: int, available: int) -> tuple[int, int, list[int]]:
+    """How many decode steps of ``batch``, from the one under way, may run as one, the first
+    of them that evicts and each row's first step that takes a new block (step k computes
+    token ``num_computed + k - 1``, past its blocks' room once): through the first step that may
+    end a request (1 when a stand-in token could be a stop token, or a row has not sampled
+    yet), and before the one that needs more new blocks than ``available``; the step that
+    needs more than ``free`` evicts."""
     limit, firsts = 1 << 30, []
     for r, _ in batch:
         p = r.params
-        if p.stop_token_ids:
-            return 1, 1
+        if p.stop_token_ids or not r.prefilled:
+            return 1, 1, firsts
         limit = min(limit, min(p.max_tokens + r.num_prompt, r.max_total_tokens) - len(r.tokens))
-        firsts.append(_first_growth(r, block_size))
+        firsts.append(max(2, len(r.blocks) * block_size - r.num_computed + 1))
     limit = max(1, limit)
-    f = np.array(firsts)
 
     def needed(step: int) -> int:  # new blocks through ``step``
-        return int(np.maximum(0, (step - f) // block_size + 1).sum())
+        return sum((step - g) // block_size + 1 for g in firsts if g <= step)
+
+    total = needed(limit)
+    growths: list[int] = []  # the step of each new block, in order: the b-th exceeds b
 
     def first_past(blocks: int) -> int:  # the first step whose blocks exceed ``blocks``
-        if needed(limit) <= blocks:
+        if total <= blocks:
             return limit + 1
+        if total <= LISTED_GROWTHS:
+            if not growths:
+                growths.extend(sorted(k for g in firsts for k in range(g, limit + 1, block_size)))
+            return growths[blocks]
         lo, hi = 1, limit  # needed(lo) <= blocks < needed(hi)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if needed(mid) <= blocks else (lo, mid)
         return hi
 
-    return min(limit, first_past(available) - 1), first_past(free)
+    return min(limit, first_past(available) - 1), first_past(free), firsts
 
 
-def _growth_order(batch, steps: int, block_size: int) -> list[tuple[int, int]]:
-    """``(step, row)`` of each block that steps 2 to ``steps`` of ``batch`` take (a row's
-    blocks run out every ``block_size`` steps), in the order stepping takes them."""
+def _growth_order(firsts: list[int], steps: int, block_size: int) -> list[tuple[int, int]]:
+    """``(step, row)`` of each block that steps 2 to ``steps`` of a batch whose rows first
+    take one at steps ``firsts`` take (a row's blocks run out every ``block_size`` steps), in
+    the order stepping takes them."""
     out = []
-    for i, (r, _) in enumerate(batch):
-        out.extend((k, i) for k in range(_first_growth(r, block_size), steps + 1, block_size))
+    for i, k in enumerate(firsts):
+        while k <= steps:
+            out.append((k, i))
+            k += block_size
     out.sort()
     return out
 
@@ -91,8 +104,8 @@ class DecodeRuns:
     RUN_STEPS = 4  # steps a run prices first; each time they all pass, it prices twice as many
 
     def _quiet_batch(self, inst: SimInstance) -> list | None:
-        """The batch of ``inst``'s step under way if it holds decodes alone, every request
-        here is in it, nothing arrives, is parked or moves, and what waits cannot start
+        """The batch of ``inst``'s step under way, of decodes alone, if every request here is
+        in it, nothing arrives, is parked or moves, and what waits cannot start
         (:meth:`_waits_alone`); else None."""
         eng, sched = inst.engine, inst.engine.scheduler
         plan = eng._pending
@@ -104,10 +117,7 @@ class DecodeRuns:
             return None
         if len(plan.batch) != len(sched.running):
             return None
-        for req, n in plan.batch:
-            if n != 1 or not req.prefilled:
-                return None
-        return plan.batch
+        return plan.batch  # decodes alone (the caller's shape says so), prefilled: _run_limit
 
     @staticmethod
     def _waits_alone(eng: SimEngine) -> bool:
@@ -129,23 +139,33 @@ class DecodeRuns:
         if batch is None:
             return False
         pool = inst.pool
-        limit, evicts = _run_limit(batch, pool.block_size, pool.num_free(), pool.num_available())
+        bounds = _run_limit(batch, pool.block_size, pool.num_free(), pool.num_available())
+        limit, evicts, firsts = bounds
         if limit == 1:
             return False
         times = [self.now, self.now + seconds]
-        inst.run = DecodeRun(batch, [shape], [seconds], times, limit, evicts)
+        contexts = [sum(shape.decodes)]
+        inst.run = DecodeRun(batch, shape, firsts, contexts, [seconds], times, limit, evicts)
         self._price(inst, inst.run, self.RUN_STEPS)
         return True
 
     def _price(self, inst: SimInstance, run: DecodeRun, steps: int) -> None:
-        """Price up to ``steps`` more steps of ``run`` and book the end of its last."""
-        base, rows = run.shapes[0].decodes, len(run.batch)
-        for k in range(len(run.shapes), min(run.limit, len(run.shapes) + steps)):
-            shape = StepShape((), tuple(map(k.__add__, base)), rows)
-            run.shapes.append(shape)
-            run.seconds.append(self.step_time(shape))
-            run.times.append(run.times[-1] + run.seconds[-1])
-        self.at(run.times[-1], self._run_passes, (inst, run))
+        """Price up to ``steps`` more steps of ``run`` and book the end of its last: step
+        ``k``'s rows each attend to ``k`` more tokens than the first's."""
+        rows, base, price = len(run.batch), run.contexts[0], self.decode_time
+        contexts, seconds, times = run.contexts, run.seconds, run.times
+        end = times[-1]
+        for k in range(run.priced, min(run.limit, run.priced + steps)):
+            context = base + k * rows
+            if price is not None:
+                s = price(rows, context)
+            else:
+                s = self.step_time(StepShape((), tuple(map(k.__add__, run.first.decodes)), rows))
+            contexts.append(context)
+            seconds.append(s)
+            end += s
+            times.append(end)
+        self.at(end, self._run_passes, (inst, run))
 
     def _touched(self, inst: SimInstance) -> bool:
         """Whether ``inst``'s run changed what its cached prefixes look like by now: it evicted
@@ -155,14 +175,18 @@ class DecodeRuns:
             return False
         if len(inst.pool.tiers) > 1 and inst.pool.index.num_blocks:
             return True
-        return run.evicts <= len(run.shapes) and run.times[run.evicts - 1] <= self.now
+        return run.evicts <= run.priced and run.times[run.evicts - 1] <= self.now
 
     def catch_up(self, inst: SimInstance) -> None:
         """Something reaches ``inst`` now: step its run to where stepping one by one would be
-        (every step that ended by now done, the next under way, its end booked)."""
+        (every step that ended by now done, the next under way, its end booked). Where that
+        step ends no request, its requests' tokens, and those of the steps before it, are made
+        at its end (:attr:`SimInstance.owed`): nothing reads them before."""
         if (run := inst.run) is not None:
-            done = min(bisect.bisect_right(run.times, self.now) - 1, len(run.shapes) - 1)
-            self._land(inst, run, done)
+            done = min(bisect.bisect_right(run.times, self.now) - 1, run.priced - 1)
+            quiet = done + 1 < run.limit
+            self._land(inst, run, done, tokens=not quiet)
+            inst.owed = done + 1 if quiet else 0
             self.at(inst.step_ends, self._end_step, (inst,))
 
     def _run_passes(self, inst: SimInstance, run: DecodeRun) -> None:
@@ -170,24 +194,31 @@ class DecodeRuns:
         an old booking): price on, or end the run's last step as stepping would."""
         if inst.run is not run:
             return
-        if len(run.shapes) < run.limit:
-            self._price(inst, run, len(run.shapes))
+        if run.priced < run.limit:
+            self._price(inst, run, run.priced)
             return
-        self._land(inst, run, len(run.shapes) - 1)
+        self._land(inst, run, run.priced - 1)
         self._end_step(inst)
 
-    def _land(self, inst: SimInstance, run: DecodeRun, done: int) -> None:
+    def _land(self, inst: SimInstance, run: DecodeRun, done: int, tokens: bool = True) -> None:
         """Leave ``inst`` as stepping would have after ``done`` steps of ``run``, the next one
-        under way: those steps counted, their tokens made, their blocks taken in turn."""
+        under way: those steps counted, their tokens made (unless not ``tokens``), their
+        blocks taken in turn."""
         inst.run = None
         self.run_steps += done
+        rows = len(run.batch)
         for k in range(done):
-            self._count_step(inst, run.shapes[k], run.seconds[k])
-        sched, batch = inst.engine.scheduler, run.batch
-        for k, i in _growth_order(batch, done + 1, inst.pool.block_size):
-            r = batch[i][0]
-            sched._alloc_to(r, r.num_computed + k)
-        if done:
+            self._count(inst, run.seconds[k], rows, run.contexts[k])
+        sched, batch, pool = inst.engine.scheduler, run.batch, inst.pool
+        growths = _growth_order(run.growths, done + 1, pool.block_size)
+        if len(growths) <= pool.num_free():  # no eviction: taken at once, in stepping's order
+            for (_, i), block in zip(growths, pool.alloc_mem(len(growths))):
+                batch[i][0].blocks.append(block)
+        else:
+            for k, i in growths:
+                r = batch[i][0]
+                sched._alloc_to(r, r.num_computed + k)
+        if done and tokens:
             inst.engine.decode_ahead(batch, done)
-        self._count_step(inst, run.shapes[done], run.seconds[done])
+        self._count(inst, run.seconds[done], rows, run.contexts[done])
         inst.step_began, inst.step_ends = run.times[done], run.times[done + 1]
