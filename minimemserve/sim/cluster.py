@@ -55,8 +55,10 @@ HANDOFF_CALLS, RETURN_CALLS = (2, 2), (1, 2)
 # Lowest stand-in output token id: 0-2 are <unk>, <s> and </s> in Llama vocabularies.
 FIRST_OUTPUT_TOKEN = 3
 # How a replay sends turns: "closed", each when its session's turn before it finished (the
-# bench's steady state); "open", each at its own arrival time (a finite run).
-ARRIVALS = ("closed", "open")
+# bench's steady state); "open", each at its own arrival time (a finite run); "paced", each at
+# its own arrival time or, if later, when its session's turn before it ended (a finite run of
+# users who wait for each answer).
+ARRIVALS = ("closed", "open", "paced")
 
 
 class Transfer:
@@ -750,7 +752,10 @@ class SimCluster(DecodeRuns):
         ``"open"`` is a finite run (:func:`open_arrivals`): every turn sent at its own arrival
         time whether or not the turns before it finished, its prompt built from the answers
         the engine will give them (:func:`stand_in_answer`); a ``schedule`` of ``(session
-        index, turn, arrival)`` gives those times instead (a trace's timestamps).
+        index, turn, arrival)`` gives those times instead (a trace's timestamps). ``"paced"``
+        is the same finite run with users who wait for each answer: a turn is sent at its own
+        arrival time or, if later, when its session's turn before it ended (finished, failed
+        or was rejected).
 
         ``stop_unstable``: once virtual time reaches the arrival window's end (the last session
         start), take ``stability``'s verdict (final by then) with every unfinished request as
@@ -762,8 +767,8 @@ class SimCluster(DecodeRuns):
         measured from)."""
         if arrivals not in ARRIVALS:
             raise ConfigError(f"arrivals must be one of {ARRIVALS}, got {arrivals!r}")
-        if schedule is not None and arrivals != "open":
-            raise ConfigError("a schedule of arrival times needs arrivals='open'")
+        if schedule is not None and arrivals == "closed":
+            raise ConfigError("a schedule of arrival times needs arrivals='open' or 'paced'")
         self._records: list[dict] = []
         # request id -> (session index, turn, arrival, prompt tokens)
         self._inflight: dict[str, tuple[int, int, float, int]] = {}
@@ -771,6 +776,8 @@ class SimCluster(DecodeRuns):
         self.stopped = False
         self._sessions, self._config, self._params_for = sessions, config, params_for
         self._follows = arrivals == "closed"  # a finished turn sends the next
+        # paced: each session's turns not sent yet, in order, with their own arrival times
+        self._paced: dict[int, collections.deque[tuple[int, float]]] | None = None
         self._bar = tqdm(
             total=total_turns(sessions),
             disable=not progress,
@@ -785,11 +792,8 @@ class SimCluster(DecodeRuns):
             for si in window or ():
                 self.at(starts[si], self._mark)
         else:
-            self._history: dict[int, list[int]] = {}
-            for si, k, t in schedule or open_arrivals(sessions, rate, seed):
-                self.at(t, self._submit_open, (si, k))
-                if k == 0:
-                    starts.append(t)
+            timed = schedule or open_arrivals(sessions, rate, seed)
+            starts = self._book_finite(timed, paced=arrivals == "paced")
         with self._bar:
             if stop_unstable and starts:
                 self.settle(until=max(starts))
@@ -806,6 +810,23 @@ class SimCluster(DecodeRuns):
         for inst in self.instances:
             self.catch_up(inst)
         self.marks.append((self.now, {i.name: i.counters() for i in self.instances}))
+
+    def _book_finite(self, timed: Sequence[tuple[int, int, float]], paced: bool) -> list[float]:
+        """Book a finite run's turns, ``(session index, turn, arrival)``: each at its arrival
+        or, ``paced``, each session's first, the others kept in order for :meth:`_pace`; the
+        arrival times of the sessions' first turns."""
+        self._history: dict[int, list[int]] = {}
+        if paced:
+            self._paced = collections.defaultdict(collections.deque)
+            for si, k, t in sorted(timed, key=lambda turn: turn[:2]):
+                self._paced[si].append((k, t))
+            timed = [(si, *turns.popleft()) for si, turns in self._paced.items()]
+        starts = []
+        for si, k, t in timed:
+            self.at(t, self._submit_open, (si, k))
+            if k == 0:
+                starts.append(t)
+        return starts
 
     def _submit_open(self, si: int, k: int) -> None:
         """A finite run's turn ``k`` of session ``si``: sent now, its history the turns before
@@ -833,6 +854,7 @@ class SimCluster(DecodeRuns):
             rec = record(self._config, session, k, self.now, None, len(prompt), f"rejected: {exc}")
             self._records.append(rec)
             self._bar.update(len(session.turns) - k if self._follows else 1)
+            self._pace(si)
             return
         self._inflight[rid] = (si, k, self.now, len(prompt))
         self.frontend.dispatched(rid, route, len(prompt), params.max_tokens)
@@ -914,11 +936,19 @@ class SimCluster(DecodeRuns):
         self._records.append(rec)
         self._bar.update(1)
         if not self._follows:
+            self._pace(si)
             return
         if rec["error"] is not None:
             self._bar.update(len(session.turns) - k - 1)
         elif k + 1 < len(session.turns):
             self._submit(si, k + 1, [*out.prompt_token_ids, *out.token_ids])
+
+    def _pace(self, si: int) -> None:
+        """A paced run's turn of session ``si`` ended now: its next turn goes at its own
+        arrival time, or now if that has passed."""
+        if self._paced is not None and (turns := self._paced.get(si)):
+            k, t = turns.popleft()
+            self.at(max(t, self.now), self._submit_open, (si, k))
 
     def _stop_if_unstable(self) -> None:
         """The arrival window ends now: its records with every unfinished request still in

@@ -91,7 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="closed",
         help="closed: a turn is sent when its session's previous turn finished (steady state); "
         "open: a finite run, every turn sent at its own Poisson arrival time whatever finished, "
-        "its prompt built from the answers before it (not steady state)",
+        "its prompt built from the answers before it (not steady state); paced: open, but a "
+        "turn waits for its session's previous turn to end (a user who waits for the answer)",
     )
     add_engine_arguments(p, ("handoff", "dram_blocks", "disk_blocks"))  # tiers: capacities
     p.add_argument(

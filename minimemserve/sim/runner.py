@@ -262,7 +262,7 @@ def workload_sessions(
 
 def regime_label(arrivals: str) -> str:
     """What a replay with ``arrivals`` measures, as tables, JSON and plots call it."""
-    return FINITE_LABEL if arrivals == "open" else STEADY_LABEL
+    return STEADY_LABEL if arrivals == "closed" else FINITE_LABEL
 
 
 def role_stats(cluster: SimCluster, counters: dict[str, tuple] | None = None) -> dict[str, dict]:
@@ -391,8 +391,9 @@ def run_sim(
 ) -> dict:
     """Simulate a workload (``workload``: :data:`SIM_WORKLOAD_ARGS`) under ``configs`` and compare
     them as ``minimemserve bench`` does: prints the table; with ``out_dir``, writes
-    ``<tag>_<workload>.json`` and its bar and CDF plots there. ``arrivals="open"``: a finite run
-    (``SimCluster.replay``), labelled :data:`FINITE_LABEL` in the table, JSON and plots."""
+    ``<tag>_<workload>.json`` and its bar and CDF plots there. ``arrivals="open"`` or
+    ``"paced"``: a finite run (``SimCluster.replay``), labelled :data:`FINITE_LABEL` in the
+    table, JSON and plots."""
     for c in configs:
         parse_config_name(c)
     w = workload_args(workload, SIM_WORKLOAD_ARGS)
