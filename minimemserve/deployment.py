@@ -42,8 +42,9 @@ class DeploymentSpec:
     ``transport`` between instances, the address ``cluster_host`` its control plane binds,
     and ``instances``, the ``HOST:PORT`` of standalone instances to join instead of spawning
     (with the cluster ``key`` file). The Ray runtime takes the same (but ``instances`` and
-    ``key``), the cluster's ``ray_address`` ("": ``RAY_ADDRESS`` or a local cluster) and the
-    ``placement`` of instances over its nodes (``pack`` or ``spread``)."""
+    ``key``), the cluster's ``ray_address`` ("": ``RAY_ADDRESS`` or a local cluster), the
+    ``placement`` of instances over its nodes (``pack`` or ``spread``) and ``max_restarts``,
+    how many times Ray restarts a dead instance's actor (which then rejoins)."""
 
     config: str = "PD"
     model: str | Path | None = None
@@ -61,6 +62,7 @@ class DeploymentSpec:
     key: str | None = None
     ray_address: str = ""
     placement: str = "pack"
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -96,7 +98,11 @@ class DeploymentSpec:
         if cluster is None and self.runtime == "ray":
             from .disagg.ray_runtime import RayCluster as cluster  # lazy: msgspec and ZeroMQ
 
-            ray_options = {"ray_address": self.ray_address or None, "placement": self.placement}
+            ray_options = {
+                "ray_address": self.ray_address or None,
+                "placement": self.placement,
+                "max_restarts": self.max_restarts,
+            }
             process_kw = ray_options | process_kw
 
         parse_config_name(self.config)

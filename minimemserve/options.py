@@ -134,6 +134,11 @@ DEPLOYMENT_FLAGS = {
         "ray runtime: instances on as few nodes as possible (pack) or on as many (spread)",
         PLACEMENTS,
     ),
+    "max_restarts": (
+        "--max-restarts",
+        "ray runtime: times Ray restarts a dead instance's actor, which then rejoins",
+        None,
+    ),
 }
 # Tensor parallelism (instances in one process: ``bench --runtime inline``, ``serve --runtime
 # inprocess``, ``generate``).

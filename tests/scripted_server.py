@@ -81,13 +81,17 @@ class Scripted:
 
 class Gated(Scripted):
     """A scripted serving whose steps wait for ``gate`` (a step stuck for as long as a test
-    wants), and whose instance can be declared dead."""
+    wants), whose instance can be declared dead, and the deployment beyond repair."""
 
     def __init__(self) -> None:
         super().__init__()
         self.gate = threading.Event()
         self.stepping = threading.Event()
         self.dead = False
+        self.broken: str | None = None
+
+    def beyond_repair(self) -> str | None:
+        return self.broken
 
     def step(self):
         self.stepping.set()

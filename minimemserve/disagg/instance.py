@@ -252,7 +252,8 @@ class InstanceServer:
                 ok, error = True, None
             except AssertionError as e:
                 ok, error = False, str(e)
-            return rpc.Info({"ok": ok, "error": error, "pool": self.pool.stats()})
+            load = self.engine.load()[self.name]
+            return rpc.Info({"ok": ok, "error": error, "pool": self.pool.stats(), "load": load})
         if m.what == "links":  # answered once every pair group of this instance formed
             if self.peers.pending:
                 self.peers.form()
@@ -271,8 +272,13 @@ class InstanceServer:
         return rpc.Info(stats)
 
     def _on_peer_down(self, sender: str, m: rpc.PeerDown) -> rpc.Info:
+        """Release what was held for ``m.name``; answer the requests handed on to it, and those
+        it prefilled that run here (the frontend may not have their hand-off notice yet)."""
         self._peer_down(m.name, m.reason)
-        return rpc.Info({"handed": [r for r, d in self.handed.items() if d == m.name]})
+        handed = [r for r, d in self.handed.items() if d == m.name]
+        held = [r.request_id for r in self.engine.requests.values()]
+        holding = [rid for rid in held if self.engine.requests[rid].prefill_instance == m.name]
+        return rpc.Info({"handed": handed, "holding": holding})
 
     def _on_abort_request(self, sender: str, m: rpc.AbortRequest) -> rpc.Msg | None:
         """Between steps: the request's partial output, where it was handed on to, or nothing."""

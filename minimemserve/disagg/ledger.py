@@ -29,6 +29,7 @@ class Inflight:
     req: Request
     where: str = ""
     answer_from: str = ""  # the instance whose answer to its Submit has not come yet
+    reported_by: str = ""  # another instance that streamed it: handed there, notice to come
     reruns: int = 0
     streamed: int = 0  # output tokens taken by take_deltas() so far
     pending: dict[int, tuple[int, Any]] = field(default_factory=dict)  # position -> (token, lp)
@@ -81,9 +82,14 @@ class Ledger:
 
     def lost(self, name: str, error: str) -> None:
         """Instance ``name`` died: re-run or end every request it held. One whose Submit it
-        has not answered is left to that answer (a refusal means it never started there)."""
+        has not answered is left to that answer (a refusal means it never started there); one
+        a live instance streamed runs there (handed on before the notice could come)."""
         for rid, f in list(self.inflight.items()):
-            if f.where == name and f.answer_from != name:
+            if f.where != name or f.answer_from == name:
+                continue
+            if f.reported_by and f.reported_by not in self.dead:
+                self._arrived(rid, f, f.reported_by)
+            else:
                 self.recover(rid, f, error)
 
     def on_output(self, sender: str, msg: rpc.Output) -> None:
@@ -94,7 +100,11 @@ class Ledger:
             self.frontend.finished(out)
 
     def on_tokens(self, sender: str, msg: rpc.Tokens) -> None:
-        """Stream positions from P and D may arrive out of order: keep them by position."""
+        """Stream positions from P and D may arrive out of order: keep them by position. Tokens
+        from another instance than the one the request is believed on show that it was handed
+        there (its hand-off notice may come a prefill step later, or never: P died); the
+        ledger follows it there once the notice comes or P dies (until then P may still hold
+        it, in the step that handed it on)."""
         for d in msg.deltas:
             f = self.inflight.get(d.request_id)
             if f is None:
@@ -107,6 +117,8 @@ class Ledger:
                 and logprobs_fit(d.logprobs, n, f.req.params.logprobs, self.vocab_size)
             ):
                 raise ValueError(f"{sender} sent tokens that do not fit {d.request_id!r}")
+            if f.where != sender:
+                f.reported_by = sender
             self.frontend.streamed(d)
             lps = d.logprobs or [None] * len(d.token_ids)
             for i, (tok, lp) in enumerate(zip(d.token_ids, lps)):
@@ -136,8 +148,12 @@ class Ledger:
             reason = f"InstanceDied: instance {msg.to} died ({self.dead[msg.to]})"
             self.recover(msg.request_id, f, reason)
         else:
-            f.where = msg.to
-            self.frontend.prefilled(msg.request_id)
+            self._arrived(msg.request_id, f, msg.to)
+
+    def _arrived(self, rid: str, f: Inflight, where: str) -> None:
+        """Request ``rid`` runs on ``where`` now, handed on by the instance that prefilled it."""
+        f.where = where
+        self.frontend.prefilled(rid)
 
     def recover(self, rid: str, f: Inflight, error: str) -> None:
         """Re-run a request whose instance died, or end it with ``error``."""

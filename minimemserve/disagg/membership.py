@@ -12,8 +12,10 @@ as dead until it has joined again: nothing is routed to it meanwhile.
 
 A spawned instance whose process exited is started again (a new process of the same spec)
 after ``RESTART_WAIT_S``, doubling with each restart up to ``RESTART_MAX_WAIT_S``, at most
-``MAX_RESTARTS`` times; it rejoins as a standalone one does. Standalone instances are restarted
-by whoever started them (a supervisor), and then rejoin on their own."""
+``MAX_RESTARTS`` times in a row: one that then serves for ``RESTART_RESET_S`` has its whole
+budget again. It rejoins as a standalone one does. One that used its restarts stays dead
+(:attr:`Membership.given_up`), as does a Ray actor that Ray will not restart again. Standalone
+instances are restarted by whoever started them (a supervisor), and then rejoin on their own."""
 
 from __future__ import annotations
 
@@ -32,8 +34,11 @@ logger = logging.getLogger(__name__)
 # restart (a crash at start-up does not spin), waiting at most RESTART_MAX_WAIT_S ...
 RESTART_WAIT_S = 1.0
 RESTART_MAX_WAIT_S = 30.0
-# ... and at most this many times over the cluster's life (then it stays dead: a crash loop).
+# ... and at most this many times in a row (then it stays dead: a crash loop) ...
 MAX_RESTARTS = 5
+# ... where a restarted instance that served this long since it rejoined counts as new (a
+# crash a day on a long-lived server is no crash loop).
+RESTART_RESET_S = 600.0
 
 
 class Membership:
@@ -64,6 +69,8 @@ class Membership:
         # spawned instances whose process exited: when each is started again; restarts made
         self.restart_at: dict[str, float] = {}
         self.restarts: dict[str, int] = {}
+        self.up_since: dict[str, float] = {}  # when each restarted instance was started last
+        self.given_up: dict[str, str] = {}  # dead for good: name -> why
 
     def admits(self, sender: str, msg: rpc.Msg) -> bool:
         """Whether ``sender`` may send ``msg`` now (a dead instance only its way back)."""
@@ -127,8 +134,11 @@ class Membership:
     def _plan_restart(self, inst: InstanceInfo) -> None:
         """Start spawned ``inst`` again later (its process exited), unless it used its restarts."""
         made = self.restarts.get(inst.name, 0)
+        up = time.monotonic() - self.up_since.get(inst.name, self.started)
+        if made and up >= RESTART_RESET_S:
+            made = self.restarts[inst.name] = 0  # it served long enough: a new life
         if made >= MAX_RESTARTS:
-            logger.error("instance %s exited after %d restarts: it stays dead", inst.name, made)
+            self.give_up(inst.name, f"it exited after {made} restarts in a row")
             return
         wait = min(RESTART_WAIT_S * 2**made, RESTART_MAX_WAIT_S)
         self.restart_at[inst.name] = time.monotonic() + wait
@@ -140,9 +150,25 @@ class Membership:
         """A new process for spawned ``inst``; it reports ``Ready``, then ``monitor`` revives it."""
         del self.restart_at[inst.name]
         self.restarts[inst.name] = self.restarts.get(inst.name, 0) + 1
+        self.up_since[inst.name] = time.monotonic()
         self.launcher.respawn(inst.name)
         self.node.dead.pop(inst.name, None)  # the node would refuse to reach the new process
         self.joining[inst.name] = time.monotonic()
+
+    def give_up(self, name: str, why: str) -> None:
+        """Instance ``name`` will not come back (``why``)."""
+        logger.error("instance %s stays dead: %s", name, why)
+        self.given_up[name] = why
+
+    def beyond_repair(self) -> str | None:
+        """Why the deployment cannot serve and will not recover on its own: a role every
+        instance of which stays dead; None while every role has one that lives or may return."""
+        for role in dict.fromkeys(i.role for i in self.instances.values()):
+            names = [n for n, i in self.instances.items() if i.role == role]
+            if all(n in self.given_up for n in names):
+                why = "; ".join(f"{n}: {self.given_up[n]}" for n in names)
+                return f"no {role} instance will come back ({why})"
+        return None
 
     def on_rejoin(self, sender: str, msg: rpc.Rejoin) -> None:
         """A standalone instance is waiting: one declared dead is asked back by ``monitor``;
@@ -235,9 +261,10 @@ class Membership:
             except TransferError as e:
                 logger.warning("could not tell %s that %s died: %s", other.name, inst.name, e)
                 continue
-            # hand-offs to the dead instance whose notice has not reached us yet
-            handed = rep.data.get("handed", ()) if isinstance(rep, rpc.Info) else ()
-            self.ledger.moved(handed, other.name, inst.name)
+            # hand-offs to or from the dead instance whose notice has not reached us yet
+            data = rep.data if isinstance(rep, rpc.Info) else {}
+            self.ledger.moved(data.get("handed", ()), other.name, inst.name)
+            self.ledger.moved(data.get("holding", ()), inst.name, other.name)
         self.ledger.lost(inst.name, f"InstanceDied: instance {inst.name} died ({reason})")
         if inst.process is not None and not inst.process.is_alive():
             self._plan_restart(inst)

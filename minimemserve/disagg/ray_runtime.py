@@ -218,6 +218,8 @@ class RayActors:
                 membership.declare_dead(name, reason)
                 if self.opts.max_restarts:
                     p.back = p.actor.where.remote()  # answered once Ray restarted it
+                else:
+                    membership.give_up(name, "its Ray actor has no restarts (max_restarts 0)")
             elif p.back is not None and ray.wait([p.back], timeout=0)[0]:
                 try:
                     where = ray.get(p.back)
@@ -225,7 +227,7 @@ class RayActors:
                     p.back = p.actor.where.remote()
                     continue
                 except ray.exceptions.RayActorError as e:
-                    logger.error("instance %s will not come back: %s", name, _first_line(e))
+                    membership.give_up(name, f"Ray will not restart it: {_first_line(e)}")
                     p.back = None
                     continue
                 p.back, p.node = None, where["node"]
@@ -325,11 +327,11 @@ class RayCluster(ProcessCluster):
             self._stop_ray()
             raise
 
-    def monitor(self) -> dict[str, str]:
+    def monitor(self, read: bool = True) -> dict[str, str]:
         """Deaths Ray reports and actors it restarted, then the process runtime's checks."""
         if self.membership is not None and self.actors.placed:
             self.actors.watch(self.membership)
-        return super().monitor()
+        return super().monitor(read)
 
     def node_of(self, name: str) -> str:
         """The Ray node instance ``name``'s actor runs on."""

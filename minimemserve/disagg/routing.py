@@ -75,6 +75,7 @@ class Router:
         module's docstring); it is in flight from before it is sent."""
         self.ledger.inflight[rid] = f
         f.where = f.answer_from = route.instance
+        f.reported_by = ""
         # before sending: the instance may report on it as soon as it has the request
         self.frontend.dispatched(rid, route, f.req.num_prompt, f.req.params.max_tokens)
         to, msg = route.instance, rpc.Submit(rpc.RequestState.of(f.req))

@@ -46,6 +46,7 @@ from ..errors import (
     ConfigError,
     InstanceDied,
     InvalidRequest,
+    TransferError,
 )
 from ..mempool import TIERS, PoolAccountingError
 from ..model.config import ModelConfig
@@ -64,6 +65,9 @@ logger = logging.getLogger(__name__)
 
 # How long step() waits for a finished request before returning an empty list.
 STEP_WAIT_S = 0.005
+# How long survey() waits for the instances' answers before it returns what it has (an
+# instance answers between its steps: one stuck in a step keeps its last report).
+SURVEY_WAIT_S = 0.05
 
 
 class ProcessCluster:
@@ -116,6 +120,8 @@ class ProcessCluster:
         )
         self.dead: dict[str, str] = {}  # instance name -> why it died
         self.membership: Membership | None = None  # once every instance is ready
+        self._reports: dict[str, dict] = {}  # instance -> its latest audit (see survey)
+        self._asked: set[str] = set()  # instances whose audit has not come back yet
         self._handlers = {rpc.Ready: self.launcher.on_ready, rpc.Heartbeat: _ignore}
 
     def _start(self, spec: LaunchSpec) -> None:
@@ -229,12 +235,45 @@ class ProcessCluster:
         return {name: data["load"] for name, data in self._ask_all("stats").items()}
 
     # ---- liveness --------------------------------------------------------------------------
-    def monitor(self) -> dict[str, str]:
-        """Check every instance (exit code, heartbeat); handle deaths (see
-        :meth:`Membership.monitor`). Returns :attr:`dead`, instance name -> why it died."""
+    def monitor(self, read: bool = True) -> dict[str, str]:
+        """Read what the instances sent (with ``read``: heartbeats, reports, an instance asking
+        to rejoin, also while no request runs), then check every instance (exit code,
+        heartbeat) and handle deaths (see :meth:`Membership.monitor`). Returns :attr:`dead`,
+        instance name -> why it died."""
         if not self._closed and self.membership is not None:
+            if read:
+                self.node.serve(0.0)
             self.membership.monitor()
         return self.dead
+
+    def survey(self) -> dict[str, dict]:
+        """Every live instance's latest audit, ``{"ok", "error", "pool", "load"}``, without
+        waiting on any: each one with no question open is asked again, and what answers within
+        ``SURVEY_WAIT_S`` is taken; an instance stuck in a step keeps its last report (the
+        liveness check, not this, decides whether it is dead)."""
+        live = [n for n, i in self.instances.items() if n not in self.dead and i.ready]
+        for name in live:
+            if name not in self._asked:
+                answer = functools.partial(self._reported, name)
+                with contextlib.suppress(TransferError):  # not taking messages: asked next time
+                    self.node.send(name, rpc.Query("check"), answer)
+                    self._asked.add(name)
+        deadline = time.monotonic() + SURVEY_WAIT_S
+        while self._asked & set(live) and (left := deadline - time.monotonic()) > 0:
+            self.node.serve(left)
+        return {name: self._reports[name] for name in live if name in self._reports}
+
+    def _reported(self, name: str, reply: rpc.Msg) -> None:
+        self._asked.discard(name)
+        if isinstance(reply, rpc.Info):
+            self._reports[name] = reply.data
+        else:  # an error: it died, or its session ended; the next survey asks again
+            self._reports.pop(name, None)
+
+    def beyond_repair(self) -> str | None:
+        """Why this deployment cannot serve and will not recover on its own (a role whose
+        every instance stays dead, see :meth:`Membership.beyond_repair`); None if it may."""
+        return None if self.membership is None else self.membership.beyond_repair()
 
     @property
     def num_reruns(self) -> int:
@@ -279,7 +318,7 @@ class ProcessCluster:
         request; returns its id. Bad requests raise here."""
         if self._closed:
             raise RuntimeError("the cluster is closed")
-        self.monitor()
+        self.monitor(read=False)  # what came is read by the next step (or check)
         ids = self.validate(prompt, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.ledger.inflight:

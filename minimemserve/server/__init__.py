@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..disagg.membership import MAX_RESTARTS
 from ..disagg.rpc import LOOPBACK
 from ..options import ENGINE_FLAGS, add_deployment_arguments, add_engine_arguments
 
@@ -23,6 +24,7 @@ SERVE_FIELDS = (
     "key",
     "ray_address",
     "placement",
+    "max_restarts",
 )
 SERVE_ENGINE_FLAGS = tuple(f for f in ENGINE_FLAGS if f != "attention")
 
@@ -40,7 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default=LOOPBACK, help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    add_deployment_arguments(p, SERVE_FIELDS, config="PD-CC", runtime="process")
+    # a server replaces a dead instance under Ray as under the process runtime
+    add_deployment_arguments(
+        p, SERVE_FIELDS, config="PD-CC", runtime="process", max_restarts=MAX_RESTARTS
+    )
     add_engine_arguments(p, SERVE_ENGINE_FLAGS)  # tensor parallelism: with --runtime inprocess
     p.add_argument(
         "--max-pending",

@@ -583,13 +583,17 @@ class Server:
         yield "data: [DONE]\n\n"
 
     def health(self) -> Response:
-        """Liveness: 200 while the engine thread runs and is not stuck in one iteration for
-        ``STALL_S``; answered from this thread, never waiting for a step."""
+        """Liveness: 200 while the engine thread runs, is not stuck in one iteration for
+        ``STALL_S``, and the deployment can still recover (a role whose every instance used
+        its restarts cannot); answered from this thread, never waiting for a step."""
         if not self.loop.alive:
             why = f"the engine is not running: {self.loop.error or 'stopped'}"
             return ApiError(503, why, "service_unavailable").response()
         if (busy := self.loop.busy_for()) > STALL_S:
             why = f"the engine loop has been in one step for {busy:.0f} s"
+            return ApiError(503, why, "service_unavailable").response()
+        if (broken := self.metrics.snapshot.beyond_repair) is not None:
+            why = f"the deployment will not recover: {broken}"  # a restart of the server may
             return ApiError(503, why, "service_unavailable").response()
         return JSONResponse({"status": "ok"})
 

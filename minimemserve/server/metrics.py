@@ -45,16 +45,25 @@ class Snapshot:
     audit_ok: bool = True
     taken_at: float = -math.inf  # time.monotonic() when it was read; never, by default
     period_s: float = 1.0  # how often the server refreshes it at present
+    beyond_repair: str | None = None  # why the deployment will not recover on its own
 
     @classmethod
     def of(cls, serving) -> Snapshot:
-        """Audit every pool of ``serving`` and read its load (in the engine thread)."""
+        """Audit every pool of ``serving`` and read its load (in the engine thread). A serving
+        whose instances are other processes is surveyed: it waits on none of them."""
+        broken = getattr(serving, "beyond_repair", lambda: None)()
+        if (survey := getattr(serving, "survey", None)) is not None:
+            reports = survey()
+            load = {name: r["load"] for name, r in reports.items()}
+            pools = {name: r["pool"] for name, r in reports.items()}
+            ok = all(r["ok"] for r in reports.values())
+            return cls(load, pools, ok, time.monotonic(), beyond_repair=broken)
         try:
             pools = {k: v["pool"] for k, v in serving.check_pools(require_idle=False).items()}
             ok = True
         except PoolAccountingError:
             pools, ok = serving.pool_stats(), False
-        return cls(serving.load(), pools, ok, time.monotonic())
+        return cls(serving.load(), pools, ok, time.monotonic(), beyond_repair=broken)
 
 
 class _PoolCollector:

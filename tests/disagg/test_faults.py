@@ -175,6 +175,42 @@ def test_restarts_back_off_and_stop_at_the_bound(tiny_llama_dir, monkeypatch):
         assert c.num_rejoins == 0
 
 
+def _kill_and_wait(c: ProcessCluster, name: str, back: bool) -> None:
+    """SIGKILL instance ``name``; step until it is dead, and with ``back`` until it rejoined."""
+    os.kill(c.instances[name].process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + WAIT_S
+    while name not in c.dead:
+        assert time.monotonic() < deadline, "the death went unnoticed"
+        c.step()
+    while back and name in c.dead:
+        assert time.monotonic() < deadline + WAIT_S, f"{name} did not come back: {c.dead}"
+        c.step()
+
+
+def test_the_restart_budget_comes_back_after_a_while_up_and_a_role_past_it_is_beyond_repair(
+    tiny_llama_dir, monkeypatch
+):
+    """One restart in a row: D0, killed, is restarted; having served for the reset time it
+    is killed and restarted again; killed once more at once, it stays dead, and the deployment
+    says it is beyond repair (the server's /health then fails)."""
+    monkeypatch.setattr(membership, "RESTART_WAIT_S", 0.1)
+    monkeypatch.setattr(membership, "MAX_RESTARTS", 1)
+    monkeypatch.setattr(membership, "RESTART_RESET_S", 1.0)
+    with cluster(tiny_llama_dir, "1P1D") as c:
+        _kill_and_wait(c, "D0", back=True)
+        time.sleep(membership.RESTART_RESET_S)
+        _kill_and_wait(c, "D0", back=True)
+        assert c.num_rejoins == 2 and c.membership.restarts == {"D0": 1}
+        assert c.beyond_repair() is None
+        _kill_and_wait(c, "D0", back=False)
+        deadline = time.monotonic() + WAIT_S
+        while (why := c.beyond_repair()) is None:
+            assert time.monotonic() < deadline, f"D0 was not given up: {c.membership.restart_at}"
+            c.step()
+        assert "no decode instance will come back" in why and "D0" in why, why
+        assert not c.membership.restart_at and c.num_rejoins == 2
+
+
 def test_an_idle_cluster_keeps_its_instances(tiny_llama_dir):
     """Nobody steps for three heartbeat timeouts: no instance is blamed, a request is served."""
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)

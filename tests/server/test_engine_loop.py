@@ -189,6 +189,21 @@ def test_ready_needs_a_live_instance_per_role_and_room(served):
     assert get(url + "/ready")[0] == 503 and get(url + "/health")[0] == 200
 
 
+def test_a_deployment_beyond_repair_fails_liveness(served):
+    """A role none of whose instances will come back (restarts used up): /health fails, so a
+    supervisor restarts the server instead of leaving it unready for good."""
+    url, serving, loop, _ = served
+    assert get(url + "/health")[0] == 200
+    serving.broken = "no decode instance will come back (D0: it exited after 5 restarts)"
+    loop._ticked = -1e9  # refresh the view at the next loop iteration
+    deadline = time.monotonic() + 5
+    while (got := get(url + "/health"))[0] == 200:
+        assert time.monotonic() < deadline, "/health missed it"
+        time.sleep(0.05)
+    assert got[0] == 503 and "will not recover" in got[1] and "D0" in got[1], got
+    assert get(url + "/ready")[0] == 503
+
+
 def test_a_dead_engine_fails_both_probes(served):
     url, serving, loop, _ = served
     serving.fail_at_step = serving.steps + 1
