@@ -35,7 +35,7 @@ from . import rpc
 from .host import host_identity, process_gone
 from .instance_spec import InstanceSpec
 from .links import link_endpoints
-from .peering import Grants, PeerLinks, RemotePool
+from .peering import GRANT_TIMEOUTS, Grants, PeerLinks, RemotePool
 from .shm import SharedMemPool
 
 PEER = "peer"  # any instance the frontend announced
@@ -133,7 +133,8 @@ class InstanceServer:
         self.endpoints = link_endpoints(spec, self.pool)  # its side of each link (NIXL's agent)
         self.peers = PeerLinks(spec, node, self.pool, self._peer_down, self.endpoints)
         vocab = self.engine.model_config.vocab_size
-        self.grants = Grants(spec.name, self.pool, vocab, self.peers.links)
+        expire_s = GRANT_TIMEOUTS * spec.timeout_s
+        self.grants = Grants(spec.name, self.pool, vocab, self.peers.links, expire_s)
         self.handlers = self._handler_table()
 
     def _handler_table(self) -> dict:
@@ -252,8 +253,15 @@ class InstanceServer:
                 ok, error = True, None
             except AssertionError as e:
                 ok, error = False, str(e)
-            load = self.engine.load()[self.name]
-            return rpc.Info({"ok": ok, "error": error, "pool": self.pool.stats(), "load": load})
+            return rpc.Info(
+                {
+                    "ok": ok,
+                    "error": error,
+                    "pool": self.pool.stats(),
+                    "load": self.engine.load()[self.name],
+                    "returned": dict(self.grants.returned),
+                }
+            )
         if m.what == "links":  # answered once every pair group of this instance formed
             if self.peers.pending:
                 self.peers.form()
@@ -265,6 +273,7 @@ class InstanceServer:
             "requests": len(self.engine.requests) + len(self.inbox),
             "load": self.engine.load()[self.name],
             "grants": self.grants.totals(),
+            "returned": dict(self.grants.returned),
             "dead_peers": dict(self.node.dead),
             "rejected": self.node.rejected,
             "replayed": self.node.replayed,
@@ -367,6 +376,7 @@ class InstanceServer:
             silent = time.monotonic() - self.last_frontend  # checked once the inbox is read
             if self.spec.frontend_timeout_s and silent > self.spec.frontend_timeout_s:
                 raise SessionOver(f"nothing from the frontend for {silent:.1f} s")
+            self.grants.expire()
             inbox, self.inbox = self.inbox, []
             for req in inbox:
                 self.engine.add_prefilled(req)

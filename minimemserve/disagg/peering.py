@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +22,14 @@ from ..request import Request
 from . import rpc
 from .links import KVLink, kv_link
 from .transports import GlooLink
+
+logger = logging.getLogger(__name__)
+
+# A transfer into this instance that neither commits nor aborts within this many control-call
+# timeouts has lost its sender (stopped, or its completion went astray): its blocks go back.
+GRANT_TIMEOUTS = 2
+# Why granted blocks came back to the pool (the counters :attr:`Grants.returned` keeps).
+RETURNED = ("aborted", "expired", "peer_died")
 
 
 class RemotePool:
@@ -111,15 +121,27 @@ class Grants:
     """Blocks of ``pool`` granted to peers' transfers into this instance: which each peer
     holds (until it commits them, hands a request over with them, or frees them), and the
     transfers under way, (peer, transfer id) -> (blocks, tokens, blocks matched). ``links``:
-    each peer's KV link (its KV arrives there)."""
+    each peer's KV link (its KV arrives there). A transfer under way for ``expire_s`` is
+    given up (:meth:`expire`); :attr:`returned` counts the blocks that came back without a
+    commit, by why (``RETURNED``)."""
 
-    def __init__(self, name: str, pool: MemPool, vocab_size: int, links: dict[str, KVLink]):
+    def __init__(
+        self,
+        name: str,
+        pool: MemPool,
+        vocab_size: int,
+        links: dict[str, KVLink],
+        expire_s: float = GRANT_TIMEOUTS * rpc.DEFAULT_TIMEOUT_S,
+    ):
         self.name = name
         self.pool = pool
         self.vocab_size = vocab_size
         self.links = links
+        self.expire_s = expire_s
         self.held: dict[str, Counter[int]] = {}
         self.xfers: dict[tuple[str, str], tuple] = {}  # (peer, transfer) -> (blocks, tokens, m)
+        self.opened: dict[tuple[str, str], float] = {}  # (peer, transfer) -> when it began
+        self.returned: Counter[str] = Counter({why: 0 for why in RETURNED})
 
     def on_alloc(self, sender: str, m: rpc.AllocRequest) -> rpc.AllocReply:
         """A peer asks for blocks to transfer into: granted to it, after checking the sizes."""
@@ -135,6 +157,7 @@ class Grants:
         matched, new = self.pool.recv_alloc(toks, n)
         self.held.setdefault(sender, Counter()).update(matched + new)
         self.xfers[(sender, m.xfer)] = (matched + new, toks, len(matched))
+        self.opened[(sender, m.xfer)] = time.monotonic()
         return rpc.AllocReply(matched, new)
 
     def on_commit(self, sender: str, m: rpc.Commit) -> None:
@@ -146,6 +169,7 @@ class Grants:
         if (link := self.links.get(sender)) is not None:
             link.landed(m.xfer, blocks[matched:])  # raises: the sender aborts, both sides free
         del self.xfers[(sender, m.xfer)]
+        del self.opened[(sender, m.xfer)]
         self.pool.recv_commit(m.tokens, m.blocks)
 
     def on_kv_data(self, sender: str, m: rpc.KVData) -> None:
@@ -160,9 +184,39 @@ class Grants:
     def on_abort(self, sender: str, m: rpc.Abort) -> None:
         """A peer's transfer failed: every block granted to it goes back."""
         blocks = self.xfers.pop((sender, m.xfer), (m.blocks,))[0]
+        self.opened.pop((sender, m.xfer), None)
         if (link := self.links.get(sender)) is not None:
             link.forget(m.xfer)
-        self.pool.recv_abort(self.ungrant(sender, blocks))
+        back = self.ungrant(sender, blocks)
+        self.returned["aborted"] += len(back)
+        self.pool.recv_abort(back)
+
+    def expire(self) -> int:
+        """Give up the transfers under way for ``expire_s`` (their sender stopped, or its
+        commit went astray): their blocks go back to the pool; a late commit is refused (the
+        sender then aborts, and frees what it holds). Returns how many blocks came back."""
+        if not self.opened:
+            return 0
+        now, n = time.monotonic(), 0
+        for key in [k for k, t in self.opened.items() if now - t > self.expire_s]:
+            peer, xfer = key
+            del self.opened[key]
+            blocks = self.xfers.pop(key)[0]
+            if (link := self.links.get(peer)) is not None:
+                link.forget(xfer)
+            back = self.ungrant(peer, blocks)
+            logger.warning(
+                "%s: transfer %s from %s did not complete in %g s: %d blocks back",
+                self.name,
+                xfer,
+                peer,
+                self.expire_s,
+                len(back),
+            )
+            self.returned["expired"] += len(back)
+            self.pool.recv_abort(back)
+            n += len(back)
+        return n
 
     def ungrant(self, peer: str, blocks: list[int]) -> list[int]:
         """Remove ``blocks`` from what ``peer`` holds here; returns those it really held."""
@@ -181,7 +235,9 @@ class Grants:
     def drop(self, peer: str) -> None:
         """``peer`` died: its transfers end and the blocks it held go back."""
         self.xfers = {k: v for k, v in self.xfers.items() if k[0] != peer}
+        self.opened = {k: t for k, t in self.opened.items() if k[0] != peer}
         if blocks := list(self.held.pop(peer, Counter()).elements()):
+            self.returned["peer_died"] += len(blocks)
             self.pool.free_mem(blocks)
 
     def totals(self) -> dict[str, int]:

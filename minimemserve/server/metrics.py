@@ -46,6 +46,9 @@ class Snapshot:
     taken_at: float = -math.inf  # time.monotonic() when it was read; never, by default
     period_s: float = 1.0  # how often the server refreshes it at present
     beyond_repair: str | None = None  # why the deployment will not recover on its own
+    # per instance of a process deployment: blocks granted to peers' transfers that came back
+    # uncommitted, by why (the sender aborted, the transfer expired, the sender died)
+    returned: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, serving) -> Snapshot:
@@ -57,7 +60,9 @@ class Snapshot:
             load = {name: r["load"] for name, r in reports.items()}
             pools = {name: r["pool"] for name, r in reports.items()}
             ok = all(r["ok"] for r in reports.values())
-            return cls(load, pools, ok, time.monotonic(), beyond_repair=broken)
+            returned = {name: r.get("returned", {}) for name, r in reports.items()}
+            now = time.monotonic()
+            return cls(load, pools, ok, now, beyond_repair=broken, returned=returned)
         try:
             pools = {k: v["pool"] for k, v in serving.check_pools(require_idle=False).items()}
             ok = True
@@ -104,6 +109,15 @@ class _PoolCollector:
                         blocks.add_metric([*labels, tier, state], t[state])
             for m, key, _ in POOL_COUNTERS:
                 counters[m].add_metric(labels, stats.get("counters", {}).get(key, 0))
+        returned = CounterMetricFamily(
+            f"{P}kv_grant_blocks_returned",
+            "Blocks granted to a peer's transfer that came back uncommitted, by why: the "
+            "sender aborted, the transfer expired, the sender died.",
+            labels=(*LABELS, "reason"),
+        )
+        for name, counts in snap.returned.items():
+            for reason, n in counts.items():
+                returned.add_metric([model, name, role.get(name, ""), reason], n)
         audit = GaugeMetricFamily(
             f"{P}kv_pool_audit_ok",
             "1 when every pool's block accounting balanced at the last snapshot.",
@@ -115,6 +129,7 @@ class _PoolCollector:
         yield usage
         yield blocks
         yield from counters.values()
+        yield returned
 
 
 class ServerMetrics:
