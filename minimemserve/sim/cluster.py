@@ -26,6 +26,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -54,6 +55,8 @@ from .tiers import TierPrices, sim_chain
 HANDOFF_CALLS, RETURN_CALLS = (2, 2), (1, 2)
 # Lowest stand-in output token id: 0-2 are <unk>, <s> and </s> in Llama vocabularies.
 FIRST_OUTPUT_TOKEN = 3
+# Tokens made ahead for this many steps or more are computed for all rows in one array.
+ARRAY_TOKENS_FROM = 6
 # How a replay sends turns: "closed", each when its session's turn before it finished (the
 # bench's steady state); "open", each at its own arrival time (a finite run); "paced", each at
 # its own arrival time or, if later, when its session's turn before it ended (a finite run of
@@ -159,7 +162,7 @@ class _TokenIds:
         """The ids (the cluster builds prompts of ints: no conversion)."""
         if isinstance(prompt, str):
             raise ConfigError("the simulator takes prompts as token ids, not text")
-        return list(prompt)
+        return prompt if type(prompt) is list else list(prompt)  # read, never changed
 
     @staticmethod
     def decode(ids: Sequence[int]) -> None:
@@ -229,12 +232,22 @@ class SimEngine(Engine):
                 first.append(r.request_id)
         return self.postprocess(plan, tokens, {}), first
 
-    def end_quiet_step(self, k: int) -> None:
-        """End the step begun last when it and the ``k - 1`` before it were decodes alone that
-        end no request (a decode run's, already counted): what ``k`` rounds of
-        :meth:`end_step` would leave, made at once (:meth:`decode_ahead`)."""
+    def end_run_step(self, k: int, ending: list[int]) -> tuple[list[RequestOutput], list[str]]:
+        """End the step begun last, the ``k``-th of decodes alone (a decode run's, already
+        counted) that end only the requests of its rows ``ending``: what ``k`` rounds of
+        :meth:`end_step` would leave, the other rows' tokens made at once
+        (:meth:`decode_ahead`), the ending ones' last through :meth:`end_step` (outputs and
+        hooks; the other rows' tokens touch nothing it does)."""
         plan, self._pending = self._pending, None
-        self.decode_ahead(plan.batch, k)
+        ends = set(ending)
+        self.decode_ahead([row for i, row in enumerate(plan.batch) if i not in ends], k)
+        if not ending:
+            return [], []
+        last = [plan.batch[i] for i in ending]
+        if k > 1:
+            self.decode_ahead(last, k - 1)
+        self._pending = StepPlan(last, [], [])
+        return self.end_step()
 
     def step(self) -> list[RequestOutput]:
         """``begin_step`` and ``end_step`` with no time between."""
@@ -257,10 +270,16 @@ class SimEngine(Engine):
         request computed ``k`` more tokens and holds ``k`` more stand-in tokens, as ``k``
         rounds of :meth:`end_step` would leave it (its blocks are the caller's to grow)."""
         span, eos, bases = self._span, self._eos, self._bases
-        for req, _ in batch:
-            pos = len(req.tokens) - req.num_prompt
-            base = bases[req.request_id] if req.request_id in bases else self._base(req)
-            req.tokens.extend(stand_in_tokens(base, pos, k, span, eos))
+        rows = [
+            (req, len(req.tokens) - req.num_prompt, bases.get(req.request_id) or self._base(req))
+            for req, _ in batch
+        ]
+        made = _stand_in_rows(rows, k, span, eos) if k >= ARRAY_TOKENS_FROM else None
+        for i, (req, pos, base) in enumerate(rows):
+            if made is None:
+                req.tokens.extend(stand_in_tokens(base, pos, k, span, eos))
+            else:
+                req.tokens.frombytes(made[i * 8 * k : (i + 1) * 8 * k])
             req.num_computed += k
             req.metrics.output_tokens = pos + k
 
@@ -281,6 +300,16 @@ def stand_in_tokens(base: int, position: int, n: int, span: int, eos: set[int]) 
     if not eos.isdisjoint(out):
         out = [stand_in_token(base, p, span, eos) for p in range(position, position + n)]
     return out
+
+
+def _stand_in_rows(rows: list[tuple], k: int, span: int, eos: set[int]) -> bytes | None:
+    """:func:`stand_in_tokens` of ``k`` positions for each ``(request, position, base)`` row,
+    as the int64 bytes of a ``[rows, k]`` array; None when a stop token falls among them."""
+    start = np.array([base + 7919 * pos for _, pos, base in rows], dtype=np.int64)  # [rows]
+    tokens = FIRST_OUTPUT_TOKEN + (start[:, None] + 7919 * np.arange(k)) % span  # [rows, k]
+    if any((tokens == e).any() for e in eos):
+        return None
+    return tokens.tobytes()
 
 
 def stand_in_answer(request_id: str, n: int, model_config: ModelConfig) -> list[int]:
@@ -325,7 +354,8 @@ class SimInstance:
     step_began: float = 0.0
     step_ends: float = 0.0
     run: DecodeRun | None = None  # quiet decode steps booked ahead
-    owed: int = 0  # quiet steps of a caught-up run whose tokens the step under way ends with
+    # a landed run's steps whose tokens the step under way ends with, and the rows it ends
+    owed: tuple[int, list[int]] | None = None
 
     def __post_init__(self) -> None:
         self.pool = self.engine.pool
@@ -687,7 +717,7 @@ class SimCluster(DecodeRuns):
             started.append((inst, shape))
         priced = []
         for inst, shape in started:
-            seconds = self.step_time(shape) * self._slowdown(inst) if shape.tokens else 0.0
+            seconds = self._step_time(shape) * self._slowdown(inst) if shape.tokens else 0.0
             seconds += inst.pool.take_move_s()  # the step's tier moves: it waits for them
             inst.step_ends = self.now + seconds
             priced.append((inst, shape, seconds))
@@ -699,6 +729,13 @@ class SimCluster(DecodeRuns):
             self.at(inst.step_ends, self._end_step, (inst,))
             if shape.prefills:
                 self._count_stall(inst, shape, seconds)
+
+    def _step_time(self, shape: StepShape) -> float:
+        """``step_time(shape)``, by ``decode_time`` for decodes alone that all sample."""
+        rows = len(shape.decodes)
+        if shape.prefills or shape.sampled != rows or self.decode_time is None:
+            return self.step_time(shape)
+        return self.decode_time(rows, sum(shape.decodes))
 
     def _count_step(self, inst: SimInstance, shape: StepShape, seconds: float) -> None:
         """Count a step's time and its decode rows."""
@@ -897,10 +934,9 @@ class SimCluster(DecodeRuns):
             beside[-1].done.append(functools.partial(self._end_step, inst))
             return
         inst.beside = []
-        if inst.owed:
-            inst.engine.end_quiet_step(inst.owed)
-            inst.owed = 0
-            outs, first = [], []
+        if inst.owed is not None:
+            outs, first = inst.engine.end_run_step(*inst.owed)
+            inst.owed = None
         else:
             outs, first = inst.engine.end_step()
         for rid in first:  # the frontend sees a first token as it streams

@@ -637,8 +637,10 @@ class RooflineStepModel:
 
 
 class StepCost:
-    """The global scheduler's ``Cost`` from a step model and a link: ``exec(x, y)`` is the
-    modelled prefill step, ``transfer(n)`` the modelled KV move of ``n`` tokens."""
+    """The global scheduler's ``Cost`` from a step model (its ``prefill_time`` and
+    ``decode_time``) and a link: ``exec(x, y)`` is the modelled prefill step, ``decode(x)``
+    what one more sequence adds to a decode step, ``transfer(n)`` the modelled KV move of
+    ``n`` tokens."""
 
     def __init__(self, model, link: Link, kv_bytes_per_token: int, block_size: int):
         self.model = model
@@ -653,8 +655,8 @@ class StepCost:
 
     def decode(self, x: int) -> float:
         """Modelled seconds one more sequence of ``x`` tokens adds to a decode step."""
-        one = self.model.step_time(StepShape((), (x,), 1))
-        return max(0.0, self.model.step_time(StepShape((), (x, x), 2)) - one)
+        one = self.model.decode_time(1, x)
+        return max(0.0, self.model.decode_time(2, 2 * x) - one)
 
     def transfer(self, num_tokens: int) -> float:
         """Modelled seconds to move ``num_tokens`` tokens' KV (aggregated blocks)."""

@@ -33,6 +33,7 @@ class DecodeRun:
     batch: list
     first: StepShape
     growths: list[int]  # each row's first step that takes a new block (see _run_limit)
+    left: list[int]  # each row's steps until its request ends (its last, if within limit)
     contexts: list[int]
     seconds: list[float]
     times: list[float]
@@ -45,21 +46,22 @@ class DecodeRun:
         return len(self.seconds)
 
 
-def _run_limit(batch, block_size: int, free: int, available: int) -> tuple[int, int, list[int]]:
+def _run_limit(batch, block_size: int, free: int, available: int) -> tuple[int, int, list, list]:
     """How many decode steps of ``batch``, from the one under way, may run as one, the first
-    of them that evicts and each row's first step that takes a new block (step k computes
-    token ``num_computed + k - 1``, past its blocks' room once): through the first step that may
-    end a request (1 when a stand-in token could be a stop token, or a row has not sampled
-    yet), and before the one that needs more new blocks than ``available``; the step that
-    needs more than ``free`` evicts."""
-    limit, firsts = 1 << 30, []
+    of them that evicts, each row's first step that takes a new block (step k computes token
+    ``num_computed + k - 1``, past its blocks' room once) and the step that ends it (its
+    length reached): through the first step that may end a request (1 when a stand-in token
+    could be a stop token, or a row has not sampled yet), and before the one that needs more
+    new blocks than ``available``; the step that needs more than ``free`` evicts."""
+    firsts: list[int] = []
+    left: list[int] = []
     for r, _ in batch:
         p = r.params
         if p.stop_token_ids or not r.prefilled:
-            return 1, 1, firsts
-        limit = min(limit, min(p.max_tokens + r.num_prompt, r.max_total_tokens) - len(r.tokens))
+            return 1, 1, firsts, left
+        left.append(min(p.max_tokens + r.num_prompt, r.max_total_tokens) - len(r.tokens))
         firsts.append(max(2, len(r.blocks) * block_size - r.num_computed + 1))
-    limit = max(1, limit)
+    limit = max(1, min(left))
 
     def needed(step: int) -> int:  # new blocks through ``step``
         return sum((step - g) // block_size + 1 for g in firsts if g <= step)
@@ -80,7 +82,7 @@ def _run_limit(batch, block_size: int, free: int, available: int) -> tuple[int, 
             lo, hi = (mid, hi) if needed(mid) <= blocks else (lo, mid)
         return hi
 
-    return min(limit, first_past(available) - 1), first_past(free), firsts
+    return min(limit, first_past(available) - 1), first_past(free), firsts, left
 
 
 def _growth_order(firsts: list[int], steps: int, block_size: int) -> list[tuple[int, int]]:
@@ -140,12 +142,12 @@ class DecodeRuns:
             return False
         pool = inst.pool
         bounds = _run_limit(batch, pool.block_size, pool.num_free(), pool.num_available())
-        limit, evicts, firsts = bounds
+        limit, evicts, firsts, left = bounds
         if limit == 1:
             return False
         times = [self.now, self.now + seconds]
         contexts = [sum(shape.decodes)]
-        inst.run = DecodeRun(batch, shape, firsts, contexts, [seconds], times, limit, evicts)
+        inst.run = DecodeRun(batch, shape, firsts, left, contexts, [seconds], times, limit, evicts)
         self._price(inst, inst.run, self.RUN_STEPS)
         return True
 
@@ -179,14 +181,10 @@ class DecodeRuns:
 
     def catch_up(self, inst: SimInstance) -> None:
         """Something reaches ``inst`` now: step its run to where stepping one by one would be
-        (every step that ended by now done, the next under way, its end booked). Where that
-        step ends no request, its requests' tokens, and those of the steps before it, are made
-        at its end (:attr:`SimInstance.owed`): nothing reads them before."""
+        (every step that ended by now done, the next under way, its end booked)."""
         if (run := inst.run) is not None:
             done = min(bisect.bisect_right(run.times, self.now) - 1, run.priced - 1)
-            quiet = done + 1 < run.limit
-            self._land(inst, run, done, tokens=not quiet)
-            inst.owed = done + 1 if quiet else 0
+            self._land(inst, run, done)
             self.at(inst.step_ends, self._end_step, (inst,))
 
     def _run_passes(self, inst: SimInstance, run: DecodeRun) -> None:
@@ -200,10 +198,11 @@ class DecodeRuns:
         self._land(inst, run, run.priced - 1)
         self._end_step(inst)
 
-    def _land(self, inst: SimInstance, run: DecodeRun, done: int, tokens: bool = True) -> None:
+    def _land(self, inst: SimInstance, run: DecodeRun, done: int) -> None:
         """Leave ``inst`` as stepping would have after ``done`` steps of ``run``, the next one
-        under way: those steps counted, their tokens made (unless not ``tokens``), their
-        blocks taken in turn."""
+        under way: those steps counted, their blocks taken in turn. Their tokens, and those of
+        the step under way, are made when it ends (:attr:`SimInstance.owed`: nothing reads
+        them before), where only the requests it ends go through the engine's postprocess."""
         inst.run = None
         self.run_steps += done
         rows = len(run.batch)
@@ -218,7 +217,6 @@ class DecodeRuns:
             for k, i in growths:
                 r = batch[i][0]
                 sched._alloc_to(r, r.num_computed + k)
-        if done and tokens:
-            inst.engine.decode_ahead(batch, done)
+        inst.owed = (done + 1, [i for i, n in enumerate(run.left) if n == done + 1])
         self._count(inst, run.seconds[done], rows, run.contexts[done])
         inst.step_began, inst.step_ends = run.times[done], run.times[done + 1]

@@ -5,6 +5,7 @@ and its plots. Shared by ``minimemserve bench`` (real runs) and ``minimemserve s
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -44,7 +45,13 @@ OVERLOADED = "overloaded"
 
 def greedy_params(turn: Turn) -> SamplingParams:
     """Sampling parameters of a benchmark turn: greedy, exactly ``turn.max_tokens`` tokens."""
-    return SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True)
+    return _greedy(turn.max_tokens)
+
+
+@functools.lru_cache(maxsize=4096)
+def _greedy(max_tokens: int) -> SamplingParams:
+    """One (immutable) ``SamplingParams`` per answer length."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def record(
