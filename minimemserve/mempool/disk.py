@@ -112,7 +112,11 @@ class DiskStore(BlockStore):
             "dtype": str(dtype),
             "token_bytes": self.tok_bytes,
         }
-        self._restored = self._open()
+        try:
+            self._restored = self._open()
+        except BaseException:
+            os.close(self._lock_fd)  # the directory is free again
+            raise
         self._queue: queue.Queue = queue.Queue()
         if queue_blocks is None:
             queue_blocks = queue_blocks_for(self.data_bytes)

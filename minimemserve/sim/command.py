@@ -132,9 +132,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tiers",
-        action="store_true",
+        nargs="?",
+        type=float,
+        const=1.0,
+        default=None,
+        metavar="SCALE",
         help="with --trace: Fig. 10's cluster (prompt_tree, one-token outputs) with each pool "
-        "at HBM only, + 3M tokens of DRAM, + 30M tokens of disk below it; hit rate by tier",
+        "at HBM only, + 3M tokens of DRAM, + 30M tokens of disk below it; hit rate by tier "
+        "(every capacity, HBM's too, times SCALE: for a window of the trace)",
     )
     p.add_argument(
         "--anchors",
@@ -186,8 +191,12 @@ def _trace(args: argparse.Namespace) -> int:
     """``--trace``: Fig. 10, or the configurations replayed by the trace's timestamps at each
     load of ``--sweep`` (multiples of the trace's request rate; default 1 / --time-scale)."""
     progress = not args.no_progress
-    if args.tiers:
-        trace_replay.tiers_study(trace_path(args), args.out, args.trace_window, progress)
+    if args.tiers is not None:
+        if not 0 < args.tiers <= 1:
+            raise ConfigError(f"--tiers SCALE must be in (0, 1], got {args.tiers}")
+        trace_replay.tiers_study(
+            trace_path(args), args.out, args.trace_window, progress, scale=args.tiers
+        )
         return 0
     if args.fig10:
         policies = trace_replay.FIG10_ALL

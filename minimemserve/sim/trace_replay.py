@@ -249,13 +249,16 @@ def fig10_study(
     return _write(result, out_dir, "trace_fig10", plot_fig10, progress)
 
 
-def tiers_row(trace: Trace, name: str, progress: bool = False) -> dict:
+def tiers_row(trace: Trace, name: str, scale: float = 1.0, progress: bool = False) -> dict:
     """One :data:`TIER_STUDY` configuration on Fig. 10's cluster (``prompt_tree``, PD-CC,
-    one-token outputs), tier moves priced."""
-    dram, disk = TIER_STUDY[name]
+    one-token outputs), tier moves priced; every tier's capacity, HBM's included, times
+    ``scale`` (a window of the trace with caches as full as the whole hour's)."""
+    dram, disk = (int(t * scale) for t in TIER_STUDY[name])
     setup = trace_setup("prompt_tree", dram_tokens=dram, disk_tokens=disk)
+    setup.num_blocks = int(setup.num_blocks * scale)
     row = replay_trace(setup, "PD-CC", trace, FIG10_OUTPUT_CAP, progress)
-    return {"tiers": name, "dram_tokens": dram, "disk_tokens": disk} | row
+    hbm = setup.num_blocks * setup.engine_config.block_size
+    return {"tiers": name, "hbm_tokens": hbm, "dram_tokens": dram, "disk_tokens": disk} | row
 
 
 def tiers_study(
@@ -264,13 +267,14 @@ def tiers_study(
     window: tuple[int, int | None] = (0, None),
     progress: bool = True,
     names: Sequence[str] = tuple(TIER_STUDY),
+    scale: float = 1.0,
 ) -> dict:
-    """:func:`tiers_row` of each of ``names`` on the trace's ``window``; writes
-    ``trace_tiers.json`` and its plot (the hit rate by tier) to ``out_dir``."""
+    """:func:`tiers_row` of each of ``names`` on the trace's ``window`` (capacities times
+    ``scale``); writes ``trace_tiers.json`` and its plot (the hit rate by tier) to ``out_dir``."""
     trace = load_trace(path, window=window)
     rows = []
     for name in names:
-        rows.append(tiers_row(trace, name))
+        rows.append(tiers_row(trace, name, scale))
         if progress:
             r = rows[-1]
             print(
@@ -284,6 +288,7 @@ def tiers_study(
         "window": list(window),
         "requests": len(trace.requests),
         "setup": trace_setup().describe | {"output_cap": FIG10_OUTPUT_CAP},
+        "capacity_scale": scale,
         "mooncake": {"global_hit": MOONCAKE_GLOBAL_HIT},
         "tiers": rows,
     }
