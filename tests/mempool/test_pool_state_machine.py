@@ -200,6 +200,19 @@ class PoolMachine(RuleBasedStateMachine):
         if blocks is not None:
             self.pools[name].free_mem(blocks)
 
+    @rule(tokens=st.lists(tokens_st, min_size=1, max_size=4), extra=st.integers(1, 4))
+    def sink(self, tokens: list[list[int]], extra: int) -> None:
+        """Cache requests on pool a, push them down its chain (dram overflows to disk), then
+        ask for them again (promoted from wherever they went)."""
+        for t in tokens:
+            self.start_request("a", t)
+            if self.requests and self.requests[-1].tokens is t:
+                self.finish_request(len(self.requests) - 1, cache=True)
+        for _ in range(3):
+            self.pressure("a", extra)
+        for t in tokens:
+            self.start_request("a", t)
+
     @rule(name=st.sampled_from("ab"), tokens=tokens_st, extra=st.integers(0, 4))
     def cache_evict_rematch(self, name: str, tokens: list[int], extra: int) -> None:
         """Cache a request, push it out (to dram, on pool a), then ask for it again."""
