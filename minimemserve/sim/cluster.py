@@ -307,7 +307,8 @@ def _stand_in_rows(rows: list[tuple], k: int, span: int, eos: set[int]) -> bytes
     as the int64 bytes of a ``[rows, k]`` array; None when a stop token falls among them."""
     start = np.array([base + 7919 * pos for _, pos, base in rows], dtype=np.int64)  # [rows]
     tokens = FIRST_OUTPUT_TOKEN + (start[:, None] + 7919 * np.arange(k)) % span  # [rows, k]
-    if any((tokens == e).any() for e in eos):
+    stops = [e for e in eos if e >= FIRST_OUTPUT_TOKEN]  # below it: never a stand-in token
+    if stops and np.isin(tokens, stops).any():
         return None
     return tokens.tobytes()
 

@@ -632,8 +632,10 @@ class RooflineStepModel:
         return sum((linear, attention, elementwise, allreduce, overhead))
 
     def prefill_time(self, new: int, cached: int = 0) -> float:
-        """Predicted seconds of a lone prefill of ``new`` tokens after ``cached`` ones."""
-        return self.step_time(StepShape(((cached, new),), (), 1))
+        """Predicted seconds of a lone prefill of ``new`` tokens after ``cached`` ones (the
+        :meth:`step_time` of that shape, without building it)."""
+        pairs = new * cached + new * (new + 1) // 2  # StepShape.prefill_pairs
+        return sum(self._parts(new, 1, pairs, cached, new, 0).values())
 
 
 class StepCost:
