@@ -99,23 +99,25 @@ class LocalScheduler:
     def _run(self, batch: _Batch, decodes_only: bool) -> None:
         """Give running requests their pending tokens (a decode's one, a prompt's next chunk)
         within the budget; with ``decodes_only``, only those with one token pending."""
-        for req in list(self.running):
-            budget = self.max_num_batched_tokens - batch.tokens  # a preempted victim gives back
-            if req.status is not Status.RUNNING or budget == 0:
+        limit, block_size, running = self.max_num_batched_tokens, self.block_size, Status.RUNNING
+        for req in list(self.running):  # (attributes read once: this runs per row per step)
+            budget = limit - batch.tokens  # a preempted victim gives back
+            if req.status is not running or budget == 0:
                 continue
             pending = len(req.tokens) - req.num_computed  # num_pending: this runs per token
             if decodes_only and pending != 1:
                 continue
             n = min(pending, budget)
             end = req.num_computed + n  # most decodes fit in the blocks they hold: no _grow
-            if -(-end // self.block_size) <= len(req.blocks) or self._grow(req, end, batch):
+            if -(-end // block_size) <= len(req.blocks) or self._grow(req, end, batch):
                 batch[req] = n
 
     def _prefills_alone(self, batch: _Batch, failed: list[Request]) -> None:
         """``prefill_first``'s prefill step: the next chunk of a prompt too long for the
         budget, else the waiting prompts that fit whole (hand-offs wait for the decodes)."""
-        for req in self.running:
-            if req.status is Status.RUNNING and req.num_pending > 1:
+        running = Status.RUNNING
+        for req in self.running:  # (num_pending inlined: this runs per row per step)
+            if req.status is running and len(req.tokens) - req.num_computed > 1:
                 n = min(req.num_pending, self.max_num_batched_tokens)
                 if self._grow(req, req.num_computed + n, batch):
                     batch[req] = n
@@ -197,7 +199,7 @@ class _Batch(dict):
 
     def __setitem__(self, req: Request, n: int) -> None:
         self.tokens += n - self.get(req, 0)
-        super().__setitem__(req, n)
+        dict.__setitem__(self, req, n)
 
     def pop(self, req: Request, default=None):
         """Remove ``req`` (a preempted victim); its tokens return to the budget."""
