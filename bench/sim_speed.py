@@ -34,20 +34,23 @@ RESULTS = Path(__file__).resolve().parent / "results" / "sim_speed.json"
 PNG = RESULTS.with_suffix(".png")
 HERE = Path(__file__).resolve().parent.parent
 # (workload, config, rate, seed, N): a LooGLE and a ReAct run as --quick has them (transfers
-# and prefix matching dominate), a ShareGPT one of the full sweep (decode steps dominate).
+# and prefix matching dominate), ShareGPT ones of the full sweep (decode steps dominate; PD at
+# 4/s with the N the sweep gives it, Plan().sessions("sharegpt", 4.0)).
 POINTS = (
     ("loogle", "2P2D-CC", 3.0, 0, 60),
     ("loogle", "2P2D", 2.0, 1, 40),
     ("react", "2P2D-CC", 6.0, 0, 90),
     ("react", "PD", 8.0, 2, 120),
     ("sharegpt", "2P2D", 6.0, 0, 360),
+    ("sharegpt", "PD", 4.0, 0, 240),
 )
 CAP = {"sharegpt": 1024}  # the paper run's output cap
 
 
 def child(point: str) -> None:
     """Run one point in this process (minimemserve from ``PYTHONPATH``): prints the JSON of
-    its wall time (the simulation alone, not building the sessions) and records' digest."""
+    its wall time (the simulation alone, not building the sessions), the virtual seconds it
+    simulated and its records' digest."""
     from minimemserve.sim.runner import (
         DEFAULT_HARDWARE,
         DEFAULT_MODEL,
@@ -63,10 +66,11 @@ def child(point: str) -> None:
     setup = base.with_deployment(engine=engine)
     sessions = workload_sessions(setup, workload, 2 * n, seed, None, CAP.get(workload), None)
     t0 = time.perf_counter()
-    records, _ = simulate(setup, [config], sessions, rate, seed, progress=False)
+    records, stats = simulate(setup, [config], sessions, rate, seed, progress=False)
     wall = time.perf_counter() - t0
     digest = hashlib.sha256(json.dumps(records[config], sort_keys=True).encode()).hexdigest()
-    print(json.dumps({"wall_s": wall, "digest": digest[:16], "requests": len(records[config])}))
+    out = {"wall_s": wall, "simulated_s": stats[config]["simulated_s"]}
+    print(json.dumps(out | {"digest": digest[:16], "requests": len(records[config])}))
 
 
 def run(tree: Path, point: tuple) -> dict:
@@ -102,18 +106,23 @@ def main() -> None:
         row = {"point": point, **{f"{k}_s": min(r["wall_s"] for r in v) for k, v in runs.items()}}
         row["digests"] = {k: sorted({r["digest"] for r in v}) for k, v in runs.items()}
         row["requests"] = runs["this"][0]["requests"]
+        row["simulated_s"] = runs["this"][0]["simulated_s"]
         if "base" in trees:
             row["speedup"] = row["base_s"] / row["this_s"]
             row["same_records"] = row["digests"]["this"] == row["digests"]["base"]
         rows.append(row)
     bar.close()
-    print(f"{'point':42}{'requests':>9}{'base s':>9}{'this s':>9}{'speed-up':>10}  same records")
+    print(
+        f"{'point':42}{'requests':>9}{'base s':>9}{'this s':>9}{'speed-up':>10}"
+        f"{'sim s/s':>9}  same records"
+    )
     for r in rows:
         name = "{} {} {:g}/s seed {} N={}".format(*r["point"])
         base = f"{r['base_s']:>9.2f}" if "base_s" in r else f"{'-':>9}"
         speed = f"{r['speedup']:>9.2f}x" if "speedup" in r else f"{'-':>10}"
+        rate = r["simulated_s"] / r["this_s"]  # virtual seconds per wall second, this tree
         same = r.get("same_records")
-        print(f"{name:42}{r['requests']:>9}{base}{r['this_s']:>9.2f}{speed}  {same}")
+        print(f"{name:42}{r['requests']:>9}{base}{r['this_s']:>9.2f}{speed}{rate:>9.0f}  {same}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
     meta["load_average"] = os.getloadavg()
