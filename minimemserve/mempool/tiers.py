@@ -405,42 +405,60 @@ class TierStore:
 
     def onload(self, toks, now: int) -> None:
         """Bring the part of ``toks``' cached path below the top to the top, node by node
-        top-down, while the top has room; a block its store finds damaged is dropped with
-        everything below it."""
+        top-down, as far as the top has room. What may come up is checked first by stores
+        that read their blocks back (a damaged block is dropped with everything below it),
+        then pinned with the path above it, so that making room (which demotes, and may drop,
+        blocks down the chain) cannot take it."""
         hbm = self.top
-        while True:
-            match = self.tree.match_prefix(toks, now=now)
-            nodes, held = self.hbm_prefix(match)
-            if len(held) == len(match.values):
-                return
-            node = match.nodes[len(nodes)]
-            src = self.tiers[node.tier]
-            want = min(len(match.values) - len(held), len(node.values))
-            if src.readable is not None:
-                good = src.readable(node.values[:want], self.path_to(node, want))
-                if good < want:
-                    self.cut(src, node, len(node.values) - good)
-                    if not good:
-                        return
-                    want = good
-            pinned = node.values[:want]
-            # pin the path so making room at the top (and below) cannot evict it
-            self.hold(hbm, nodes, held)
-            self.hold(src, [node], pinned)
-            try:
-                j = min(want, hbm.alloc.num_free + hbm.evictable)
-                if j:
-                    new = self.take(hbm, j, contiguous=True)
-                    if j < len(node.values):
-                        node = self.split(node, j)
-                    self.move(node, src, hbm, new)
-                    self.counters["onloaded_blocks"] += j
-                    src.counters["promoted_blocks"] += j
-            finally:
-                self.unhold(hbm, held)
-                self.unhold(src, pinned)
-            if j < want or not j:
-                return
+        match = self.tree.match_prefix(toks, now=now)
+        nodes, held = self.hbm_prefix(match)
+        if len(held) == len(match.values):
+            return
+        self.hold(hbm, nodes, held)
+        pins: list[tuple[Tier, list[int]]] = [(hbm, held)]  # released when done
+        try:
+            rising = self.rising(match, len(nodes), hbm.alloc.num_free + hbm.evictable)
+            for node, blocks in rising:
+                self.hold(self.tiers[node.tier], [node], blocks)
+                pins.append((self.tiers[node.tier], blocks))
+            for node, blocks in rising:
+                src = self.tiers[node.tier]
+                j = min(len(blocks), hbm.alloc.num_free + hbm.evictable)
+                if not j:
+                    return
+                new = self.take(hbm, j, contiguous=True)
+                if j < len(node.values):
+                    node = self.split(node, j)
+                self.move(node, src, hbm, new)
+                self.hold(hbm, [node], new)
+                pins.append((hbm, new))
+                self.counters["onloaded_blocks"] += j
+                src.counters["promoted_blocks"] += j
+                if j < len(blocks):
+                    return
+        finally:
+            for t, blocks in pins:
+                self.unhold(t, blocks)
+
+    def rising(self, match: Match, first: int, room: int) -> list[tuple[PoolNode, list[int]]]:
+        """The nodes of ``match`` from its ``first`` below the top, with the blocks of each that
+        may come up (``room`` in all), each checked by its store when it reads blocks back: the
+        first damaged block is dropped with everything below it, and ends the list."""
+        out, pos = [], sum(len(n.values) for n in match.nodes[:first])
+        for node in match.nodes[first:]:
+            c = min(len(node.values), len(match.values) - pos, room)
+            if c <= 0:
+                break
+            pos, room = pos + c, room - c
+            t = self.tiers[node.tier]
+            good = c if t.readable is None else t.readable(node.values[:c], self.path_to(node, c))
+            if good < c:
+                self.cut(t, node, len(node.values) - good)
+            if good:
+                out.append((node, node.values[:good]))
+            if good < c:
+                break
+        return out
 
     def restore(self, tier: str, toks: array, blocks: list[int], holder: str) -> None:
         """Index ``toks`` -> ``blocks`` of ``tier`` found in its store at start (a disk tier's
