@@ -30,7 +30,8 @@ END_BOUND_S = HEARTBEAT_TIMEOUT_S + 6.0
 
 # Loaded by every process started with its directory on PYTHONPATH: in instance FAULT_NAME,
 # once a decode instance granted the blocks of a transfer and before any KV is written, the
-# process sends itself FAULT_SIGNAL (the sender dies, or stops, mid-transfer).
+# process sends itself FAULT_SIGNAL: the sender dies, or stops, mid-transfer (a prefill
+# instance named), or the receiver dies holding the blocks it granted (a decode one named).
 FAULT_HOOK = """
 import importlib.abc, importlib.util, os, signal, sys
 
@@ -44,15 +45,25 @@ class MidTransfer(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            granted = module.RemotePool.recv_alloc
+            asked, granting = module.RemotePool.recv_alloc, module.Grants.on_alloc
+
+            def fault(name):
+                if name == os.environ["FAULT_NAME"]:
+                    os.kill(os.getpid(), getattr(signal, os.environ["FAULT_SIGNAL"]))
 
             def recv_alloc(self, tokens, num_blocks):
-                out = granted(self, tokens, num_blocks)
-                if self.node.name == os.environ["FAULT_NAME"] and self.role == "decode":
-                    os.kill(os.getpid(), getattr(signal, os.environ["FAULT_SIGNAL"]))
+                out = asked(self, tokens, num_blocks)
+                if self.role == "decode":
+                    fault(self.node.name)
+                return out
+
+            def on_alloc(self, sender, m):
+                out = granting(self, sender, m)
+                fault(self.name)
                 return out
 
             module.RemotePool.recv_alloc = recv_alloc
+            module.Grants.on_alloc = on_alloc
 
         spec.loader.exec_module = exec_module
         return spec
@@ -158,6 +169,22 @@ def test_a_sender_stopped_mid_transfer_ends_its_requests_and_its_grant_returns(
             assert text == returned["peer_died"]
         finally:
             os.kill(c.instances["P0"].process.pid, signal.SIGKILL)
+
+
+def test_a_receiver_that_dies_holding_granted_blocks_ends_its_requests_and_frees_the_sender(
+    tiny_llama_dir, mid_transfer
+):
+    """1P1D-CC, D0 killed right after it granted blocks to P0's transfer: with no decode
+    instance left, every request ends with an error within the bound, and P0 keeps nothing
+    for them (its pool balances, the prefixes it computed stay cached)."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    mid_transfer("D0", "SIGKILL")
+    with _cluster(tiny_llama_dir, "1P1D-CC") as c:
+        outs, took = _run(c, params, 2)
+        assert "D0" in c.dead and took < END_BOUND_S, (c.dead, took)
+        for out in outs.values():
+            assert out.finish_reason == "error" and "D0" in out.error, out
+        c.check_pools(require_idle=True)  # P0: every block of the two requests came back
 
 
 LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
