@@ -552,9 +552,9 @@ class SimCluster(DecodeRuns):
     ``step_time(shape)`` prices a step; ``topology`` prices transfers in ``transfer_mode``;
     ``spec`` gives every instance's engine settings and the global scheduler's policy and
     cost model, as in the process runtime. ``num_blocks`` KV blocks per instance, of
-    ``dtype`` (bytes sent count in it). ``decode_time(rows, context)``, where given, is
-    ``step_time`` of ``rows`` decodes attending to ``context`` KV tokens in all, without
-    building the shape (decode runs price many)."""
+    ``dtype`` (bytes sent count in it). ``decode_times(rows, contexts)``, where given, is
+    the ``step_time`` of ``rows`` decodes attending to each of ``contexts`` KV tokens in all,
+    without building the shapes (decode runs price many)."""
 
     def __init__(
         self,
@@ -568,13 +568,13 @@ class SimCluster(DecodeRuns):
         dtype: torch.dtype,
         instances: int = 2,
         transfer_mode: str = "by_request_aggregated",
-        decode_time: Callable[[int, int], float] | None = None,
+        decode_times: Callable[[int, Sequence[int]], list[float]] | None = None,
     ) -> None:
         engine_config = spec.engine
         self.deployment, colocated = scaled_deployment(config, instances)
         self.model = model_config
         self.step_time = step_time
-        self.decode_time = decode_time
+        self.decode_times = decode_times
         self.topology = topology
         self.contended = topology.contention.any  # read at every step's start
         self.net = Network(self, topology, transfer_mode)
@@ -732,11 +732,11 @@ class SimCluster(DecodeRuns):
                 self._count_stall(inst, shape, seconds)
 
     def _step_time(self, shape: StepShape) -> float:
-        """``step_time(shape)``, by ``decode_time`` for decodes alone that all sample."""
+        """``step_time(shape)``, by ``decode_times`` for decodes alone that all sample."""
         rows = len(shape.decodes)
-        if shape.prefills or shape.sampled != rows or self.decode_time is None:
+        if shape.prefills or shape.sampled != rows or self.decode_times is None:
             return self.step_time(shape)
-        return self.decode_time(rows, sum(shape.decodes))
+        return self.decode_times(rows, (sum(shape.decodes),))[0]
 
     def _count_step(self, inst: SimInstance, shape: StepShape, seconds: float) -> None:
         """Count a step's time and its decode rows."""

@@ -343,6 +343,10 @@ class FittedStepModel:
         """:meth:`step_time` of ``rows`` decodes attending to ``context`` KV tokens in all."""
         return sum(c * f for c, f in zip(self.coefs, StepShape.decode_features(rows, context)))
 
+    def decode_times(self, rows: int, contexts: Sequence[int]) -> list[float]:
+        """:meth:`decode_time` of each of ``contexts``."""
+        return [self.decode_time(rows, c) for c in contexts]
+
     def prefill_time(self, new: int, cached: int = 0) -> float:
         """Predicted seconds of a lone prefill of ``new`` tokens after ``cached`` ones."""
         return self.step_time(StepShape(((cached, new),), (), 1))
@@ -617,19 +621,27 @@ class RooflineStepModel:
         return sum(self.parts(shape).values())
 
     def decode_time(self, rows: int, context: int) -> float:
-        """:meth:`step_time` of ``rows`` decodes attending to ``context`` KV tokens in all: the
-        same sums of the same terms, those that do not read KV kept by ``rows``."""
+        """:meth:`step_time` of ``rows`` decodes attending to ``context`` KV tokens in all."""
+        return self.decode_times(rows, (context,))[0]
+
+    def decode_times(self, rows: int, contexts: Sequence[int]) -> list[float]:
+        """:meth:`decode_time` of each of ``contexts``: the same sums of the same terms, in
+        the same order, those that do not read KV kept by ``rows``."""
         if (self.prefill_speed, self.decode_speed) != (1.0, 1.0):
-            return sum(self._parts(rows, rows, 0, context, 0, rows).values())
+            return [sum(self._parts(rows, rows, 0, c, 0, rows).values()) for c in contexts]
         fixed = self._decode_fixed.get(rows)
         if fixed is None:
             out = self._parts(rows, rows, 0, 0, 0, rows)
             fixed = self._decode_fixed[rows] = (out["linear"], out["elementwise"], out["allreduce"])
         linear, elementwise, allreduce = fixed
-        attention = 0.0 + context * self.kv_bytes_per_token / self.tp / self._kv_bw
-        work = sum((linear, attention, elementwise, allreduce))
-        overhead = self._step_overhead + max(0.0, self._layer_launch - work)
-        return sum((linear, attention, elementwise, allreduce, overhead))
+        kv, tp, bw = self.kv_bytes_per_token, self.tp, self._kv_bw
+        step, launch = self._step_overhead, self._layer_launch
+        out = []
+        for context in contexts:
+            attention = 0.0 + context * kv / tp / bw
+            work = linear + attention + elementwise + allreduce  # sum(parts) but the overhead
+            out.append(work + (step + max(0.0, launch - work)))
+        return out
 
     def prefill_time(self, new: int, cached: int = 0) -> float:
         """Predicted seconds of a lone prefill of ``new`` tokens after ``cached`` ones (the

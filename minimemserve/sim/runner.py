@@ -108,7 +108,7 @@ class SimSetup:
             config,
             model_config=self.model_config,
             step_time=self.step_model.step_time,
-            decode_time=self.step_model.decode_time,
+            decode_times=self.step_model.decode_times,
             topology=self.topology,
             spec=d,
             num_blocks=self.num_blocks,

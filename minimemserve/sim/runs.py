@@ -154,19 +154,19 @@ class DecodeRuns:
     def _price(self, inst: SimInstance, run: DecodeRun, steps: int) -> None:
         """Price up to ``steps`` more steps of ``run`` and book the end of its last: step
         ``k``'s rows each attend to ``k`` more tokens than the first's."""
-        rows, base, price = len(run.batch), run.contexts[0], self.decode_time
-        contexts, seconds, times = run.contexts, run.seconds, run.times
-        end = times[-1]
-        for k in range(run.priced, min(run.limit, run.priced + steps)):
-            context = base + k * rows
-            if price is not None:
-                s = price(rows, context)
-            else:
-                s = self.step_time(StepShape((), tuple(map(k.__add__, run.first.decodes)), rows))
-            contexts.append(context)
-            seconds.append(s)
+        rows, base, first = len(run.batch), run.contexts[0], run.first.decodes
+        ks = range(run.priced, min(run.limit, run.priced + steps))
+        contexts = [base + k * rows for k in ks]
+        if self.decode_times is not None:
+            seconds = self.decode_times(rows, contexts)
+        else:
+            seconds = [self.step_time(StepShape((), tuple(d + k for d in first), rows)) for k in ks]
+        run.contexts.extend(contexts)
+        run.seconds.extend(seconds)
+        end = run.times[-1]
+        for s in seconds:
             end += s
-            times.append(end)
+            run.times.append(end)
         self.at(end, self._run_passes, (inst, run))
 
     def _touched(self, inst: SimInstance) -> bool:
