@@ -13,12 +13,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import MiniMemServeError, TransferError
+from ..errors import InstanceDied, MiniMemServeError, RemoteError, TransferError
 from ..request import Request, RequestOutput, TokenDelta, logprobs_fit
 from ..scheduler.frontend import Frontend
 from . import rpc
 
 logger = logging.getLogger(__name__)
+
+# How long an abort waits for an instance's answer (given between its steps). One that does
+# not answer in time drops the request when it reads the abort; until it reports progress
+# again (tokens, outputs), later aborts are only sent to it, so a stopped instance does not
+# hold up the frontend once per abort.
+ABORT_WAIT_S = 2.0
 
 
 @dataclass
@@ -68,6 +74,8 @@ class Ledger:
         self.sessionless: set[str] = set()
         self.inflight: dict[str, Inflight] = {}
         self.done: list[RequestOutput] = []
+        self.stalled: dict[str, float] = {}  # instance -> when it left an abort unanswered
+        self.progress: dict[str, float] = {}  # instance -> when it last reported on a request
 
     def take_done(self) -> list[RequestOutput]:
         """The requests that ended since the last call."""
@@ -95,6 +103,7 @@ class Ledger:
     def on_output(self, sender: str, msg: rpc.Output) -> None:
         """A request ended on an instance: it joins :attr:`done`."""
         out = msg.output
+        self.progress[sender] = time.monotonic()
         if self.inflight.pop(out.request_id, None) is not None:
             self.done.append(out)
             self.frontend.finished(out)
@@ -105,6 +114,7 @@ class Ledger:
         there (its hand-off notice may come a prefill step later, or never: P died); the
         ledger follows it there once the notice comes or P dies (until then P may still hold
         it, in the step that handed it on)."""
+        self.progress[sender] = time.monotonic()
         for d in msg.deltas:
             f = self.inflight.get(d.request_id)
             if f is None:
@@ -171,7 +181,9 @@ class Ledger:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and return its partial output; None if unknown or
         done. The instance the frontend believes holds it is asked first (it answers between
-        its steps, and follows its hand-off when it passed the request on), then the others."""
+        its steps, and follows its hand-off when it passed the request on), then the others;
+        each is waited for at most ``ABORT_WAIT_S``, and one that left an abort unanswered is
+        only told until it makes progress again (see ``ABORT_WAIT_S``)."""
         if (f := self.inflight.pop(request_id, None)) is None:
             return None
         self.frontend.dropped(request_id)
@@ -181,13 +193,32 @@ class Ledger:
             if (name := order.pop(0)) in asked or name in self.dead:
                 continue
             asked.add(name)
-            with contextlib.suppress(TransferError):
-                rep = self.node.call(name, rpc.AbortRequest(request_id))
-                if isinstance(rep, rpc.Output):
-                    return rep.output
-                if isinstance(rep, rpc.Info) and rep.data.get("handed_to") in self.names:
-                    order.insert(0, rep.data["handed_to"])
+            if (rep := self._ask_abort(name, request_id)) is None:
+                continue
+            if isinstance(rep, rpc.Output):
+                return rep.output
+            if isinstance(rep, rpc.Info) and rep.data.get("handed_to") in self.names:
+                order.insert(0, rep.data["handed_to"])
         return f.end("abort")
+
+    def _ask_abort(self, name: str, request_id: str) -> rpc.Msg | None:
+        """``name``'s answer to an abort of ``request_id``, or None if it gave none in time
+        (or is stalled and only told: it drops the request when it reads this)."""
+        abort = rpc.AbortRequest(request_id)
+        stalled = self.stalled.get(name)
+        if stalled is not None and self.progress.get(name, stalled) <= stalled:
+            self.node.try_push(name, abort)
+            return None
+        self.stalled.pop(name, None)
+        try:
+            return self.node.call(name, abort, timeout_s=ABORT_WAIT_S)
+        except RemoteError:
+            return None
+        except TransferError as e:
+            if not isinstance(e, InstanceDied):
+                logger.warning("%s did not answer an abort of %s: %s", name, request_id, e)
+                self.stalled[name] = time.monotonic()
+            return None
 
     def location(self, request_id: str) -> str | None:
         """The instance a request is on now (as far as the frontend knows); None once done."""

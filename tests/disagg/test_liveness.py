@@ -15,8 +15,9 @@ import torch
 from minimemserve import LLM, SamplingParams
 from minimemserve.config import EngineConfig
 from minimemserve.disagg import rpc
-from minimemserve.disagg.ledger import Inflight, Ledger
+from minimemserve.disagg.ledger import ABORT_WAIT_S, Inflight, Ledger
 from minimemserve.disagg.runtime import ProcessCluster
+from minimemserve.mempool import PoolAccountingError
 from minimemserve.request import Request, TokenDelta
 from minimemserve.scheduler.frontend import Frontend
 
@@ -96,6 +97,46 @@ def test_an_instance_that_wakes_while_no_request_runs_is_taken_back(tiny_llama_d
         (out,) = c.run_until_done(timeout_s=WAIT_S)
         assert out.token_ids == ref[0].token_ids and out.metrics.decode_instance == "D0"
         c.check_pools(require_idle=True)
+
+
+def test_aborts_wait_on_a_stopped_instance_once_and_it_drops_them_when_woken(tiny_llama_dir):
+    """D0 stops (SIGSTOP) as the first of three requests decodes there (P0 then waits on it
+    too, handing the next one over): aborting all three takes about one abort's wait per
+    instance, not a control-call timeout each; woken, the instances drop what they were told
+    to, and every block comes back."""
+    params = SamplingParams(max_tokens=450, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 512, (30,), generator=g).tolist() for _ in range(3)]
+    with ProcessCluster(
+        tiny_llama_dir,
+        "1P1D-CC",
+        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        timeout_s=10.0,  # what each abort would wait without the bound
+        start_method="forkserver",
+    ) as c:
+        rids = [c.add_request(p, params) for p in prompts]
+        deadline = time.monotonic() + WAIT_S
+        while "D0" not in {c.location(r) for r in rids}:
+            assert time.monotonic() < deadline and not c.step(), "none reached D0"
+        pid = c.instances["D0"].process.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            outs = [c.abort(r) for r in rids]
+            took = time.monotonic() - t0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert took < 2 * ABORT_WAIT_S + 1.0, f"the aborts took {took:.1f} s"
+        assert [o.finish_reason for o in outs] == ["abort"] * 3
+        while True:  # the aborts are read, the hand-offs under way end: blocks come back
+            c.step()
+            try:
+                c.check_pools(require_idle=True)
+                break
+            except PoolAccountingError:
+                assert time.monotonic() < deadline + WAIT_S, "blocks still held"
+                time.sleep(0.1)
+        assert not c.dead
 
 
 class _Node:
