@@ -239,10 +239,11 @@ class SimEngine(Engine):
         (:meth:`decode_ahead`), the ending ones' last through :meth:`end_step` (outputs and
         hooks; the other rows' tokens touch nothing it does)."""
         plan, self._pending = self._pending, None
+        if not ending:
+            self.decode_ahead(plan.batch, k)
+            return [], []
         ends = set(ending)
         self.decode_ahead([row for i, row in enumerate(plan.batch) if i not in ends], k)
-        if not ending:
-            return [], []
         last = [plan.batch[i] for i in ending]
         if k > 1:
             self.decode_ahead(last, k - 1)
@@ -275,11 +276,15 @@ class SimEngine(Engine):
             for req, _ in batch
         ]
         made = _stand_in_rows(rows, k, span, eos) if k >= ARRAY_TOKENS_FROM else None
-        for i, (req, pos, base) in enumerate(rows):
-            if made is None:
+        if made is None:
+            for req, pos, base in rows:
                 req.tokens.extend(stand_in_tokens(base, pos, k, span, eos))
-            else:
-                req.tokens.frombytes(made[i * 8 * k : (i + 1) * 8 * k])
+                req.num_computed += k
+                req.metrics.output_tokens = pos + k
+            return
+        row = memoryview(made).cast("B")
+        for i, (req, pos, _) in enumerate(rows):
+            req.tokens.frombytes(row[i * 8 * k : (i + 1) * 8 * k])
             req.num_computed += k
             req.metrics.output_tokens = pos + k
 
@@ -690,7 +695,8 @@ class SimCluster(DecodeRuns):
         while self._events and self._events[0][0] <= until:
             self.now, _, fn, args = heapq.heappop(self._events)
             fn(*args)
-            self._kick()
+            if self.dirty:
+                self._kick()
 
     def _deliver(self, inst: SimInstance, req: Request) -> None:
         self.catch_up(inst)
@@ -765,8 +771,10 @@ class SimCluster(DecodeRuns):
     def _slowdown(self, inst: SimInstance) -> float:
         """How many times longer the step ``inst`` starts takes than alone: by the contention
         of its kind beside the others in a step (beside prefill work if any has it)."""
+        if not self.contended:
+            return 1.0
         others = [j for j in self.instances if j is not inst and j.busy]
-        if not others or not self.contended:
+        if not others:
             return 1.0
         return self.topology.contention.factor(inst.prefilling, any(j.prefilling for j in others))
 
