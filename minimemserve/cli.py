@@ -22,13 +22,16 @@ from minimemserve.options import (
     PARALLEL_FLAGS,
     add_deployment_arguments,
     add_engine_arguments,
+    add_trace_arguments,
     deployment_options,
     engine_options,
+    trace_path,
 )
 from minimemserve.presets import preset_dir
 from minimemserve.recipes import Role
 from minimemserve.sampling import SamplingParams
 from minimemserve.sim import command as sim_command
+from minimemserve.workloads.trace import load_trace
 
 # The DeploymentSpec and EngineConfig fields ``generate`` takes as options.
 GENERATE_FIELDS = ("model", "config", "device", "dtype")
@@ -103,6 +106,18 @@ def _keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trace(args: argparse.Namespace) -> int:
+    window, scales = args.trace_window, (args.time_scale, args.length_scale)
+    trace = load_trace(trace_path(args), window, *scales)
+    n = trace.write(args.out)
+    print(
+        f"wrote {n} requests to {args.out}: lengths / {args.length_scale}, times x "
+        f"{args.time_scale:g}, {trace.block_tokens} tokens per hash id "
+        f"(aiperf: --custom-dataset-type mooncake_trace --isl-block-size {trace.block_tokens})"
+    )
+    return 0
+
+
 def _preset(args: argparse.Namespace) -> int:
     print(preset_dir(args.name))  # a dummy preset's dir needs --load-format dummy
     return 0
@@ -166,6 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("keygen", help="write a new cluster key file")
     k.add_argument("--out", required=True, help="path of the new key file")
     k.set_defaults(fn=_keygen)
+    t = sub.add_parser(
+        "trace",
+        help="write a window of a Mooncake-format trace, scaled as bench --trace scales it, "
+        "for an external client (aiperf)",
+    )
+    add_trace_arguments(t)
+    t.add_argument("--out", required=True, help="the JSONL file to write")
+    t.set_defaults(fn=_trace)
     p = sub.add_parser("preset", help="write (once) and print the path of a preset checkpoint")
     p.add_argument("--name", default="tiny")
     p.set_defaults(fn=_preset)

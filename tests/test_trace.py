@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from minimemserve.cli import main
 from minimemserve.workloads.trace import (
     TRACE_BLOCK,
     TraceError,
@@ -115,3 +116,21 @@ def test_missing_file_and_the_shared_trace(tmp_path):
         assert "shared/" in str(e)
     else:
         assert path.name == "conversation_trace.jsonl"
+
+
+def test_a_scaled_copy_for_an_external_client(tmp_path, capsys):
+    """``minimemserve trace`` writes the window as the replay scales it: times from the
+    window's first request, lengths divided, the same hash ids, each standing for
+    ``block_tokens`` tokens (so an external client's prompts share what the replay's do)."""
+    path, out = _write(tmp_path, ROWS), tmp_path / "scaled.jsonl"
+    argv = ["trace", "--trace", path, "--trace-window", "1:4", "--time-scale", "0.5"]
+    assert main([*argv, "--length-scale", "32", "--out", str(out)]) == 0
+    assert "--isl-block-size 16" in capsys.readouterr().out
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    want = load_trace(path, window=(1, 4), time_scale=0.5, length_scale=32)
+    assert [r["timestamp"] for r in rows] == [0.0, 500.0, 1750.0]
+    assert [r["input_length"] for r in rows] == [r.input_length for r in want.requests]
+    assert [r["output_length"] for r in rows] == [1, 2, 1]
+    assert [r["hash_ids"] for r in rows] == [ROWS[i]["hash_ids"] for i in (1, 2, 3)]
+    for r in rows:  # every hash id covers block_tokens tokens of the scaled prompt
+        assert len(r["hash_ids"]) == -(-r["input_length"] // want.block_tokens)
