@@ -10,12 +10,17 @@ model.safetensors, tokenizer.model), built once per test session and shared.
 - ``tiny_llama_dir``: the default tiny checkpoint.
 - ``hf_model_from_dir(path)``: transformers' model of the checkpoint's family, fp32,
   eval mode, ``attn_implementation="eager"`` (plain matmul + softmax, the clearest reference).
+
+A test that leaves SIGINT otherwise than the run found it (its handler, ignored by the
+kernel, or blocked) fails at teardown, and SIGINT is put back for the tests after it. A run
+may find it ignored: a non-interactive shell starts a background job (``pytest &``) so.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,6 +59,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _sigint_state() -> tuple[object, bool, bool]:
+    """SIGINT as this process has it: the Python handler, whether the kernel ignores it (an
+    ignored signal stays ignored in every child, across exec) and whether this thread blocks
+    it."""
+    ignored = False
+    try:
+        with open("/proc/self/status") as f:
+            line = next(ln for ln in f if ln.startswith("SigIgn:"))
+        ignored = bool(int(line.split()[1], 16) >> (signal.SIGINT - 1) & 1)
+    except (OSError, StopIteration):  # not Linux: the Python handler and the mask only
+        pass
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    return signal.getsignal(signal.SIGINT), ignored, blocked
+
+
+SIGINT_AT_START = _sigint_state()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """Fail the test after whose teardown (its fixtures', and those of a scope it ends)
+    SIGINT is not as the run found it; put SIGINT back."""
+    result = yield
+    now = _sigint_state()
+    if now != SIGINT_AT_START:
+        handler, _, blocked = SIGINT_AT_START
+        if handler is not None:  # None: a handler set outside Python, which we cannot set
+            signal.signal(signal.SIGINT, handler)  # also undoes an ignore set outside Python
+        if not blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+        fields = ("handler", "ignored", "blocked")
+        changed = {f: (a, b) for f, a, b in zip(fields, SIGINT_AT_START, now) if a != b}
+        raise AssertionError(f"{item.nodeid} left SIGINT changed (was, now): {changed}")
+    return result
 
 
 @pytest.fixture(scope="session")

@@ -270,8 +270,9 @@ from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.scheduler.global_scheduler import Route
 
 if __name__ == "__main__":
-    # Ctrl-C raises KeyboardInterrupt, as in a shell, even if the test run ignores SIGINT
-    # (an ignored signal is inherited across exec)
+    # Ctrl-C raises KeyboardInterrupt, as in a shell, even if the test run ignores SIGINT (a
+    # non-interactive shell starts a background job, `pytest &`, so; every child inherits an
+    # ignored signal, across exec)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     cfg = EngineConfig(num_blocks=16)
     with ProcessCluster(sys.argv[1], "1P1D", engine_config=cfg, start_method="forkserver") as c:
