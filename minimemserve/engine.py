@@ -312,6 +312,8 @@ def build_parts(
     if cfg.disk_blocks:
         if tp > 1:
             raise ConfigError("a disk tier is for instances of one rank")
+        if cfg.disk_dir is None:
+            raise ConfigError("disk_blocks needs disk_dir: the directory its files go in")
         disk = {
             "disk_blocks": cfg.disk_blocks,
             "disk_dir": str(Path(cfg.disk_dir) / instance_id),

@@ -98,3 +98,24 @@ def test_killed_while_writing_restarts_with_what_survived(tiny_llama_dir, tmp_pa
     assert disk_stats["corrupt_blocks"] == 1
     assert disk_stats["hit_tokens"] > 16  # the other prompts hit what survived on disk
     assert len(list(instance.glob("blk-*.kv"))) <= SIZES["disk_blocks"]
+
+
+@pytest.mark.parametrize("command", ["serve", "bench", "sim"])
+def test_every_entry_point_names_the_tiers_alike(command):
+    from minimemserve.cli import build_parser
+
+    args = ["--dram-blocks", "8", "--disk-blocks", "64"]
+    if command != "sim":  # the simulator takes capacities only
+        args += ["--disk-dir", "/tmp/kv"]
+    parsed = build_parser().parse_args([command, *args])
+    assert (parsed.dram_blocks, parsed.disk_blocks) == (8, 64)
+    assert getattr(parsed, "disk_dir", None) == (None if command == "sim" else "/tmp/kv")
+
+
+def test_a_disk_dir_needs_a_capacity(tiny_llama_dir, tmp_path):
+    from minimemserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="disk_blocks"):
+        LLM(tiny_llama_dir, config="PD-CC", disk_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="disk_dir"):
+        LLM(tiny_llama_dir, config="PD-CC", disk_blocks=8)
