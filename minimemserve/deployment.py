@@ -28,6 +28,9 @@ from .serving import Serving
 RUNTIMES = ("inprocess", "process", "ray")
 # The dtypes the commands offer (the engine takes any torch floating dtype).
 DTYPES = ("float32", "float16", "bfloat16")
+# What happens to a request whose instance died before its KV reached the next one (vLLM's
+# ``kv_load_failure_policy``): computed again on another instance, or ended with an error.
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,8 @@ class DeploymentSpec:
     (with the cluster ``key`` file). The Ray runtime takes the same (but ``instances`` and
     ``key``), the cluster's ``ray_address`` ("": ``RAY_ADDRESS`` or a local cluster), the
     ``placement`` of instances over its nodes (``pack`` or ``spread``) and ``max_restarts``,
-    how many times Ray restarts a dead instance's actor (which then rejoins)."""
+    how many times Ray restarts a dead instance's actor (which then rejoins). Both take
+    ``kv_load_failure_policy`` (see :data:`KV_LOAD_FAILURE_POLICIES`)."""
 
     config: str = "PD"
     model: str | Path | None = None
@@ -63,6 +67,7 @@ class DeploymentSpec:
     ray_address: str = ""
     placement: str = "pack"
     max_restarts: int = 0
+    kv_load_failure_policy: str = "recompute"
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -70,6 +75,7 @@ class DeploymentSpec:
             ("policy", ROUTING_POLICIES),
             ("transport", transport_names()),
             ("placement", PLACEMENTS),
+            ("kv_load_failure_policy", KV_LOAD_FAILURE_POLICIES),
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -120,6 +126,7 @@ class DeploymentSpec:
             )
         cores = self.cores_per_instance
         extra = {} if cores is None else {"cores_per_instance": cores}
+        policy = {"rerun_on_failure": self.kv_load_failure_policy == "recompute"}
         return cluster(
             self.model_dir,
             self.config,
@@ -133,7 +140,7 @@ class DeploymentSpec:
             instances=list(self.instances) or None,
             key=self.key,
             transport=self.transport,
-            **extra | process_kw,
+            **extra | policy | process_kw,
         )
 
     def describe(self) -> dict:

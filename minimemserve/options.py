@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from minimemserve.config import HANDOFF_MODES, LOAD_FORMATS, EngineConfig
-from minimemserve.deployment import DTYPES, RUNTIMES, DeploymentSpec
+from minimemserve.deployment import DTYPES, KV_LOAD_FAILURE_POLICIES, RUNTIMES, DeploymentSpec
 from minimemserve.disagg.links import transport_names
 from minimemserve.disagg.placement import PLACEMENTS
 from minimemserve.memory import DEFAULT_GPU_MEMORY_UTILIZATION
@@ -138,6 +138,12 @@ DEPLOYMENT_FLAGS = {
         "--max-restarts",
         "ray runtime: times Ray restarts a dead instance's actor, which then rejoins",
         None,
+    ),
+    "kv_load_failure_policy": (
+        "--kv-load-failure-policy",
+        "process and ray runtimes: a request whose instance died before its KV reached the "
+        "next one is computed again elsewhere (recompute) or ends with an error (fail)",
+        KV_LOAD_FAILURE_POLICIES,
     ),
 }
 # Tensor parallelism (instances in one process: ``bench --runtime inline``, ``serve --runtime

@@ -25,6 +25,7 @@ SERVE_FIELDS = (
     "ray_address",
     "placement",
     "max_restarts",
+    "kv_load_failure_policy",
 )
 SERVE_ENGINE_FLAGS = tuple(f for f in ENGINE_FLAGS if f != "attention")
 

@@ -9,13 +9,13 @@ import pytest
 pytest.importorskip("fastapi")
 
 from minimemserve.config import EngineConfig
-from minimemserve.disagg import membership, ray_runtime
+from minimemserve.disagg import membership, ray_runtime, runtime
 from minimemserve.options import deployment_options
 from minimemserve.server import SERVE_FIELDS, add_arguments
 
 
 class Recorded:
-    """Stands in for ``RayCluster``: keeps what it was started with."""
+    """Stands in for a cluster class: keeps what it was started with."""
 
     started: dict = {}
 
@@ -38,3 +38,14 @@ def test_serve_under_ray_replaces_a_dead_actor_by_default(monkeypatch, argv, res
     monkeypatch.setattr(ray_runtime, "RayCluster", Recorded)
     _spec("--runtime", "ray", *argv).build()
     assert Recorded.started["max_restarts"] == restarts
+
+
+@pytest.mark.parametrize("policy, rerun", [("recompute", True), ("fail", False)])
+def test_the_kv_load_failure_policy_decides_whether_a_lost_request_runs_again(
+    monkeypatch, policy, rerun
+):
+    monkeypatch.setattr(runtime, "ProcessCluster", Recorded)
+    _spec("--kv-load-failure-policy", policy).build()
+    assert Recorded.started["rerun_on_failure"] is rerun
+    with pytest.raises(SystemExit):  # argparse refuses another policy
+        _spec("--kv-load-failure-policy", "ignore")
