@@ -252,7 +252,7 @@ class MemPool:
         toks, store = as_tokens(tokens), self._store
         now = store.tick()
         match = store.tree.match_prefix(toks, now=now)
-        where = [n.tier for n in match.nodes for _ in n.values][: len(match.values)]
+        found = [(n.tier, len(n.values)) for n in match.nodes]  # before any block comes up
         if match.nodes and match.nodes[-1].tier != HBM:
             try:
                 store.onload(toks, now)
@@ -266,8 +266,13 @@ class MemPool:
         c["match_calls"] += 1
         c["query_tokens"] += len(toks) - len(toks) % bs
         c["hit_tokens"] += len(blocks) * bs
-        for tier in where[: len(blocks)]:
-            store.tiers[tier].counters["hit_tokens"] += bs
+        left = len(blocks)
+        for tier, size in found:
+            if not left:
+                break
+            n = min(left, size)
+            store.tiers[tier].counters["hit_tokens"] += n * bs
+            left -= n
         return blocks
 
     def cached_prefix_len(self, tokens: Sequence[int]) -> int:

@@ -418,15 +418,18 @@ class TierStore:
         pins: list[tuple[Tier, list[int]]] = [(hbm, held)]  # released when done
         try:
             rising = self.rising(match, len(nodes), hbm.alloc.num_free + hbm.evictable)
+            lower = [(self.tiers[node.tier], blocks) for node, blocks in rising]
             for node, blocks in rising:
                 self.hold(self.tiers[node.tier], [node], blocks)
-                pins.append((self.tiers[node.tier], blocks))
-            for node, blocks in rising:
-                src = self.tiers[node.tier]
+            pins += lower
+            for src, blocks in lower:
                 j = min(len(blocks), hbm.alloc.num_free + hbm.evictable)
                 if not j:
                     return
                 new = self.take(hbm, j, contiguous=True)
+                # making room may have split the node (its unpinned tail went down): the
+                # pinned blocks lead the node that lists them now
+                node = src.node_of[blocks[0]]
                 if j < len(node.values):
                     node = self.split(node, j)
                 self.move(node, src, hbm, new)
