@@ -526,9 +526,8 @@ class RooflineStepModel:
         prefill_speed: float = 1.0,
         decode_speed: float = 1.0,
     ):
-        for what, speed in (("prefill_speed", prefill_speed), ("decode_speed", decode_speed)):
-            _positive(what, speed)
-        self.prefill_speed, self.decode_speed = float(prefill_speed), float(decode_speed)
+        self.prefill_speed = _positive("prefill_speed", prefill_speed)
+        self.decode_speed = _positive("decode_speed", decode_speed)
         if not isinstance(tp, int) or tp < 1:
             raise ConfigError(f"tensor parallelism must be an int >= 1, got {tp!r}")
         if shape.num_attention_heads % tp:
