@@ -13,8 +13,8 @@ from minimemserve.presets import preset_dir
 from minimemserve.workloads.results import DEFAULT_SESSIONS
 
 from . import calibration, paper, trace_replay
-from .cluster import ARRIVALS
 from .profiles import TRANSFER_MODES, FittedStepModel, HardwareProfile, fit_cpu_steps
+from .replay import ARRIVALS
 from .runner import (
     CPU_INSTANCES,
     DEFAULT_GPUS,

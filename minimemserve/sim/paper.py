@@ -32,7 +32,6 @@ import numpy as np
 from minimemserve.workloads.results import OVERLOADED, STABLE_GROWTH, STABLE_NOISE, STABLE_SLACK
 
 from . import bound
-from .cluster import ARRIVALS
 from .runner import (
     DEFAULT_HARDWARE,
     DEFAULT_MODEL,
@@ -122,7 +121,7 @@ VARIANTS = {
 }
 # Finite runs (not steady state): every turn at its own arrival ("open"), and each turn at
 # the later of its arrival and its session's turn before ending ("paced").
-FINITE_MODES = tuple(m for m in ("open", "paced") if m in ARRIVALS)
+FINITE_MODES = ("open", "paced")
 # ``--quick``: every workload and configuration, on a plan sized for a shared two-core
 # machine: a fifth of the sessions; knees found with one seed from three ladder rates a
 # workload, one rate beyond the ladder and one bisection; comparisons (three seeds) at 70 % of

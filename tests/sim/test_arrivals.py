@@ -9,7 +9,7 @@ from minimemserve.errors import ConfigError
 from minimemserve.model.tokenizer import Tokenizer
 from minimemserve.presets import preset_dir
 from minimemserve.sim import FittedStepModel, cpu_setup, gpu_setup, simulate
-from minimemserve.sim.cluster import open_arrivals
+from minimemserve.sim.replay import open_arrivals
 from minimemserve.workloads.sessions import make_workload, total_turns
 
 # A step model in the range the tiny preset measures on this CPU (seconds per feature).

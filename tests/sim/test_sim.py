@@ -33,8 +33,9 @@ from minimemserve.sim import (
     paper,
     simulate,
 )
-from minimemserve.sim.cluster import open_arrivals, scaled_deployment
+from minimemserve.sim.cluster import scaled_deployment
 from minimemserve.sim.profiles import DATA_DIR, FEATURES, with_overhead
+from minimemserve.sim.replay import open_arrivals
 from minimemserve.sim.runner import CPU_LINK, anchor_time, anchors, with_costs
 from minimemserve.sim.sweep import Curve, Plan, bracket, knee_chain, ratio
 from minimemserve.workloads.results import OVERLOADED
