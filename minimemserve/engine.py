@@ -25,6 +25,7 @@ from .decode_graphs import DecodeGraphs, graph_memory_bytes, run_step
 from .errors import ConfigError, InvalidRequest, PoolExhausted, SamplingError
 from .memory import DEFAULT_CPU_KV_BYTES, PROVIDERS, MemoryPlan
 from .mempool import MemPool, PoolAccountingError
+from .mempool.chain import default_chain
 from .model.config import ModelConfig
 from .model.layers import CausalLM
 from .model.loader import dummy_model, load_weights
@@ -308,25 +309,20 @@ def build_parts(
             cfg, shard, device, dtype, model=model, owns_weights=owns, graphs=graph_bytes
         )
     layout = shard.kv_layout(cfg.block_size)
-    disk = {}
+    below: dict = {"dram_blocks": cfg.dram_blocks}
     if cfg.disk_blocks:
         if tp > 1:
             raise ConfigError("a disk tier is for instances of one rank")
         if cfg.disk_dir is None:
             raise ConfigError("disk_blocks needs disk_dir: the directory its files go in")
-        disk = {
-            "disk_blocks": cfg.disk_blocks,
-            "disk_dir": str(Path(cfg.disk_dir) / instance_id),
+        below = {
+            "tiers": default_chain(
+                cfg.dram_blocks, cfg.disk_blocks, str(Path(cfg.disk_dir) / instance_id)
+            ),
             "model": kv_identity(model_dir, cfg),
         }
     pool = group.make_pool(pool_factory or MemPool)(
-        layout,
-        num_blocks,
-        dram_blocks=cfg.dram_blocks,
-        device=device,
-        dtype=dtype,
-        instance_id=instance_id,
-        **disk,
+        layout, num_blocks, device=device, dtype=dtype, instance_id=instance_id, **below
     )
     scale = model_config.head_dim**-0.5
     backend = make_backend(cfg.attention, pool.kv("hbm"), layout, shard.heads, scale)

@@ -162,13 +162,13 @@ class PoolTrace:
             n = args[0] if call == "alloc_mem" else 0
             empty = call in EMPTY and EMPTY[call](args)
             event = Event(self.depth, pool.instance_id, call, call, n=n, empty=empty)
-            before = [pool.counter(m) for m in MOVES]
+            before = [pool.counters[m] for m in MOVES]
             try:
                 out = self.nested(event, lambda: fn(*args, **kwargs))
             except Exception as e:
                 event.text = f"{call}: raised {type(e).__name__}"
                 raise
-            moved = [pool.counter(m) - b for m, b in zip(MOVES, before)]
+            moved = [pool.counters[m] - b for m, b in zip(MOVES, before)]
             tiers = ", ".join(f"{m.split('_')[0]} {k}" for m, k in zip(MOVES, moved) if k)
             event.text = describe(args, out) + (f" ({tiers})" if tiers else "")
             if call in FACTS:

@@ -146,7 +146,7 @@ def _free(pool, req: Request, peers: Peers | None) -> None:
 
 
 def _sent_bytes(pool) -> int:
-    return pool.counter("sent_bytes")
+    return pool.counters["sent_bytes"]
 
 
 def _hand_off(pool, req: Request, peers: Peers, with_insert: bool) -> Outcome:

@@ -7,7 +7,7 @@ moves with the bandwidths its hardware profile names for each tier (``sim/profil
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -18,6 +18,7 @@ from ..blocks.layout import KVLayout
 from ..errors import ConfigError
 from .disk import DiskStore
 from .stores import BlockStore, TensorStore
+from .tiers import TierStore
 
 HBM = "hbm"
 DRAM = "dram"
@@ -117,3 +118,37 @@ def default_chain(
         raise ConfigError("disk_dir needs disk_blocks: the disk tier's capacity in blocks")
     tiers: list[TierSpec] = [Dram(dram_blocks)] if dram_blocks else []
     return tiers + ([Disk(disk_blocks, disk_dir)] if disk_blocks else [])
+
+
+def full_chain(num_blocks: int, dram_blocks: int, below: Sequence[TierSpec] | None) -> list:
+    """A pool's whole chain: hbm of ``num_blocks``, then ``below`` or a dram tier of
+    ``dram_blocks`` (not both); each tier named once."""
+    if below is not None and dram_blocks:
+        raise ConfigError("give the tiers below hbm as tiers=[...] or by size, not both")
+    chain = [Hbm(num_blocks), *(default_chain(dram_blocks) if below is None else below)]
+    names = [t.name for t in chain]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"a chain names each tier once, got {names}")
+    return chain
+
+
+def open_stores(
+    chain: Sequence[TierSpec], ctx: StoreContext, books: TierStore, instance_id: str
+) -> dict[str, BlockStore]:
+    """Each tier's store, opened in chain order: its hooks given to its tier in ``books``
+    and what it held at start indexed there; on a failure the ones opened are closed."""
+    stores: dict[str, BlockStore] = {}
+    try:
+        for spec in chain:
+            stores[spec.name] = store = spec.store(ctx)
+            tier = books.tiers[spec.name]
+            if store.intake is not None:
+                tier.intake = store.intake
+            tier.readable = store.readable
+            for toks, blocks in store.restored():
+                books.restore(spec.name, toks, blocks, instance_id)
+    except BaseException:
+        for store in stores.values():
+            store.close()
+        raise
+    return stores

@@ -28,7 +28,7 @@ from ..blocks.copy import check_pool_tensor, move_blocks
 from ..blocks.layout import KVLayout
 from ..errors import ConfigError, PoolExhausted
 from .audit import audit, tier_states, tree_counts
-from .chain import HBM, TIERS, Hbm, StoreContext, TierSpec, default_chain
+from .chain import HBM, TIERS, StoreContext, TierSpec, full_chain, open_stores
 from .radix import RadixTree, as_tokens
 from .stores import BlockStore
 from .tiers import COUNTERS, PoolAccountingError, Tier, TierStore
@@ -55,10 +55,9 @@ class MemPool:
     """Elastic KV memory pool of one instance: tiers, refcounted blocks, a radix index. Block ids
     are per tier. Every call that hands out blocks (``alloc_mem``, ``match``, ``transfer*``) gives
     the caller one reference per block, released with ``free_mem``. Below ``num_blocks`` of
-    ``hbm`` come ``tiers`` (:mod:`~minimemserve.mempool.chain`), or the ones ``dram_blocks``,
-    ``disk_blocks`` and ``disk_dir`` name; ``model`` names the model whose KV a persistent
-    tier keeps. When given, ``tensor_factory(shape, dtype, device)`` makes the zero-filled
-    tensors."""
+    ``hbm`` come ``tiers`` (:mod:`~minimemserve.mempool.chain`, ``default_chain`` by sizes) or
+    a dram tier of ``dram_blocks``; ``model`` names the model whose KV a persistent tier keeps;
+    ``tensor_factory(shape, dtype, device)``, when given, makes the zero-filled tensors."""
 
     def __init__(
         self,
@@ -66,8 +65,6 @@ class MemPool:
         num_blocks: int,
         *,
         dram_blocks: int = 0,
-        disk_blocks: int = 0,
-        disk_dir: str | None = None,
         tiers: Sequence[TierSpec] | None = None,
         model: str = "",
         device: str | torch.device = "cpu",
@@ -77,15 +74,7 @@ class MemPool:
         tensor_factory: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         pin = _checked_pin(layout, num_blocks, pin_memory)
-        below = default_chain(dram_blocks, disk_blocks, disk_dir)
-        if tiers is not None:
-            if below:
-                raise ConfigError("give the tiers below hbm as tiers=[...] or by size, not both")
-            below = list(tiers)
-        chain = [Hbm(num_blocks), *below]
-        names = [t.name for t in chain]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"a chain names each tier once, got {names}")
+        chain = full_chain(num_blocks, dram_blocks, tiers)
         self.layout = layout
         self.block_size = layout.block_size
         self.dtype = dtype
@@ -95,24 +84,10 @@ class MemPool:
         self.block_bytes = layout.block_bytes(dtype.itemsize)
         self._store = TierStore({t.name: t.blocks for t in chain}, self.block_size)  # the books
         ctx = StoreContext(layout, dtype, self.device, pin, tensor_factory, model)
-        self._stores: dict[str, BlockStore] = {}  # the data: where each tier's blocks live
-        try:
-            for spec in chain:
-                self._stores[spec.name] = store = spec.store(ctx)
-                self._hook(self._store.tiers[spec.name], store)
-        except BaseException:
-            self.close()
-            raise
+        # the data: where each tier's blocks live
+        self._stores = open_stores(chain, ctx, self._store, self.instance_id)
         # a pool tensor per tier that has one (the rest keep blocks elsewhere, as files)
         self._kv = {name: st.kv for name, st in self._stores.items() if st.kv is not None}
-
-    def _hook(self, t: Tier, store: BlockStore) -> None:
-        """Give the books ``store``'s hooks and index what it held at start."""
-        if store.intake is not None:
-            t.intake = store.intake
-        t.readable = store.readable
-        for toks, blocks in store.restored():
-            self._store.restore(t.name, toks, blocks, self.instance_id)
 
     def close(self) -> None:
         """Release what the tiers' stores hold open (a disk tier finishes its queued writes)."""
@@ -453,10 +428,6 @@ class MemPool:
         c["sent_bytes"] += len(todo) * self.block_bytes
         c["transfers_sent"] += 1
         return matched + new
-
-    def counter(self, name: str) -> int:
-        """One of the :data:`COUNTERS` (what :meth:`stats` reports, without its block scan)."""
-        return self.counters[name]
 
     def stats(self) -> dict[str, Any]:
         """Per tier ``{"total", "free", "referenced", "cached_only"}``; index size; counters,

@@ -14,6 +14,7 @@ import torch
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.errors import ConfigError
 from minimemserve.mempool import Disk, Dram, MemPool
+from minimemserve.mempool.chain import default_chain
 
 BS = 4
 LAYOUT = KVLayout(num_layers=2, block_size=BS, num_kv_heads=1, head_dim=2)
@@ -75,19 +76,19 @@ def test_a_fourth_tier_is_one_class_and_one_line(tmp_path):
 
 def test_disk_tier_needs_a_directory_and_one_owner(tmp_path):
     with pytest.raises(ConfigError, match="disk_dir"):
-        MemPool(LAYOUT, 4, disk_blocks=4)
+        MemPool(LAYOUT, 4, tiers=default_chain(disk_blocks=4))
     with pytest.raises(ConfigError, match="disk_blocks"):
-        MemPool(LAYOUT, 4, disk_dir=str(tmp_path))
-    first = MemPool(LAYOUT, 4, disk_blocks=4, disk_dir=str(tmp_path))
+        MemPool(LAYOUT, 4, tiers=default_chain(disk_dir=str(tmp_path)))
+    first = MemPool(LAYOUT, 4, tiers=[Disk(4, str(tmp_path))])
     with pytest.raises(ConfigError, match=str(tmp_path)):
-        MemPool(LAYOUT, 4, disk_blocks=4, disk_dir=str(tmp_path))
+        MemPool(LAYOUT, 4, tiers=[Disk(4, str(tmp_path))])
     first.close()
-    MemPool(LAYOUT, 4, disk_blocks=4, disk_dir=str(tmp_path)).close()  # free once released
+    MemPool(LAYOUT, 4, tiers=[Disk(4, str(tmp_path))]).close()  # free once released
 
 
 def fill_disk(directory, prompts, **kw) -> MemPool:
     """A pool whose hbm is too small for ``prompts``: what it evicts goes to disk."""
-    pool = MemPool(LAYOUT, 3, disk_blocks=16, disk_dir=str(directory), **kw)
+    pool = MemPool(LAYOUT, 3, tiers=[Disk(16, str(directory))], **kw)
     for p in prompts:
         serve(pool, p)
     pool.store("disk").flush()
@@ -97,7 +98,7 @@ def fill_disk(directory, prompts, **kw) -> MemPool:
 def test_a_restarted_pool_serves_what_its_directory_holds(tmp_path):
     prompts = seqs(4)
     fill_disk(tmp_path, prompts, model="m").close()
-    again = MemPool(LAYOUT, 3, disk_blocks=16, disk_dir=str(tmp_path), model="m")
+    again = MemPool(LAYOUT, 3, tiers=[Disk(16, str(tmp_path))], model="m")
     # what reached disk along a path from the root (a block whose parent stayed in hbm went)
     on_disk = [len(again.index.match_prefix(p, touch=False).values) for p in prompts]
     assert sum(on_disk) >= 5
@@ -109,7 +110,7 @@ def test_a_restarted_pool_serves_what_its_directory_holds(tmp_path):
 def test_another_model_or_layout_starts_empty_and_says_why(tmp_path, caplog):
     fill_disk(tmp_path, seqs(4), model="m").close()
     with caplog.at_level(logging.WARNING):
-        other = MemPool(LAYOUT, 3, disk_blocks=16, disk_dir=str(tmp_path), model="n")
+        other = MemPool(LAYOUT, 3, tiers=[Disk(16, str(tmp_path))], model="n")
     assert other.index.num_blocks == 0 and not files(tmp_path)
     assert "model: was 'm', now 'n'" in caplog.text
     other.close()
@@ -117,7 +118,7 @@ def test_another_model_or_layout_starts_empty_and_says_why(tmp_path, caplog):
     wide = KVLayout(num_layers=2, block_size=BS, num_kv_heads=2, head_dim=2)
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        MemPool(wide, 3, disk_blocks=16, disk_dir=str(tmp_path), model="n").close()
+        MemPool(wide, 3, tiers=[Disk(16, str(tmp_path))], model="n").close()
     assert "layout" in caplog.text
 
 
@@ -125,7 +126,7 @@ def test_another_model_or_layout_starts_empty_and_says_why(tmp_path, caplog):
 def test_a_damaged_block_is_a_miss(tmp_path, damage):
     prompts = seqs(4)
     fill_disk(tmp_path, prompts).close()
-    again = MemPool(LAYOUT, 3, disk_blocks=16, disk_dir=str(tmp_path))
+    again = MemPool(LAYOUT, 3, tiers=[Disk(16, str(tmp_path))])
     # the first prompt's second block: its file, found by what the index lists
     node = again.index.match_prefix(prompts[0], touch=False)
     victim = tmp_path / f"blk-{node.values[1]:08d}.kv"
