@@ -61,6 +61,12 @@ class PoolMachine(RuleBasedStateMachine):
             "a": MemPool(LAYOUT, 8, tiers=[Dram(3), Disk(5, self.dir, 3)], instance_id="a"),
             "b": MemPool(LAYOUT, 9, instance_id="b"),
         }
+        # The disk's writer thread ends here and the machine drains the write queue itself
+        # after each rule (``drain_disk``): what the queue has room for then depends on the
+        # calls alone, never on the thread's timing, so every example replays the same.
+        self.disk = self.pools["a"].store("disk")
+        self.disk._queue.put(None)
+        self.disk._writer.join()
         # model: caller references and expected contents per (pool, tier, block)
         self.held: Counter[tuple[str, str, int]] = Counter()
         self.tags: dict[tuple[str, str, int], float] = {}
@@ -276,6 +282,12 @@ class PoolMachine(RuleBasedStateMachine):
             self.scratch += [(dst_name, "hbm", b) for b in got]
 
     # -- invariants -----------------------------------------------------------------------
+
+    @invariant()
+    def drain_disk(self) -> None:
+        """Write every queued block, as the writer thread would have by now."""
+        self.disk._queue.put(None)
+        self.disk._drain()
 
     @invariant()
     def books_balance(self) -> None:
