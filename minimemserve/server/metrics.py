@@ -33,6 +33,17 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 1
 POOL_COUNTERS = (
     ("kv_transfer_bytes", "sent_bytes", "KV bytes this instance sent to other instances."),
 )
+# Per tier of each pool's chain (``MemPool.stats()["counters"]["tiers"]``): the prompt tokens
+# a match found there (out of the pool's one denominator, its queried tokens), blocks moved
+# up to hbm from there, down from there, dropped from there, and bytes read and written.
+TIER_COUNTERS = {
+    "hit_tokens": "Prompt tokens a match found in this tier (of the pool's queried tokens).",
+    "promoted_blocks": "Blocks a match brought up from this tier to hbm.",
+    "demoted_blocks": "Blocks eviction moved from this tier to the one below.",
+    "dropped_blocks": "Blocks eviction dropped from this tier (the last, or no room below).",
+    "read_bytes": "KV bytes read from this tier.",
+    "written_bytes": "KV bytes written to this tier.",
+}
 
 
 @dataclass
@@ -89,26 +100,7 @@ class _PoolCollector:
         for name, v in snap.load.items():
             for state, g in reqs.items():
                 g.add_metric([model, name, role[name]], v[state])
-        usage = GaugeMetricFamily(
-            f"{P}kv_cache_usage_perc",
-            "Fraction of KV blocks referenced by requests.",
-            labels=(*LABELS, "tier"),
-        )
-        blocks = GaugeMetricFamily(
-            f"{P}kv_cache_blocks", "KV blocks by state.", labels=(*LABELS, "tier", "state")
-        )
-        counters = {
-            m: CounterMetricFamily(f"{P}{m}", h, labels=LABELS) for m, _, h in POOL_COUNTERS
-        }
-        for name, stats in snap.pools.items():
-            labels = [model, name, role.get(name, "")]
-            for tier in ("hbm", "dram"):
-                if (t := stats.get(tier)) and t.get("total"):
-                    usage.add_metric([*labels, tier], t["referenced"] / t["total"])
-                    for state in ("free", "referenced", "cached_only"):
-                        blocks.add_metric([*labels, tier, state], t[state])
-            for m, key, _ in POOL_COUNTERS:
-                counters[m].add_metric(labels, stats.get("counters", {}).get(key, 0))
+        pools = self._pools(snap, model, role)
         returned = CounterMetricFamily(
             f"{P}kv_grant_blocks_returned",
             "Blocks granted to a peer's transfer that came back uncommitted, by why: the "
@@ -126,10 +118,42 @@ class _PoolCollector:
         audit.add_metric([model], float(snap.audit_ok))
         yield audit
         yield from reqs.values()
-        yield usage
-        yield blocks
-        yield from counters.values()
+        yield from pools
         yield returned
+
+    @staticmethod
+    def _pools(snap: Snapshot, model: str, role: dict[str, str]) -> list:
+        """Each pool's blocks by tier and state, its counters, and each tier's counters
+        (every tier of its chain, by name)."""
+        usage = GaugeMetricFamily(
+            f"{P}kv_cache_usage_perc",
+            "Fraction of KV blocks referenced by requests.",
+            labels=(*LABELS, "tier"),
+        )
+        blocks = GaugeMetricFamily(
+            f"{P}kv_cache_blocks", "KV blocks by state.", labels=(*LABELS, "tier", "state")
+        )
+        counters = {
+            m: CounterMetricFamily(f"{P}{m}", h, labels=LABELS) for m, _, h in POOL_COUNTERS
+        }
+        per_tier = {
+            m: CounterMetricFamily(f"{P}kv_tier_{m}", h, labels=(*LABELS, "tier"))
+            for m, h in TIER_COUNTERS.items()
+        }
+        for name, stats in snap.pools.items():
+            labels = [model, name, role.get(name, "")]
+            tiers = stats.get("counters", {}).get("tiers", {})
+            for tier, c in tiers.items():
+                for m, family in per_tier.items():
+                    family.add_metric([*labels, tier], c.get(m, 0))
+            for tier in tiers or ("hbm", "dram"):
+                if (t := stats.get(tier)) and t.get("total"):
+                    usage.add_metric([*labels, tier], t["referenced"] / t["total"])
+                    for state in ("free", "referenced", "cached_only"):
+                        blocks.add_metric([*labels, tier, state], t[state])
+            for m, key, _ in POOL_COUNTERS:
+                counters[m].add_metric(labels, stats.get("counters", {}).get(key, 0))
+        return [usage, blocks, *counters.values(), *per_tier.values()]
 
 
 class ServerMetrics:

@@ -235,10 +235,15 @@ def test_second_chat_turn_reports_the_cached_prefix(server, tiny_llama_dir):
     ]
     server.wait_released()
     before = _cache_counters(server)
+    tier_hits = server.total("minimemserve:kv_tier_hit_tokens_total")
     b = server.client.chat.completions.create(
         model=MODEL, messages=second, max_tokens=8, temperature=0
     )
     cached = b.usage.prompt_tokens_details.cached_tokens
+    # each pool's matches, by the tier they found their tokens in (every tier of its chain);
+    # a decode instance's match of what P sends it counts there too
+    assert server.total("minimemserve:kv_tier_hit_tokens_total", 'tier="hbm"') > 0
+    assert server.total("minimemserve:kv_tier_hit_tokens_total") - tier_hits >= cached
     tok = Tokenizer.from_dir(tiny_llama_dir)
     prompt1 = ChatFormat(tiny_llama_dir, tok).render([(m["role"], m["content"]) for m in first])
     assert cached > shared and cached % 16 == 0 and cached >= len(prompt1) // 16 * 16
