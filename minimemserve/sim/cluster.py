@@ -23,6 +23,7 @@ import heapq
 import itertools
 import math
 import zlib
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -53,8 +54,8 @@ from .tiers import TierPrices, sim_chain
 HANDOFF_CALLS, RETURN_CALLS = (2, 2), (1, 2)
 # Lowest stand-in output token id: 0-2 are <unk>, <s> and </s> in Llama vocabularies.
 FIRST_OUTPUT_TOKEN = 3
-# Tokens made ahead for this many steps or more are computed for all rows in one array.
-ARRAY_TOKENS_FROM = 6
+# A stand-in token steps its request id's hash by this (a prime) per position.
+TOKEN_STEP = 7919
 
 
 class Transfer:
@@ -151,11 +152,14 @@ class _TokenIds:
     """The tokenizer of a simulated engine: prompts are token ids already, outputs have no text."""
 
     @staticmethod
-    def prompt_ids(prompt: Sequence[int]) -> list[int]:
-        """The ids (the cluster builds prompts of ints: no conversion)."""
+    def prompt_ids(prompt: Sequence[int]) -> Sequence[int]:
+        """The ids (the cluster builds prompts of ints, a replay as an int64 array: no
+        conversion)."""
         if isinstance(prompt, str):
             raise ConfigError("the simulator takes prompts as token ids, not text")
-        return prompt if type(prompt) is list else list(prompt)  # read, never changed
+        if type(prompt) is list or (type(prompt) is array and prompt.typecode == "q"):
+            return prompt  # read, never changed
+        return list(prompt)
 
     @staticmethod
     def decode(ids: Sequence[int]) -> None:
@@ -176,12 +180,17 @@ class SimEngine(Engine):
         return set(self.model_config.eos_token_ids)
 
     @functools.cached_property
-    def _bases(self) -> dict[str, int]:
-        return {}  # request id -> the hash its stand-in tokens start from
-
-    @functools.cached_property
     def _span(self) -> int:
         return self.model_config.vocab_size - FIRST_OUTPUT_TOKEN  # stand-in token ids
+
+    @functools.cached_property
+    def _stand_ins(self) -> StandInTable | None:
+        """The table stand-in tokens are sliced from (None where it cannot be built)."""
+        return StandInTable.build(self._span, self._eos, self.max_model_len)
+
+    @functools.cached_property
+    def _starts(self) -> dict[str, int]:
+        return {}  # request id -> its first stand-in token's entry in the table (or its hash)
 
     _checked: tuple | None = None  # the last (prompt, params) validated and its ids
 
@@ -213,14 +222,17 @@ class SimEngine(Engine):
         plan, self._pending = self._pending, None
         tokens: list[int | None] = []
         first = []
-        span, eos, bases = self._span, self._eos, self._bases
+        table, span, starts = self._stand_ins, self._span, self._starts
         for r, n in plan.batch:
             if r.num_computed + n != len(r.tokens):
                 tokens.append(None)
                 continue
             pos = len(r.tokens) - r.num_prompt
-            base = bases[r.request_id] if r.request_id in bases else self._base(r)
-            tokens.append(stand_in_token(base, pos, span, eos))
+            start = starts[r.request_id] if r.request_id in starts else self._start(r)
+            if table is None:
+                tokens.append(stand_in_token(start, pos, span, self._eos))
+            else:
+                tokens.append(table.tokens[(start + pos) % span])
             if pos == 0:
                 first.append(r.request_id)
         return self.postprocess(plan, tokens, {}), first
@@ -247,37 +259,29 @@ class SimEngine(Engine):
         """``begin_step`` and ``end_step`` with no time between."""
         return self.end_step()[0] if self.begin_step() is not None else []
 
-    def _base(self, req: Request) -> int:
-        """The hash ``req``'s stand-in tokens start from."""
-        base = self._bases.get(req.request_id)
-        if base is None:
-            base = self._bases[req.request_id] = zlib.crc32(req.request_id.encode())
-        return base
-
-    def _token(self, req: Request) -> int:
-        """A stand-in output token (:func:`stand_in_token`)."""
-        pos = len(req.tokens) - req.num_prompt
-        return stand_in_token(self._base(req), pos, self._span, self._eos)
+    def _start(self, req: Request) -> int:
+        """Where ``req``'s stand-in tokens start in the table (without one, its id's hash)."""
+        start = self._starts.get(req.request_id)
+        if start is None:
+            start = zlib.crc32(req.request_id.encode())
+            if self._stand_ins is not None:
+                start = self._stand_ins.start(start)
+            self._starts[req.request_id] = start
+        return start
 
     def decode_ahead(self, batch: Sequence[tuple[Request, int]], k: int) -> None:
         """What ``k`` decode steps of ``batch`` leave behind when none ends a request: each
         request computed ``k`` more tokens and holds ``k`` more stand-in tokens, as ``k``
         rounds of :meth:`end_step` would leave it (its blocks are the caller's to grow)."""
-        span, eos, bases = self._span, self._eos, self._bases
-        rows = [
-            (req, len(req.tokens) - req.num_prompt, bases.get(req.request_id) or self._base(req))
-            for req, _ in batch
-        ]
-        made = _stand_in_rows(rows, k, span, eos) if k >= ARRAY_TOKENS_FROM else None
-        if made is None:
-            for req, pos, base in rows:
-                req.tokens.extend(stand_in_tokens(base, pos, k, span, eos))
-                req.num_computed += k
-                req.metrics.output_tokens = pos + k
-            return
-        row = memoryview(made).cast("B")
-        for i, (req, pos, _) in enumerate(rows):
-            req.tokens.frombytes(row[i * 8 * k : (i + 1) * 8 * k])
+        table, span, starts = self._stand_ins, self._span, self._starts
+        for req, _ in batch:
+            pos = len(req.tokens) - req.num_prompt
+            start = starts[req.request_id] if req.request_id in starts else self._start(req)
+            if table is None:
+                req.tokens.extend(stand_in_tokens(start, pos, k, span, self._eos))
+            else:  # one slice, whole: k never exceeds the context, the table's overhang
+                at = (start + pos) % span
+                req.tokens += table.tokens[at : at + k]
             req.num_computed += k
             req.metrics.output_tokens = pos + k
 
@@ -286,7 +290,11 @@ def stand_in_token(base: int, position: int, span: int, eos: set[int]) -> int:
     """The stand-in output token at ``position`` of a request whose id hashes to ``base``:
     the hash stepped by the position, within the ``span`` ids from :data:`FIRST_OUTPUT_TOKEN`,
     never an ``eos`` id."""
-    tok = FIRST_OUTPUT_TOKEN + (base + 7919 * position) % span
+    return _past_eos(FIRST_OUTPUT_TOKEN + (base + TOKEN_STEP * position) % span, span, eos)
+
+
+def _past_eos(tok: int, span: int, eos: set[int]) -> int:
+    """``tok``, or the first id after it (within the span, wrapping) that is not in ``eos``."""
     while tok in eos:
         tok = FIRST_OUTPUT_TOKEN + (tok + 1 - FIRST_OUTPUT_TOKEN) % span
     return tok
@@ -294,21 +302,40 @@ def stand_in_token(base: int, position: int, span: int, eos: set[int]) -> int:
 
 def stand_in_tokens(base: int, position: int, n: int, span: int, eos: set[int]) -> list[int]:
     """:func:`stand_in_token` at ``n`` positions from ``position``."""
-    out = [FIRST_OUTPUT_TOKEN + (base + 7919 * p) % span for p in range(position, position + n)]
-    if not eos.isdisjoint(out):
-        out = [stand_in_token(base, p, span, eos) for p in range(position, position + n)]
-    return out
+    return [stand_in_token(base, p, span, eos) for p in range(position, position + n)]
 
 
-def _stand_in_rows(rows: list[tuple], k: int, span: int, eos: set[int]) -> bytes | None:
-    """:func:`stand_in_tokens` of ``k`` positions for each ``(request, position, base)`` row,
-    as the int64 bytes of a ``[rows, k]`` array; None when a stop token falls among them."""
-    start = np.array([base + 7919 * pos for _, pos, base in rows], dtype=np.int64)  # [rows]
-    tokens = FIRST_OUTPUT_TOKEN + (start[:, None] + 7919 * np.arange(k)) % span  # [rows, k]
-    stops = [e for e in eos if e >= FIRST_OUTPUT_TOKEN]  # below it: never a stand-in token
-    if stops and np.isin(tokens, stops).any():
-        return None
-    return tokens.tobytes()
+@dataclass(frozen=True)
+class StandInTable:
+    """Stand-in tokens as slices of one table. :func:`stand_in_token` at position ``p`` of a
+    hash ``base`` depends on ``(base + TOKEN_STEP * p) % span`` alone; where ``TOKEN_STEP`` is
+    invertible mod ``span`` that is ``TOKEN_STEP * (start + p) % span`` with ``start = base /
+    TOKEN_STEP mod span``, so with ``tokens[q]`` the token of ``TOKEN_STEP * q % span`` a
+    request's ``k`` tokens from position ``p`` are ``tokens[(start + p) % span:][:k]``: one
+    copy, not ``k`` hashes. The table runs ``longest`` entries past ``span``, so no slice of
+    up to ``longest`` tokens (an engine's context) wraps."""
+
+    tokens: array  # int64
+    span: int
+    longest: int
+    inverse: int  # of TOKEN_STEP, mod span
+
+    @classmethod
+    def build(cls, span: int, eos: set[int], longest: int) -> StandInTable | None:
+        """The table, or None where ``TOKEN_STEP`` is not invertible mod ``span``."""
+        if math.gcd(TOKEN_STEP, span) != 1:
+            return None
+        q = np.arange(span + longest, dtype=np.int64)
+        raw = FIRST_OUTPUT_TOKEN + (TOKEN_STEP * q) % span
+        tokens = raw.copy()
+        for stop in eos:  # stand_in_token steps past a stop id: so does the table's entry
+            if FIRST_OUTPUT_TOKEN <= stop < FIRST_OUTPUT_TOKEN + span:
+                tokens[raw == stop] = _past_eos(stop, span, eos)
+        return cls(array("q", tokens.tobytes()), span, longest, pow(TOKEN_STEP, -1, span))
+
+    def start(self, base: int) -> int:
+        """The entry of position 0 of a request whose id hashes to ``base``."""
+        return base * self.inverse % self.span
 
 
 def stand_in_answer(request_id: str, n: int, model_config: ModelConfig) -> list[int]:

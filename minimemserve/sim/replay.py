@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import functools
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -156,7 +157,8 @@ class Replay:
 
     def _submit(self, si: int, k: int, history: Sequence[int]) -> None:
         session = self._sessions[si]
-        prompt = build_prompt(session, k, history)
+        # as int64 tokens once: routing, validation and the request take them without a copy
+        prompt = array("q", build_prompt(session, k, history))
         rid, params = f"{session.id}/{k}", self._params_for(session.turns[k])
         for entry in self.entry:  # the prompt trees as they are now
             if self._touched(entry):
