@@ -256,6 +256,8 @@ class TierStore:
     def unhold(self, t: Tier, blocks: list[int], floor: bytearray | None = None) -> None:
         """Drop a reference on each of ``blocks`` and settle the nodes that list them."""
         t.alloc.decref(blocks, floor)
+        if not self.tree.num_blocks:  # nothing indexed: no node lists them
+            return
         nodes = set(map(t.node_of.__getitem__, blocks))
         nodes.discard(None)
         for node in nodes:

@@ -273,15 +273,17 @@ class SimEngine(Engine):
         """What ``k`` decode steps of ``batch`` leave behind when none ends a request: each
         request computed ``k`` more tokens and holds ``k`` more stand-in tokens, as ``k``
         rounds of :meth:`end_step` would leave it (its blocks are the caller's to grow)."""
-        table, span, starts = self._stand_ins, self._span, self._starts
+        table, span = self._stand_ins, self._span
         for req, _ in batch:
-            pos = len(req.tokens) - req.num_prompt
-            start = starts[req.request_id] if req.request_id in starts else self._start(req)
+            tokens, start = req.tokens, self._starts.get(req.request_id)
+            pos = len(tokens) - req.num_prompt
+            if start is None:
+                start = self._start(req)
             if table is None:
-                req.tokens.extend(stand_in_tokens(start, pos, k, span, self._eos))
+                tokens.extend(stand_in_tokens(start, pos, k, span, self._eos))
             else:  # one slice, whole: k never exceeds the context, the table's overhang
                 at = (start + pos) % span
-                req.tokens += table.tokens[at : at + k]
+                tokens += table.tokens[at : at + k]
             req.num_computed += k
             req.metrics.output_tokens = pos + k
 

@@ -55,12 +55,14 @@ def _run_limit(batch, block_size: int, free: int, available: int) -> tuple[int, 
     new blocks than ``available``; the step that needs more than ``free`` evicts."""
     firsts: list[int] = []
     left: list[int] = []
-    for r, _ in batch:
+    for r, _ in batch:  # (no min or max per row: this runs per row per run)
         p = r.params
         if p.stop_token_ids or not r.prefilled:
             return 1, 1, firsts, left
-        left.append(min(p.max_tokens + r.num_prompt, r.max_total_tokens) - len(r.tokens))
-        firsts.append(max(2, len(r.blocks) * block_size - r.num_computed + 1))
+        end, cap = p.max_tokens + r.num_prompt, r.max_total_tokens
+        left.append((end if end < cap else cap) - len(r.tokens))
+        first = len(r.blocks) * block_size - r.num_computed + 1
+        firsts.append(first if first > 2 else 2)
     limit = max(1, min(left))
 
     def needed(step: int) -> int:  # new blocks through ``step``
