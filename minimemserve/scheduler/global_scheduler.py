@@ -189,6 +189,7 @@ class GlobalScheduler:
         self._rr = itertools.count()
         self.num_transfers = 0  # routes that asked for a prefix transfer
         self._answers = [0, 0]  # output tokens and requests finished: the mean answer length
+        self._last_exec: tuple[tuple[int, int] | None, float] = (None, 0.0)  # see _exec
         self.dispatches: Counter[str] = Counter()  # requests sent to each instance
 
     def add(self, name: str) -> None:
@@ -295,7 +296,13 @@ class GlobalScheduler:
         return min(self.trees.cached(name, tokens), len(tokens) - 1)
 
     def _exec(self, x: int, cached: int) -> float:
-        return self.cost.exec(x, cached / x)
+        """``cost.exec`` of a prompt of ``x`` tokens, ``cached`` of them cached there; the last
+        remembered (a prompt is priced as it is routed, then again as it is dispatched)."""
+        key, seconds = self._last_exec
+        if key != (x, cached):
+            seconds = self.cost.exec(x, cached / x)
+            self._last_exec = ((x, cached), seconds)
+        return seconds
 
     def _by_cost(self, x: int, cached: dict[str, int], max_tokens: int | None) -> Route:
         holder = max(self.live, key=lambda q: cached[q])  # the first of those holding most

@@ -768,6 +768,24 @@ class SimCluster(DecodeRuns, Replay):
             inst.decode_batch_sum += decodes * decodes
             inst.decode_context_sum += context
 
+    def _count_steps(
+        self, inst: SimInstance, seconds: Sequence[float], decodes: int, contexts: Sequence[int]
+    ) -> None:
+        """:meth:`_count` of each step of a run (one count per step, its seconds added one by
+        one as ``_count`` adds them: the same sums to the last bit)."""
+        if not seconds:
+            return
+        busy, inst_busy = self.busy_s, inst.busy_s
+        for s in seconds:
+            busy += s
+            inst_busy += s
+        self.busy_s, inst.busy_s = busy, inst_busy
+        self.steps += len(seconds)
+        if decodes:
+            inst.decode_rows += decodes * len(seconds)
+            inst.decode_batch_sum += decodes * decodes * len(seconds)
+            inst.decode_context_sum += sum(contexts)
+
     def _count_stall(self, inst: SimInstance, shape: StepShape, seconds: float) -> None:
         """A step with prefill work: its time, and what it holds up the requests decoding on
         ``inst`` (the whole step for those left out of it, its prefill part for the others)."""

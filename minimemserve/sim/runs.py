@@ -208,8 +208,7 @@ class DecodeRuns:
         inst.run = None
         self.run_steps += done
         rows = len(run.batch)
-        for k in range(done):
-            self._count(inst, run.seconds[k], rows, run.contexts[k])
+        self._count_steps(inst, run.seconds[:done], rows, run.contexts[:done])
         sched, batch, pool = inst.engine.scheduler, run.batch, inst.pool
         growths = _growth_order(run.growths, done + 1, pool.block_size)
         if len(growths) <= pool.num_free():  # no eviction: taken at once, in stepping's order
