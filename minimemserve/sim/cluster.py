@@ -282,8 +282,8 @@ class SimEngine(Engine):
             if table is None:
                 tokens.extend(stand_in_tokens(start, pos, k, span, self._eos))
             else:  # one slice, whole: k never exceeds the context, the table's overhang
-                at = (start + pos) % span
-                tokens += table.tokens[at : at + k]
+                at = 8 * ((start + pos) % span)  # int64 tokens: 8 bytes each
+                tokens.frombytes(table.raw[at : at + 8 * k])
             req.num_computed += k
             req.metrics.output_tokens = pos + k
 
@@ -321,6 +321,11 @@ class StandInTable:
     span: int
     longest: int
     inverse: int  # of TOKEN_STEP, mod span
+
+    @functools.cached_property
+    def raw(self) -> memoryview:
+        """``tokens``' bytes (a slice of them copies nothing until it lands)."""
+        return memoryview(self.tokens).cast("B")
 
     @classmethod
     def build(cls, span: int, eos: set[int], longest: int) -> StandInTable | None:
