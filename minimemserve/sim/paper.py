@@ -142,7 +142,7 @@ POLICY = "prompt_tree"
 MOVED = "†"
 MOVED_NOTE = (
     f"A ratio that moves by {STEADY_TOLERANCE:.0%} or more between N and 2N sessions is "
-    f"measured again with N doubled, up to {DOUBLINGS} times (each cell's N is in the JSON); "
+    "measured again with N doubled, up to {doublings} time(s) (each cell's N is in the JSON); "
     f"{MOVED}: it still moves that much at the largest N. A side found unstable at any N is "
     f"overloaded in every comparison at its rate."
 )
@@ -975,7 +975,7 @@ def markdown(result: dict) -> str:
         "",
         verdicts_md(result),
         "",
-        rows_md(result["rows"]),
+        rows_md(result["rows"], result["plan"]["doublings"]),
         "",
         bounds_md(result["rows"]),
         "",
@@ -1033,8 +1033,9 @@ def verdicts_md(result: dict) -> str:
     return "\n".join(lines)
 
 
-def rows_md(rows: list[dict]) -> str:
-    """Every number at every layout and load: the paper's (1 + gain) against the simulated."""
+def rows_md(rows: list[dict], doublings: int = DOUBLINGS) -> str:
+    """Every number at every layout and load: the paper's (1 + gain) against the simulated
+    (``doublings``: the plan's most re-runs with N doubled)."""
     keys = load_keys(rows)
     lines = [
         f"| workload | comparison | metric | paper | sides | {' | '.join(keys)} | rates |",
@@ -1049,7 +1050,7 @@ def rows_md(rows: list[dict]) -> str:
                 f"| {r['workload']} | {r['comparison']} | {r['metric']} | "
                 f"{r['paper_ratio']:.3f} | {col} | {' | '.join(map(_cell_md, cells))} | {rates} |"
             )
-    return "\n".join(lines) + f"\n\n{MOVED_NOTE}"
+    return "\n".join(lines) + "\n\n" + MOVED_NOTE.format(doublings=doublings)
 
 
 def bounds_md(rows: list[dict]) -> str:
