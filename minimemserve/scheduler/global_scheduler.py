@@ -146,7 +146,7 @@ class PromptTrees:
         return 0 if tree is None else tree.num_blocks
 
 
-@dataclass
+@dataclass(slots=True)
 class _Queued:
     instance: str
     prefill: float  # predicted prefill time
@@ -312,18 +312,18 @@ class GlobalScheduler:
         for y in cached.values():
             if y not in execs:
                 execs[y] = self._exec(x, y)
-        options = []  # the first cheapest wins ties
+        options = []  # Route's fields, cost first; the first cheapest wins ties
         for p in self.live:
             base, n = loads[p]
-            options.append(Route(p, cached[p], base + (1 + n) * execs[cached[p]]))
+            options.append((base + (1 + n) * execs[cached[p]], p, cached[p], None, 0))
             if moves and cached[holder] > cached[p]:  # or the holder sends what p lacks first
                 cost = self.cost.transfer(cached[holder] - cached[p])
                 cost += base + (1 + n) * execs[cached[holder]]
-                options.append(Route(p, cached[holder], cost, holder, cached[holder]))
-        best = min(options, key=lambda r: r.cost)
-        if best.transfer_from is not None:
+                options.append((cost, p, cached[holder], holder, cached[holder]))
+        cost, p, hit, src, moved = min(options, key=lambda o: o[0])
+        if src is not None:
             self.num_transfers += 1
-        return best
+        return Route(p, hit, cost, src, moved)  # the winner's alone (a frozen one is slow)
 
     def after_push(self, route: Route, tokens: Sequence[int], moved: int = 0) -> Route:
         """``route`` once its prefix push is over, ``moved`` tokens of it landed (0: none, the
