@@ -797,8 +797,10 @@ class SimCluster(DecodeRuns, Replay):
         self.prefill_busy_s += seconds
         inst.prefill_busy_s += seconds
         decoding = sum(1 for r in inst.engine.scheduler.running if r.prefilled)
-        alone = self.step_time(StepShape((), shape.decodes, len(shape.decodes)))
-        self.decode_stall_s += decoding * (seconds - (alone if shape.decodes else 0.0))
+        alone = 0.0  # the decodes' part, priced only where there are some (prefill_first: none)
+        if shape.decodes:
+            alone = self.step_time(StepShape((), shape.decodes, len(shape.decodes)))
+        self.decode_stall_s += decoding * (seconds - alone)
 
     def _slowdown(self, inst: SimInstance) -> float:
         """How many times longer the step ``inst`` starts takes than alone: by the contention
