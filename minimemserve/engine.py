@@ -718,20 +718,16 @@ class Engine:
             req.error = f"failed on {self.pool.instance_id} without a recorded cause"
         self.recipe.run(hook, self.pool, req, self.peers)
         now = self.clock() if now is None else now
-        ids = req.output_token_ids  # listed once, for the text and the output
-        return self._close(req, reason, now, self.tokenizer.decode(ids), ids)
+        return self._close(req, reason, now, self.tokenizer.decode(req.output_token_ids))
 
-    def _close(
-        self, req: Request, reason: str, now: float, text: str, ids: list[int] | None = None
-    ) -> RequestOutput:
-        """Forget ``req`` (its blocks already released) and return its output (of its output
-        tokens ``ids``, when listed already)."""
+    def _close(self, req: Request, reason: str, now: float, text: str) -> RequestOutput:
+        """Forget ``req`` (its blocks already released) and return its output."""
         req.finish_reason = reason
         req.status = Status.FINISHED
         req.metrics.finish_time = now
         self.requests.pop(req.request_id, None)
         self.deltas.pop(req.request_id, None)  # the output carries every token
-        return req.to_output(text, ids)
+        return req.to_output(text)
 
 
 def _record_delta(deltas: dict[str, TokenDelta], req: Request, tok: int) -> None:

@@ -183,13 +183,12 @@ class Request:
         """Tokens whose KV still has to be computed before the next token can be sampled."""
         return len(self.tokens) - self.num_computed
 
-    def to_output(self, text: str | None, token_ids: list[int] | None = None) -> RequestOutput:
-        """Freeze into a ``RequestOutput`` (``token_ids``: :attr:`output_token_ids`, when the
-        caller has them already)."""
+    def to_output(self, text: str | None) -> RequestOutput:
+        """Freeze into a ``RequestOutput``."""
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
-            token_ids=self.output_token_ids if token_ids is None else token_ids,
+            token_ids=self.output_token_ids,
             text=text,
             finish_reason=self.finish_reason or "error",
             metrics=self.metrics,

@@ -50,11 +50,6 @@ class BlockAllocator:
         if start >= 0:
             out = list(range(start, start + n))
             free_map[start : start + n] = bytes(n)  # their queue entries are now stale
-        elif len(self._free) == self._num_free:  # no stale entry: each free block once
-            take = self._free.popleft
-            out = [take() for _ in range(n)]
-            for b in out:
-                free_map[b] = 0
         else:
             free, out = self._free, []
             while len(out) < n:

@@ -100,7 +100,6 @@ class LocalScheduler:
         """Give running requests their pending tokens (a decode's one, a prompt's next chunk)
         within the budget; with ``decodes_only``, only those with one token pending."""
         limit, block_size, running = self.max_num_batched_tokens, self.block_size, Status.RUNNING
-        add = dict.__setitem__  # each request comes once: _Batch.__setitem__'s lookup is moot
         for req in list(self.running):  # (attributes read once: this runs per row per step)
             budget = limit - batch.tokens  # a preempted victim gives back
             if req.status is not running or budget == 0:
@@ -111,8 +110,7 @@ class LocalScheduler:
             n = pending if pending < budget else budget
             end = req.num_computed + n  # most decodes fit in the blocks they hold: no _grow
             if -(-end // block_size) <= len(req.blocks) or self._grow(req, end, batch):
-                add(batch, req, n)
-                batch.tokens += n
+                batch[req] = n
 
     def _prefills_alone(self, batch: _Batch, failed: list[Request]) -> None:
         """``prefill_first``'s prefill step: the next chunk of a prompt too long for the
