@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minimemserve.config import EngineConfig
 from minimemserve.engine import Engine
-from minimemserve.harness.profile import load_transfer_samples, profile
 from minimemserve.presets import preset_dir
 from minimemserve.scheduler.cost_model import CostModel, OpSample
+from minimemserve_lab.harness.profile import load_transfer_samples, profile
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The tiny preset holds 2048 positions: the longest prompt leaves room for one output token.

@@ -22,9 +22,9 @@ from pathlib import Path
 from minimemserve.deployment import DeploymentSpec
 from minimemserve.disagg.nixl import nixl_missing
 from minimemserve.disagg.runtime import ProcessCluster
-from minimemserve.harness.driver import COLOCATED_INSTANCES, CORES_PER_INSTANCE, run_bench
-from minimemserve.harness.hosts import HostsCluster
 from minimemserve.workloads.results import DEFAULT_CONFIGS, DEFAULT_RATE, DEFAULT_SESSIONS
+from minimemserve_lab.harness.driver import COLOCATED_INSTANCES, CORES_PER_INSTANCE, run_bench
+from minimemserve_lab.harness.hosts import HostsCluster
 
 RUNTIMES = {"shm": (ProcessCluster, "shm"), "gloo": (HostsCluster, "gloo")}
 if nixl_missing() is None:

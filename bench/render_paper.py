@@ -1,7 +1,7 @@
 """Render the numbers of README.md and docs/simulator.md from the committed evaluations.
 
 Every ``<!-- sim_paper RUN:BLOCK -->`` ... ``<!-- /sim_paper -->`` block in those files is
-written again from ``docs/paper/RUN/sim_paper.json`` (``minimemserve.sim.paper.RENDERERS``
+written again from ``docs/paper/RUN/sim_paper.json`` (``minimemserve_lab.paper.RENDERERS``
 names the blocks); a test checks that the committed files are what this writes.
 
     python bench/render_paper.py
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from minimemserve.sim import paper
+from minimemserve_lab import paper
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = (ROOT / "README.md", ROOT / "docs" / "simulator.md")

@@ -25,14 +25,14 @@ from pathlib import Path
 
 from minimemserve.config import EngineConfig
 from minimemserve.deployment import DeploymentSpec
-from minimemserve.harness.driver import (
+from minimemserve.scheduler.cost_model import CostModel
+from minimemserve.scheduler.global_scheduler import ROUTING_POLICIES
+from minimemserve_lab.harness.driver import (
     COLOCATED_INSTANCES,
     CORES_PER_INSTANCE,
     process_factories,
     run_bench,
 )
-from minimemserve.scheduler.cost_model import CostModel
-from minimemserve.scheduler.global_scheduler import ROUTING_POLICIES
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scheduler.json"
 CONFIG = "PD-CC"

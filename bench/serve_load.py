@@ -33,10 +33,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from minimemserve import LLM, SamplingParams
-from minimemserve.harness.http_target import HttpServing
 from minimemserve.model.tokenizer import Tokenizer
 from minimemserve.presets import preset_dir
 from minimemserve.sharegpt import iter_sharegpt
+from minimemserve_lab.harness.http_target import HttpServing
 
 # Prompts are cut to this many tokens so requests stay comparable (tiny model, CPU).
 MAX_PROMPT_TOKENS = 256

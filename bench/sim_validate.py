@@ -37,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minimemserve.config import EngineConfig
 from minimemserve.deployment import DeploymentSpec
 from minimemserve.disagg.runtime import ProcessCluster
-from minimemserve.harness import driver
 from minimemserve.presets import preset_dir
 from minimemserve.sampling import SamplingParams
 from minimemserve.scheduler.global_scheduler import GlobalScheduler
@@ -46,6 +45,7 @@ from minimemserve.sim.cluster import Contention
 from minimemserve.sim.profiles import FittedStepModel, StepShape, fit_cpu_steps, with_overhead
 from minimemserve.sim.runner import CPU_INSTANCES, DEFAULT_CONFIGS, cpu_setup, run_sim
 from minimemserve.workloads.results import DEFAULT_RATE, DEFAULT_SESSIONS
+from minimemserve_lab.harness import driver
 
 METRICS = (("ttft_mean", "TTFT mean"), ("jct_mean", "JCT mean"))
 TARGET_ERROR = 0.20  # the accuracy the simulator aims for on each mean

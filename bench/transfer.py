@@ -83,7 +83,8 @@ from minimemserve.disagg import rpc
 from minimemserve.disagg.nixl import POLL_S, Agent, descs, nixl_missing
 from minimemserve.disagg.transports import Staging
 from minimemserve.errors import TransferError
-from minimemserve.harness.transfer_paths import (
+from minimemserve.mempool.shared import SharedPoolTensor
+from minimemserve_lab.harness.transfer_paths import (
     BenchGlooTransport,
     SharedMemoryTransport,
     TransferMode,
@@ -91,7 +92,6 @@ from minimemserve.harness.transfer_paths import (
     pieces_per_transfer,
     start_store,
 )
-from minimemserve.mempool.shared import SharedPoolTensor
 
 RESULTS = Path(__file__).resolve().parent / "results" / "transfer.json"
 RESULTS_NETNS = RESULTS.with_name("transfer_netns.json")

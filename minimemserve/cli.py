@@ -16,10 +16,11 @@ from minimemserve.disagg.launch import parse_address
 from minimemserve.disagg.links import AUTO, kv_link, transport_names
 from minimemserve.disagg.sessions import standalone_main
 from minimemserve.errors import ConfigError, MiniMemServeError
-from minimemserve.harness import driver
 from minimemserve.llm import LLM
 from minimemserve.options import (
+    BENCH_DESCRIPTION,
     PARALLEL_FLAGS,
+    add_bench_arguments,
     add_deployment_arguments,
     add_engine_arguments,
     add_trace_arguments,
@@ -54,6 +55,12 @@ def _generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from minimemserve_lab.harness import driver  # lazy: the lab, imported only to run it
+
+    return driver.main(args)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -130,9 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench",
         help="compare PD, PD-CC, 1P1D, 1P1D-CC (see `minimemserve bench -h`)",
-        description=driver.DESCRIPTION,
+        description=BENCH_DESCRIPTION,
     )
-    driver.add_arguments(b).set_defaults(fn=driver.main)
+    add_bench_arguments(b).set_defaults(fn=_bench)
     s = sub.add_parser(
         "sim",
         help="the same comparison on a simulated GPU cluster (see `minimemserve sim -h`)",

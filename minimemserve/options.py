@@ -305,3 +305,52 @@ def deployment_options(
     if values.get("cost_model") is not None:
         values["cost_model"] = CostModel.load(values["cost_model"])
     return DeploymentSpec(engine=engine, **values | fixed)
+
+
+# ``minimemserve bench``'s DeploymentSpec fields (policy is a workload option, shared with
+# ``sim``) and EngineConfig fields (seed and scheduler are workload options too). Its options
+# are here, not beside the harness, so the command line builds ``bench -h`` without importing
+# the lab (``minimemserve_lab.harness.driver`` runs it).
+BENCH_FIELDS = ("model", "device", "dtype", "policy", "transport", "cost_model")
+BENCH_ENGINE_FLAGS = (
+    "num_blocks",
+    "dram_blocks",
+    "disk_blocks",
+    "disk_dir",
+    "gpu_memory_utilization",
+    "load_format",
+    "handoff",
+    *PARALLEL_FLAGS,
+)
+BENCH_DESCRIPTION = (
+    "Replay a multi-turn workload under several configurations and compare TTFT, JCT and "
+    "TPOT (mean and P99)."
+)
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the options of ``minimemserve bench`` to ``p``; returns ``p``."""
+    add_workload_arguments(p, rate=None)
+    add_deployment_arguments(p, ("model", "device", "dtype"))
+    add_engine_arguments(p, BENCH_ENGINE_FLAGS)
+    p.add_argument(
+        "--runtime",
+        choices=("process", "hosts", "ray", "inline"),
+        default="process",
+        help="process: every instance its own process on one core (colocated configs run "
+        "two instances, xPyD ones x+y), the equal-resources comparison; hosts: the same, as "
+        "`minimemserve instance` processes a frontend joins (the multi-host runtime on this "
+        "machine); ray: the same instances as Ray actors on the cluster at --ray-address (else a "
+        "local one); inline: one process, instances stepped in turn (default: %(default)s)",
+    )
+    add_deployment_arguments(p, ("transport", "cost_model", "ray_address", "placement"))
+    p.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        metavar="[NAME=]URL",
+        help="replay over the OpenAI API of a running `minimemserve serve` at URL (streaming; "
+        "TTFT is the first chunk), shown as NAME (default: its URL); repeat to compare "
+        "servers of different configs; replaces --configs",
+    )
+    return p

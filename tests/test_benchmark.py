@@ -11,13 +11,6 @@ import numpy as np
 import pytest
 
 from minimemserve import cli
-from minimemserve.harness.driver import (
-    PROBE_LOAD,
-    burst_capacity,
-    probed_configs,
-    run_bench,
-    run_workload,
-)
 from minimemserve.request import RequestMetrics, RequestOutput
 from minimemserve.sampling import SamplingParams
 from minimemserve.serving import Serving
@@ -35,6 +28,13 @@ from minimemserve.workloads.results import (
 )
 from minimemserve.workloads.sessions import Session, Turn, poisson_arrivals
 from minimemserve.workloads.trace import load_trace
+from minimemserve_lab.harness.driver import (
+    PROBE_LOAD,
+    burst_capacity,
+    probed_configs,
+    run_bench,
+    run_workload,
+)
 
 
 @dataclass

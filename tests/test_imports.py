@@ -6,7 +6,9 @@ subpackage of ``minimemserve``, or ``triton_kernels``) imports only units of low
 a unit missing from the table fails, so a new one is placed before it lands.
 
 A function-level import is allowed only for a module that wraps an optional heavy
-dependency (triton, flash-attn, matplotlib, ZeroMQ), marked ``# lazy: <why>`` on its line.
+dependency (triton, flash-attn, matplotlib, ZeroMQ), or for the evaluation lab
+(``minimemserve_lab``) in the command that runs one of its jobs, marked ``# lazy: <why>`` on
+its line.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("minimemserve", "triton_kernels")
+PACKAGES = ("minimemserve", "triton_kernels", "minimemserve_lab")
 
 # Bottom first. Core: errors up to the engine; runtimes: the in-process and the process runtimes,
 # the deployment spec that builds any runtime, and LLM (the package root exports them); workloads
-# and the shared command-line options; the server and the simulator; the benchmark harness; the
-# command line over everything.
+# and the shared command-line options; the server and the simulator; the evaluation lab (the
+# paper's reproduction, the benchmark harness: outside the package, which imports it only inside
+# the commands that run it); the command line over everything.
 LAYERS = (
     ("errors", "sharegpt", "triton_kernels"),
     ("sampling", "blocks", "memory"),
@@ -37,7 +40,7 @@ LAYERS = (
     ("workloads",),
     ("options", "explain"),
     ("server", "sim"),
-    ("harness",),
+    ("minimemserve_lab",),
     ("cli",),
 )
 

@@ -8,7 +8,7 @@ plane gave it; this module moves bytes only.
 :class:`GlooLink`, the runtime's ``gloo`` KV link (:mod:`~minimemserve.disagg.links`), holds
 one per pair of instances.
 The other ways of cutting a transfer into pieces (per layer, per block) exist only for the
-transfer benchmark, in :mod:`minimemserve.harness.transfer_paths`."""
+transfer benchmark, in :mod:`minimemserve_lab.harness.transfer_paths`."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 cached, as the sum of three fitted parts (linear layers, prefix attention, everything
 else; see :class:`CostModel`); ``transfer(n)`` predicts moving ``n`` tokens' KV between
 instances. The coefficients are least-squares fits to measurements of this engine on this
-device (:mod:`minimemserve.harness.profile` takes them; ``bench/cost_model.py`` fits them)."""
+device (:mod:`minimemserve_lab.harness.profile` takes them; ``bench/cost_model.py`` fits them)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ from minimemserve.options import add_engine_arguments, add_workload_arguments, t
 from minimemserve.presets import preset_dir
 from minimemserve.workloads.results import DEFAULT_SESSIONS
 
-from . import calibration, paper, trace_replay
 from .profiles import TRANSFER_MODES, FittedStepModel, HardwareProfile, fit_cpu_steps
 from .replay import ARRIVALS
 from .runner import (
@@ -28,7 +27,6 @@ from .runner import (
     run_sim,
     sweep,
 )
-from .trace_curve import cache_curve, parse_capacities
 
 DESCRIPTION = (
     "Run the engine's scheduling, MemPool and recipes on a simulated cluster in virtual time "
@@ -190,6 +188,8 @@ def _setup(args: argparse.Namespace) -> SimSetup:
 def _trace(args: argparse.Namespace) -> int:
     """``--trace``: Fig. 10, or the configurations replayed by the trace's timestamps at each
     load of ``--sweep`` (multiples of the trace's request rate; default 1 / --time-scale)."""
+    from minimemserve_lab import trace_replay  # lazy: the lab, imported only to run it
+
     progress = not args.no_progress
     if args.tiers is not None:
         if not 0 < args.tiers <= 1:
@@ -222,6 +222,8 @@ def _trace(args: argparse.Namespace) -> int:
 
 def _audit(path: str) -> int:
     """``sim --paper --audit FILE``: prints each difference; 1 if any."""
+    from minimemserve_lab import paper  # lazy: the lab, imported only to run it
+
     differences = paper.audit(path)
     for line in differences:
         print(line)
@@ -236,11 +238,15 @@ def main(args: argparse.Namespace) -> int:
         anchors()
         return 0
     if args.calibrate:
+        from minimemserve_lab import calibration  # lazy: the lab, imported only to run it
+
         calibration.calibrate(args.calibrate.split(","), args.hardware, args.write)
         return 0
     if args.cache_curve:
         if not args.trace:
             raise ConfigError("--cache-curve needs --trace FILE (or --trace mooncake)")
+        from minimemserve_lab.trace_curve import cache_curve, parse_capacities  # lazy: the lab
+
         caps = parse_capacities(args.cache_curve)
         cache_curve(trace_path(args), caps, args.out, args.trace_window, not args.no_progress)
         return 0
@@ -249,6 +255,8 @@ def main(args: argparse.Namespace) -> int:
     if args.paper and args.audit:
         return _audit(args.audit)
     if args.paper:
+        from minimemserve_lab import paper  # lazy: the lab, imported only to run it
+
         paper.reproduce(
             args.scheduler or "prefill_first",
             args.out,

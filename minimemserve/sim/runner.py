@@ -268,7 +268,7 @@ def regime_label(arrivals: str) -> str:
 def role_stats(cluster: SimCluster, counters: dict[str, tuple] | None = None) -> dict[str, dict]:
     """Per role of ``cluster``'s instances: how many, their seconds in steps, and their
     decode rows with the row-weighted mean decode batch and KV length (what a bound on a
-    layout's gain is computed from, ``sim.bound``); from ``counters`` by instance name
+    layout's gain is computed from, ``minimemserve_lab.bound``); from ``counters`` by instance name
     (``SimInstance.counters``; default: each instance's own so far)."""
     out: dict[str, dict] = {}
     for inst in cluster.instances:

@@ -28,7 +28,7 @@ from minimemserve.disagg.launch import InstanceInfo, pair_transport
 from minimemserve.disagg.nixl import nixl_missing
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.errors import ConfigError
-from minimemserve.harness.hosts import LocalInstances
+from minimemserve_lab.harness.hosts import LocalInstances
 
 CONFIG = EngineConfig(num_blocks=128)
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -333,7 +333,7 @@ def test_ctrl_c_or_sigterm_on_the_frontend_shuts_everything_down(tiny_llama_dir,
 
 def test_benchmark_runs_configs_across_processes(tiny_llama_dir):
     from minimemserve.deployment import DeploymentSpec
-    from minimemserve.harness.driver import process_factories, run_bench
+    from minimemserve_lab.harness.driver import process_factories, run_bench
 
     configs = ["1P1D-CC"]
     res = run_bench(

@@ -12,7 +12,8 @@ import torch
 from helpers import listening
 
 from minimemserve.errors import TransferError
-from minimemserve.harness.transfer_paths import (
+from minimemserve.mempool.shared import SHM_DIR, SharedHandle, SharedPoolTensor, attach
+from minimemserve_lab.harness.transfer_paths import (
     BenchGlooTransport,
     CopyTransport,
     SharedMemoryTransport,
@@ -24,7 +25,6 @@ from minimemserve.harness.transfer_paths import (
     remove_stale_segments,
     start_store,
 )
-from minimemserve.mempool.shared import SHM_DIR, SharedHandle, SharedPoolTensor, attach
 
 NUM_BLOCKS = 12
 LAYERS = 3

@@ -24,10 +24,10 @@ from minimemserve.attention.base import SeqSlice
 from minimemserve.attention.torch_backend import TorchAttention
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.errors import CheckpointError, ConfigError
-from minimemserve.harness.driver import run_bench
 from minimemserve.model import Family, ModelConfig, load_weights, registry
 from minimemserve.model.layers import CausalLM
 from minimemserve.model.tokenizer import Tokenizer
+from minimemserve_lab.harness.driver import run_bench
 
 ATOL = 1e-4  # fp32, max abs difference of logits
 LLAMA3_ROPE = {

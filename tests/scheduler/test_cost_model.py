@@ -10,8 +10,8 @@ from helpers import assert_pool_clean
 
 from minimemserve.config import EngineConfig
 from minimemserve.engine import Engine
-from minimemserve.harness.profile import load_transfer_samples, profile
 from minimemserve.scheduler.cost_model import CostModel, OpSample
+from minimemserve_lab.harness.profile import load_transfer_samples, profile
 
 KNOWN = CostModel(
     linear=(2.0e-5, 1.0e-3),

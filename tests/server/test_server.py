@@ -21,11 +21,11 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from minimemserve import LLM, SamplingParams  # noqa: E402
-from minimemserve.harness.driver import endpoint_targets, run_bench  # noqa: E402
-from minimemserve.harness.hosts import LocalInstances  # noqa: E402
 from minimemserve.model.tokenizer import Tokenizer  # noqa: E402
 from minimemserve.server import DEFAULT_MAX_PENDING, app  # noqa: E402
 from minimemserve.server.protocol import ChatFormat  # noqa: E402
+from minimemserve_lab.harness.driver import endpoint_targets, run_bench  # noqa: E402
+from minimemserve_lab.harness.hosts import LocalInstances  # noqa: E402
 
 MODEL = "tiny"
 NUM_BLOCKS = 64

@@ -14,7 +14,6 @@ import torch
 
 from minimemserve.cli import build_parser, main
 from minimemserve.errors import ConfigError
-from minimemserve.harness.driver import run_workload
 from minimemserve.llm import LLM
 from minimemserve.model.tokenizer import Tokenizer
 from minimemserve.presets import preset_dir
@@ -25,21 +24,21 @@ from minimemserve.sim import (
     Link,
     RooflineStepModel,
     StepShape,
-    bound,
     calibrate,
     cpu_setup,
     gpu_setup,
     load_model_shape,
-    paper,
     simulate,
 )
 from minimemserve.sim.cluster import scaled_deployment
 from minimemserve.sim.profiles import DATA_DIR, FEATURES, with_overhead
 from minimemserve.sim.replay import open_arrivals
 from minimemserve.sim.runner import CPU_LINK, anchor_time, anchors, with_costs
-from minimemserve.sim.sweep import Curve, Plan, bracket, knee_chain, ratio
 from minimemserve.workloads.results import OVERLOADED
 from minimemserve.workloads.sessions import make_workload, total_turns
+from minimemserve_lab import bound, paper
+from minimemserve_lab.harness.driver import run_workload
+from minimemserve_lab.sweep import Curve, Plan, bracket, knee_chain, ratio
 
 # A step model in the range the tiny preset measures on this CPU (seconds per feature).
 CPU_COEFS = (8e-3, 5e-4, 2e-7, 2e-6, 3e-4, 2.5e-4)

@@ -11,8 +11,8 @@ import pytest
 
 from minimemserve.sim.profiles import GB, HardwareProfile
 from minimemserve.sim.tiers import QueuedDiskStore, TierPrices
-from minimemserve.sim.trace_replay import replay_trace, trace_setup
 from minimemserve.workloads.trace import TRACE_BLOCK, load_trace
+from minimemserve_lab.trace_replay import replay_trace, trace_setup
 
 from .test_trace_replay import small_trace  # noqa: F401  (a fixture)
 

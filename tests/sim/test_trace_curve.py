@@ -9,8 +9,8 @@ from collections import OrderedDict
 import pytest
 
 from minimemserve.cli import main
-from minimemserve.sim.trace_curve import CURVE_LENGTH_SCALE, parse_capacities, replay_hit_rate
 from minimemserve.workloads.trace import TRACE_BLOCK, default_trace_path, load_trace
+from minimemserve_lab.trace_curve import CURVE_LENGTH_SCALE, parse_capacities, replay_hit_rate
 
 
 def lru_hit_rate(rows: list[dict], capacity_tokens: float | None) -> float:

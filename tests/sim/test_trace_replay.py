@@ -8,8 +8,8 @@ import pytest
 
 from minimemserve.cli import main
 from minimemserve.errors import ConfigError
-from minimemserve.sim.trace_replay import fig10, meets_slo, replay_trace, trace_setup
 from minimemserve.workloads.trace import TRACE_BLOCK, load_trace
+from minimemserve_lab.trace_replay import fig10, meets_slo, replay_trace, trace_setup
 
 from .test_trace_curve import _conversations
 

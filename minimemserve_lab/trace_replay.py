@@ -25,11 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from minimemserve.sampling import SamplingParams
+from minimemserve.sim.profiles import HardwareProfile
+from minimemserve.sim.runner import SimSetup, gpu_setup
 from minimemserve.workloads.sessions import Turn
 from minimemserve.workloads.trace import Trace, load_trace, trace_sessions
-
-from .profiles import HardwareProfile
-from .runner import SimSetup, gpu_setup
 
 # Mooncake's trace-replay cluster: a LLaMA3-70B-like model, one 8 x A800 node per instance.
 TRACE_MODEL, TRACE_HARDWARE, TRACE_TP = "llama3-70b", "a800", 8

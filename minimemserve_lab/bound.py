@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .profiles import StepShape
+from minimemserve.sim.profiles import StepShape
+
 from .sweep import interval
 
 BOUND_TERMS = ("rho", "u_p", "b_pd", "b_d", "d_ratio", "estimate", "stall", "floor")

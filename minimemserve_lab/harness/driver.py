@@ -4,8 +4,8 @@
 time: sessions arrive by a Poisson process, a session's next turn is submitted as soon as its
 previous turn finished, with a prompt built from the history and the engine's own output.
 ``run_bench`` runs every configuration on the same sessions, audits every instance's KV pool
-after each, prints a table, and writes JSON and plots. :func:`add_arguments` and
-:func:`main` are ``minimemserve bench``.
+after each, prints a table, and writes JSON and plots. :func:`main` runs ``minimemserve
+bench`` (its options: ``minimemserve.options.add_bench_arguments``).
 
 Every configuration is a :class:`~minimemserve.deployment.DeploymentSpec` (``run_bench``'s
 ``options`` with the configuration's name), built by default as the spec says
@@ -34,14 +34,10 @@ from minimemserve.config import EngineConfig, parse_config_name
 from minimemserve.deployment import DeploymentSpec
 from minimemserve.disagg.ray_runtime import ray_attached
 from minimemserve.disagg.runtime import ProcessCluster
-from minimemserve.harness.hosts import HostsCluster
-from minimemserve.harness.http_target import endpoint_factory
 from minimemserve.model.tokenizer import Tokenizer
 from minimemserve.options import (
-    PARALLEL_FLAGS,
-    add_deployment_arguments,
-    add_engine_arguments,
-    add_workload_arguments,
+    BENCH_ENGINE_FLAGS,
+    BENCH_FIELDS,
     deployment_options,
     engine_options,
     trace_path,
@@ -74,20 +70,9 @@ from minimemserve.workloads.sessions import (
     workload_args,
 )
 from minimemserve.workloads.trace import Trace, load_trace, trace_sessions
+from minimemserve_lab.harness.hosts import HostsCluster
+from minimemserve_lab.harness.http_target import endpoint_factory
 
-# The DeploymentSpec fields ``bench`` takes as options (policy is a workload option, shared
-# with ``sim``), and its EngineConfig fields (seed and scheduler are workload options too).
-BENCH_FIELDS = ("model", "device", "dtype", "policy", "transport", "cost_model")
-BENCH_ENGINE_FLAGS = (
-    "num_blocks",
-    "dram_blocks",
-    "disk_blocks",
-    "disk_dir",
-    "gpu_memory_utilization",
-    "load_format",
-    "handoff",
-    *PARALLEL_FLAGS,
-)
 # Equal resources under the process runtime: one core per instance, and two colocated
 # instances, as many as 1P1D has.
 CORES_PER_INSTANCE = 1
@@ -543,39 +528,6 @@ def _write(result: dict[str, Any], out: Path, model_name: str, verbose: bool) ->
 
 # --------------------------------------------------------------------------- CLI
 
-DESCRIPTION = (
-    "Replay a multi-turn workload under several configurations and compare TTFT, JCT and "
-    "TPOT (mean and P99)."
-)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the options of ``minimemserve bench`` to ``p``; returns ``p``."""
-    add_workload_arguments(p, rate=None)
-    add_deployment_arguments(p, ("model", "device", "dtype"))
-    add_engine_arguments(p, BENCH_ENGINE_FLAGS)
-    p.add_argument(
-        "--runtime",
-        choices=("process", "hosts", "ray", "inline"),
-        default="process",
-        help="process: every instance its own process on one core (colocated configs run "
-        "two instances, xPyD ones x+y), the equal-resources comparison; hosts: the same, as "
-        "`minimemserve instance` processes a frontend joins (the multi-host runtime on this "
-        "machine); ray: the same instances as Ray actors on the cluster at --ray-address (else a "
-        "local one); inline: one process, instances stepped in turn (default: %(default)s)",
-    )
-    add_deployment_arguments(p, ("transport", "cost_model", "ray_address", "placement"))
-    p.add_argument(
-        "--endpoint",
-        action="append",
-        default=[],
-        metavar="[NAME=]URL",
-        help="replay over the OpenAI API of a running `minimemserve serve` at URL (streaming; "
-        "TTFT is the first chunk), shown as NAME (default: its URL); repeat to compare "
-        "servers of different configs; replaces --configs",
-    )
-    return p
-
 
 def endpoint_targets(specs: Sequence[str]) -> dict[str, TargetFactory]:
     """``{name: factory}`` of ``--endpoint [NAME=]URL`` options."""
@@ -594,8 +546,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run ``minimemserve bench`` with parsed ``args`` (see :func:`add_arguments`); returns
-    the exit status."""
+    """Run ``minimemserve bench`` with parsed ``args`` (see
+    ``minimemserve.options.add_bench_arguments``); returns the exit status."""
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     options = deployment_options(args, BENCH_FIELDS, _engine_config(args))
     factories = None

@@ -18,10 +18,10 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
-from ..mempool import PoolAccountingError
-from ..model.tokenizer import Tokenizer
-from ..request import RequestMetrics, RequestOutput, TokenDelta
-from ..sampling import SamplingParams
+from minimemserve.mempool import PoolAccountingError
+from minimemserve.model.tokenizer import Tokenizer
+from minimemserve.request import RequestMetrics, RequestOutput, TokenDelta
+from minimemserve.sampling import SamplingParams
 
 # Seconds a request may take before its connection gives up.
 REQUEST_TIMEOUT_S = 600.0

@@ -20,7 +20,7 @@ from minimemserve.config import parse_config_name
 from minimemserve.disagg import rpc
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.errors import ConfigError
-from minimemserve.harness.transfer_paths import pick_free_port
+from minimemserve_lab.harness.transfer_paths import pick_free_port
 
 # How long a stopped instance process gets to exit before it is killed.
 STOP_GRACE_S = 5.0

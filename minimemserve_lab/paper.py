@@ -3,7 +3,7 @@
 The paper serves Llama-2-13B on 8 GPUs at tensor parallelism 2 and reports 19 relative
 gains over three workloads (:data:`PAPER`): disaggregation against colocated PD, caching on
 top of disaggregation, and prompt-tree against session routing. It states no request rates.
-:func:`reproduce` sweeps every configuration's load to past its knee (``sim.sweep``: steady
+:func:`reproduce` sweeps every configuration's load to past its knee (``sweep.py``: steady
 windows, three seeds, a stability verdict per point), then measures each gain at 50, 70 and
 90 % of the weaker side's capacity, as the ratio of (1 + gain) with its 95 % interval; a
 comparison with an unstable side is reported as overloaded, never as a number.
@@ -29,10 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minimemserve.workloads.results import OVERLOADED, STABLE_GROWTH, STABLE_NOISE, STABLE_SLACK
-
-from . import bound
-from .runner import (
+from minimemserve.sim.runner import (
     DEFAULT_HARDWARE,
     DEFAULT_MODEL,
     DEFAULT_TP,
@@ -41,6 +38,9 @@ from .runner import (
     gpu_setup,
     with_costs,
 )
+from minimemserve.workloads.results import OVERLOADED, STABLE_GROWTH, STABLE_NOISE, STABLE_SLACK
+
+from . import bound
 from .sweep import (
     DOUBLINGS,
     FINITE_LOADS,
@@ -526,7 +526,7 @@ def matched_rows(
 def _explain(points: Points, x: dict, comparison: str, c: Comparison, doubled: int) -> None:
     """What a measured cell of ``comparison`` is made of: the TTFT share of its
     disaggregated side's JCT and, for disaggregation on equal GPUs, the estimate
-    (``sim.bound``) from both sides' runs."""
+    (``bound.py``) from both sides' runs."""
     new, base = (points.runs(k) for k in _submit(points, c, doubled))
     disagg = comparison == "disagg vs PD"
     x["ttft_share"] = bound.ttft_share(new if disagg else base)

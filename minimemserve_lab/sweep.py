@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from minimemserve.sim.runner import SimSetup, simulate, workload_sessions
 from minimemserve.workloads.results import OVERLOADED, summarize
-
-from .runner import SimSetup, simulate, workload_sessions
 
 SEEDS = (0, 1, 2)
 # Sessions per run: 2N, with N at least N_MIN and enough for a window of T_MIN seconds at the
@@ -77,7 +76,7 @@ class Plan:
     times a comparison that has not converged is run again with twice the sessions, the
     fractions of a knee comparisons are made at, the finite runs' multiples of a knee, and
     the changes to the cost profile verdicts are derived again under (names of
-    ``sim.paper.VARIANTS``; None: every one)."""
+    ``paper.VARIANTS``; None: every one)."""
 
     seeds: tuple[int, ...] = SEEDS
     sweep_seeds: tuple[int, ...] | None = None
@@ -126,7 +125,7 @@ def _measure(records: list[dict]) -> dict:
 
 
 def _load(stats: dict) -> dict:
-    """What the estimate of a gain needs of a run (``sim.bound``): over the whole run and
+    """What the estimate of a gain needs of a run (``bound.py``): over the whole run and
     over its steady window (``window``, closed runs), the share of busy time in prefill
     steps, each role's busy seconds and decode batches, and the seconds."""
     return {k: stats[k] for k in ("prefill_share", "roles", "simulated_s", "window")}
