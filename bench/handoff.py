@@ -38,11 +38,11 @@ from minimemserve.sim.runner import (
     DEFAULT_MODEL,
     cpu_setup,
     gpu_setup,
-    run_sim,
     simulate,
 )
-from minimemserve.workloads.results import is_stable
 from minimemserve.workloads.sessions import Session, Turn
+from minimemserve_lab.compare import run_sim
+from minimemserve_lab.report import is_stable
 
 OUT = Path("bench/results")
 MODES = ("inline", "overlap")  # the baseline first in every round

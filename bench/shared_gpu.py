@@ -36,7 +36,8 @@ from minimemserve.memory import CUDA_CONTEXT_BYTES, DEFAULT_GPU_MEMORY_UTILIZATI
 from minimemserve.presets import preset_dir
 from minimemserve.sim.cluster import Contention
 from minimemserve.sim.profiles import GB
-from minimemserve.sim.runner import SimSetup, gpu_setup, run_sim
+from minimemserve.sim.runner import SimSetup, gpu_setup
+from minimemserve_lab.compare import run_sim
 
 MODEL = "llama2-7b"
 PRESET = "llama-2-7b-dummy"

@@ -43,8 +43,9 @@ from minimemserve.scheduler.global_scheduler import GlobalScheduler
 from minimemserve.scheduler.local import STEP_POLICIES
 from minimemserve.sim.cluster import Contention
 from minimemserve.sim.profiles import FittedStepModel, StepShape, fit_cpu_steps, with_overhead
-from minimemserve.sim.runner import CPU_INSTANCES, DEFAULT_CONFIGS, cpu_setup, run_sim
-from minimemserve.workloads.results import DEFAULT_RATE, DEFAULT_SESSIONS
+from minimemserve.sim.runner import CPU_INSTANCES, cpu_setup
+from minimemserve.workloads.results import DEFAULT_CONFIGS, DEFAULT_RATE, DEFAULT_SESSIONS
+from minimemserve_lab.compare import run_sim
 from minimemserve_lab.harness import driver
 
 METRICS = (("ttft_mean", "TTFT mean"), ("jct_mean", "JCT mean"))

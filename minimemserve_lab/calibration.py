@@ -32,7 +32,8 @@ from pathlib import Path
 from minimemserve.errors import ConfigError
 from minimemserve.model.config import ModelConfig
 from minimemserve.sim.profiles import HardwareProfile, RooflineStepModel, StepShape
-from minimemserve.sim.runner import steps_shape
+
+from .roofline import steps_shape
 
 # Every HOLD_OUT_EVERY-th measured shape (from the third on) is kept out of the fit.
 HOLD_OUT_EVERY = 4

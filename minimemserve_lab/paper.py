@@ -33,14 +33,15 @@ from minimemserve.sim.runner import (
     DEFAULT_HARDWARE,
     DEFAULT_MODEL,
     DEFAULT_TP,
-    FINITE_LABEL,
     SimSetup,
     gpu_setup,
     with_costs,
 )
-from minimemserve.workloads.results import OVERLOADED, STABLE_GROWTH, STABLE_NOISE, STABLE_SLACK
+from minimemserve.workloads.results import STABLE_GROWTH, STABLE_NOISE, STABLE_SLACK
 
 from . import bound
+from .compare import FINITE_LABEL
+from .report import OVERLOADED
 from .sweep import (
     DOUBLINGS,
     FINITE_LOADS,

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minimemserve.sim.runner import SimSetup, simulate, workload_sessions
-from minimemserve.workloads.results import OVERLOADED, summarize
+from minimemserve.workloads.results import summarize
+
+from .report import OVERLOADED
 
 SEEDS = (0, 1, 2)
 # Sessions per run: 2N, with N at least N_MIN and enough for a window of T_MIN seconds at the

@@ -16,15 +16,10 @@ from minimemserve.sampling import SamplingParams
 from minimemserve.serving import Serving
 from minimemserve.workloads.results import (
     DEFAULT_CONFIGS,
-    OVERLOADED,
     STABLE_GROWTH,
     STABLE_NOISE,
     STABLE_SLACK,
-    caching_ratios,
-    format_table,
-    gain,
     summarize,
-    write_plots,
 )
 from minimemserve.workloads.sessions import Session, Turn, poisson_arrivals
 from minimemserve.workloads.trace import load_trace
@@ -35,6 +30,7 @@ from minimemserve_lab.harness.driver import (
     run_bench,
     run_workload,
 )
+from minimemserve_lab.report import OVERLOADED, caching_ratios, format_table, gain, write_plots
 
 
 @dataclass

@@ -11,7 +11,7 @@ from .profiles import (
     fit_cpu_steps,
     load_model_shape,
 )
-from .runner import calibrate, cpu_setup, gpu_setup, run_sim, simulate, sweep
+from .runner import cpu_setup, gpu_setup, simulate
 
 __all__ = [
     "Contention",
@@ -24,12 +24,9 @@ __all__ = [
     "SimPool",
     "StepShape",
     "Topology",
-    "calibrate",
     "cpu_setup",
     "fit_cpu_steps",
     "gpu_setup",
     "load_model_shape",
-    "run_sim",
     "simulate",
-    "sweep",
 ]

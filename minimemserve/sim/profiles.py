@@ -182,7 +182,7 @@ class HardwareProfile:
     step_overhead_ms: float
     kv_memory_fraction: float = 0.9
     note: str = ""
-    # terms ``minimemserve sim --calibrate`` fits (minimemserve.sim.calibrate): host time per
+    # terms ``minimemserve sim --calibrate`` fits (minimemserve_lab.calibration): host time per
     # layer of a step (kernel launches, which overlap the device's work: a step costs the
     # larger of the two), and the matmul efficiency by a step's tokens ({tokens: efficiency},
     # interpolated in log(tokens); empty: efficiency["matmul"] at every size)

@@ -47,17 +47,13 @@ from minimemserve.request import RequestOutput
 from minimemserve.sampling import SamplingParams
 from minimemserve.serving import Serving
 from minimemserve.workloads.results import (
-    CACHING_SUFFIX,
     DEFAULT_CONFIGS,
     DEFAULT_RATE,
     DEFAULT_SESSIONS,
     DEFAULT_WORKLOAD,
-    caching_ratios,
-    format_table,
     greedy_params,
     record,
     summarize,
-    write_plots,
 )
 from minimemserve.workloads.sessions import (
     Session,
@@ -72,6 +68,7 @@ from minimemserve.workloads.sessions import (
 from minimemserve.workloads.trace import Trace, load_trace, trace_sessions
 from minimemserve_lab.harness.hosts import HostsCluster
 from minimemserve_lab.harness.http_target import endpoint_factory
+from minimemserve_lab.report import CACHING_SUFFIX, caching_ratios, format_table, write_plots
 
 # Equal resources under the process runtime: one core per instance, and two colocated
 # instances, as many as 1P1D has.

@@ -13,8 +13,8 @@ import pytest
 from minimemserve.cli import main
 from minimemserve.errors import ConfigError
 from minimemserve.sim import HardwareProfile, RooflineStepModel, load_model_shape
-from minimemserve.sim.runner import steps_shape
 from minimemserve_lab.calibration import calibrate, read_steps
+from minimemserve_lab.roofline import steps_shape
 
 # What bench/gpu_steps.py measures on Llama-2-7B (its names and fields)
 PREFILLS = {

@@ -24,7 +24,6 @@ from minimemserve.sim import (
     Link,
     RooflineStepModel,
     StepShape,
-    calibrate,
     cpu_setup,
     gpu_setup,
     load_model_shape,
@@ -33,11 +32,12 @@ from minimemserve.sim import (
 from minimemserve.sim.cluster import scaled_deployment
 from minimemserve.sim.profiles import DATA_DIR, FEATURES, with_overhead
 from minimemserve.sim.replay import open_arrivals
-from minimemserve.sim.runner import CPU_LINK, anchor_time, anchors, with_costs
-from minimemserve.workloads.results import OVERLOADED
+from minimemserve.sim.runner import CPU_LINK, with_costs
 from minimemserve.workloads.sessions import make_workload, total_turns
 from minimemserve_lab import bound, paper
 from minimemserve_lab.harness.driver import run_workload
+from minimemserve_lab.report import OVERLOADED
+from minimemserve_lab.roofline import anchor_time, anchors, calibrate
 from minimemserve_lab.sweep import Curve, Plan, bracket, knee_chain, ratio
 
 # A step model in the range the tiny preset measures on this CPU (seconds per feature).
