@@ -373,6 +373,44 @@ def check_request(
     return ids
 
 
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """A prompt :func:`check_request` accepted: its token ``ids``, for ``params``, under
+    ``limits`` (vocabulary, context length, block size, pool blocks). Handed on as the prompt
+    (to ``add_request``, to the instance a cluster routes it to), it is not checked again
+    where no limit is tighter: a request is checked once on its way through a deployment."""
+
+    ids: Sequence[int]
+    params: SamplingParams
+    limits: tuple[int, int, int, int]
+
+    def holds(self, params: SamplingParams, limits: tuple[int, int, int, int]) -> bool:
+        """Whether this check stands for ``params`` under ``limits`` (each at least as large:
+        ids below a smaller vocabulary, a prompt within a shorter context and fewer blocks of
+        smaller size, are within larger ones)."""
+        return self.params is params and all(c <= o for c, o in zip(self.limits, limits))
+
+
+def check_once(
+    prompt: str | Sequence[int] | Checked,
+    params: SamplingParams,
+    tokenizer,
+    limits: tuple[int, int, int, int],
+) -> Checked:
+    """``prompt`` checked by :func:`check_request` under ``limits`` (vocabulary, context
+    length, block size, pool blocks), unless it is a :class:`Checked` that holds for them."""
+    if type(prompt) is Checked:
+        if prompt.holds(params, limits):
+            return prompt
+        prompt = prompt.ids
+    return Checked(check_request(prompt, params, tokenizer, *limits), params, limits)
+
+
+def tightest(limits: Sequence[tuple[int, int, int, int]]) -> tuple[int, int, int, int]:
+    """The limits a request must meet to fit every one of ``limits`` (each the smallest)."""
+    return tuple(map(min, zip(*limits)))  # type: ignore[return-value]
+
+
 def _id_range(ids: Sequence[int]) -> tuple[int, int]:
     """The smallest and largest of ``ids``: an int64 array's by numpy (``min`` and ``max``
     would box every token, at twice a list's cost)."""
@@ -489,17 +527,20 @@ class Engine:
         """The attention backend the steps run (None for an engine without a model)."""
         return None if self.runner is None else self.runner.backend
 
-    def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        """Token ids of ``prompt``, or a ``ValueError``/``PoolExhausted`` naming the problem."""
-        return check_request(
-            prompt,
-            params,
-            self.tokenizer,
-            vocab=self.model_config.vocab_size,
-            max_model_len=self.max_model_len,
-            block_size=self.pool.block_size,
-            hbm_blocks=self.pool.capacity(),
+    @property
+    def limits(self) -> tuple[int, int, int, int]:
+        """What a request must fit: vocabulary, context length, block size, pool blocks."""
+        return (
+            self.model_config.vocab_size,
+            self.max_model_len,
+            self.pool.block_size,
+            self.pool.capacity(),
         )
+
+    def validate(self, prompt: str | Sequence[int] | Checked, params: SamplingParams) -> Checked:
+        """``prompt`` checked (its token ids in ``.ids``), or a ``ValueError``/``PoolExhausted``
+        naming the problem; a :class:`Checked` that holds here already is returned as it is."""
+        return check_once(prompt, params, self.tokenizer, self.limits)
 
     def add_request(
         self,
@@ -511,7 +552,7 @@ class Engine:
     ) -> str:
         """Validate and queue a request; returns its id (one instance: ``session_id`` routes
         nothing)."""
-        ids = self.validate(prompt, params)
+        ids = self.validate(prompt, params).ids
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequest(f"request id {rid!r} is already in use")

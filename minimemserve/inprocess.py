@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .config import Deployment, EngineConfig
-from .engine import Engine
+from .engine import Checked, Engine, check_once, tightest
 from .errors import PoolExhausted
 from .recipes import Role
 from .request import Request, RequestOutput, TokenDelta
@@ -137,12 +137,11 @@ class InProcessCluster:
         """Wall seconds (hand-offs are timed with it)."""
         return time.perf_counter()
 
-    def validate(self, prompt, params: SamplingParams) -> list[int]:
-        """Validate against every role (each instance must be able to hold the request)."""
-        ids = self.entry[0].engine.validate(prompt, params)
-        for inst in self.instances[len(self.entry) :]:
-            inst.engine.validate(ids, params)
-        return ids
+    def validate(self, prompt, params: SamplingParams) -> Checked:
+        """Checked once, against the tightest limits of every instance (each must be able to
+        hold the request); the instance it is routed to takes it as it is."""
+        limits = tightest([inst.engine.limits for inst in self.instances])
+        return check_once(prompt, params, self.entry[0].engine.tokenizer, limits)
 
     def add_request(
         self,
@@ -154,13 +153,14 @@ class InProcessCluster:
     ) -> str:
         """Route by the global scheduler (after the prefix push it may ask for; ``session_id``
         for the ``session`` policy) and queue."""
-        ids = self.validate(prompt, params)
+        checked = self.validate(prompt, params)
+        ids = checked.ids
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if any(rid in i.engine.requests for i in self.instances):
             raise ValueError(f"request id {rid!r} is already in use")
         route = self.frontend.route(ids, params.max_tokens, session_id)
         self.frontend.dispatched(rid, route, len(ids), params.max_tokens)
-        return self.by_name[route.instance].engine.add_request(ids, params, rid, arrival_time)
+        return self.by_name[route.instance].engine.add_request(checked, params, rid, arrival_time)
 
     def _push_prefix(self, src_name: str, dst_name: str, ids) -> int:
         """``src_name`` sends its cached prefix of ``ids`` to ``dst_name`` (indexed there);

@@ -99,9 +99,8 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        for prompt, p in zip(prompts, plist):
-            self.engine.validate(prompt, p)
-        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, plist)]
+        checked = [self.engine.validate(prompt, p) for prompt, p in zip(prompts, plist)]
+        ids = [self.engine.add_request(c, p) for c, p in zip(checked, plist)]
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
             while len(results) < len(ids):

@@ -17,8 +17,10 @@ class Serving(Protocol):
 
     tokenizer: Any  # the model's tokenizer (``encode`` / ``decode``)
 
-    def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        """Token ids of ``prompt``; raises a ``ValueError`` or ``PoolExhausted``; queues nothing."""
+    def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> Any:
+        """``prompt`` checked (``engine.Checked``: its token ids in ``.ids``; ``add_request``
+        takes it as the prompt and does not check it again); raises a ``ValueError`` or
+        ``PoolExhausted``; queues nothing."""
 
     def add_request(
         self,

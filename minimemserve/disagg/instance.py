@@ -239,7 +239,7 @@ class InstanceServer:
         s = m.state
         if not s.is_new:
             raise InvalidRequest(f"request {s.request_id!r} is not new: it carries KV or output")
-        ids = self.engine.validate(s.tokens, s.params)
+        ids = self.engine.validate(s.tokens, s.params).ids  # a socket's message: checked here
         rid = s.request_id
         if rid in self.engine.requests or any(r.request_id == rid for r in self.inbox):
             raise InvalidRequest(f"request id {rid!r} is already in use on {self.name}")

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..engine import check_request
+from ..engine import Checked, check_once, tightest
 from ..errors import (
     ConfigError,
     InstanceDied,
@@ -291,20 +291,25 @@ class ProcessCluster:
         return self.frontend.prefix_tokens_moved
 
     # ---- engine API ------------------------------------------------------------------------
-    def validate(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        """Token ids of ``prompt``, or an exception naming the problem; checked here (no
-        instance is asked) against the smallest context and pool of the live instances."""
+    def validate(self, prompt: str | Sequence[int] | Checked, params: SamplingParams) -> Checked:
+        """``prompt`` checked (token ids in ``.ids``), or an exception naming the problem;
+        checked here (no instance is asked) against the smallest context and pool of the live
+        instances. The instance a request reaches checks the message it receives again: it
+        comes over a socket."""
         if not (live := [i for i in self.instances.values() if i.name not in self.dead]):
             raise InstanceDied(f"every instance died: {self.dead}")
-        return check_request(
-            prompt,
-            params,
-            self.tokenizer,
-            vocab=self.ledger.vocab_size,
-            max_model_len=min(i.max_model_len for i in live),
-            block_size=self.engine_config.block_size,
-            hbm_blocks=min(i.hbm_blocks for i in live),
+        limits = tightest(
+            [
+                (
+                    self.ledger.vocab_size,
+                    i.max_model_len,
+                    self.engine_config.block_size,
+                    i.hbm_blocks,
+                )
+                for i in live
+            ]
         )
+        return check_once(prompt, params, self.tokenizer, limits)
 
     def add_request(
         self,
@@ -319,7 +324,7 @@ class ProcessCluster:
         if self._closed:
             raise RuntimeError("the cluster is closed")
         self.monitor(read=False)  # what came is read by the next step (or check)
-        ids = self.validate(prompt, params)
+        ids = self.validate(prompt, params).ids
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.ledger.inflight:
             raise InvalidRequest(f"request id {rid!r} is already in use")

@@ -328,13 +328,11 @@ class Server:
         aio, prompts = asyncio.get_running_loop(), gen.parsed.prompts
 
         def add(s: Serving) -> None:
-            if validate:
-                for p in prompts:
-                    s.validate(p, gen.parsed.params)
+            checked = [s.validate(p, gen.parsed.params) for p in prompts] if validate else prompts
             try:
                 for c in choices:
                     s.add_request(
-                        prompts[c.prompt],
+                        checked[c.prompt],
                         self._params(gen, c),
                         c.rid,
                         gen.t0,

@@ -40,7 +40,6 @@ from minimemserve.model.config import ModelConfig
 from minimemserve.parallel import TPShard
 from minimemserve.recipes import Role
 from minimemserve.request import Request, RequestOutput
-from minimemserve.sampling import SamplingParams
 from minimemserve.scheduler.frontend import Frontend
 
 from .profiles import Link, StepShape, TierLink
@@ -191,18 +190,6 @@ class SimEngine(Engine):
     @functools.cached_property
     def _starts(self) -> dict[str, int]:
         return {}  # request id -> its first stand-in token's entry in the table (or its hash)
-
-    _checked: tuple | None = None  # the last (prompt, params) validated and its ids
-
-    def validate(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
-        """``Engine.validate``, once per prompt: the cluster validates a request before routing
-        it and the engine again as it is added, with the same prompt and parameters."""
-        last = self._checked
-        if last is not None and last[0] is prompt and last[1] is params:
-            return last[2]
-        ids = super().validate(prompt, params)
-        self._checked = (prompt, params, ids)
-        return ids
 
     def begin_step(self) -> StepShape | None:
         """Schedule one step and, when hand-offs overlap steps, send the parked requests

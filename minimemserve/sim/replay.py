@@ -166,7 +166,7 @@ class Replay:
         route = self.frontend.route(prompt, params.max_tokens, session.id)
         inst = self.by_name[route.instance]
         try:
-            inst.engine.validate(prompt, params)
+            checked = inst.engine.validate(prompt, params)  # the engine takes it as it is
         except ValueError as exc:
             rec = record(self._config, session, k, self.now, None, len(prompt), f"rejected: {exc}")
             self._records.append(rec)
@@ -175,7 +175,7 @@ class Replay:
             return
         self._inflight[rid] = (si, k, self.now, len(prompt))
         self.frontend.dispatched(rid, route, len(prompt), params.max_tokens)
-        enqueue = functools.partial(self._enqueue, inst, prompt, params, rid, self.now)
+        enqueue = functools.partial(self._enqueue, inst, checked, params, rid, self.now)
         if route.transfer_from is None:
             self.at(self.now, enqueue)
         else:  # after the cached prefix has landed (the push booked it last from there)

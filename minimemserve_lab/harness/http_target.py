@@ -95,7 +95,7 @@ class HttpServing:
         session_id: str | None = None,
     ) -> str:
         """Start streaming the request in a thread; returns its id."""
-        ids = self.validate(prompt, params)
+        ids = getattr(prompt, "ids", None) or self.validate(prompt, params)  # checked already
         rid = request_id or f"http-{len(self._open)}-{time.monotonic_ns()}"
         with self._lock:
             if rid in self._open:
