@@ -57,8 +57,11 @@ class Deployment:
         return [(f"{NAME_PREFIX[r]}{i}", r) for r, n in zip(roles, counts) for i in range(n)]
 
 
-def parse_config_name(name: str) -> Deployment:
-    """Parse ``PD``, ``PD-CC``, ``1P1D``, ``1P1D-CC[1|2|3]``, ``xPyD[-CC...]``."""
+def parse_config_name(name: str | Deployment) -> Deployment:
+    """Parse ``PD``, ``PD-CC``, ``1P1D``, ``1P1D-CC[1|2|3]``, ``xPyD[-CC...]``; a deployment
+    parsed already is returned as it is (a build parses its name once and hands that on)."""
+    if isinstance(name, Deployment):
+        return name
     if not isinstance(name, str):
         raise ConfigError(f"config name must be a string, got {name!r}")
     if name in _COLOCATED:

@@ -9,13 +9,14 @@ deployments from it; the commands' options are generated from its fields
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .config import LOOPBACK, EngineConfig, parse_config_name
+from .config import LOOPBACK, Deployment, EngineConfig, parse_config_name
 from .disagg.links import AUTO, transport_names
 from .disagg.placement import PLACEMENTS
 from .errors import ConfigError
@@ -89,6 +90,11 @@ class DeploymentSpec:
                 engine = dataclasses.replace(self.engine, load_format=load_format)
                 object.__setattr__(self, "engine", engine)
 
+    @functools.cached_property
+    def deployment(self) -> Deployment:
+        """``config`` parsed, once per spec (a ``ConfigError`` names an unknown one)."""
+        return parse_config_name(self.config)
+
     @property
     def model_dir(self) -> Path:
         """The checkpoint directory (the tiny preset's when ``model`` is None)."""
@@ -111,13 +117,13 @@ class DeploymentSpec:
             }
             process_kw = ray_options | process_kw
 
-        parse_config_name(self.config)
+        deployment = self.deployment  # an unknown name fails here
         if self.runtime == "inprocess" and (cluster is not None or process_kw):
             raise ConfigError("cluster and its arguments are for the process runtime only")
         if self.runtime == "inprocess":
             return InProcessCluster(
                 self.model_dir,
-                parse_config_name(self.config),
+                deployment,
                 device=self.device,
                 dtype=self.dtype,
                 engine_config=self.engine,
@@ -129,7 +135,7 @@ class DeploymentSpec:
         policy = {"rerun_on_failure": self.kv_load_failure_policy == "recompute"}
         return cluster(
             self.model_dir,
-            self.config,
+            deployment,
             engine_config=self.engine,
             device=self.device,
             dtype=self.dtype,

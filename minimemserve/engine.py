@@ -22,7 +22,7 @@ import torch
 
 from .attention import make_backend
 from .attention.base import SeqSlice
-from .config import EngineConfig, parse_config_name, resolve_dtype
+from .config import Deployment, EngineConfig, parse_config_name, resolve_dtype
 from .decode_graphs import DecodeGraphs, graph_memory_bytes, run_step
 from .errors import ConfigError, InvalidRequest, PoolExhausted, SamplingError
 from .memory import DEFAULT_CPU_KV_BYTES, PROVIDERS, MemoryPlan
@@ -462,7 +462,7 @@ class Engine:
         self,
         model_dir: str | Path | EngineParts,
         *,
-        config: str = "PD",
+        config: str | Deployment = "PD",
         role: str | None = None,
         peers: Peers | None = None,
         engine_config: EngineConfig | None = None,
@@ -782,7 +782,7 @@ def _record_delta(deltas: dict[str, TokenDelta], req: Request, tok: int) -> None
         d.logprobs.append(req.logprobs[-1])
 
 
-def _role_recipe(config: str, role: str | None) -> tuple[str, Recipe]:
+def _role_recipe(config: str | Deployment, role: str | None) -> tuple[str, Recipe]:
     """``role`` (default: the only one of ``config``'s milestone) and its recipe."""
     milestone = parse_config_name(config).milestone
     roles = milestone.roles

@@ -69,7 +69,7 @@ class InProcessCluster:
             whole = ecfg.tp_size(role) == 1  # a tensor-parallel instance loads its own shard
             eng = Engine(
                 model_dir,
-                config=deployment.name,
+                config=deployment,
                 role=role,
                 peers=self,
                 device=device,

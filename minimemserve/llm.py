@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .config import EngineConfig, parse_config_name
+from .config import EngineConfig
 from .deployment import DeploymentSpec
 from .errors import ConfigError, InvalidRequest
 from .request import RequestOutput
@@ -48,7 +48,7 @@ class LLM:
             spec = DeploymentSpec(config, model_dir, device, dtype, EngineConfig(**engine_config))
         self.spec = spec
         self.model_dir = spec.model_dir
-        self.deployment = parse_config_name(spec.config)
+        self.deployment = spec.deployment
         self.engine: Serving = spec.build()
 
     @classmethod

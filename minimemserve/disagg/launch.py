@@ -209,13 +209,20 @@ class LaunchSpec:
         check_ray_options(self)
 
     @classmethod
-    def of(cls, model_dir: str | Path, config_name: str, options: dict[str, Any]) -> LaunchSpec:
-        """The spec of ``ProcessCluster(model_dir, config_name, **options)``; an option it
-        does not have is a TypeError (as for any unknown keyword) naming the ones it has."""
+    def of(
+        cls, model_dir: str | Path, config: str | Deployment, options: dict[str, Any]
+    ) -> LaunchSpec:
+        """The spec of ``ProcessCluster(model_dir, config, **options)`` (``config``: a name,
+        or a deployment parsed already); an option it does not have is a TypeError (as for
+        any unknown keyword) naming the ones it has."""
         names = [f.name for f in dataclasses.fields(cls)][2:]
         if bad := sorted(set(options) - set(names)):
             raise TypeError(f"unknown option(s) {bad}; the options are {names}")
-        return cls(model_dir, config_name, **options)
+        if not isinstance(config, Deployment):
+            return cls(model_dir, config, **options)
+        spec = cls(model_dir, config.name, **options)
+        spec.__dict__["deployment"] = config  # parsed already: what the property would give
+        return spec
 
     @functools.cached_property
     def deployment(self) -> Deployment:

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from ..config import Deployment
 from ..errors import ConfigError
 from . import rpc
 from .instance_spec import InstanceSpec
@@ -304,7 +305,9 @@ class RayCluster(ProcessCluster):
     address, which every actor must reach). Other options as ``ProcessCluster``'s, except
     ``instances`` and ``key``: the runtime starts the instances and makes their key."""
 
-    def __init__(self, model_dir: str | Path, config_name: str = "1P1D", **options: Any) -> None:
+    def __init__(
+        self, model_dir: str | Path, config_name: str | Deployment = "1P1D", **options: Any
+    ) -> None:
         if options.get("instances") or options.get("key") is not None:
             raise ConfigError("the ray runtime starts its own instances and makes their key")
         spec = LaunchSpec.of(model_dir, config_name, options)

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..config import Deployment
 from ..engine import Checked, check_once, tightest
 from ..errors import (
     ConfigError,
@@ -84,7 +85,7 @@ class ProcessCluster:
     :meth:`close`; an abandoned cluster is reaped when garbage collected."""
 
     def __init__(
-        self, model_dir: str | Path | None, config_name: str = "1P1D", **options: Any
+        self, model_dir: str | Path | None, config_name: str | Deployment = "1P1D", **options: Any
     ) -> None:
         """Start the deployment; ``options`` are :class:`~.launch.LaunchSpec`'s fields (an
         unknown one is a TypeError naming the others)."""

@@ -39,7 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
-from ..config import EngineConfig, parse_config_name
+from ..config import EngineConfig
 from ..disagg.rpc import LOOPBACK_HOSTS
 from ..errors import (
     InstanceDied,
@@ -731,7 +731,7 @@ def make_server(args: argparse.Namespace) -> Server:
     engine = EngineConfig(**engine_options(args, SERVE_ENGINE_FLAGS))
     spec = deployment_options(args, SERVE_FIELDS, engine)
     model_dir = spec.model_dir
-    deployment = parse_config_name(spec.config)
+    deployment = spec.deployment
     tok = Tokenizer.from_dir(model_dir)
     chat = protocol.ChatFormat(model_dir, tok)  # a broken template fails before the engine starts
     name = args.served_model_name or ("tiny" if args.model is None else model_dir.name)

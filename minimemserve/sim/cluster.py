@@ -458,7 +458,7 @@ class Topology:
         return self.intra if a * g // n == b * g // n else self.inter
 
 
-def scaled_deployment(config: str, instances: int) -> tuple[Deployment, int]:
+def scaled_deployment(config: str | Deployment, instances: int) -> tuple[Deployment, int]:
     """``config``'s deployment on ``instances`` instances and its colocated count: colocated
     configs take all, ``xPyD`` ones are repeated to fill them (e.g. 1P1D on 4 = 2P2D)."""
     d = parse_config_name(config)
@@ -594,7 +594,7 @@ class SimCluster(DecodeRuns, Replay):
         # instance-seconds in steps, in steps with prefill work, and decode-seconds held up
         self.busy_s = self.prefill_busy_s = self.decode_stall_s = 0.0
         self.instances = self._make_instances(
-            config, colocated, model_config, engine_config, num_blocks, dtype
+            colocated, model_config, engine_config, num_blocks, dtype
         )
         self.by_name = {i.name: i for i in self.instances}
         self.by_pool = {id(i.pool): i for i in self.instances}
@@ -618,7 +618,7 @@ class SimCluster(DecodeRuns, Replay):
         self._blocked: dict[SimInstance, None] = {}
 
     def _make_instances(
-        self, config, colocated, model_config, engine_config, num_blocks, dtype
+        self, colocated, model_config, engine_config, num_blocks, dtype
     ) -> list[SimInstance]:
         """The deployment's instances, each a simulated engine over a ``SimPool``."""
         layout = TPShard(0, 1, model_config).kv_layout(engine_config.block_size)
@@ -639,7 +639,7 @@ class SimCluster(DecodeRuns, Replay):
             )
             eng = SimEngine(
                 EngineParts(model_config, _TokenIds(), pool),
-                config=config,
+                config=self.deployment,
                 role=role,
                 peers=self,
                 engine_config=engine_config,

@@ -1,11 +1,13 @@
-"""A request is checked once on its way through a deployment: ``check_request`` runs once per
-request in process (``LLM`` over one engine and over a cluster), in the frontend of the
-process runtime (each instance checks again only the message it receives over its socket),
-and in the simulator. A ``Checked`` prompt is taken as it is only where it holds."""
+"""Once per request, once per build. ``check_request`` runs once per request in process (``LLM``
+over one engine and over a cluster), in the frontend of the process runtime (each instance
+checks again only the message it receives over its socket) and in the simulator; a ``Checked``
+prompt is taken as it is only where it holds. ``parse_config_name`` parses a deployment's name
+once per build (an instance of the process runtime parses the Join it receives)."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 
@@ -77,3 +79,46 @@ def test_a_check_holds_only_for_its_params_and_limits_no_tighter(tiny_llama_dir)
     with pytest.raises(ValueError, match="prompt too long"):
         check_once(checked, params, engine.tokenizer, tighter)
     assert tightest([(9, 5, 16, 3), (7, 8, 16, 4)]) == (7, 5, 16, 3)
+
+
+@pytest.fixture
+def parses(monkeypatch):
+    """The configuration names parsed in this process (``parse_config_name`` given a name;
+    given a deployment parsed already, it hands that back and is not counted)."""
+    import minimemserve.config as config_module
+
+    seen: list[str] = []
+    real = config_module.parse_config_name
+
+    def counting(name):
+        if isinstance(name, str):
+            seen.append(name)
+        return real(name)
+
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__name__", "")
+        if name.startswith("minimemserve") and getattr(module, "parse_config_name", None) is real:
+            monkeypatch.setattr(module, "parse_config_name", counting)
+    return seen
+
+
+@pytest.mark.parametrize("config", ["PD-CC", "1P1D-CC", "2P2D"])
+def test_in_process_a_build_parses_its_name_once(tiny_llama_dir, parses, config):
+    llm = LLM(tiny_llama_dir, config=config, num_blocks=64)
+    assert len(llm.engine.instances) == len(llm.deployment.instances())
+    assert parses == [config]
+
+
+def test_across_processes_the_frontend_parses_the_name_once(tiny_llama_dir, parses):
+    spec = DeploymentSpec("1P1D-CC", tiny_llama_dir, engine=EngineConfig(num_blocks=64))
+    with LLM(dataclasses.replace(spec, runtime="process")) as llm:
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert parses == ["1P1D-CC"]  # each instance parses the Join it receives, in its process
+
+
+def test_the_simulator_parses_the_name_once(parses):
+    tok = Tokenizer.from_dir(preset_dir("tiny"))
+    sessions = make_workload("sharegpt", tok, 2, 384, seed=1, max_turns=2, max_output_tokens=4)
+    setup = cpu_setup(FittedStepModel(CPU_COEFS))
+    simulate(setup, ["1P1D-CC"], sessions, rate=2.0, seed=0, progress=False)
+    assert parses == ["1P1D-CC"]
