@@ -388,7 +388,9 @@ class Checked:
         """Whether this check stands for ``params`` under ``limits`` (each at least as large:
         ids below a smaller vocabulary, a prompt within a shorter context and fewer blocks of
         smaller size, are within larger ones)."""
-        return self.params is params and all(c <= o for c, o in zip(self.limits, limits))
+        if self.params is not params:
+            return False
+        return self.limits is limits or all(c <= o for c, o in zip(self.limits, limits))
 
 
 def check_once(
@@ -506,6 +508,9 @@ class Engine:
         self.device = pool.device
         self.dtype = pool.dtype
         self.max_model_len = cfg.model_len(parts.model_config)
+        # what a request must fit: vocabulary, context length, block size, pool blocks
+        vocab = parts.model_config.vocab_size
+        self.limits = (vocab, self.max_model_len, pool.block_size, pool.capacity())
         self.scheduler = LocalScheduler(
             pool, recipe, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.scheduler, clock
         )
@@ -526,16 +531,6 @@ class Engine:
     def backend(self):
         """The attention backend the steps run (None for an engine without a model)."""
         return None if self.runner is None else self.runner.backend
-
-    @property
-    def limits(self) -> tuple[int, int, int, int]:
-        """What a request must fit: vocabulary, context length, block size, pool blocks."""
-        return (
-            self.model_config.vocab_size,
-            self.max_model_len,
-            self.pool.block_size,
-            self.pool.capacity(),
-        )
 
     def validate(self, prompt: str | Sequence[int] | Checked, params: SamplingParams) -> Checked:
         """``prompt`` checked (its token ids in ``.ids``), or a ``ValueError``/``PoolExhausted``

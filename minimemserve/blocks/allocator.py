@@ -45,13 +45,14 @@ class BlockAllocator:
             raise PoolExhausted(
                 f"asked for {n} blocks but only {self._num_free} of {self._num_blocks} are free"
             )
-        rc, free_map = self._refcount, self._free_map
+        rc, free_map, free = self._refcount, self._free_map, self._free
         start = free_map.find(b"\x01" * n) if contiguous and n > 1 else -1
         if start >= 0:
             out = list(range(start, start + n))
-            free_map[start : start + n] = bytes(n)  # their queue entries are now stale
+        elif len(free) == self._num_free:  # no stale entry: each free block queued once
+            out = [free.popleft() for _ in range(n)]
         else:
-            free, out = self._free, []
+            out = []
             while len(out) < n:
                 b = free.popleft()
                 if free_map[b]:  # else stale: taken by a run since it was queued
@@ -59,6 +60,7 @@ class BlockAllocator:
                     out.append(b)
         for b in out:
             rc[b] = 1
+            free_map[b] = 0  # a run's queue entries are now stale
         self._num_free -= n
         return out
 
