@@ -52,10 +52,10 @@ KV_LINKS: dict[str, str] = {
 
 class KVLink(Protocol):
     """One peer as this instance reaches it: ``write`` moves blocks into the peer's pool,
-    ``receive`` takes what the peer posted for a ``KVData`` message, ``landed`` waits before a
-    commit until what the peer wrote for a transfer is here, ``forget`` drops an aborted
-    transfer, ``close`` ends the link (its counters stay) and ``stats`` counts bytes and
-    messages each way."""
+    ``receive`` takes what the peer posted for a ``KVData`` message, ``await_landing`` waits
+    before a commit until what the peer wrote for a transfer is here, ``forget`` drops an
+    aborted transfer, ``close`` ends the link (its counters stay) and ``stats`` counts bytes
+    and messages each way."""
 
     peer: str
 
@@ -67,7 +67,7 @@ class KVLink(Protocol):
     def receive(self, pool: Any, m: Any) -> None:
         """Receive what the peer posted for ``KVData`` ``m`` into ``m.blocks`` of ``pool``."""
 
-    def landed(self, xfer: str, new: list[int]) -> None:
+    def await_landing(self, xfer: str, new: list[int]) -> None:
         """Before a commit: the peer's writes of transfer ``xfer`` into ``new`` are all here."""
 
     def forget(self, xfer: str) -> None:

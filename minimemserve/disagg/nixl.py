@@ -481,7 +481,7 @@ class NixlLink:
         """KV from this peer never comes as KVData."""
         raise ValueError(f"{self.peer}'s KV arrives over NIXL, not in KVData")
 
-    def landed(self, xfer: str, new: list[int]) -> None:
+    def await_landing(self, xfer: str, new: list[int]) -> None:
         """Before a commit: the peer's writes into ``new`` (the blocks of ``xfer`` it did not
         find cached here) have all arrived; a tensor-parallel pool then takes them from the
         landing tensor to its ranks."""

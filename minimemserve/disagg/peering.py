@@ -167,7 +167,8 @@ class Grants:
         if (blocks, toks) != (m.blocks, m.tokens):
             raise ValueError(f"{sender} commits what was not allocated for transfer {m.xfer!r}")
         if (link := self.links.get(sender)) is not None:
-            link.landed(m.xfer, blocks[matched:])  # raises: the sender aborts, both sides free
+            # raises if it never lands: the sender aborts, both sides free
+            link.await_landing(m.xfer, blocks[matched:])
         del self.xfers[(sender, m.xfer)]
         del self.opened[(sender, m.xfer)]
         self.pool.recv_commit(m.tokens, m.blocks)

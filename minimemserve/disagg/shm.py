@@ -69,7 +69,7 @@ class ShmLink:
         """KV from this peer never comes as KVData."""
         raise ValueError(f"{self.peer}'s KV arrives in shared memory, not in KVData")
 
-    def landed(self, xfer: str, new: list[int]) -> None:
+    def await_landing(self, xfer: str, new: list[int]) -> None:
         """The peer wrote before it commits: count what arrived."""
         if new:
             self.counts.recv_bytes += len(new) * self.block_bytes

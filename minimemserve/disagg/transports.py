@@ -311,7 +311,7 @@ class GlooLink:
         self.counts.recv_bytes += len(m.blocks) * pool.kv()[0].nbytes
         self.counts.recv_messages += 1
 
-    def landed(self, xfer: str, new: list[int]) -> None:
+    def await_landing(self, xfer: str, new: list[int]) -> None:
         """Before a commit: nothing to wait for (each KVData was received as it came)."""
 
     def forget(self, xfer: str) -> None:

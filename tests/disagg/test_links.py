@@ -55,7 +55,7 @@ class FakeLink:
     def receive(self, pool, m) -> None:
         raise ValueError("the fake link sends no KVData")
 
-    def landed(self, xfer: str, new: list[int]) -> None:
+    def await_landing(self, xfer: str, new: list[int]) -> None:
         self.counts.recv_bytes += len(new) * self.kv[0].nbytes
         self.counts.recv_messages += bool(new)
 
@@ -105,8 +105,8 @@ class LandingLink(FakeLink):
         handle = msgspec.msgpack.decode(p.links[cls.name])
         peers.add(p, cls(p.name, attach(handle), peers.endpoints[cls.name]))
 
-    def landed(self, xfer: str, new: list[int]) -> None:
-        super().landed(xfer, new)
+    def await_landing(self, xfer: str, new: list[int]) -> None:
+        super().await_landing(xfer, new)
         if new:
             self.end.pool.recv_copy(new, self.end.landing.tensor, new)
 

@@ -64,7 +64,7 @@ def test_writes_from_either_tier_and_from_unregistered_memory_arrive(pair):
     for xfer, tensor, ids in cases:
         dst = b.pool.alloc_mem(len(ids))
         ab.write(None, xfer, dst, tensor, ids)
-        ba.landed(xfer, dst)  # the notification is in: every block arrived
+        ba.await_landing(xfer, dst)  # the notification is in: every block arrived
         assert torch.equal(b.pool.kv()[dst].cpu(), tensor[ids].cpu())
         b.pool.free_mem(dst)
     block = LAYOUT.block_bytes(4)
@@ -89,15 +89,15 @@ def test_what_a_peer_claims_is_checked(pair):
     with pytest.raises(TransferError, match="outside"):  # never posted
         ab.write(None, "x", [info.num_blocks], a.pool.kv(), [0])
     with pytest.raises(TransferError, match="0 of 2"):  # nothing was written: no commit
-        ba.landed("never", [3, 4])
+        ba.await_landing("never", [3, 4])
     for junk in ("x9|\u00b2", "x9|-1", "x9", "|1"):  # notifications are a peer's bytes
         a.agent.nixl.send_notif(ab.agent, junk.encode())
     with pytest.raises(TransferError, match="0 of 1"):  # none of them counts as a write
-        ba.landed("x9", [5])
+        ba.await_landing("x9", [5])
     dst = b.pool.alloc_mem(2)
     ab.write(None, "x4", dst, a.pool.kv(), [0, 1])
     with pytest.raises(ValueError, match="notified 2"):  # more than the transfer was granted
-        ba.landed("x4", dst[:1])
+        ba.await_landing("x4", dst[:1])
     b.pool.free_mem(dst)
 
 
