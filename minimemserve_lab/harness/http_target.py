@@ -18,6 +18,7 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
+from minimemserve.engine import Checked
 from minimemserve.mempool import PoolAccountingError
 from minimemserve.model.tokenizer import Tokenizer
 from minimemserve.request import RequestMetrics, RequestOutput, TokenDelta
@@ -95,7 +96,7 @@ class HttpServing:
         session_id: str | None = None,
     ) -> str:
         """Start streaming the request in a thread; returns its id."""
-        ids = getattr(prompt, "ids", None) or self.validate(prompt, params)  # checked already
+        ids = prompt.ids if isinstance(prompt, Checked) else self.validate(prompt, params)
         rid = request_id or f"http-{len(self._open)}-{time.monotonic_ns()}"
         with self._lock:
             if rid in self._open:
