@@ -575,7 +575,8 @@ class Engine:
         return out
 
     def load(self) -> dict[str, dict]:
-        """``{instance id: {"role", "waiting", "running"}}`` (parked requests count as running)."""
+        """``{instance id: {"role", "waiting", "running"}}`` (parked requests count as running:
+        their sum is :meth:`num_load`)."""
         s = self.scheduler
         running = len(s.running) + len(s.parked)
         return {
@@ -585,6 +586,21 @@ class Engine:
                 "running": running,
             }
         }
+
+    def num_load(self, arriving: Sequence[Request] = ()) -> int:
+        """An instance's load, the one definition every runtime uses: requests waiting,
+        running or parked here, and ``arriving`` (handed here, KV on its way)."""
+        s = self.scheduler
+        return len(s.waiting) + len(s.running) + len(s.parked) + len(arriving)
+
+    def offer(
+        self, blocks: int, tokens: Sequence[int], arriving: Sequence[Request] = ()
+    ) -> tuple[int, int] | None:
+        """What a decode instance offers a hand-off that may grow to ``blocks`` blocks:
+        ``(load, cached tokens of tokens)`` if it has room beside ``arriving``, else None."""
+        if not self.has_room(blocks, arriving):
+            return None
+        return self.num_load(arriving), self.pool.cached_prefix_len(tokens)
 
     def has_unfinished(self) -> bool:
         """Whether any request still waits or runs here."""

@@ -16,12 +16,11 @@ import torch
 
 from .config import Deployment, EngineConfig
 from .engine import Checked, Engine, check_once, tightest
-from .errors import PoolExhausted
 from .recipes import Role
 from .request import Request, RequestOutput, TokenDelta
 from .sampling import SamplingParams
 from .scheduler.frontend import Frontend
-from .scheduler.global_scheduler import DEFAULT_TTL_S, Cost
+from .scheduler.global_scheduler import DEFAULT_TTL_S, Cost, Route
 
 
 class Instance:
@@ -32,10 +31,6 @@ class Instance:
         self.role = role
         self.engine = engine
         self.pool = engine.pool
-
-    def load(self) -> int:
-        """Requests waiting or running here."""
-        return len(self.engine.scheduler.waiting) + len(self.engine.scheduler.running)
 
     def accept(self, req: Request) -> None:
         """Take over a request whose KV was just transferred into this pool."""
@@ -87,7 +82,7 @@ class InProcessCluster:
         self._deltas: dict[str, TokenDelta] = {}  # of requests still in flight
         self.frontend = Frontend(
             [i.name for i in self.entry],
-            self._push_prefix,
+            lambda src, dst, ids: self.by_name[src].pool.push_cached(self.by_name[dst].pool, ids),
             policy=policy,
             block_size=ecfg.block_size,
             cost_model=cost_model,
@@ -122,9 +117,7 @@ class InProcessCluster:
 
     def offer(self, peer: Instance, blocks: int, tokens) -> tuple[int, int] | None:
         """Its load and cached prefix of ``tokens`` if it has room for ``blocks`` blocks."""
-        if not peer.engine.has_room(blocks):
-            return None
-        return peer.load(), peer.pool.cached_prefix_len(tokens)
+        return peer.engine.offer(blocks, tokens)
 
     def prefill_pool(self, req: Request):
         """The pool of the instance that prefilled ``req``."""
@@ -158,20 +151,12 @@ class InProcessCluster:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if any(rid in i.engine.requests for i in self.instances):
             raise ValueError(f"request id {rid!r} is already in use")
-        route = self.frontend.route(ids, params.max_tokens, session_id)
-        self.frontend.dispatched(rid, route, len(ids), params.max_tokens)
-        return self.by_name[route.instance].engine.add_request(checked, params, rid, arrival_time)
 
-    def _push_prefix(self, src_name: str, dst_name: str, ids) -> int:
-        """``src_name`` sends its cached prefix of ``ids`` to ``dst_name`` (indexed there);
-        the tokens that moved (none without room there: the request goes without them)."""
-        src, dst = self.by_name[src_name].pool, self.by_name[dst_name].pool
-        try:
-            got = src.send_cached(dst, ids)
-        except PoolExhausted:
-            got = []
-        dst.free_mem(got)  # its index keeps its own reference
-        return len(got) * src.block_size
+        def send(route: Route) -> None:
+            self.by_name[route.instance].engine.add_request(checked, params, rid, arrival_time)
+
+        self.frontend.submit(rid, ids, params.max_tokens, session_id, send)
+        return rid
 
     def step(self) -> list[RequestOutput]:
         """Step every instance with work once; handed-off requests are already queued on D."""
@@ -179,11 +164,11 @@ class InProcessCluster:
         for inst in self.instances:
             if inst.engine.has_unfinished():
                 done.extend(inst.engine.step())
-            for req in inst.engine.handoffs:  # the recipe already passed them on
-                self.frontend.prefilled(req.request_id)
+            handoffs = [req.request_id for req in inst.engine.handoffs]  # already passed on
             inst.engine.handoffs.clear()
-            for d in inst.engine.take_deltas():  # in order: P's first token, then D's
-                self.frontend.streamed(d)
+            deltas = inst.engine.take_deltas()  # in order: P's first token, then D's
+            self.frontend.report(handoffs, deltas)
+            for d in deltas:
                 if (have := self._deltas.get(d.request_id)) is None:
                     self._deltas[d.request_id] = d
                 else:
@@ -192,7 +177,7 @@ class InProcessCluster:
                         have.logprobs += d.logprobs
         for out in done:  # its output carries every token
             self._deltas.pop(out.request_id, None)
-            self.frontend.finished(out)
+        self.frontend.report(outputs=done)
         return done
 
     def take_deltas(self) -> list[TokenDelta]:
@@ -207,7 +192,7 @@ class InProcessCluster:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort ``request_id`` on whichever instance holds it."""
         self._deltas.pop(request_id, None)
-        self.frontend.dropped(request_id)
+        self.frontend.report(dropped=[request_id])
         for inst in self.instances:
             if (out := inst.engine.abort(request_id)) is not None:
                 return out

@@ -202,9 +202,9 @@ class InstanceServer:
         return handler(sender, msg)
 
     def _on_probe(self, sender: str, m: rpc.Probe) -> rpc.ProbeReply:
-        sched, room = self.engine.scheduler, self.engine.has_room(m.blocks, self.inbox)
-        load = len(sched.waiting) + len(sched.running) + len(self.inbox)
-        return rpc.ProbeReply(self.pool.cached_prefix_len(m.tokens), load, room)
+        offer = self.engine.offer(m.blocks, m.tokens, self.inbox)
+        load, cached = offer or (self.engine.num_load(self.inbox), 0)
+        return rpc.ProbeReply(cached, load, offer is not None)
 
     def _on_accept(self, sender: str, m: rpc.Accept) -> None:
         self._check_state(m.state)
@@ -313,10 +313,7 @@ class InstanceServer:
         peer = self.peers.remotes.get(m.to)
         if peer is None or m.to in self.node.dead:
             raise InstanceDied(f"{self.name} has no live peer {m.to!r} to send a prefix to")
-        got = self.pool.send_cached(peer, m.tokens)  # from hbm or dram, as cached
-        if got:
-            peer.free_mem(got)  # the peer's index keeps its own reference
-        return rpc.Info({"tokens": len(got) * self.pool.block_size})
+        return rpc.Info({"tokens": self.pool.push_cached(peer, m.tokens)})
 
     def _peer_down(self, name: str, reason: str) -> None:
         self.node.dead.setdefault(name, reason)

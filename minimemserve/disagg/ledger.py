@@ -106,7 +106,7 @@ class Ledger:
         self.progress[sender] = time.monotonic()
         if self.inflight.pop(out.request_id, None) is not None:
             self.done.append(out)
-            self.frontend.finished(out)
+            self.frontend.report(outputs=[out])
 
     def on_tokens(self, sender: str, msg: rpc.Tokens) -> None:
         """Stream positions from P and D may arrive out of order: keep them by position. Tokens
@@ -129,7 +129,7 @@ class Ledger:
                 raise ValueError(f"{sender} sent tokens that do not fit {d.request_id!r}")
             if f.where != sender:
                 f.reported_by = sender
-            self.frontend.streamed(d)
+            self.frontend.report(deltas=[d])
             lps = d.logprobs or [None] * len(d.token_ids)
             for i, (tok, lp) in enumerate(zip(d.token_ids, lps)):
                 if d.start + i >= f.streamed:
@@ -163,7 +163,7 @@ class Ledger:
     def _arrived(self, rid: str, f: Inflight, where: str) -> None:
         """Request ``rid`` runs on ``where`` now, handed on by the instance that prefilled it."""
         f.where = where
-        self.frontend.prefilled(rid)
+        self.frontend.report(handoffs=[rid])
 
     def recover(self, rid: str, f: Inflight, error: str) -> None:
         """Re-run a request whose instance died, or end it with ``error``."""
@@ -175,7 +175,7 @@ class Ledger:
                 logger.warning("request %s re-run on %s after: %s", rid, where, error)
                 return
         self.inflight.pop(rid, None)
-        self.frontend.dropped(rid)
+        self.frontend.report(dropped=[rid])
         self.done.append(f.end("error", error))
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -186,7 +186,7 @@ class Ledger:
         only told until it makes progress again (see ``ABORT_WAIT_S``)."""
         if (f := self.inflight.pop(request_id, None)) is None:
             return None
-        self.frontend.dropped(request_id)
+        self.frontend.report(dropped=[request_id])
         order = [f.where] + [n for n in self.names if n != f.where]
         asked: set[str] = set()
         while order:

@@ -12,6 +12,7 @@ it is submitted, so that refusal does not happen to a request it could check."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
@@ -59,31 +60,27 @@ class Router:
         self.roles = roles
         self.dead = ledger.dead
 
-    def route(self, prompt: Sequence[int], max_tokens: int, session_id: str | None = None) -> Route:
-        """The scheduler's route for a prompt (of conversation ``session_id``), after the
-        prefix push it asks for."""
+    def submit(self, rid: str, f: Inflight, session_id: str | None = None) -> str:
+        """Route and send a checked request (``session_id``: its conversation) through the
+        ``Frontend``, without waiting for the answer (see the module's docstring); the instance
+        it went to."""
         live = {i.role for i in self.instances.values() if i.name not in self.dead}
         if not live.issuperset(self.roles):
             raise InstanceDied(f"a role has no live instance left: {self.dead}")
-        try:
-            return self.frontend.route(prompt, max_tokens, session_id)
-        except InstanceDied:
-            raise InstanceDied(f"every instance taking new requests died: {self.dead}") from None
+        ids, send = f.req.prompt_token_ids, functools.partial(self._send, rid, f)
+        return self.frontend.submit(rid, ids, f.req.params.max_tokens, session_id, send).instance
 
-    def submit(self, route: Route, rid: str, f: Inflight) -> None:
-        """Send a request where ``route`` says, without waiting for the answer (see the
-        module's docstring); it is in flight from before it is sent."""
+    def _send(self, rid: str, f: Inflight, route: Route) -> None:
+        """Send ``f`` where ``route`` says; it is in flight from before it is sent (the
+        instance may report on it as soon as it has it)."""
         self.ledger.inflight[rid] = f
         f.where = f.answer_from = route.instance
         f.reported_by = ""
-        # before sending: the instance may report on it as soon as it has the request
-        self.frontend.dispatched(rid, route, f.req.num_prompt, f.req.params.max_tokens)
         to, msg = route.instance, rpc.Submit(rpc.RequestState.of(f.req))
         try:
             self.node.send(to, msg, lambda reply: self._answered(rid, f, to, reply))
         except BaseException:
             self.ledger.inflight.pop(rid, None)
-            self.frontend.dropped(rid)
             raise
 
     def _answered(self, rid: str, f: Inflight, to: str, reply: rpc.Msg) -> None:
@@ -96,7 +93,7 @@ class Router:
         refused = isinstance(reply, rpc.Error)
         if refused and self._never_ran(to, reply):
             self.ledger.inflight.pop(rid)
-            self.frontend.dropped(rid)
+            self.frontend.report(dropped=[rid])
             logger.warning("%s refused %s: %s; routing it again", to, rid, reply.message)
             self.ended(to, f"it ended its session ({reply.message})")
             self._reroute(rid, f)
@@ -104,7 +101,7 @@ class Router:
             self.ledger.recover(rid, f, f"InstanceDied: instance {to} died ({self.dead[to]})")
         elif refused:
             self.ledger.inflight.pop(rid)
-            self.frontend.dropped(rid)
+            self.frontend.report(dropped=[rid])
             self.ledger.done.append(f.end("error", f"{reply.kind}: {reply.message}"))
 
     def _never_ran(self, to: str, reply: rpc.Error) -> bool:
@@ -117,15 +114,9 @@ class Router:
     def _reroute(self, rid: str, f: Inflight) -> None:
         """Submit a request no instance started elsewhere, or end it if none can take it."""
         try:
-            self.resubmit(rid, f)
+            self.submit(rid, f)
         except (TransferError, MiniMemServeError) as e:
             self.ledger.done.append(f.end("error", f"{type(e).__name__}: {e}"))
-
-    def resubmit(self, rid: str, f: Inflight) -> str:
-        """Route and send a request again; the instance it went to."""
-        route = self.route(f.req.prompt_token_ids, f.req.params.max_tokens)
-        self.submit(route, rid, f)
-        return route.instance
 
     def on_cache_events(self, sender: str, msg: rpc.CacheEvents) -> None:
         """An entry instance's index gained or lost prefixes: its prompt tree follows, in

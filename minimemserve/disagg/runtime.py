@@ -160,7 +160,7 @@ class ProcessCluster:
             self.instances,
             self.dead,
             model_config.vocab_size,
-            lambda rid, f: self.router.resubmit(rid, f),
+            lambda rid, f: self.router.submit(rid, f),
         )
         self.router = Router(
             self.node,
@@ -330,7 +330,7 @@ class ProcessCluster:
         if rid in self.ledger.inflight:
             raise InvalidRequest(f"request id {rid!r} is already in use")
         f = Inflight(Request(rid, ids, params, arrival_time or time.perf_counter()))
-        self.router.submit(self.router.route(ids, params.max_tokens, session_id), rid, f)
+        self.router.submit(rid, f, session_id)
         return rid
 
     def step(self) -> list[RequestOutput]:

@@ -407,6 +407,18 @@ class MemPool:
             for tier, _, blocks in spans:
                 store.unhold(store.tiers[tier], blocks)
 
+    def push_cached(self, dst: KVReceiver, tokens: Sequence[int]) -> int:
+        """The global scheduler's prefix push: ``send_cached`` to ``dst``, whose index keeps
+        the blocks (no reference is left held); the tokens now cached there (0 when ``dst``
+        had no room: the request goes without them)."""
+        try:
+            got = self.send_cached(dst, tokens)
+        except PoolExhausted:
+            return 0
+        if got:
+            dst.free_mem(got)
+        return len(got) * self.block_size
+
     def _send_spans(self, dst: KVReceiver, toks: array, spans: list[tuple]) -> list[int]:
         """Send ``send_cached``'s pinned spans, each run of blocks from the tier holding it."""
         self._check_peer(dst)

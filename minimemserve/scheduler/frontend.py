@@ -12,15 +12,18 @@ with no answer (aborted, refused, failed, or sent elsewhere) is **dropped**. Whe
 dies under a request, the request is **re-run** elsewhere at most :data:`MAX_RERUNS` times
 where the deployment allows it, else it ends with the error.
 
-The runtimes differ only in how a prefix moves (``push``: a pool call in one process, a
-control message to an instance process, a booked transfer in the simulator) and in how they
-reach an instance; the bookkeeping is here. Not thread-safe."""
+A request enters by :meth:`Frontend.submit` (route, push, dispatch, send: the runtime
+checked it first, once) and everything instances say of it comes back through
+:meth:`Frontend.report` (hand-offs, streamed tokens, outputs, drops). The runtimes differ only
+in how a prefix moves (``push``: ``MemPool.send_cached`` in one process or in the simulator,
+a control message to an instance process that calls it) and in how a request reaches an
+instance (``send``); the bookkeeping is here. Not thread-safe."""
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from ..request import RequestOutput, TokenDelta
 from .global_scheduler import DEFAULT_TTL_S, Clock, Cost, GlobalScheduler, Route
@@ -90,6 +93,49 @@ class Frontend:
         if moved:
             self.scheduler.record(route.instance, prompt[:moved])
         return self.scheduler.after_push(route, prompt, moved)
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        session_id: str | None,
+        send: Callable[[Route], None],
+    ) -> Route:
+        """A checked request's way in: routed (after the prefix push its route asks for),
+        dispatched, then ``send(route)`` puts it on the chosen instance (a failed send drops
+        it and raises). Returns the route."""
+        route = self.route(prompt, max_tokens, session_id)
+        self.dispatched(request_id, route, len(prompt), max_tokens)
+        try:
+            send(route)
+        except BaseException:
+            self.dropped(request_id)
+            raise
+        return route
+
+    def report(
+        self,
+        handoffs: Iterable[str] = (),
+        deltas: Iterable[TokenDelta] = (),
+        outputs: Iterable[RequestOutput] = (),
+        dropped: Iterable[str] = (),
+        started: Iterable[str] = (),
+    ) -> None:
+        """What instances said, in this order: requests whose first token is out
+        (``started``, where no delta carries it), requests handed to a decode instance,
+        tokens streamed (a first one means started), requests that ended with ``outputs``, and
+        requests ``dropped`` with no answer (aborted, refused, failed, sent again)."""
+        for rid in started:
+            self.started(rid)
+        for rid in handoffs:
+            self.prefilled(rid)
+        for d in deltas:
+            self.streamed(d)
+        for out in outputs:
+            self.finished(out)
+        for rid in dropped:
+            self.dropped(rid)
 
     def dispatched(self, request_id: str, route: Route, num_prompt: int, max_tokens: int) -> None:
         """``request_id`` was sent where ``route`` says (before the instance may report on it)."""

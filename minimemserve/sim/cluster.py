@@ -33,13 +33,14 @@ import torch
 from minimemserve.blocks.layout import KVLayout
 from minimemserve.config import Deployment, parse_config_name
 from minimemserve.deployment import DeploymentSpec
-from minimemserve.engine import Engine, EngineParts, StepPlan
-from minimemserve.errors import ConfigError, PoolExhausted
+from minimemserve.engine import Checked, Engine, EngineParts, StepPlan, check_once, tightest
+from minimemserve.errors import ConfigError
 from minimemserve.mempool import KVReceiver, MemPool
 from minimemserve.model.config import ModelConfig
 from minimemserve.parallel import TPShard
 from minimemserve.recipes import Role
 from minimemserve.request import Request, RequestOutput
+from minimemserve.sampling import SamplingParams
 from minimemserve.scheduler.frontend import Frontend
 
 from .profiles import Link, StepShape, TierLink
@@ -144,6 +145,16 @@ class SimPool(MemPool):
         before = self.counters["sent_blocks"]
         got = super().transfer_with_insert(dst, tokens, src_blocks)
         self._sent(dst, before)
+        return got
+
+    def send_cached(self, dst: KVReceiver, tokens: Sequence[int]) -> list[int]:
+        """``MemPool.send_cached``, its link time booked when something was sent."""
+        self.reached(self)
+        self.reached(dst)
+        before, sends = self.counters["sent_blocks"], self.counters["transfers_sent"]
+        got = super().send_cached(dst, tokens)
+        if self.counters["transfers_sent"] != sends:
+            self._sent(dst, before)
         return got
 
 
@@ -381,11 +392,6 @@ class SimInstance:
             self.decode_batch_sum,
             self.decode_context_sum,
         )
-
-    def load(self) -> int:
-        """Requests waiting, running or arriving here."""
-        s = self.engine.scheduler
-        return len(s.waiting) + len(s.running) + len(self.incoming)
 
     def accept(self, req: Request) -> None:
         """Take over ``req`` once the transfer that was just booked lands."""
@@ -668,9 +674,7 @@ class SimCluster(DecodeRuns, Replay):
         a dram tier's onload room counts (:meth:`_touched`)."""
         if self._touched(peer):
             self.catch_up(peer)
-        if not peer.engine.has_room(blocks, peer.incoming):
-            return None
-        return peer.load(), peer.pool.cached_prefix_len(tokens)
+        return peer.engine.offer(blocks, tokens, peer.incoming)
 
     def prefill_pool(self, req: Request) -> MemPool:
         """The pool of the instance that prefilled ``req``."""
@@ -804,23 +808,15 @@ class SimCluster(DecodeRuns, Replay):
         return stand_in_answer(request_id, n, self.model)
 
     def _push_prefix(self, src_name: str, dst_name: str, prompt: Sequence[int]) -> int:
-        """``src`` sends its cached prefix of ``prompt`` to ``dst`` (booked as ``src``'s last
-        transfer): the tokens sent, 0 when nothing of it is cached there any more or ``dst``
-        has no room for it."""
-        self.catch_up(self.by_name[src_name])
-        src, dst = self.by_name[src_name].pool, self.by_name[dst_name].pool
-        blocks = src.match(prompt)
-        if not blocks:
-            return 0
-        n = len(blocks) * src.block_size
-        try:
-            got = src.transfer_with_insert(dst, prompt[:n], blocks)
-        except PoolExhausted:  # no room there: the request goes without it, as in the runtime
-            return 0
-        finally:
-            src.free_mem(blocks)
-        dst.free_mem(got)
-        return n
+        """``src`` pushes its cached prefix of ``prompt`` to ``dst`` (``MemPool.push_cached``,
+        booked as ``src``'s last transfer): the tokens now cached there from it."""
+        return self.by_name[src_name].pool.push_cached(self.by_name[dst_name].pool, prompt)
+
+    def validate(self, prompt, params: SamplingParams) -> Checked:
+        """Checked once, against the tightest limits of every instance (as in one process);
+        the instance it is routed to takes it as it is."""
+        limits = tightest([inst.engine.limits for inst in self.instances])
+        return check_once(prompt, params, self.instances[0].engine.tokenizer, limits)
 
     def _end_step(self, inst: SimInstance) -> None:
         """``inst``'s step computed; it ends once the transfers it began have landed (the
@@ -836,8 +832,7 @@ class SimCluster(DecodeRuns, Replay):
             inst.owed = None
         else:
             outs, first = inst.engine.end_step()
-        for rid in first:  # the frontend sees a first token as it streams
-            self.frontend.started(rid)
+        self.frontend.report(started=first)  # the frontend sees a first token as it streams
         handoffs = [req.request_id for req in inst.engine.handoffs]
         inst.engine.handoffs.clear()
         self.net.answer(inst)
@@ -851,13 +846,11 @@ class SimCluster(DecodeRuns, Replay):
 
     def _report(self, outs: list[RequestOutput], handoffs: list[str]) -> None:
         """What a step's end tells the frontend: its hand-offs and finished requests."""
-        for rid in handoffs:
-            self.frontend.prefilled(rid)
         if outs and self._blocked:
             self.dirty |= self._blocked
             self._blocked.clear()
-        for out in outs:  # the frontend takes a step's outputs together, then sends next turns
-            self.frontend.finished(out)
+        # hand-offs, then the step's outputs together, before next turns are sent
+        self.frontend.report(handoffs, outputs=outs)
         for out in outs:
             self._collect(out)
 

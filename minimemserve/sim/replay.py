@@ -163,10 +163,8 @@ class Replay:
         for entry in self.entry:  # the prompt trees as they are now
             if self._touched(entry):
                 self.catch_up(entry)
-        route = self.frontend.route(prompt, params.max_tokens, session.id)
-        inst = self.by_name[route.instance]
         try:
-            checked = inst.engine.validate(prompt, params)  # the engine takes it as it is
+            checked = self.validate(prompt, params)  # the engine takes it as it is
         except ValueError as exc:
             rec = record(self._config, session, k, self.now, None, len(prompt), f"rejected: {exc}")
             self._records.append(rec)
@@ -174,11 +172,18 @@ class Replay:
             self._pace(si)
             return
         self._inflight[rid] = (si, k, self.now, len(prompt))
-        self.frontend.dispatched(rid, route, len(prompt), params.max_tokens)
-        enqueue = functools.partial(self._enqueue, inst, checked, params, rid, self.now)
+        send = functools.partial(self._send, checked, params, rid, self.now)
+        self.frontend.submit(rid, prompt, params.max_tokens, session.id, send)
+
+    def _send(self, checked, params, rid: str, arrival: float, route) -> None:
+        """``rid`` reaches the instance ``route`` names now, or once the cached prefix pushed
+        there has landed (the push booked it last from its sender)."""
+        enqueue = functools.partial(
+            self._enqueue, self.by_name[route.instance], checked, params, rid, arrival
+        )
         if route.transfer_from is None:
             self.at(self.now, enqueue)
-        else:  # after the cached prefix has landed (the push booked it last from there)
+        else:
             self.by_name[route.transfer_from].pool.last.done.append(enqueue)
 
     def _enqueue(self, inst: Any, prompt, params, rid: str, arrival: float) -> None:

@@ -111,3 +111,28 @@ def test_policy_names_are_one_table_and_the_old_names_are_gone():
         assert not hasattr(module, "POLICIES")
     assert not hasattr(config, "SCHEDULERS")
     assert not hasattr(global_scheduler.GlobalScheduler, "landed")  # after_push is its name
+
+
+def test_submit_routes_dispatches_and_sends_once_and_a_failed_send_is_dropped():
+    front = Frontend(["A", "B"], Pushes(0), block_size=BS)
+    sent: list[str] = []
+    route = front.submit("r", [1, 2, 3], 5, None, lambda rt: sent.append(rt.instance))
+    assert sent == [route.instance] and front.scheduler.queued_requests(route.instance) == 1
+
+    def refuse(rt: Route) -> None:
+        raise RuntimeError("no room")
+
+    with pytest.raises(RuntimeError, match="no room"):
+        front.submit("q", [1, 2, 3], 5, None, refuse)
+    assert sum(front.scheduler.queued_requests(n) for n in "AB") == 1  # only r weighs
+
+
+def test_report_takes_first_tokens_hand_offs_outputs_and_drops():
+    front = Frontend(["P"], Pushes(0), block_size=BS)
+    for rid in ("a", "b", "c"):
+        front.submit(rid, [1, 2, 3], 5, None, lambda rt: None)
+    front.report(started=["a"], deltas=[TokenDelta("b", 0, [4])])
+    assert front.scheduler.decoding("P") == 2
+    front.report(handoffs=["a"], outputs=[output("b", "stop", 3)], dropped=["c"])
+    assert front.scheduler.queued_requests("P") == 0 and front.scheduler.decoding("P") == 0
+    assert front.scheduler.answer_tokens(50) == 3
