@@ -1,17 +1,22 @@
-"""Load on the OpenAI server: many concurrent streaming clients, against in-process generate.
+"""Load on the OpenAI server: many concurrent streaming clients, against the same deployment
+driven in this process.
 
-For each config, starts ``minimemserve serve`` (tiny preset, loopback, in-process runtime so
-only the server's own cost differs), keeps ``--clients`` streaming completions in flight for
-``--duration`` seconds with real ShareGPT prompts, and checks that every request completed or
-failed clearly and that no KV block stays referenced. The same deployment runs in this
-process, driven the same way (the same prompts in the same order, as many in flight, as
-long) once before and once after the server: the overhead is the server's output tokens/s
-against their mean. ``LLM.generate`` on the prompts that completed (all at once, so it keeps
-more in flight) is shown beside. While the server runs, ``/health`` and ``/metrics`` are
-polled every ``--poll-s`` seconds (as a Kubernetes probe and a Prometheus scrape would); every
-answer must be a 200.
+For each config, starts ``minimemserve serve`` (tiny preset, loopback, ``--runtime`` as given:
+by default ``process``, what ``serve`` runs, each instance in its own process behind the
+frontend; ``inprocess`` puts every instance in the server's engine thread), keeps
+``--clients`` streaming completions in flight for ``--duration`` seconds with real ShareGPT
+prompts, and checks that every request completed or failed clearly and that no KV block stays
+referenced. The same deployment (same runtime) is built in this process and driven the same
+way (the same prompts in the same order, as many in flight, as long). The two alternate,
+``--rounds`` server rounds between ``--rounds + 1`` in-process ones (in, server, in, server,
+in), so a drift of the machine shows in both and averages out; the overhead is the server's
+mean output tokens/s against the in-process mean. ``LLM.generate`` on the prompts that
+completed (all at once, so it keeps more in flight) is shown beside. While the server runs,
+``/health`` and ``/metrics`` are polled every ``--poll-s`` seconds (as a Kubernetes probe and
+a Prometheus scrape would); every answer must be a 200.
 
     python bench/serve_load.py [--clients 64] [--duration 60] [--configs PD-CC,1P1D-CC]
+    python bench/serve_load.py --runtime inprocess    # the engine in the server's thread
     python bench/serve_load.py --burst 300 --configs PD-CC   # 300 streams at once, polled
 
 Prints one table; writes ``serve_load.json`` and ``serve_load.png`` under ``--out``."""
@@ -33,6 +38,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from minimemserve import LLM, SamplingParams
+from minimemserve.config import EngineConfig
+from minimemserve.deployment import RUNTIMES, DeploymentSpec
 from minimemserve.model.tokenizer import Tokenizer
 from minimemserve.presets import preset_dir
 from minimemserve.sharegpt import iter_sharegpt
@@ -133,7 +140,10 @@ def burst(
     }
 
 
-def start_server(config: str, port: int, num_blocks: int = NUM_BLOCKS) -> subprocess.Popen:
+def start_server(
+    config: str, port: int, num_blocks: int = NUM_BLOCKS, runtime: str = "process"
+) -> subprocess.Popen:
+    """``minimemserve serve`` of ``config`` on ``port``, once ``/ready`` answers 200."""
     cmd = [
         sys.executable,
         "-m",
@@ -144,7 +154,7 @@ def start_server(config: str, port: int, num_blocks: int = NUM_BLOCKS) -> subpro
         "--port",
         str(port),
         "--runtime",
-        "inprocess",
+        runtime,
         "--num-blocks",
         str(num_blocks),
     ]
@@ -152,7 +162,7 @@ def start_server(config: str, port: int, num_blocks: int = NUM_BLOCKS) -> subpro
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as r:
                 if r.status == 200:
                     return proc
         except OSError:
@@ -190,9 +200,6 @@ def drive(
     wall = time.perf_counter() - start
     target.check_pools(require_idle=True)  # raises if a block stayed referenced
     ok = [o for o in outs if o.error is None]
-    ttft = [o.metrics.ttft for o in ok]
-    tpot = [o.metrics.tpot for o in ok if o.metrics.tpot is not None]
-    itl = target.itl
     return {
         "submitted": len(submitted),
         "completed": len(ok),
@@ -200,18 +207,35 @@ def drive(
         "lost": len(submitted) - len(outs),
         "errors": sorted({o.error for o in outs if o.error})[:5],
         "wall_s": wall,
-        "requests_per_s": len(ok) / wall,
-        "output_tokens_per_s": sum(len(o.token_ids) for o in ok) / wall,
-        "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)),
-        "ttft_p99_ms": 1e3 * float(np.percentile(ttft, 99)),
-        "itl_p50_ms": 1e3 * float(np.percentile(itl, 50)),
-        "itl_p99_ms": 1e3 * float(np.percentile(itl, 99)),
-        "tpot_p50_ms": 1e3 * float(np.percentile(tpot, 50)),
-        "tpot_p99_ms": 1e3 * float(np.percentile(tpot, 99)),
+        "output_tokens": sum(len(o.token_ids) for o in ok),
+        "ttft": [o.metrics.ttft for o in ok],
+        "tpot": [o.metrics.tpot for o in ok if o.metrics.tpot is not None],
+        "itl": list(target.itl),
         "prompts": [submitted[o.request_id] for o in ok],
-        "pool_balanced": True,
         "polls": poller.status,
         "polls_ok": poller.all_ok,
+    }
+
+
+def merge(rounds: list[dict]) -> dict:
+    """The server rounds of one config as one row: counts summed, output tokens/s per round
+    and their mean, latency percentiles over every round's requests."""
+    cat = lambda key: [v for r in rounds for v in r[key]]
+    pct = lambda key, q: 1e3 * float(np.percentile(cat(key), q))
+    rates = [r["output_tokens"] / r["wall_s"] for r in rounds]
+    wall = sum(r["wall_s"] for r in rounds)
+    return {
+        **{k: sum(r[k] for r in rounds) for k in ("submitted", "completed", "failed", "lost")},
+        "errors": sorted({e for r in rounds for e in r["errors"]})[:5],
+        "wall_s": wall,
+        "requests_per_s": sum(r["completed"] for r in rounds) / wall,
+        "runs_tokens_per_s": rates,
+        "output_tokens_per_s": float(np.mean(rates)),
+        **{f"{k}_p{q}_ms": pct(k, q) for k in ("ttft", "itl", "tpot") for q in (50, 99)},
+        "prompts": cat("prompts"),
+        "pool_balanced": True,  # drive raised otherwise
+        "polls": [r["polls"] for r in rounds],
+        "polls_ok": all(r["polls_ok"] for r in rounds),
     }
 
 
@@ -255,10 +279,14 @@ def plot(rows: dict[str, dict], path: Path) -> None:
     )
     ax.set_xticks(x, names)
     ax.set_ylabel("output tokens/s")
-    ax.set_title("64 streaming clients vs in-process generate")
+    ax.set_title("streaming clients over HTTP vs the same deployment in process")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _list(values: list[float]) -> str:
+    return ", ".join(f"{v:.0f}" for v in values)
 
 
 def print_table(rows: dict[str, dict]) -> None:
@@ -269,8 +297,8 @@ def print_table(rows: dict[str, dict]) -> None:
         "failed",
         "lost",
         "req/s",
-        "tok/s",
-        "in-proc tok/s (before, after)",
+        "server tok/s (rounds)",
+        "in-proc tok/s (rounds)",
         "LLM.generate tok/s",
         "overhead",
         "TTFT p50/p99 ms",
@@ -282,8 +310,8 @@ def print_table(rows: dict[str, dict]) -> None:
     for c, r in rows.items():
         print(
             f"| {c} | {r['completed']} | {r['failed']} | {r['lost']} | {r['requests_per_s']:.2f} "
-            f"| {r['output_tokens_per_s']:.0f} | {r['in_process_tokens_per_s']:.0f} "
-            f"({', '.join(f'{v:.0f}' for v in r['in_process_runs_tokens_per_s'])}) "
+            f"| {r['output_tokens_per_s']:.0f} ({_list(r['runs_tokens_per_s'])}) "
+            f"| {r['in_process_tokens_per_s']:.0f} ({_list(r['in_process_runs_tokens_per_s'])}) "
             f"| {r['generate_tokens_per_s']:.0f} "
             f"| {100 * r['overhead']:.1f}% | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
             f"| {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} "
@@ -305,6 +333,8 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=NUM_BLOCKS, help="KV blocks per instance")
     ap.add_argument("--prompt-tokens", type=int, default=MAX_PROMPT_TOKENS, help="prompt cut")
     ap.add_argument("--limit-s", type=float, default=1200.0, help="longest a burst may run")
+    ap.add_argument("--runtime", default="process", choices=RUNTIMES, help="of server and baseline")
+    ap.add_argument("--rounds", type=int, default=2, help="server rounds, between in-process ones")
     args = ap.parse_args()
     tok = Tokenizer.from_dir(preset_dir("tiny"))
     pool = prompts(tok, 512, args.prompt_tokens)
@@ -316,27 +346,39 @@ def main() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        # in process before and after the server, so a drift of the machine shows and averages
-        llm = LLM(None, config=config, num_blocks=args.num_blocks)
+        spec = DeploymentSpec(
+            config, runtime=args.runtime, engine=EngineConfig(num_blocks=args.num_blocks)
+        )
+        llm = LLM(spec)
         llm.generate(pool[:4], params)  # warm-up
-        before = in_process_closed(llm, pool, args.clients, args.duration, params)
-        proc = start_server(config, port, args.num_blocks)
+        load = (pool, args.clients, args.duration, params)
+        runs, served = [in_process_closed(llm, *load)], []
+        proc = start_server(config, port, args.num_blocks, args.runtime)
         url = f"http://127.0.0.1:{port}"
         try:
-            row = drive(url, tok, pool, args.clients, args.duration, params, args.poll_s)
+            for _ in range(args.rounds):  # alternated: a drift of the machine shows in both
+                served.append(drive(url, tok, *load, args.poll_s))
+                runs.append(in_process_closed(llm, *load))
         finally:
             proc.terminate()
             proc.wait(30)
-        after = in_process_closed(llm, pool, args.clients, args.duration, params)
-        row["in_process_runs_tokens_per_s"] = [before, after]
-        row["in_process_tokens_per_s"] = (before + after) / 2
-        row["generate_tokens_per_s"] = generate_rate(llm, row.pop("prompts"), params)
+        row = merge(served)
+        row["in_process_runs_tokens_per_s"] = runs
+        row["in_process_tokens_per_s"] = float(np.mean(runs))
+        row["generate_tokens_per_s"] = generate_rate(llm, row.pop("prompts")[:512], params)
+        llm.close()
         row["overhead"] = 1 - row["output_tokens_per_s"] / row["in_process_tokens_per_s"]
         rows[config] = row
     print_table(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    setup = {"clients": args.clients, "duration_s": args.duration, "max_tokens": args.max_tokens}
+    setup = {
+        "clients": args.clients,
+        "duration_s": args.duration,
+        "max_tokens": args.max_tokens,
+        "runtime": args.runtime,
+        "rounds": args.rounds,
+    }
     (out / "serve_load.json").write_text(json.dumps({"setup": setup, "results": rows}, indent=1))
     plot(rows, out / "serve_load.png")
     print(f"wrote {out / 'serve_load.json'}, {out / 'serve_load.png'}")
@@ -349,7 +391,7 @@ def run_burst(args, tok: Tokenizer, pool: list[list[int]], params: SamplingParam
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        proc = start_server(config, port, args.num_blocks)
+        proc = start_server(config, port, args.num_blocks, args.runtime)
         try:
             rows[config] = burst(
                 f"http://127.0.0.1:{port}", tok, pool, args.burst, params, args.poll_s, args.limit_s
