@@ -30,9 +30,8 @@ from .mempool import MemPool, PoolAccountingError
 from .mempool.chain import default_chain
 from .model.config import ModelConfig
 from .model.layers import CausalLM
-from .model.loader import dummy_model, load_weights
+from .model.loader import dummy_model, load_weights, read_checkpoint
 from .model.registry import build_model
-from .model.tokenizer import Tokenizer
 from .parallel import SingleRank, TPGroup, TPShard
 from .recipes import Hook, Outcome, Peers, Recipe
 from .request import Request, RequestOutput, Status, TokenDelta
@@ -283,8 +282,7 @@ def build_parts(
     if share is not None:
         model_config, tokenizer = share.model_config, share.tokenizer
     else:
-        model_config = ModelConfig.from_hf(Path(model_dir))
-        tokenizer = Tokenizer.from_dir(Path(model_dir))
+        model_config, tokenizer = read_checkpoint(model_dir)
     shard = TPShard(0, tp, model_config)  # rank 0's heads and KV heads: all of them at TP 1
     graph_batch = cfg.decode_graph_batch(device)
     max_len = cfg.model_len(model_config)

@@ -122,3 +122,29 @@ def test_the_simulator_parses_the_name_once(parses):
     setup = cpu_setup(FittedStepModel(CPU_COEFS))
     simulate(setup, ["1P1D-CC"], sessions, rate=2.0, seed=0, progress=False)
     assert parses == ["1P1D-CC"]
+
+
+def test_a_process_reads_a_checkpoint_once(tiny_llama_dir, tmp_path, monkeypatch):
+    """The server, its frontend and every engine of a deployment share one read of the
+    checkpoint's config and tokenizer; a changed config.json is read again."""
+    import shutil
+
+    from minimemserve.model.config import ModelConfig
+
+    ckpt = tmp_path / "ckpt"  # a directory no earlier test of this process has read
+    shutil.copytree(tiny_llama_dir, ckpt)
+    reads: list[str] = []
+    real_cfg, real_tok = ModelConfig.from_hf.__func__, Tokenizer.from_dir.__func__
+    monkeypatch.setattr(
+        ModelConfig, "from_hf", classmethod(lambda c, p: reads.append("cfg") or real_cfg(c, p))
+    )
+    monkeypatch.setattr(
+        Tokenizer, "from_dir", classmethod(lambda c, p: reads.append("tok") or real_tok(c, p))
+    )
+    for config in ("PD-CC", "1P1D-CC"):  # two, then two more engines; one read in all
+        LLM(ckpt, config=config, num_blocks=64).generate([PROMPTS[0]], SamplingParams(max_tokens=2))
+    assert reads == ["cfg", "tok"]
+    text = (ckpt / "config.json").read_text()
+    (ckpt / "config.json").write_text(text + "\n")
+    LLM(ckpt, config="PD", num_blocks=64)
+    assert reads == ["cfg", "tok"] * 2

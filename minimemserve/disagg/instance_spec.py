@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 import msgspec
 
 from ..config import EngineConfig, parse_config_name
-from ..model.config import ModelConfig
+from ..model.loader import read_checkpoint
 from . import rpc
 from .links import AUTO, KV_LINKS, candidates, kv_link
 
@@ -100,7 +100,7 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
 
 def model_summary(model_dir: str) -> dict[str, int]:
     """The shape of the checkpoint, for the frontend to check it serves the same model."""
-    mc = ModelConfig.from_hf(model_dir)
+    mc, _ = read_checkpoint(model_dir)  # the engine this process builds reads it again: free
     keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
     return {k: int(getattr(mc, k)) for k in keys}
 

@@ -50,8 +50,7 @@ from ..errors import (
     TransferError,
 )
 from ..mempool import TIERS, PoolAccountingError
-from ..model.config import ModelConfig
-from ..model.tokenizer import Tokenizer
+from ..model.loader import read_checkpoint
 from ..request import Request, RequestOutput, TokenDelta
 from ..sampling import SamplingParams
 from ..scheduler.frontend import Frontend
@@ -129,8 +128,7 @@ class ProcessCluster:
         """Spawn the instances, or join those at ``spec.instances``, wait until all are ready,
         link them; the scheduler, ledger and membership over them."""
         milestone = self.deployment.milestone
-        model_config = ModelConfig.from_hf(self.model_dir)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        model_config, self.tokenizer = read_checkpoint(self.model_dir)
         self._ids = itertools.count()
         spawned = spec.instances is None
         if spawned and max(map(self.engine_config.tp_size, milestone.roles)) > 1:

@@ -12,8 +12,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from minimemserve.errors import CheckpointError
-from minimemserve.model.config import ModelConfig
+from minimemserve.model.config import CONFIG_FILENAME, ModelConfig
 from minimemserve.model.registry import family_of
+from minimemserve.model.tokenizer import Tokenizer
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -26,6 +27,25 @@ _ROTARY_BUFFER_SUFFIX = "rotary_emb.inv_freq"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 # How many names an error message lists before it says "and N more".
 _NAMES_SHOWN = 5
+
+
+# What this process read of each checkpoint: (directory, config.json's mtime) -> its parts.
+_READ: dict[tuple[str, int], tuple[ModelConfig, Tokenizer]] = {}
+
+
+def read_checkpoint(model_dir: str | Path) -> tuple[ModelConfig, Tokenizer]:
+    """A checkpoint directory's config and tokenizer, read once per process (again only when
+    its ``config.json`` changed): every engine, the frontend and the server of a process share
+    them (both are read-only once built). Problems are ``CheckpointError``s naming the file."""
+    path = Path(model_dir).resolve()
+    try:
+        stamp = (path / CONFIG_FILENAME).stat().st_mtime_ns
+    except OSError:
+        stamp = -1  # from_hf names what is missing
+    key = (str(path), stamp)
+    if key not in _READ:
+        _READ[key] = (ModelConfig.from_hf(path), Tokenizer.from_dir(path))
+    return _READ[key]
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

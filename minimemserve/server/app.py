@@ -48,7 +48,7 @@ from ..errors import (
     PoolExhausted,
     TransferError,
 )
-from ..model.config import ModelConfig
+from ..model.loader import read_checkpoint
 from ..model.tokenizer import Tokenizer
 from ..options import deployment_options, engine_options
 from ..request import RequestOutput, TokenDelta
@@ -732,13 +732,13 @@ def make_server(args: argparse.Namespace) -> Server:
     spec = deployment_options(args, SERVE_FIELDS, engine)
     model_dir = spec.model_dir
     deployment = spec.deployment
-    tok = Tokenizer.from_dir(model_dir)
+    model_config, tok = read_checkpoint(model_dir)  # the engines of this process share them
     chat = protocol.ChatFormat(model_dir, tok)  # a broken template fails before the engine starts
     name = args.served_model_name or ("tiny" if args.model is None else model_dir.name)
     metrics = ServerMetrics(name)
     loop = EngineLoop(spec.build, metrics.observe_output, Watcher(metrics), exit_loudly)
     loop.start(STARTUP_TIMEOUT_S)
-    context = ModelConfig.from_hf(model_dir).max_position_embeddings
+    context = model_config.max_position_embeddings
     return Server(
         loop,
         tok,
