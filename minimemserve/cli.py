@@ -17,6 +17,7 @@ from minimemserve.disagg.links import AUTO, kv_link, transport_names
 from minimemserve.disagg.sessions import standalone_main
 from minimemserve.errors import ConfigError, MiniMemServeError
 from minimemserve.llm import LLM
+from minimemserve.model.config import ModelConfig
 from minimemserve.options import (
     BENCH_DESCRIPTION,
     PARALLEL_FLAGS,
@@ -116,10 +117,12 @@ def _keygen(args: argparse.Namespace) -> int:
 def _trace(args: argparse.Namespace) -> int:
     window, scales = args.trace_window, (args.time_scale, args.length_scale)
     trace = load_trace(trace_path(args), window, *scales)
-    n = trace.write(args.out)
+    context = args.max_context or ModelConfig.from_hf(preset_dir("tiny")).max_position_embeddings
+    n = trace.limited(context, args.max_output_tokens).write(args.out)
     print(
-        f"wrote {n} requests to {args.out}: lengths / {args.length_scale}, times x "
-        f"{args.time_scale:g}, {trace.block_tokens} tokens per hash id "
+        f"wrote {n} requests to {args.out} ({len(trace.requests) - n} beyond the context "
+        f"{context} left out): lengths / {args.length_scale}, times x {args.time_scale:g}, "
+        f"{trace.block_tokens} tokens per hash id "
         f"(aiperf: --custom-dataset-type mooncake_trace --isl-block-size {trace.block_tokens})"
     )
     return 0
@@ -194,6 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
         "for an external client (aiperf)",
     )
     add_trace_arguments(t)
+    t.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="leave out the requests whose prompt and output exceed this many tokens, as bench "
+        "--trace does (default: the tiny preset's context, serve's default model)",
+    )
+    t.add_argument(
+        "--max-output-tokens", type=int, default=None, help="cap on each request's output"
+    )
     t.add_argument("--out", required=True, help="the JSONL file to write")
     t.set_defaults(fn=_trace)
     p = sub.add_parser("preset", help="write (once) and print the path of a preset checkpoint")

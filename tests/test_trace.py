@@ -1,5 +1,6 @@
 """The trace workload on a small generated trace: determinism, equal ids -> equal tokens, the
-partial last block, the window and scale options, bad lines refused with their number."""
+partial last block, the window and scale options, bad lines refused with their number; the
+scaled copy for an external client."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import pytest
 
 from minimemserve.cli import main
+from minimemserve.model.config import ModelConfig
+from minimemserve.presets import preset_dir
 from minimemserve.workloads.trace import (
     TRACE_BLOCK,
     TraceError,
@@ -128,9 +131,36 @@ def test_a_scaled_copy_for_an_external_client(tmp_path, capsys):
     assert "--isl-block-size 16" in capsys.readouterr().out
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     want = load_trace(path, window=(1, 4), time_scale=0.5, length_scale=32)
-    assert [r["timestamp"] for r in rows] == [0.0, 500.0, 1750.0]
+    assert [r["timestamp"] for r in rows] == [0, 500, 1750]
+    assert all(type(r["timestamp"]) is int for r in rows)  # the format's whole milliseconds
     assert [r["input_length"] for r in rows] == [r.input_length for r in want.requests]
     assert [r["output_length"] for r in rows] == [1, 2, 1]
     assert [r["hash_ids"] for r in rows] == [ROWS[i]["hash_ids"] for i in (1, 2, 3)]
     for r in rows:  # every hash id covers block_tokens tokens of the scaled prompt
         assert len(r["hash_ids"]) == -(-r["input_length"] // want.block_tokens)
+
+
+def test_the_copy_keeps_whole_milliseconds_and_what_the_context_holds(tmp_path, capsys):
+    """A time scale that gives fractions of a millisecond still writes integers (the format's;
+    a reader that wants an ``int`` refuses ``166.667``), and the requests whose scaled prompt
+    and capped output exceed ``--max-context`` are left out, as ``bench --trace`` leaves them."""
+    path, out = _write(tmp_path, ROWS), tmp_path / "scaled.jsonl"
+    argv = ["trace", "--trace", path, "--time-scale", "0.3333", "--length-scale", "32"]
+    assert main([*argv, "--max-context", "34", "--max-output-tokens", "1", "--out", str(out)]) == 0
+    assert "1 beyond the context 34 left out" in capsys.readouterr().out
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["timestamp"] for r in rows] == [167, 500, 1333]  # the first (35 + 1 tokens) left out
+    assert all(type(r["timestamp"]) is int for r in rows)
+    assert [r["input_length"] + r["output_length"] for r in rows] == [33, 20, 18]
+    assert [r["output_length"] for r in rows] == [1, 1, 1]
+
+
+def test_the_copy_fits_the_tiny_preset_by_default(tmp_path, capsys):
+    """Without ``--max-context`` the limit is the tiny preset's context (``serve``'s default
+    model): a request the server would refuse is not written."""
+    long = {"timestamp": 9000, "input_length": 70000, "output_length": 1, "hash_ids": [0] * 137}
+    path, out = _write(tmp_path, [*ROWS, long]), tmp_path / "scaled.jsonl"
+    assert main(["trace", "--trace", path, "--length-scale", "32", "--out", str(out)]) == 0
+    context = ModelConfig.from_hf(preset_dir("tiny")).max_position_embeddings
+    assert f"1 beyond the context {context} left out" in capsys.readouterr().out
+    assert len(out.read_text().splitlines()) == len(ROWS)

@@ -98,14 +98,15 @@ class Trace:
 
     def write(self, path: str | Path) -> int:
         """Write the trace as it is here (window and scales applied) in Mooncake's format, for
-        a client that reads it (aiperf's ``mooncake_trace``): timestamps in milliseconds from
-        the window's first request, the scaled lengths, and the hash ids as they are, each now
-        standing for ``block_tokens`` tokens (that client's ``--isl-block-size``: its prompts
-        then share prefixes as the replay's do). Returns how many requests it wrote."""
+        a client that reads it (aiperf's ``mooncake_trace``): timestamps in whole milliseconds
+        from the window's first request (the format's integers: some readers refuse a
+        fraction), the scaled lengths, and the hash ids as they are, each now standing for
+        ``block_tokens`` tokens (that client's ``--isl-block-size``: its prompts then share
+        prefixes as the replay's do). Returns how many requests it wrote."""
         with Path(path).open("w", encoding="utf-8") as f:
             for r in self.requests:
                 line = {
-                    "timestamp": round(r.arrival * 1e3, 3),
+                    "timestamp": round(r.arrival * 1e3),
                     "input_length": r.input_length,
                     "output_length": r.output_length,
                     "hash_ids": list(r.hash_ids),
