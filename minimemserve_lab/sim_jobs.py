@@ -72,7 +72,9 @@ def main(args: argparse.Namespace) -> int:
         if not args.trace:
             raise ConfigError("--cache-curve needs --trace FILE (or --trace mooncake)")
         caps = parse_capacities(args.cache_curve)
-        cache_curve(trace_path(args), caps, args.out, args.trace_window, not args.no_progress)
+        window, progress = args.trace_window, not args.no_progress
+        limits = {"max_context": args.max_context, "max_output_tokens": args.max_output_tokens}
+        cache_curve(trace_path(args), caps, args.out, window, progress, **limits)
         return 0
     if args.trace:
         return _trace(args)

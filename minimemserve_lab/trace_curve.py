@@ -80,10 +80,16 @@ def cache_curve(
     out_dir: str | Path,
     window: tuple[int, int | None] = (0, None),
     progress: bool = True,
+    max_context: int | None = None,
+    max_output_tokens: int | None = None,
 ) -> dict:
     """The hit rate at each capacity (tokens) and unlimited; writes ``cache_curve.json`` and
-    ``cache_curve.png`` (Mooncake's published points beside ours) to ``out_dir``."""
+    ``cache_curve.png`` (Mooncake's published points beside ours) to ``out_dir``. With
+    ``max_context``, only the requests whose scaled prompt and output (capped at
+    ``max_output_tokens``) fit it, as ``minimemserve trace`` writes them for a server."""
     trace = load_trace(trace_path, window=window, length_scale=CURVE_LENGTH_SCALE)
+    if max_context is not None:
+        trace = trace.limited(max_context, max_output_tokens)
     t0 = time.perf_counter()
     points = []
     for cap in sorted(capacities):
@@ -95,6 +101,7 @@ def cache_curve(
     result = {
         "trace": str(trace.path),
         "requests": len(trace.requests),
+        "max_context": max_context,
         "prompt_tokens": trace.prompt_tokens() * CURVE_LENGTH_SCALE,
         "pool_block_tokens": trace.block_tokens,
         "length_scale": CURVE_LENGTH_SCALE,

@@ -112,7 +112,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--cache-curve",
         default=None,
         help="with --trace: MemPool alone replays the trace at each capacity (comma-separated "
-        "tokens, e.g. 1e4,1e5,1e6,3e6,1e7,5e7) and unlimited; writes cache_curve.json and a plot",
+        "tokens, e.g. 1e4,1e5,1e6,3e6,1e7,5e7) and unlimited; writes cache_curve.json and a plot "
+        "(with --max-context: only the requests that fit it at length scale 32)",
     )
     p.add_argument(
         "--fig10",

@@ -82,6 +82,23 @@ def test_cli_writes_the_curve_and_its_plot(tmp_path):
         parse_capacities("1e4,x")
 
 
+def test_the_curve_of_what_a_context_holds(tmp_path):
+    """``--max-context`` (with ``--max-output-tokens``): the curve of the requests ``minimemserve
+    trace`` writes for a server of that context, the scaled prompt and capped output within it,
+    not of the whole window."""
+    rows = _conversations(60, seed=2)
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    limits = ["--max-context", "200", "--max-output-tokens", "4"]
+    argv = ["sim", "--trace", str(path), "--cache-curve", "1e5", *limits, "--out", str(tmp_path)]
+    assert main(argv) == 0
+    res = json.loads((tmp_path / "cache_curve.json").read_text())
+    fitted = load_trace(path, length_scale=CURVE_LENGTH_SCALE).limited(200, 4)
+    assert 0 < res["requests"] == len(fitted.requests) < len(rows)
+    assert res["max_context"] == 200
+    assert res["max_hit_rate"] == replay_hit_rate(fitted, None)
+
+
 def test_curve_on_the_conversation_trace():
     try:
         path = default_trace_path()
