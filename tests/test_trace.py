@@ -1,12 +1,13 @@
 """The trace workload on a small generated trace: determinism, equal ids -> equal tokens, the
 partial last block, the window and scale options, bad lines refused with their number; the
-scaled copy for an external client."""
+scaled copy for an external client, and the replay serving.md documents (aiperf on it)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from docs_blocks import REPO, blocks, commands, logical_lines
 
 from minimemserve.cli import main
 from minimemserve.model.config import ModelConfig
@@ -18,6 +19,7 @@ from minimemserve.workloads.trace import (
     load_trace,
     parse_window,
 )
+from minimemserve_lab.trace_curve import CURVE_LENGTH_SCALE
 
 VOCAB = 32000
 ROWS = [
@@ -164,3 +166,98 @@ def test_the_copy_fits_the_tiny_preset_by_default(tmp_path, capsys):
     context = ModelConfig.from_hf(preset_dir("tiny")).max_position_embeddings
     assert f"1 beyond the context {context} left out" in capsys.readouterr().out
     assert len(out.read_text().splitlines()) == len(ROWS)
+
+
+# The fields aiperf's ``mooncake_trace`` loader reads from a line that carries hash ids.
+MOONCAKE_FIELDS = {"timestamp", "input_length", "output_length", "hash_ids"}
+SERVING = REPO / "docs" / "serving.md"
+
+
+def _documented_replay() -> dict[str, list[str]]:
+    """The ``minimemserve trace``, ``minimemserve sim`` and ``aiperf profile`` commands of
+    serving.md's trace replay, each as its arguments."""
+    found: dict[str, list[str]] = {}
+    for block in blocks(SERVING):
+        for line in logical_lines(block.text):
+            for words in commands(line):
+                head = words[0].rsplit("/", 1)[-1]
+                if head == "minimemserve" and words[1] in ("trace", "sim") and "--trace" in words:
+                    found.setdefault(words[1], words[2:])
+                elif head == "aiperf" and "mooncake_trace" in words:
+                    found.setdefault("aiperf", words[2:])
+    assert set(found) == {"trace", "sim", "aiperf"}, f"serving.md's trace replay: {sorted(found)}"
+    return found
+
+
+def _option(words: list[str], name: str) -> str:
+    return words[words.index(name) + 1]
+
+
+def test_the_documented_replay_agrees_with_itself():
+    """The docs' aiperf command reads the file the trace command writes, with the block size
+    its hash ids stand for; the simulator's hit rate is of the same window, limits and scale."""
+    cmd = _documented_replay()
+    trace, sim, aiperf = cmd["trace"], cmd["sim"], cmd["aiperf"]
+    scale = int(_option(trace, "--length-scale"))
+    assert _option(aiperf, "--input-file") == _option(trace, "--out")
+    assert _option(aiperf, "--custom-dataset-type") == "mooncake_trace"
+    assert "--fixed-schedule" in aiperf and "ignore_eos:true" in aiperf
+    assert int(_option(aiperf, "--isl-block-size")) == TRACE_BLOCK // scale
+    assert scale == CURVE_LENGTH_SCALE  # the curve's one pool block per trace block
+    assert _option(sim, "--trace-window") == _option(trace, "--trace-window")
+    assert _option(sim, "--max-output-tokens") == _option(trace, "--max-output-tokens")
+    context = ModelConfig.from_hf(preset_dir("tiny")).max_position_embeddings
+    assert int(_option(sim, "--max-context")) == context  # the trace command's default
+    slo = dict(pair.split(":") for pair in _option(aiperf, "--goodput").split())
+    assert set(slo) == {"time_to_first_token", "inter_token_latency"}
+
+
+def test_the_documented_window_is_what_aiperf_and_the_server_accept(tmp_path):
+    """The file the docs' command writes: every line has the fields aiperf's loader needs, with
+    integer values; each hash id stands for the block size the docs give aiperf; every prompt
+    and output fit the tiny model's context with its BOS; the count is the one the docs state."""
+    try:
+        default_trace_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    argv, out = _documented_replay()["trace"], tmp_path / "window.jsonl"
+    argv[argv.index("--out") + 1] = str(out)
+    assert main(["trace", *argv]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    window = parse_window(_option(argv, "--trace-window"))
+    scale, cap = int(_option(argv, "--length-scale")), int(_option(argv, "--max-output-tokens"))
+    block = TRACE_BLOCK // scale
+    context = ModelConfig.from_hf(preset_dir("tiny")).max_position_embeddings
+    fitted = [
+        r
+        for r in load_trace(None, window).requests
+        if -(-r.input_length // scale) + min(-(-r.output_length // scale), cap) <= context
+    ]
+    assert len(rows) == len(fitted)
+    stamps = [r["timestamp"] for r in rows]
+    assert stamps == sorted(stamps) and stamps[0] == 0
+    for r, src in zip(rows, fitted):
+        assert set(r) == MOONCAKE_FIELDS
+        assert all(type(r[k]) is int for k in ("timestamp", "input_length", "output_length"))
+        assert r["hash_ids"] == list(src.hash_ids)  # the trace's own ids: the same sharing
+        assert r["input_length"] == -(-src.input_length // scale)
+        assert len(r["hash_ids"]) == -(-r["input_length"] // block)
+        assert 1 <= r["output_length"] <= cap
+        assert r["input_length"] + 1 + r["output_length"] <= context  # BOS, prompt, output
+    assert f"{len(rows)} requests" in SERVING.read_text()
+
+
+def test_the_documented_window_loads_in_aiperf(tmp_path):
+    """Where aiperf is installed (not in the project's environment), its own model of a
+    ``mooncake_trace`` line accepts every line of the documented window."""
+    models = pytest.importorskip("aiperf.dataset.loader.models")
+    try:
+        default_trace_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    argv, out = _documented_replay()["trace"], tmp_path / "window.jsonl"
+    argv[argv.index("--out") + 1] = str(out)
+    assert main(["trace", *argv]) == 0
+    for line in out.read_text().splitlines():
+        row = models.MooncakeTrace.model_validate_json(line)
+        assert row.hash_ids and row.input_length and isinstance(row.timestamp, int)
