@@ -221,9 +221,11 @@ class MemPool:
             return 0
         return self._store.insert(toks[: nb * bs], blocks[:nb], self.instance_id)
 
-    def match(self, tokens: Sequence[int]) -> list[int]:
+    def match(self, tokens: Sequence[int], *, count: bool = True) -> list[int]:
         """Longest cached prefix of ``tokens`` in whole blocks, as hbm block ids the caller
-        holds a new reference on. Cached dram blocks are onloaded while hbm has room."""
+        holds a new reference on. Cached dram blocks are onloaded while hbm has room. A
+        prompt's lookup is counted (queries and hits, per tier); a transfer's receiving side
+        (``count=False``) is not: what a peer sends is no hit of this cache."""
         toks, store = as_tokens(tokens), self._store
         now = store.tick()
         match = store.tree.match_prefix(toks, now=now)
@@ -237,6 +239,8 @@ class MemPool:
         nodes, blocks = store.hbm_prefix(match)
         if blocks:
             store.hold(store.tiers[HBM], nodes, blocks)
+        if not count:
+            return blocks
         c, bs = self.counters, self.block_size
         c["match_calls"] += 1
         c["query_tokens"] += len(toks) - len(toks) % bs
@@ -281,7 +285,7 @@ class MemPool:
                 f"{num_blocks - in_hbm} hbm blocks beyond the {in_hbm} cached there, "
                 f"but only {room} are free or evictable"
             )
-        matched = self.match(toks)
+        matched = self.match(toks, count=False)
         if len(matched) > num_blocks:
             self.free_mem(matched[num_blocks:])
             matched = matched[:num_blocks]

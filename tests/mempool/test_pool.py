@@ -217,6 +217,25 @@ def test_match_holds_references_and_counts_hits():
     pool.check()
 
 
+def test_what_a_peer_sends_is_no_hit_of_the_receiving_cache():
+    """A transfer's receiving side matches what it holds already (only the rest moves) without
+    counting a query or a hit: those are prompts' lookups alone."""
+    src, dst = MemPool(LAYOUT, 8), MemPool(LAYOUT, 8)
+    cache(src, seq(1, 2, 3), [1, 2, 3])
+    cache(dst, seq(1), [1])
+    blocks = src.match(seq(1, 2, 3))  # held while they are sent
+    before = dict(dst.stats()["counters"])
+    got = src.transfer_with_insert(dst, seq(1, 2, 3), blocks)
+    after = dst.stats()["counters"]
+    assert len(got) == 3 and after["transfers_recv"] == before["transfers_recv"] + 1
+    for key in ("query_tokens", "hit_tokens", "match_calls"):
+        assert after[key] == before[key], key
+    assert after["tiers"]["hbm"]["hit_tokens"] == before["tiers"]["hbm"]["hit_tokens"]
+    dst.free_mem(got)
+    src.free_mem(blocks)
+    dst.check()
+
+
 def test_delete_drops_the_unshared_suffix_and_extensions():
     pool = MemPool(LAYOUT, 12)
     a = cache(pool, seq(1, 2, 3, 4), [1, 2, 3, 4])
