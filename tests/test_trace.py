@@ -5,6 +5,7 @@ scaled copy for an external client, and the replay serving.md documents (aiperf 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from docs_blocks import REPO, blocks, commands, logical_lines
@@ -212,10 +213,9 @@ def test_the_documented_replay_agrees_with_itself():
     assert set(slo) == {"time_to_first_token", "inter_token_latency"}
 
 
-def test_the_documented_window_is_what_aiperf_and_the_server_accept(tmp_path):
-    """The file the docs' command writes: every line has the fields aiperf's loader needs, with
-    integer values; each hash id stands for the block size the docs give aiperf; every prompt
-    and output fit the tiny model's context with its BOS; the count is the one the docs state."""
+def _documented_window(tmp_path) -> tuple[list[str], Path]:
+    """The docs' ``minimemserve trace`` command run into ``tmp_path``: its arguments and file
+    (skipped where the trace is not on this machine)."""
     try:
         default_trace_path()
     except FileNotFoundError as e:
@@ -223,6 +223,14 @@ def test_the_documented_window_is_what_aiperf_and_the_server_accept(tmp_path):
     argv, out = _documented_replay()["trace"], tmp_path / "window.jsonl"
     argv[argv.index("--out") + 1] = str(out)
     assert main(["trace", *argv]) == 0
+    return argv, out
+
+
+def test_the_documented_window_is_what_aiperf_and_the_server_accept(tmp_path):
+    """The file the docs' command writes: every line has the fields aiperf's loader needs, with
+    integer values; each hash id stands for the block size the docs give aiperf; every prompt
+    and output fit the tiny model's context with its BOS; the count is the one the docs state."""
+    argv, out = _documented_window(tmp_path)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     window = parse_window(_option(argv, "--trace-window"))
     scale, cap = int(_option(argv, "--length-scale")), int(_option(argv, "--max-output-tokens"))
@@ -251,13 +259,7 @@ def test_the_documented_window_loads_in_aiperf(tmp_path):
     """Where aiperf is installed (not in the project's environment), its own model of a
     ``mooncake_trace`` line accepts every line of the documented window."""
     models = pytest.importorskip("aiperf.dataset.loader.models")
-    try:
-        default_trace_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    argv, out = _documented_replay()["trace"], tmp_path / "window.jsonl"
-    argv[argv.index("--out") + 1] = str(out)
-    assert main(["trace", *argv]) == 0
+    _, out = _documented_window(tmp_path)
     for line in out.read_text().splitlines():
         row = models.MooncakeTrace.model_validate_json(line)
         assert row.hash_ids and row.input_length and isinstance(row.timestamp, int)
