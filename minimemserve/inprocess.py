@@ -16,6 +16,7 @@ import torch
 
 from .config import Deployment, EngineConfig
 from .engine import Checked, Engine, check_once, tightest
+from .mempool import push_cached
 from .recipes import Role
 from .request import Request, RequestOutput, TokenDelta
 from .sampling import SamplingParams
@@ -82,7 +83,7 @@ class InProcessCluster:
         self._deltas: dict[str, TokenDelta] = {}  # of requests still in flight
         self.frontend = Frontend(
             [i.name for i in self.entry],
-            lambda src, dst, ids: self.by_name[src].pool.push_cached(self.by_name[dst].pool, ids),
+            lambda src, dst, ids: push_cached(self.by_name[src].pool, self.by_name[dst].pool, ids),
             policy=policy,
             block_size=ecfg.block_size,
             cost_model=cost_model,

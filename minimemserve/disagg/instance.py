@@ -29,6 +29,7 @@ from collections import OrderedDict
 from ..config import parse_config_name
 from ..engine import Engine, new_request
 from ..errors import InstanceDied, InvalidRequest, RemoteError, TransferError
+from ..mempool import push_cached
 from ..recipes import Role
 from ..request import Request, logprobs_fit
 from . import rpc
@@ -313,7 +314,7 @@ class InstanceServer:
         peer = self.peers.remotes.get(m.to)
         if peer is None or m.to in self.node.dead:
             raise InstanceDied(f"{self.name} has no live peer {m.to!r} to send a prefix to")
-        return rpc.Info({"tokens": self.pool.push_cached(peer, m.tokens)})
+        return rpc.Info({"tokens": push_cached(self.pool, peer, m.tokens)})
 
     def _peer_down(self, name: str, reason: str) -> None:
         self.node.dead.setdefault(name, reason)

@@ -223,9 +223,8 @@ class MemPool:
 
     def match(self, tokens: Sequence[int], *, count: bool = True) -> list[int]:
         """Longest cached prefix of ``tokens`` in whole blocks, as hbm block ids the caller
-        holds a new reference on. Cached dram blocks are onloaded while hbm has room. A
-        prompt's lookup is counted (queries and hits, per tier); a transfer's receiving side
-        (``count=False``) is not: what a peer sends is no hit of this cache."""
+        holds a new reference on. Cached dram blocks are onloaded while hbm has room. Counted
+        (queries, hits per tier) unless ``count=False``: a transfer's receiving side."""
         toks, store = as_tokens(tokens), self._store
         now = store.tick()
         match = store.tree.match_prefix(toks, now=now)
@@ -239,19 +238,8 @@ class MemPool:
         nodes, blocks = store.hbm_prefix(match)
         if blocks:
             store.hold(store.tiers[HBM], nodes, blocks)
-        if not count:
-            return blocks
-        c, bs = self.counters, self.block_size
-        c["match_calls"] += 1
-        c["query_tokens"] += len(toks) - len(toks) % bs
-        c["hit_tokens"] += len(blocks) * bs
-        left = len(blocks)
-        for tier, size in found:
-            if not left:
-                break
-            n = min(left, size)
-            store.tiers[tier].counters["hit_tokens"] += n * bs
-            left -= n
+        if count:
+            _count_lookup(self, store.tiers, len(toks), len(blocks), found)
         return blocks
 
     def cached_prefix_len(self, tokens: Sequence[int]) -> int:
@@ -411,18 +399,6 @@ class MemPool:
             for tier, _, blocks in spans:
                 store.unhold(store.tiers[tier], blocks)
 
-    def push_cached(self, dst: KVReceiver, tokens: Sequence[int]) -> int:
-        """The global scheduler's prefix push: ``send_cached`` to ``dst``, whose index keeps
-        the blocks (no reference is left held); the tokens now cached there (0 when ``dst``
-        had no room: the request goes without them)."""
-        try:
-            got = self.send_cached(dst, tokens)
-        except PoolExhausted:
-            return 0
-        if got:
-            dst.free_mem(got)
-        return len(got) * self.block_size
-
     def _send_spans(self, dst: KVReceiver, toks: array, spans: list[tuple]) -> list[int]:
         """Send ``send_cached``'s pinned spans, each run of blocks from the tier holding it."""
         self._check_peer(dst)
@@ -476,3 +452,33 @@ def _check_held(hbm: Tier, blocks: list[int]) -> None:
             hbm.alloc.check_id(b)
         if rc[b] - indexed[b] < 1:
             raise ValueError(f"block {b} is not held by the caller (refcount {rc[b]})")
+
+
+def push_cached(src: MemPool, dst: KVReceiver, tokens: Sequence[int]) -> int:
+    """The global scheduler's prefix push, the same in every runtime: ``src.send_cached`` to
+    ``dst``, whose index keeps the blocks (no reference is left held); the tokens now cached
+    there (0 when ``dst`` had no room: the request goes without them)."""
+    try:
+        got = src.send_cached(dst, tokens)
+    except PoolExhausted:
+        return 0
+    if got:
+        dst.free_mem(got)
+    return len(got) * src.block_size
+
+
+def _count_lookup(
+    pool: MemPool, tiers: dict[str, Tier], tokens: int, hit: int, found: list[tuple[str, int]]
+) -> None:
+    """A prompt's lookup of ``tokens`` in ``pool``: its whole blocks' tokens queried, the ``hit``
+    blocks' tokens, and each tier's share of them by where the lookup ``found`` them."""
+    c, bs = pool.counters, pool.block_size
+    c["match_calls"] += 1
+    c["query_tokens"] += tokens - tokens % bs
+    c["hit_tokens"] += hit * bs
+    for tier, size in found:
+        if not hit:
+            break
+        n = min(hit, size)
+        tiers[tier].counters["hit_tokens"] += n * bs
+        hit -= n

@@ -35,7 +35,7 @@ from minimemserve.config import Deployment, parse_config_name
 from minimemserve.deployment import DeploymentSpec
 from minimemserve.engine import Checked, Engine, EngineParts, StepPlan, check_once, tightest
 from minimemserve.errors import ConfigError
-from minimemserve.mempool import KVReceiver, MemPool
+from minimemserve.mempool import KVReceiver, MemPool, push_cached
 from minimemserve.model.config import ModelConfig
 from minimemserve.parallel import TPShard
 from minimemserve.recipes import Role
@@ -808,9 +808,9 @@ class SimCluster(DecodeRuns, Replay):
         return stand_in_answer(request_id, n, self.model)
 
     def _push_prefix(self, src_name: str, dst_name: str, prompt: Sequence[int]) -> int:
-        """``src`` pushes its cached prefix of ``prompt`` to ``dst`` (``MemPool.push_cached``,
+        """``src`` pushes its cached prefix of ``prompt`` to ``dst`` (``mempool.push_cached``,
         booked as ``src``'s last transfer): the tokens now cached there from it."""
-        return self.by_name[src_name].pool.push_cached(self.by_name[dst_name].pool, prompt)
+        return push_cached(self.by_name[src_name].pool, self.by_name[dst_name].pool, prompt)
 
     def validate(self, prompt, params: SamplingParams) -> Checked:
         """Checked once, against the tightest limits of every instance (as in one process);
