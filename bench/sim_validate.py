@@ -90,7 +90,7 @@ def measure_runtime_overhead(
     n = CALIBRATION_PROMPT_TOKENS
     ctx = n + OVERHEAD_OUTPUT_TOKENS // 2  # the mean context while decoding
     extra = []
-    with ProcessCluster(mdir, "PD", cores_per_instance=1, num_colocated=1) as c:
+    with ProcessCluster.of(mdir, "PD", cores_per_instance=1, num_colocated=1) as c:
         for b in OVERHEAD_BATCHES:
             for i in range(b):
                 prompt = [FIRST_PROMPT_TOKEN + (i * 7 + j) % 1000 for j in range(n)]
@@ -121,7 +121,7 @@ def measure_contention(model_dir: str | Path | None = None) -> tuple[Contention,
     dec = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
     long = SamplingParams(max_tokens=OVERHEAD_OUTPUT_TOKENS * 8, temperature=0.0, ignore_eos=True)
     n = CALIBRATION_PROMPT_TOKENS
-    with ProcessCluster(
+    with ProcessCluster.of(
         mdir, "PD", cores_per_instance=1, num_colocated=CPU_INSTANCES, policy="session"
     ) as c:
         steer = _Steer(list(c.instances))

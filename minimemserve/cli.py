@@ -13,9 +13,9 @@ from minimemserve.config import EngineConfig
 from minimemserve.disagg import rpc
 from minimemserve.disagg.instance_spec import InstanceSpec
 from minimemserve.disagg.launch import parse_address
-from minimemserve.disagg.links import AUTO, kv_link, transport_names
 from minimemserve.disagg.sessions import standalone_main
 from minimemserve.errors import ConfigError, MiniMemServeError
+from minimemserve.links import AUTO, kv_link, transport_names
 from minimemserve.llm import LLM
 from minimemserve.model.config import ModelConfig
 from minimemserve.options import (

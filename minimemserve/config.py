@@ -29,6 +29,9 @@ _COLOCATED = ("PD", "PD-CC")  # config names that are their milestone's name
 NAME_PREFIX = {Role.COLOCATED: "C", Role.PREFILL: "P", Role.DECODE: "D"}  # names: P0, D1, ...
 # Where a process deployment's control plane binds unless told
 LOOPBACK = "127.0.0.1"
+# How long a control call waits for its reply: a loopback round trip takes < 1 ms, so a peer
+# this late is dead or stuck
+DEFAULT_TIMEOUT_S = 30.0
 # EngineConfig size field -> its smallest valid value
 _MINIMUM = {
     **dict.fromkeys(["num_blocks", "kv_memory_bytes", "max_num_seqs", "max_num_batched_tokens"], 1),

@@ -9,9 +9,14 @@ import dataclasses
 from collections.abc import Sequence
 
 from minimemserve.config import HANDOFF_MODES, LOAD_FORMATS, EngineConfig
-from minimemserve.deployment import DTYPES, KV_LOAD_FAILURE_POLICIES, RUNTIMES, DeploymentSpec
-from minimemserve.disagg.links import transport_names
-from minimemserve.disagg.placement import PLACEMENTS
+from minimemserve.deployment import (
+    DTYPES,
+    KV_LOAD_FAILURE_POLICIES,
+    PLACEMENTS,
+    RUNTIMES,
+    DeploymentSpec,
+)
+from minimemserve.links import transport_names
 from minimemserve.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from minimemserve.scheduler.cost_model import CostModel
 from minimemserve.scheduler.global_scheduler import ROUTING_POLICIES

@@ -13,7 +13,6 @@ from minimemserve import LLM, SamplingParams, presets
 from minimemserve.cli import build_parser
 from minimemserve.config import EngineConfig
 from minimemserve.deployment import DeploymentSpec
-from minimemserve.disagg.launch import LaunchSpec
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.errors import ConfigError
 from minimemserve.inprocess import InProcessCluster
@@ -23,10 +22,25 @@ from minimemserve.options import (
     deployment_options,
 )
 
+# The fields no command offers: the engine (its own options), and the runtimes' timings,
+# ports and start method, Ray's pins and placement timeout (set from Python).
+NOT_FLAGS = {
+    "engine",
+    "ttl_s",
+    "base_port",
+    "start_method",
+    "timeout_s",
+    "startup_timeout_s",
+    "heartbeat_s",
+    "heartbeat_timeout_s",
+    "pin",
+    "placement_timeout_s",
+}
 
-def test_every_field_but_the_engine_has_a_generated_option():
+
+def test_every_field_but_those_set_from_python_has_a_generated_option():
     names = {f.name for f in dataclasses.fields(DeploymentSpec)}
-    assert set(DEPLOYMENT_FLAGS) == names - {"engine"}
+    assert set(DEPLOYMENT_FLAGS) == names - NOT_FLAGS
     p = add_deployment_arguments(argparse.ArgumentParser(), list(DEPLOYMENT_FLAGS))
     defaults = p.parse_args([])
     spec = deployment_options(defaults, list(DEPLOYMENT_FLAGS), EngineConfig())
@@ -62,8 +76,8 @@ def test_bad_values_are_named():
         DeploymentSpec(engine={"num_blocks": 4})
     with pytest.raises(ConfigError, match="3P"):
         DeploymentSpec(config="3P").build()  # the name is checked where it is built
-    with pytest.raises(ConfigError, match="process runtime only"):
-        DeploymentSpec().build(start_method="spawn")
+    with pytest.raises(ConfigError, match="process and ray runtimes only"):
+        DeploymentSpec().build(ProcessCluster)
 
 
 def test_llm_builds_from_the_spec_and_its_keywords_alike():
@@ -125,15 +139,17 @@ def test_a_dummy_presets_name_sets_the_load_format_for_every_command(tmp_path, m
     assert DeploymentSpec(model=str(tmp_path)).engine.load_format == "auto"  # a directory
 
 
-def test_the_process_runtime_takes_the_launch_spec_fields_and_names_a_wrong_one():
-    """``ProcessCluster(model_dir, config, **options)``: its options are ``LaunchSpec``'s fields,
-    checked before anything starts; a deployment spec builds one with the same names."""
-    with pytest.raises(TypeError, match=r"unknown option\(s\) \['num_block'\]; the options"):
-        ProcessCluster("unused", "1P1D", num_block=4)
+def test_the_process_runtime_takes_the_spec_fields_and_names_a_wrong_one():
+    """``ProcessCluster.of(model_dir, config, **fields)``: a deployment spec's fields, checked
+    before anything starts."""
+    with pytest.raises(TypeError, match="num_block"):
+        ProcessCluster.of("unused", "1P1D", num_block=4)
     with pytest.raises(ConfigError, match="base_port must be in"):
-        ProcessCluster("unused", "1P1D", base_port=70000)
-    spec = LaunchSpec.of("m", "1P1D-CC", {"engine_config": None, "instances": ["h:1"]})
-    assert spec.engine_config == EngineConfig() and spec.instances == ("h:1",) and spec.linked
+        ProcessCluster.of("unused", "1P1D", base_port=70000)
+    with pytest.raises(ConfigError, match="heartbeat_s"):
+        DeploymentSpec(heartbeat_s=0)
+    spec = DeploymentSpec("1P1D-CC", "m", instances=["h:1"])
+    assert spec.instances == ("h:1",) and spec.linked
 
 
 def test_llm_over_a_spec_refuses_engine_settings_beside_it():

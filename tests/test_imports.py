@@ -19,8 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("minimemserve", "triton_kernels", "minimemserve_lab")
 
-# Bottom first. Core: errors up to the engine; runtimes: the in-process and the process runtimes,
-# the deployment spec that builds any runtime, and LLM (the package root exports them); workloads
+# Bottom first. Core: errors up to the engine (and the KV link table); runtimes: the in-process
+# runtime, the deployment spec that builds any runtime (the process runtimes, which take it, only
+# when first used), the process runtimes, and LLM (the package root exports them); workloads
 # and the shared command-line options; the server and the simulator; the evaluation lab (the
 # paper's reproduction, the benchmark harness: outside the package, which imports it only inside
 # the commands that run it); the command line over everything.
@@ -29,12 +30,13 @@ LAYERS = (
     ("sampling", "blocks", "memory"),
     ("request", "attention", "mempool"),
     ("serving", "model", "recipes", "decode_graphs"),
-    ("scheduler", "presets"),
+    ("scheduler", "presets", "links"),
     ("config",),
     ("parallel",),
     ("engine",),
-    ("disagg", "inprocess"),
+    ("inprocess",),
     ("deployment",),
+    ("disagg",),
     ("llm",),
     ("minimemserve",),
     ("workloads",),
@@ -157,8 +159,8 @@ def test_the_layer_check_catches_a_planted_upward_edge():
     planted["minimemserve.extra"] = {"minimemserve.engine"}
     assert upward_edges(planted) == [
         "extra is in no layer",
-        "minimemserve.engine imports minimemserve.disagg.runtime: layer 7 (engine) -> 8 (disagg)",
-        "minimemserve.server.app imports minimemserve.sim.runner: layer 14 (server) -> 14 (sim)",
+        "minimemserve.engine imports minimemserve.disagg.runtime: layer 7 (engine) -> 10 (disagg)",
+        "minimemserve.server.app imports minimemserve.sim.runner: layer 15 (server) -> 15 (sim)",
     ]
 
 

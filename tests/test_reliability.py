@@ -139,8 +139,8 @@ def test_values_that_used_to_kill_instances_run_across_processes(tiny_llama_dir,
     healthy = llm.generate(prompts(1), GREEDY)[0]
     odd = SamplingParams(max_tokens=6, temperature=0.8, seed=time.time_ns(), ignore_eos=True)
     tiny = SamplingParams(max_tokens=6, temperature=1e-300, ignore_eos=True)
-    with ProcessCluster(
-        tiny_llama_dir, "1P1D", engine_config=EngineConfig(num_blocks=64), timeout_s=10
+    with ProcessCluster.of(
+        tiny_llama_dir, "1P1D", engine=EngineConfig(num_blocks=64), timeout_s=10
     ) as c:
         rids = [c.add_request(prompts(1)[0], p) for p in (odd, tiny, GREEDY)]
         outs = {o.request_id: o for o in c.run_until_done(timeout_s=60)}

@@ -61,7 +61,7 @@ def test_generated_ids_beyond_the_tokenizer_finish_in_process(wide_embedding_dir
 
 def test_generated_ids_beyond_the_tokenizer_finish_across_processes(wide_embedding_dir):
     cfg = EngineConfig(num_blocks=64)
-    with ProcessCluster(wide_embedding_dir, "1P1D-CC", engine_config=cfg, timeout_s=10) as c:
+    with ProcessCluster.of(wide_embedding_dir, "1P1D-CC", engine=cfg, timeout_s=10) as c:
         rids = [c.add_request(p, s) for p, s in zip(prompts(len(PARAMS)), PARAMS)]
         outs = {o.request_id: o for o in c.run_until_done(timeout_s=120)}
         check_outputs([outs[r] for r in rids], Tokenizer.from_dir(wide_embedding_dir))

@@ -29,13 +29,13 @@ from collections import OrderedDict
 from ..config import parse_config_name
 from ..engine import Engine, new_request
 from ..errors import InstanceDied, InvalidRequest, RemoteError, TransferError
+from ..links import link_endpoints
 from ..mempool import push_cached
 from ..recipes import Role
 from ..request import Request, logprobs_fit
 from . import rpc
 from .host import host_identity, process_gone
 from .instance_spec import InstanceSpec
-from .links import link_endpoints
 from .peering import GRANT_TIMEOUTS, Grants, PeerLinks, RemotePool
 from .shm import SharedMemPool
 

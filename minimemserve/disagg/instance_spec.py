@@ -9,12 +9,9 @@ from dataclasses import dataclass, field, replace
 import msgspec
 
 from ..config import EngineConfig, parse_config_name
+from ..links import AUTO, KV_LINKS, candidates, kv_link
 from ..model.loader import read_checkpoint
 from . import rpc
-from .links import AUTO, KV_LINKS, candidates, kv_link
-
-# Default heartbeat period; the frontend declares an instance dead after many missed beats.
-DEFAULT_HEARTBEAT_S = 0.5
 
 
 @dataclass(frozen=True)

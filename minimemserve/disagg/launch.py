@@ -8,29 +8,26 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import multiprocessing as mp
 import os
 import secrets
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from ..config import NAME_PREFIX, Deployment, EngineConfig, parse_config_name
+from ..config import NAME_PREFIX
+from ..deployment import DeploymentSpec
 from ..errors import ConfigError, InstanceDied, RemoteError, TransferError
+from ..links import AUTO, KV_LINKS, ONE_HOST, kv_link, transport_names
 from ..mempool.shared import segment_path
 from ..model.config import ModelConfig
 from ..parallel import HostStore
-from ..presets import preset_dir
-from ..scheduler.global_scheduler import DEFAULT_TTL_S, MOVES_PREFIXES, Cost
 from . import rpc
-from .instance_spec import DEFAULT_HEARTBEAT_S, InstanceSpec
-from .links import AUTO, KV_LINKS, ONE_HOST, kv_link, transport_names
-from .placement import DEFAULT_PLACEMENT_TIMEOUT_S, check_ray_options
+from .instance_spec import InstanceSpec
 from .sessions import instance_main
 
 # Time a process gets to exit after Shutdown before it is terminated, then killed.
@@ -39,11 +36,6 @@ SHUTDOWN_GRACE_S = 5.0
 FORKSERVER_PRELOAD = ("minimemserve.disagg.sessions",)
 # How long a frontend waits for a standalone instance's answer before asking again.
 HELLO_RETRY_S = 2.0
-# Loading a checkpoint and importing torch takes seconds per process; a minute means stuck.
-DEFAULT_STARTUP_TIMEOUT_S = 120.0
-# Silence after which an instance is declared dead: its heartbeats come from a thread, so
-# only a stopped, wedged or cut-off process is this quiet, never a busy one.
-DEFAULT_HEARTBEAT_TIMEOUT_S = 20.0
 
 
 @dataclass
@@ -95,12 +87,10 @@ def pair_transport(a: InstanceInfo, b: InstanceInfo, forced: str = AUTO) -> str:
 
 
 def cluster_key(
-    instances: Sequence[str] | None, key: rpc.ClusterKey | str | Path | None, transport: str
+    instances: Sequence[str], key: rpc.ClusterKey | str | Path | None
 ) -> rpc.ClusterKey | None:
-    """The cluster key a frontend was given (a file is read), after checking the options."""
-    if transport not in transport_names():
-        raise ConfigError(f"unknown KV transport {transport!r}; choose from {transport_names()}")
-    if instances is not None and key is None:
+    """The cluster key a frontend was given (a file is read); joined ``instances`` need one."""
+    if instances and key is None:
         raise ConfigError("instances started on their own need the cluster key (keygen)")
     if key is None or isinstance(key, rpc.ClusterKey):
         return key
@@ -146,115 +136,24 @@ def reap(instances: Iterable[InstanceInfo], beacon: rpc.Beacon) -> None:
         unlink_segment(inst.handle)
 
 
-@dataclass(frozen=True)
-class LaunchSpec:
-    """How the process runtime runs deployment ``config_name`` of the checkpoint at ``model_dir``
-    (None: the tiny preset): the keyword options of ``ProcessCluster`` (and of the Ray runtime),
-    one field each, checked here. Every instance gets ``engine_config``; ``timeout_s`` bounds
-    every control request, ``startup_timeout_s`` the start-up, ``heartbeat_s`` and
-    ``heartbeat_timeout_s`` set the beat and the silence that means dead; the frontend (and the
-    store pair groups meet in) listens on ``host``; ``transport`` forces the KV transport of
-    every pair (``auto``: per pair, from the links table); ``policy``, ``cost_model`` and
-    ``ttl_s`` configure the global scheduler; ``rerun_on_failure`` re-runs the requests of a
-    dead instance elsewhere. Spawned instances (on this host): ``device``, ``dtype``,
-    ``cores_per_instance`` torch threads each, ``num_colocated`` engines of a colocated
-    configuration, listening on free loopback ports (``base_port`` 0) or ``base_port + 1 + i``,
-    started by ``start_method`` (``spawn`` or ``forkserver``). Joined instances instead:
-    ``instances``, the ``HOST:PORT`` of ``minimemserve instance`` processes, with the cluster
-    ``key`` they were started with. The Ray runtime's: the cluster's ``ray_address`` (None:
-    ``RAY_ADDRESS``, else a local cluster), the ``placement`` of instances over nodes
-    (:data:`~.placement.PLACEMENTS`), ``pin`` (role -> a custom resource, or a ``key=value``
-    label, a node must have to hold that role), CPUs per rank (``cores_per_instance``), each
-    actor's ``max_restarts`` and how long a placement may take."""
-
-    model_dir: Path | None
-    config_name: str = "1P1D"
-    engine_config: EngineConfig = field(default_factory=EngineConfig)
-    device: str = "cpu"
-    dtype: str = "float32"
-    cores_per_instance: int = 1
-    num_colocated: int = 2
-    timeout_s: float = rpc.DEFAULT_TIMEOUT_S
-    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
-    heartbeat_s: float = DEFAULT_HEARTBEAT_S
-    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
-    host: str = rpc.LOOPBACK
-    base_port: int = 0
-    rerun_on_failure: bool = True
-    start_method: str = "spawn"
-    policy: str = "prompt_tree"
-    cost_model: Cost | None = None
-    ttl_s: float = DEFAULT_TTL_S
-    instances: tuple[str, ...] | None = None
-    key: rpc.ClusterKey | str | Path | None = None
-    transport: str = AUTO
-    ray_address: str | None = None
-    placement: str = "pack"
-    pin: Mapping[str, str] = field(default_factory=dict)
-    max_restarts: int = 0
-    placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S
-
-    def __post_init__(self) -> None:
-        set_ = functools.partial(object.__setattr__, self)
-        set_("model_dir", Path(preset_dir("tiny") if self.model_dir is None else self.model_dir))
-        set_("engine_config", self.engine_config or EngineConfig())
-        if self.instances is not None:
-            set_("instances", tuple(self.instances))
-        if self.cores_per_instance < 1:
-            raise ConfigError(f"cores_per_instance must be >= 1, got {self.cores_per_instance}")
-        if self.num_colocated < 1:
-            raise ConfigError(f"num_colocated must be >= 1, got {self.num_colocated}")
-        if not 0 <= self.base_port < 65536:
-            raise ConfigError(f"base_port must be in [0, 65536), got {self.base_port}")
-        check_ray_options(self)
-
-    @classmethod
-    def of(
-        cls, model_dir: str | Path, config: str | Deployment, options: dict[str, Any]
-    ) -> LaunchSpec:
-        """The spec of ``ProcessCluster(model_dir, config, **options)`` (``config``: a name,
-        or a deployment parsed already); an option it does not have is a TypeError (as for
-        any unknown keyword) naming the ones it has."""
-        names = [f.name for f in dataclasses.fields(cls)][2:]
-        if bad := sorted(set(options) - set(names)):
-            raise TypeError(f"unknown option(s) {bad}; the options are {names}")
-        if not isinstance(config, Deployment):
-            return cls(model_dir, config, **options)
-        spec = cls(model_dir, config.name, **options)
-        spec.__dict__["deployment"] = config  # parsed already: what the property would give
-        return spec
-
-    @functools.cached_property
-    def deployment(self) -> Deployment:
-        """The parsed ``config_name``."""
-        return parse_config_name(self.config_name)
-
-    @property
-    def linked(self) -> bool:
-        """Whether transfers (the recipes', or the scheduler's prefix pushes) need pools that
-        peers reach."""
-        m = self.deployment.milestone
-        return m.moves_kv or (self.policy in MOVES_PREFIXES and m.entry_caches)
-
-
 class Launcher:
     """The deployment's instances (:attr:`instances`) from spawn or join to linked, over the
     frontend's ``node``; ``beacon`` heartbeats each once it is ready."""
 
     @classmethod
-    def open(cls, spec: LaunchSpec, key: rpc.ClusterKey | None, port: int, handler):
-        """The launcher of a new frontend node that listens on ``port`` of ``spec.host`` and
-        hands messages to ``handler``; returns it with the deployment's secret and key pair.
+    def open(cls, spec: DeploymentSpec, key: rpc.ClusterKey | None, port: int, handler):
+        """The launcher of a new frontend node that listens on ``port`` of ``spec.cluster_host``
+        and hands messages to ``handler``; returns it with the deployment's secret and key pair.
         The secret reaches spawned instances through the spawn pipe; off loopback every
         socket is CURVE-encrypted with a key pair made here (or the cluster key's). A beacon
         heartbeats every instance from a thread, so they hear the frontend while it is idle."""
         secret = key.secret if key is not None else secrets.token_bytes(32)
-        curve = (key or rpc.ClusterKey.generate()).curve_for(spec.host)
+        curve = (key or rpc.ClusterKey.generate()).curve_for(spec.cluster_host)
         codec = rpc.Codec(secret)
         node = rpc.RpcNode(
             rpc.FRONTEND,
             handler,
-            host=spec.host,
+            host=spec.cluster_host,
             port=port,
             timeout_s=spec.timeout_s,
             codec=codec,
@@ -263,7 +162,7 @@ class Launcher:
         beacon = rpc.Beacon(rpc.FRONTEND, codec, spec.heartbeat_s, curve)
         return cls(spec, node, beacon), secret, curve
 
-    def __init__(self, spec: LaunchSpec, node: rpc.RpcNode, beacon: rpc.Beacon) -> None:
+    def __init__(self, spec: DeploymentSpec, node: rpc.RpcNode, beacon: rpc.Beacon) -> None:
         self.spec = spec
         self.node = node
         self.beacon = beacon
@@ -280,12 +179,12 @@ class Launcher:
         if self.spec.start_method == "forkserver":
             ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         roles = self.spec.deployment.instances(colocated=self.spec.num_colocated)
-        engine_config = self.spec.engine_config.placed(len(roles))  # all on ``spec.device``
+        engine_config = self.spec.engine.placed(len(roles))  # all on ``spec.device``
         for i, (name, role) in enumerate(roles):
             spec = InstanceSpec(
                 role=role,
                 model_dir=str(self.spec.model_dir),
-                host=self.spec.host,
+                host=self.spec.cluster_host,
                 port=self.spec.base_port + 1 + i if self.spec.base_port else 0,
                 key=key,
                 transport=ONE_HOST if transport == AUTO else transport,
@@ -353,7 +252,7 @@ class Launcher:
             name,
             self.spec.deployment.name,
             self.node.address,
-            dataclasses.asdict(self.spec.engine_config),
+            dataclasses.asdict(self.spec.engine),
             self.spec.timeout_s,
             self.spec.heartbeat_s,
             self.spec.heartbeat_timeout_s,
@@ -399,12 +298,12 @@ class Launcher:
             way = pair_transport(a, b, self.spec.transport)
             out.append(b.seen_over(way))
             if kv_link(way).meets_in_store and self.store is None:
-                self.store = _host_store(self.spec.host, self.spec.timeout_s)
+                self.store = _host_store(self.spec.cluster_host, self.spec.timeout_s)
         return out
 
     def store_address(self) -> str:
         """``host:port`` of the store pair groups form through, or "" when none is hosted."""
-        return f"{self.spec.host}:{self.store.port}" if self.store is not None else ""
+        return f"{self.spec.cluster_host}:{self.store.port}" if self.store is not None else ""
 
     def wait_ready(self, timeout_s: float) -> None:
         """Serve until every instance reported ``Ready`` (a spawned one that exits fails it)."""

@@ -17,10 +17,10 @@ import torch
 
 from ..blocks.copy import check_pool_tensor
 from ..errors import InstanceDied, TransferError
+from ..links import KVLink, kv_link
 from ..mempool import MemPool
 from ..request import Request
 from . import rpc
-from .links import KVLink, kv_link
 from .transports import GlooLink
 
 logger = logging.getLogger(__name__)

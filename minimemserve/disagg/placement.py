@@ -1,5 +1,5 @@
-"""Where a Ray deployment's instances go: the check of the Ray runtime's options and the plan
-that gives every instance one node with room for all its ranks, before anything is reserved.
+"""Where a Ray deployment's instances go: the plan that gives every instance one node with room
+for all its ranks, before anything is reserved.
 
 Plain data, no Ray: the runtime (:mod:`~.ray_runtime`) feeds it the live nodes Ray reports."""
 
@@ -7,30 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import ConfigError
-from ..recipes import Role
-
-# How the deployment's instances spread over nodes: as few as possible, or as many.
-PLACEMENTS = ("pack", "spread")
-# How long Ray gets to reserve an instance's bundles (resources counted free may be taken).
-DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
-
-
-def check_ray_options(opts: Any) -> None:
-    """Check the Ray runtime's options of a spec (``placement``, ``pin``, ``max_restarts``,
-    ``placement_timeout_s``, and its CPUs per rank, ``cores_per_instance``); raises
-    ConfigError naming the first that is wrong."""
-    if opts.placement not in PLACEMENTS:
-        raise ConfigError(f"placement must be one of {PLACEMENTS}, got {opts.placement!r}")
-    if opts.cores_per_instance < 1 or opts.max_restarts < 0 or opts.placement_timeout_s <= 0:
-        raise ConfigError(
-            "cores_per_instance (CPUs per rank) must be >= 1, max_restarts >= 0 and "
-            "placement_timeout_s > 0"
-        )
-    if bad := [r for r in opts.pin if r not in {r.value for r in Role}]:
-        raise ConfigError(f"pin names no role: {bad}")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ Each instance of a deployment is one actor (:class:`InstanceActor`) that holds a
 instance (``instance.serve_sessions``, what ``minimemserve instance`` runs) on a thread, bound
 to its node's address. The frontend (:class:`RayCluster`) asks every actor where it listens
 (discovery) and joins the instances exactly as it joins ones started by hand
-(``ProcessCluster(instances=...)``): ``Hello``, ``Join``, ``Ready`` with the pool handle and the
+(a spec with ``instances``): ``Hello``, ``Join``, ``Ready`` with the pool handle and the
 NIXL agent's metadata, then the links. Nothing of a request crosses Ray: steps and token deltas
 go over the authenticated RPC, KV through shared memory within a node, NIXL (where both
 instances have an agent) or gloo between nodes. A Ray node counts as a host.
@@ -39,18 +39,17 @@ import secrets
 import socket
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from ..config import Deployment
+from ..deployment import DeploymentSpec
 from ..errors import ConfigError
+from ..links import AUTO, KV_LINKS, kv_link
 from . import rpc
 from .instance_spec import InstanceSpec
-from .launch import LaunchSpec, parse_address, unlink_segment
-from .links import AUTO, KV_LINKS, kv_link
+from .launch import parse_address, unlink_segment
 from .membership import Membership
 from .placement import NodeView, Wanted, plan_nodes
 from .runtime import ProcessCluster
@@ -133,7 +132,7 @@ class RayActors:
     """The actors of one deployment: placed (:meth:`place`), watched (:meth:`watch`) and
     stopped (:meth:`close`)."""
 
-    def __init__(self, ray: Any, opts: LaunchSpec) -> None:
+    def __init__(self, ray: Any, opts: DeploymentSpec) -> None:
         self.ray = ray
         self.opts = opts
         self.placed: dict[str, Placed] = {}
@@ -298,19 +297,16 @@ def ray_attached(address: str | None) -> Iterator[Any]:
 
 class RayCluster(ProcessCluster):
     """A ``ProcessCluster`` whose instances are Ray actors (see the module docstring): placed
-    as its Ray options say (``ray_address``, ``placement``, ``pin``, ``max_restarts``,
-    ``placement_timeout_s``; ``cores_per_instance`` CPUs per rank: see
-    :class:`~.launch.LaunchSpec`), watched by Ray, joined and served by the process runtime's
-    frontend. ``host`` is where the frontend listens (default, or loopback: this node's
-    address, which every actor must reach). Other options as ``ProcessCluster``'s, except
-    ``instances`` and ``key``: the runtime starts the instances and makes their key."""
+    as the spec's Ray fields say (``ray_address``, ``placement``, ``pin``, ``max_restarts``,
+    ``placement_timeout_s``; ``cores_per_instance`` CPUs per rank), watched by Ray, joined
+    and served by the process runtime's frontend. ``cluster_host`` is where the frontend
+    listens (loopback: this node's address, which every actor must reach). Other fields as
+    ``ProcessCluster``'s, except ``instances`` and ``key``: the runtime starts the instances
+    and makes their key."""
 
-    def __init__(
-        self, model_dir: str | Path, config_name: str | Deployment = "1P1D", **options: Any
-    ) -> None:
-        if options.get("instances") or options.get("key") is not None:
+    def __init__(self, spec: DeploymentSpec) -> None:
+        if spec.instances or spec.key is not None:
             raise ConfigError("the ray runtime starts its own instances and makes their key")
-        spec = LaunchSpec.of(model_dir, config_name, options)
         wanted, actors = _wanted(spec)
         if str(spec.device).startswith("cuda") and any(w.ranks > 1 for w in wanted):
             raise ConfigError("tensor-parallel instances on CUDA do not run under Ray yet")
@@ -318,14 +314,15 @@ class RayCluster(ProcessCluster):
         for kw_i, w in zip(actors, wanted):  # a TP instance's ranks reach peers over it
             kw_i["transport"] = whole if w.ranks > 1 and spec.transport == AUTO else spec.transport
         self.ray = import_ray()
-        self._owns_ray = connect(self.ray, spec.ray_address)
+        self._owns_ray = connect(self.ray, spec.ray_address or None)
         self.actors = RayActors(self.ray, spec)
         try:
             key_made = rpc.ClusterKey.generate()
             addresses = self.actors.place(wanted, actors, key_made)
-            host = _frontend_host(self.ray, options.get("host"))
-            joined = {"host": host, "instances": addresses, "key": key_made}
-            super().__init__(model_dir, config_name, **options | joined)
+            host = _frontend_host(self.ray, spec.cluster_host)
+            super().__init__(
+                replace(spec, cluster_host=host, instances=tuple(addresses), key=key_made)
+            )
         except BaseException:
             self._stop_ray()
             raise
@@ -353,19 +350,19 @@ class RayCluster(ProcessCluster):
             self.ray.shutdown()
 
 
-def _frontend_host(ray: Any, host: str | None) -> str:
-    """Where the frontend listens: ``host``, unless none or loopback is given (an actor may be on
-    any node): then this node's address."""
-    return ray.util.get_node_ip_address() if host in (None, *rpc.LOOPBACK_HOSTS) else host
+def _frontend_host(ray: Any, host: str) -> str:
+    """Where the frontend listens: ``host``, unless it is loopback (an actor may be on any
+    node): then this node's address."""
+    return ray.util.get_node_ip_address() if host in rpc.LOOPBACK_HOSTS else host
 
 
-def _wanted(spec: LaunchSpec):
+def _wanted(spec: DeploymentSpec):
     """The instances to place, and each actor's standalone options."""
     gpu = str(spec.device).startswith("cuda")
     bundle = {"CPU": float(spec.cores_per_instance)} | ({"GPU": 1.0} if gpu else {})
     wanted, options = [], []
     for name, role in spec.deployment.instances(colocated=spec.num_colocated):
-        wanted.append(Wanted(name, role, spec.engine_config.tp_size(role), bundle))
+        wanted.append(Wanted(name, role, spec.engine.tp_size(role), bundle))
         options.append(
             {
                 "role": role,

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config import Deployment
+from ..deployment import DeploymentSpec
 from ..engine import Checked, check_once, tightest
 from ..errors import (
     ConfigError,
@@ -56,7 +56,7 @@ from ..sampling import SamplingParams
 from ..scheduler.frontend import Frontend
 from . import rpc
 from .instance import CLOSING
-from .launch import InstanceInfo, Launcher, LaunchSpec, cluster_key, reap
+from .launch import InstanceInfo, Launcher, cluster_key, reap
 from .ledger import Inflight, Ledger
 from .membership import Membership
 from .routing import Router, push_prefix
@@ -71,24 +71,15 @@ SURVEY_WAIT_S = 0.05
 
 
 class ProcessCluster:
-    """Instances of one deployment (``config_name``: ``PD``, ``PD-CC``, ``1P1D``,
-    ``1P1D-CC1/2/3``, ``xPyD[-CC...]``), each in its own process, behind one frontend. Its
-    keyword options are :class:`~.launch.LaunchSpec`'s fields. Spawned here, or joined:
-    ``instances`` lists addresses (``host:port``) of ``minimemserve instance`` processes,
-    whose roles make the deployment; ``key`` (the cluster key file or
-    :class:`~rpc.ClusterKey` they were started with) is then required and ``host`` must be an
-    address they reach. ``timeout_s`` bounds every control request. ``policy``,
-    ``cost_model`` and ``ttl_s`` configure the ``GlobalScheduler``; ``transport`` forces the
-    KV transport of every pair (``shm``, ``gloo``; ``auto``: shared memory within a host).
-    ``model_dir`` None is the tiny preset, as for ``LLM``. Use as a context manager, or call
+    """Instances of one deployment (``PD``, ``PD-CC``, ``1P1D``, ``1P1D-CC1/2/3``,
+    ``xPyD[-CC...]``), each in its own process, behind one frontend, as ``spec`` says:
+    spawned here, or joined (its ``instances``, the ``host:port`` of ``minimemserve instance``
+    processes whose roles make the deployment; its ``key`` is then required and its
+    ``cluster_host`` must be an address they reach). Use as a context manager, or call
     :meth:`close`; an abandoned cluster is reaped when garbage collected."""
 
-    def __init__(
-        self, model_dir: str | Path | None, config_name: str | Deployment = "1P1D", **options: Any
-    ) -> None:
-        """Start the deployment; ``options`` are :class:`~.launch.LaunchSpec`'s fields (an
-        unknown one is a TypeError naming the others)."""
-        spec = LaunchSpec.of(model_dir, config_name, options)
+    def __init__(self, spec: DeploymentSpec) -> None:
+        """Start the deployment ``spec``."""
         self._setup(spec)
         try:
             self._start(spec)
@@ -97,16 +88,19 @@ class ProcessCluster:
             raise
         self._old_sigterm = _sigterm_as_interrupt()
 
-    def _setup(self, spec: LaunchSpec) -> None:
+    @classmethod
+    def of(cls, model: str | Path | None, config: str, **fields: Any) -> ProcessCluster:
+        """The cluster of ``DeploymentSpec(config, model, runtime="process", **fields)``: the
+        spec's other fields by name (``engine``, ``timeout_s``, ``instances``...)."""
+        return cls(DeploymentSpec(config, model, **{"runtime": "process"} | fields))
+
+    def _setup(self, spec: DeploymentSpec) -> None:
         """The frontend's node and launcher, before any instance starts."""
+        self.spec = spec
         self.deployment = spec.deployment
-        key = cluster_key(spec.instances, spec.key, spec.transport)
-        self.transport = spec.transport
+        key = cluster_key(spec.instances, spec.key)
         self.model_dir = spec.model_dir
-        self.engine_config = spec.engine_config
-        self.timeout_s = spec.timeout_s
-        self.heartbeat_timeout_s = spec.heartbeat_timeout_s
-        self.rerun_on_failure = spec.rerun_on_failure
+        self.engine_config = spec.engine
         self._closed = False
         self._old_sigterm = None
         self.launcher, self._secret, self._curve = Launcher.open(
@@ -124,13 +118,13 @@ class ProcessCluster:
         self._asked: set[str] = set()  # instances whose audit has not come back yet
         self._handlers = {rpc.Ready: self.launcher.on_ready, rpc.Heartbeat: _ignore}
 
-    def _start(self, spec: LaunchSpec) -> None:
+    def _start(self, spec: DeploymentSpec) -> None:
         """Spawn the instances, or join those at ``spec.instances``, wait until all are ready,
         link them; the scheduler, ledger and membership over them."""
         milestone = self.deployment.milestone
         model_config, self.tokenizer = read_checkpoint(self.model_dir)
         self._ids = itertools.count()
-        spawned = spec.instances is None
+        spawned = not spec.instances
         if spawned and max(map(self.engine_config.tp_size, milestone.roles)) > 1:
             raise ConfigError(  # an instance process it spawns is daemonic: it cannot spawn ranks
                 "tensor parallelism runs in-process deployments, or standalone instances "
@@ -149,7 +143,7 @@ class ProcessCluster:
             cost_model=spec.cost_model,
             ttl_s=spec.ttl_s,
             caching=milestone.entry_caches,
-            rerun_on_failure=self.rerun_on_failure,
+            rerun_on_failure=spec.kv_load_failure_policy == "recompute",
         )
         self.scheduler = self.frontend.scheduler
         self.ledger = Ledger(
@@ -182,7 +176,7 @@ class ProcessCluster:
         self.node.deferred = frozenset(self._handlers) - {rpc.Ready, rpc.Heartbeat}
         for inst in self.instances.values():
             self.node.connect(inst.name, inst.address)
-        if self.launcher.spec.linked:
+        if spec.linked:
             self.launcher.link(spec.startup_timeout_s)
 
     # ---- start-up and shutdown -------------------------------------------------------------

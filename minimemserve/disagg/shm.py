@@ -9,10 +9,10 @@ import torch
 
 from ..blocks.copy import move_blocks
 from ..errors import TransferError
+from ..links import Counts
 from ..mempool import MemPool
 from ..mempool.shared import SharedPoolTensor, attach, segment_path
 from . import rpc
-from .links import Counts
 
 
 class ShmLink:

@@ -5,7 +5,7 @@ into blocks the receiver has already allocated, packed: one message per transfer
 two-sided: the receiver posts the matching receive, with the block ids and tag a control
 plane gave it; this module moves bytes only.
 
-:class:`GlooLink`, the runtime's ``gloo`` KV link (:mod:`~minimemserve.disagg.links`), holds
+:class:`GlooLink`, the runtime's ``gloo`` KV link (:mod:`~minimemserve.links`), holds
 one per pair of instances.
 The other ways of cutting a transfer into pieces (per layer, per block) exist only for the
 transfer benchmark, in :mod:`minimemserve_lab.harness.transfer_paths`."""
@@ -23,9 +23,9 @@ import torch
 
 from minimemserve.blocks.copy import is_run
 from minimemserve.disagg import rpc
-from minimemserve.disagg.links import Counts
 from minimemserve.disagg.rpc import LOOPBACK
 from minimemserve.errors import TransferError
+from minimemserve.links import Counts
 from minimemserve.mempool import MemPool
 from minimemserve.parallel import HostStore
 

@@ -24,7 +24,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -101,15 +101,12 @@ def process_factories(
 ) -> dict[str, TargetFactory]:
     """``{config: factory}`` for ``run_bench(factories=...)``: each config in its own
     processes, a ``cluster`` (``ProcessCluster`` or a subclass, such as ``HostsCluster``);
-    ``kw`` are spec fields (cores, policy, cost model, transport...) or further arguments of
-    the cluster (start method, timeouts). Unknown names raise ``ConfigError`` here."""
+    ``kw`` are spec fields (cores, policy, cost model, transport, start method, timeouts...).
+    Unknown names raise ``ConfigError`` here."""
     for c in configs:
         parse_config_name(c)
-    names = {f.name for f in fields(DeploymentSpec)}
-    spec_kw = {k: v for k, v in kw.items() if k in names}
-    process_kw = {k: v for k, v in kw.items() if k not in names}
-    process = functools.partial(replace, runtime="process", **spec_kw)
-    return {c: lambda spec: process(spec).build(cluster, **process_kw) for c in configs}
+    process = functools.partial(replace, runtime="process", **kw)
+    return {c: lambda spec: process(spec).build(cluster) for c in configs}
 
 
 def resolve_factory(

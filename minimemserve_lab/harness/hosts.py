@@ -13,10 +13,10 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
-from minimemserve.config import parse_config_name
+from minimemserve.deployment import DeploymentSpec
 from minimemserve.disagg import rpc
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.errors import ConfigError
@@ -108,44 +108,27 @@ class LocalInstances:
 
 
 class HostsCluster(ProcessCluster):
-    """A ``ProcessCluster`` over :class:`LocalInstances` it starts for ``config_name`` (the
-    deployment's roles, ``num_colocated`` colocated ones) and stops when closed."""
+    """A ``ProcessCluster`` over :class:`LocalInstances` it starts for ``spec`` (the
+    deployment's roles, ``num_colocated`` colocated ones, ``cores_per_instance`` threads each)
+    and stops when closed."""
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        config_name: str,
-        *,
-        transport: str = "auto",
-        num_colocated: int = 2,
-        cores_per_instance: int = 1,
-        instances: Sequence[str] | None = None,
-        key: Any = None,
-        **kw: Any,
-    ) -> None:
-        """Start the instances, then join them as ``ProcessCluster(instances=...)`` does."""
-        if instances or key is not None:
+    def __init__(self, spec: DeploymentSpec) -> None:
+        """Start the instances, then join them as a spec with ``instances`` does."""
+        if spec.instances or spec.key is not None:
             raise ConfigError("the hosts runtime starts its own instances and makes their key")
-        roles = [r for _, r in parse_config_name(config_name).instances(colocated=num_colocated)]
+        roles = [r for _, r in spec.deployment.instances(colocated=spec.num_colocated)]
         self._dir = tempfile.TemporaryDirectory(prefix="mms-hosts-")
         key = os.path.join(self._dir.name, "cluster.key")
         self.local = LocalInstances(
             roles,
             key,
-            model_dir=model_dir,
-            transport=transport,
-            threads=cores_per_instance,
+            model_dir=spec.model_dir,
+            transport=spec.transport,
+            threads=spec.cores_per_instance,
             log_dir=self._dir.name,
         )
         try:
-            super().__init__(
-                model_dir,
-                config_name,
-                instances=self.local.addresses,
-                key=key,
-                transport=transport,
-                **kw,
-            )
+            super().__init__(replace(spec, instances=tuple(self.local.addresses), key=key))
         except BaseException:
             self.local.close()
             self._dir.cleanup()

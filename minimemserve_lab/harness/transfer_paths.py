@@ -14,7 +14,7 @@ receiver has already allocated. Paths, fastest first:
   (:class:`TransferMode`) beside the runtime's packed one.
 
 The runtime picks a KV link per pair of instances from its table
-(:mod:`minimemserve.disagg.links`)."""
+(:mod:`minimemserve.links`)."""
 
 from __future__ import annotations
 

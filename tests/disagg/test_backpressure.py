@@ -58,10 +58,10 @@ def test_churn_in_process(tiny_llama_dir, reference, config, num_blocks):
 @pytest.mark.parametrize("config", ["1P1D-CC", "1P2D-CC"])
 def test_churn_across_processes(tiny_llama_dir, reference, config, num_blocks):
     prompts, ref = reference
-    with ProcessCluster(
+    with ProcessCluster.of(
         tiny_llama_dir,
         config,
-        engine_config=EngineConfig(num_blocks=num_blocks),
+        engine=EngineConfig(num_blocks=num_blocks),
         start_method="forkserver",
     ) as cluster:
         rids = [cluster.add_request(p, PARAMS, request_id=f"r{i}") for i, p in enumerate(prompts)]

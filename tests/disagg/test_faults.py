@@ -29,10 +29,10 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def cluster(model_dir, config: str) -> ProcessCluster:
-    return ProcessCluster(
+    return ProcessCluster.of(
         model_dir,
         config,
-        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        engine=EngineConfig(num_blocks=NUM_BLOCKS),
         timeout_s=TIMEOUT_S,
         start_method="forkserver",
     )
@@ -214,15 +214,15 @@ def test_the_restart_budget_comes_back_after_a_while_up_and_a_role_past_it_is_be
 def test_an_idle_cluster_keeps_its_instances(tiny_llama_dir):
     """Nobody steps for three heartbeat timeouts: no instance is blamed, a request is served."""
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    with ProcessCluster(
+    with ProcessCluster.of(
         tiny_llama_dir,
         "1P1D-CC",
-        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        engine=EngineConfig(num_blocks=NUM_BLOCKS),
         timeout_s=TIMEOUT_S,
         heartbeat_timeout_s=2.0,
         start_method="forkserver",
     ) as c:
-        time.sleep(3 * c.heartbeat_timeout_s)
+        time.sleep(3 * c.spec.heartbeat_timeout_s)
         c.add_request(prompts(1)[0], params)
         outs = c.run_until_done(timeout_s=WAIT_S)
         assert not c.dead and [o.finish_reason for o in outs] == ["length"], outs
@@ -255,8 +255,8 @@ def test_an_orphaned_instance_exits_even_while_it_waits_on_a_peer(tiny_llama_dir
         "from minimemserve import ProcessCluster, SamplingParams\n"
         "from minimemserve.config import EngineConfig\n"
         "if __name__ == '__main__':\n"
-        f"    c = ProcessCluster({str(tiny_llama_dir)!r}, '1P1D-CC',\n"
-        "                       engine_config=EngineConfig(num_blocks=128))\n"
+        f"    c = ProcessCluster.of({str(tiny_llama_dir)!r}, '1P1D-CC',\n"
+        "                       engine=EngineConfig(num_blocks=128))\n"
         "    p = SamplingParams(max_tokens=400, ignore_eos=True)\n"
         "    for i in range(3):\n"
         "        c.add_request(list(range(3, 40 + i)), p)\n"
@@ -309,10 +309,10 @@ def test_a_spawned_instance_declared_dead_by_mistake_rejoins(tiny_llama_dir, slo
     ref = LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS).generate(prompts(1), short)
     if load == "slow":
         slow_engines("decode", load_s=2 * SLOW_S, step_s=0)
-    with ProcessCluster(
+    with ProcessCluster.of(
         tiny_llama_dir,
         "1P1D-CC",
-        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        engine=EngineConfig(num_blocks=NUM_BLOCKS),
         timeout_s=TIMEOUT_S,
         heartbeat_timeout_s=2.0,
         start_method="forkserver" if load == "fast" else "spawn",
@@ -324,7 +324,7 @@ def test_a_spawned_instance_declared_dead_by_mistake_rejoins(tiny_llama_dir, slo
         outs, t0, deadline = [], time.monotonic(), time.monotonic() + WAIT_S
         while "D0" not in c.dead and time.monotonic() < deadline:
             outs += c.step()
-        assert time.monotonic() - t0 < c.heartbeat_timeout_s + 1.0, c.dead
+        assert time.monotonic() - t0 < c.spec.heartbeat_timeout_s + 1.0, c.dead
         os.kill(pid, signal.SIGCONT)
         while "D0" in c.dead and time.monotonic() < deadline + WAIT_S + 2 * SLOW_S:
             outs += c.step()
@@ -409,11 +409,11 @@ def test_a_busy_instance_is_not_a_dead_one(tiny_llama_dir, slow_engines, config,
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     ps = prompts(2, seed=6)
     ref = LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS).generate(ps, params)
-    with ProcessCluster(
+    with ProcessCluster.of(
         tiny_llama_dir,
         config,
         num_colocated=1,
-        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        engine=EngineConfig(num_blocks=NUM_BLOCKS),
         timeout_s=TIMEOUT_S,
         heartbeat_s=0.2,
         heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
@@ -440,10 +440,10 @@ def test_an_instance_that_ended_its_session_is_not_routed_to_until_it_rejoined(
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     ps = prompts(4, seed=7)
     ref = LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS).generate(ps, params)
-    with ProcessCluster(
+    with ProcessCluster.of(
         tiny_llama_dir,
         "PD",
-        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        engine=EngineConfig(num_blocks=NUM_BLOCKS),
         timeout_s=TIMEOUT_S,
         heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
         start_method="forkserver",
@@ -474,10 +474,10 @@ def test_an_instance_waiting_without_a_session_is_never_silent(tiny_llama_dir):
     """C0 ends its session and waits to be joined again: it says so as often as it sent
     heartbeats, so the frontend, even before it handles those messages, never declares it
     dead for silence (which would give up, and re-run, what it sent C0 meanwhile)."""
-    with ProcessCluster(
+    with ProcessCluster.of(
         tiny_llama_dir,
         "PD",
-        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        engine=EngineConfig(num_blocks=NUM_BLOCKS),
         timeout_s=TIMEOUT_S,
         heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
         start_method="forkserver",
@@ -500,10 +500,10 @@ def test_requests_an_ended_session_never_answered_go_elsewhere_and_are_not_rerun
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     ps = prompts(4, seed=7)
     ref = LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS).generate(ps, params)
-    with ProcessCluster(
+    with ProcessCluster.of(
         tiny_llama_dir,
         "PD",
-        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        engine=EngineConfig(num_blocks=NUM_BLOCKS),
         timeout_s=TIMEOUT_S,
         heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
         start_method="forkserver",
@@ -530,10 +530,10 @@ def test_work_redone_after_a_silent_instance_is_bounded_and_answered_once(tiny_l
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     ps = prompts(2, seed=9)
     ref = LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS).generate(ps, params)
-    with ProcessCluster(
+    with ProcessCluster.of(
         tiny_llama_dir,
         "PD",
-        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        engine=EngineConfig(num_blocks=NUM_BLOCKS),
         timeout_s=TIMEOUT_S,
         heartbeat_timeout_s=2.0,
         start_method="forkserver",

@@ -92,12 +92,12 @@ def test_same_tokens_and_bytes_as_single_host(tiny_llama_dir, request, config, t
     local = request.getfixturevalue("local" if transport == "gloo" else "local_nixl")
     # routing that never moves a prefix between colocated instances: whether prompt_tree
     # pushes one depends on timing, and the bytes compared here must not
-    kw = {"engine_config": CONFIG, "policy": "prompt_tree_local"}
-    with ProcessCluster(tiny_llama_dir, config, **kw) as ref:  # shared memory
+    kw = {"engine": CONFIG, "policy": "prompt_tree_local"}
+    with ProcessCluster.of(tiny_llama_dir, config, **kw) as ref:  # shared memory
         want, (ref_bytes, *_) = run_turns(ref), moved(ref)
         ref.check_pools()
     addresses = local.addresses[:2] if config.startswith("PD") else local.addresses[2:]
-    with ProcessCluster(tiny_llama_dir, config, instances=addresses, key=local.key, **kw) as c:
+    with ProcessCluster.of(tiny_llama_dir, config, instances=addresses, key=local.key, **kw) as c:
         assert all(i.process is None and i.handle is None for i in c.instances.values())
         assert run_turns(c) == want
         pools, sent, received, kinds = moved(c)
@@ -111,21 +111,21 @@ def test_join_refuses_a_wrong_key_and_a_wrong_deployment(tiny_llama_dir, local, 
     other = tmp_path / "other.key"
     rpc.ClusterKey.generate().save(other)
     with pytest.raises(Exception, match="no instance answers"):  # its frames are dropped
-        ProcessCluster(
+        ProcessCluster.of(
             tiny_llama_dir, "1P1D", instances=local.addresses[2:], key=other, startup_timeout_s=1.0
         )
     with pytest.raises(ConfigError, match="has no 'colocated' role"):
-        ProcessCluster(tiny_llama_dir, "1P1D", instances=local.addresses[:1], key=local.key)
+        ProcessCluster.of(tiny_llama_dir, "1P1D", instances=local.addresses[:1], key=local.key)
     with pytest.raises(ConfigError, match="needs \\['decode'\\]"):
-        ProcessCluster(tiny_llama_dir, "1P1D", instances=local.addresses[2:3], key=local.key)
+        ProcessCluster.of(tiny_llama_dir, "1P1D", instances=local.addresses[2:3], key=local.key)
     os.chmod(other, 0o644)
     with pytest.raises(ConfigError, match="open to group or others"):
-        ProcessCluster(tiny_llama_dir, "1P1D", instances=local.addresses[2:], key=other)
+        ProcessCluster.of(tiny_llama_dir, "1P1D", instances=local.addresses[2:], key=other)
     with (
-        ProcessCluster(
+        ProcessCluster.of(
             tiny_llama_dir,
             "1P1D",
-            engine_config=CONFIG,  # still joinable
+            engine=CONFIG,  # still joinable
             instances=local.addresses[2:],
             key=local.key,
         ) as c
@@ -176,7 +176,7 @@ def test_instances_in_two_network_namespaces(
     monkeypatch.setenv("UCX_TLS", "tcp,self")
     name, here, there = netns
     want_kind = transport if transport != "auto" else "gloo" if nixl_missing() else "nixl"
-    with ProcessCluster(tiny_llama_dir, "1P1D-CC", engine_config=CONFIG) as ref:
+    with ProcessCluster.of(tiny_llama_dir, "1P1D-CC", engine=CONFIG) as ref:
         want, (ref_bytes, *_) = run_turns(ref), moved(ref)
     with (
         LocalInstances(
@@ -188,11 +188,11 @@ def test_instances_in_two_network_namespaces(
             log_dir=tmp_path,
             transport=transport,
         ) as inst,
-        ProcessCluster(
+        ProcessCluster.of(
             tiny_llama_dir,
             "1P1D-CC",
-            engine_config=CONFIG,
-            host=here,
+            engine=CONFIG,
+            cluster_host=here,
             instances=inst.addresses,
             key=inst.key,
         ) as c,
@@ -233,11 +233,11 @@ def test_hostile_connections_leave_the_instance_serving(tiny_llama_dir, tmp_path
             hosts=[host, host],
             log_dir=tmp_path,
         ) as inst,
-        ProcessCluster(
+        ProcessCluster.of(
             tiny_llama_dir,
             "1P1D",
-            engine_config=CONFIG,
-            host=host,
+            engine=CONFIG,
+            cluster_host=host,
             instances=inst.addresses,
             key=inst.key,
         ) as c,
@@ -291,10 +291,10 @@ def joined(model_dir, tmp_path, roles: list[str], config: str, transport: str):
         LocalInstances(
             roles, tmp_path / "k", model_dir=model_dir, transport=transport, log_dir=tmp_path
         ) as inst,
-        ProcessCluster(
+        ProcessCluster.of(
             model_dir,
             config,
-            engine_config=CONFIG,
+            engine=CONFIG,
             instances=inst.addresses,
             key=inst.key,
             heartbeat_timeout_s=2.0,
@@ -353,7 +353,7 @@ FRONTEND_SCRIPT = """
 import sys, time
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.config import EngineConfig
-c = ProcessCluster(sys.argv[1], "1P1D", engine_config=EngineConfig(num_blocks=128),
+c = ProcessCluster.of(sys.argv[1], "1P1D", engine=EngineConfig(num_blocks=128),
                    instances=sys.argv[3:], key=sys.argv[2], heartbeat_timeout_s=2.0)
 print("joined", flush=True)
 time.sleep(600)
@@ -379,8 +379,8 @@ def test_instances_outlive_a_killed_frontend(tiny_llama_dir, tmp_path):
         ):
             time.sleep(0.2)
         assert all("nothing from the frontend" in inst.log(i) for i in (0, 1))
-        with ProcessCluster(
-            tiny_llama_dir, "1P1D", engine_config=CONFIG, instances=inst.addresses, key=inst.key
+        with ProcessCluster.of(
+            tiny_llama_dir, "1P1D", engine=CONFIG, instances=inst.addresses, key=inst.key
         ) as c:
             assert len(run_turns(c, 2, 1)) == 2
             c.check_pools()
@@ -437,13 +437,13 @@ def test_tensor_parallel_instances_over_nixl(tiny_llama_dir, local_nixl, p_tp, d
     peer over NIXL (through its whole-model landing or staging tensor) gives the tokens and
     the bytes of a one-rank deployment over shared memory."""
     kw = {"policy": "prompt_tree_local"}
-    with ProcessCluster(tiny_llama_dir, "1P1D-CC", engine_config=CONFIG, **kw) as ref:
+    with ProcessCluster.of(tiny_llama_dir, "1P1D-CC", engine=CONFIG, **kw) as ref:
         want, (ref_bytes, *_) = run_turns(ref), moved(ref)
     tp = dataclasses.replace(CONFIG, tensor_parallel_size=p_tp, decode_tensor_parallel_size=d_tp)
-    with ProcessCluster(
+    with ProcessCluster.of(
         tiny_llama_dir,
         "1P1D-CC",
-        engine_config=tp,
+        engine=tp,
         instances=local_nixl.addresses[2:],
         key=local_nixl.key,
         **kw,
@@ -499,6 +499,6 @@ def test_pair_transport_prefers_nixl_between_hosts_where_both_have_an_agent():
 def test_a_tensor_parallel_standalone_instance_needs_nixl(tiny_llama_dir, local):
     tp = dataclasses.replace(CONFIG, decode_tensor_parallel_size=2)
     with pytest.raises(Exception, match="only over the nixl transport"):
-        ProcessCluster(
-            tiny_llama_dir, "1P1D", engine_config=tp, instances=local.addresses[2:], key=local.key
+        ProcessCluster.of(
+            tiny_llama_dir, "1P1D", engine=tp, instances=local.addresses[2:], key=local.key
         )

@@ -15,10 +15,10 @@ from minimemserve import LLM, SamplingParams
 from minimemserve.config import EngineConfig
 from minimemserve.disagg import rpc
 from minimemserve.disagg.launch import InstanceInfo, pair_transport
-from minimemserve.disagg.links import KV_LINKS, Counts, candidates, kv_link, transport_names
 from minimemserve.disagg.peering import PeerLinks
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.errors import ConfigError
+from minimemserve.links import KV_LINKS, Counts, candidates, kv_link, transport_names
 from minimemserve.mempool.shared import SharedPoolTensor, attach
 
 NUM_BLOCKS = 128
@@ -135,10 +135,10 @@ def test_a_link_added_in_a_test_file_carries_1p1d_cc(tiny_llama_dir, monkeypatch
     assert "fake" in transport_names() and kv_link("fake").name == "fake"
     sessions = sharegpt_user_turns(tiny_llama_dir, num_sessions=2, num_turns=3, max_user_tokens=40)
     want = turns(LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS).engine, sessions)
-    with ProcessCluster(
+    with ProcessCluster.of(
         tiny_llama_dir,
         "1P1D-CC",
-        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        engine=EngineConfig(num_blocks=NUM_BLOCKS),
         transport="fake",
         timeout_s=10,
     ) as cluster:
@@ -159,10 +159,10 @@ def test_a_link_with_its_own_peer_data_carries_1p1d_cc(tiny_llama_dir, monkeypat
     monkeypatch.setitem(KV_LINKS, "landing", "disagg.test_links:LandingLink")
     sessions = sharegpt_user_turns(tiny_llama_dir, num_sessions=2, num_turns=3, max_user_tokens=40)
     want = turns(LLM(tiny_llama_dir, config="PD", num_blocks=NUM_BLOCKS).engine, sessions)
-    with ProcessCluster(
+    with ProcessCluster.of(
         tiny_llama_dir,
         "1P1D-CC",
-        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        engine=EngineConfig(num_blocks=NUM_BLOCKS),
         transport="landing",
         timeout_s=10,
     ) as cluster:

@@ -33,10 +33,10 @@ WAIT_S = 30.0
 
 
 def _cluster(model_dir) -> ProcessCluster:
-    return ProcessCluster(
+    return ProcessCluster.of(
         model_dir,
         "1P1D-CC",
-        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        engine=EngineConfig(num_blocks=NUM_BLOCKS),
         timeout_s=TIMEOUT_S,
         heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
         start_method="forkserver",
@@ -107,10 +107,10 @@ def test_aborts_wait_on_a_stopped_instance_once_and_it_drops_them_when_woken(tin
     params = SamplingParams(max_tokens=450, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 512, (30,), generator=g).tolist() for _ in range(3)]
-    with ProcessCluster(
+    with ProcessCluster.of(
         tiny_llama_dir,
         "1P1D-CC",
-        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        engine=EngineConfig(num_blocks=NUM_BLOCKS),
         timeout_s=10.0,  # what each abort would wait without the bound
         start_method="forkserver",
     ) as c:

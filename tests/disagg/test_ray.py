@@ -19,7 +19,7 @@ import torch
 
 from minimemserve import SamplingParams
 from minimemserve.config import EngineConfig, parse_config_name
-from minimemserve.disagg.launch import LaunchSpec
+from minimemserve.deployment import DeploymentSpec
 from minimemserve.disagg.nixl import nixl_missing
 from minimemserve.disagg.placement import NodeView, Wanted, plan_nodes
 from minimemserve.disagg.ray_runtime import import_ray
@@ -60,9 +60,9 @@ def test_plan_names_what_is_missing():
     with pytest.raises(ConfigError, match="GPU 1 on one node"):
         plan_nodes([Wanted("P0", "prefill", 1, {"GPU": 1.0})], nodes)
     with pytest.raises(ConfigError, match="placement must be one of"):
-        LaunchSpec("model", placement="anywhere")
+        DeploymentSpec(placement="anywhere")
     with pytest.raises(ConfigError, match="pin names no role"):
-        LaunchSpec("model", pin={"encoder": DECODE_NODE})
+        DeploymentSpec(pin={"encoder": DECODE_NODE})
 
 
 def test_without_ray_the_error_says_what_to_install(monkeypatch):
@@ -146,7 +146,8 @@ def generate(cluster, prompts, params=PARAMS, timeout_s: float = 120) -> list:
 def ray_cluster_of(model_dir, config: str, opts: dict, **kw):
     from minimemserve.disagg.ray_runtime import RayCluster
 
-    return RayCluster(model_dir, config, **{"engine_config": CONFIG} | opts | kw)
+    fields = {"engine": CONFIG, "runtime": "ray"} | opts | kw
+    return RayCluster(DeploymentSpec(config, model_dir, **fields))
 
 
 def links(cluster) -> list[dict]:
@@ -189,7 +190,7 @@ def test_tensor_parallel_ranks_on_one_node(ray_cluster, tiny_llama_dir):
     want = reference(tiny_llama_dir, "PD", prompts)
     engine = EngineConfig(num_blocks=128, tensor_parallel_size=2)
     opts = {"pin": {"colocated": "role=decode"}}  # by the second node's label
-    with ray_cluster_of(tiny_llama_dir, "PD", opts, num_colocated=1, engine_config=engine) as c:
+    with ray_cluster_of(tiny_llama_dir, "PD", opts, num_colocated=1, engine=engine) as c:
         ranks = c.actors.nodes_of_ranks("C0")
         assert len(ranks) == 2 and set(ranks) == {c.node_of("C0")}
         labelled = [n["NodeID"] for n in ray_cluster.nodes() if DECODE_NODE in n["Resources"]]
@@ -247,7 +248,7 @@ def test_a_deployment_that_cannot_be_placed_fails_at_start(ray_cluster, tiny_lla
         ray_cluster_of(tiny_llama_dir, "1P1D", {"pin": {"decode": "gpu_node"}})
     engine = EngineConfig(num_blocks=128, decode_tensor_parallel_size=3)
     with pytest.raises(ConfigError, match=r"decode instance D0: its 3 rank\(s\) need CPU 3"):
-        ray_cluster_of(tiny_llama_dir, "1P1D", {}, engine_config=engine)
+        ray_cluster_of(tiny_llama_dir, "1P1D", {}, engine=engine)
     assert time.monotonic() - start < 30
     assert not ray_cluster.util.placement_group_table() or all(
         g["state"] == "REMOVED" for g in ray_cluster.util.placement_group_table().values()

@@ -77,10 +77,10 @@ def runs(tiny_llama_dir, sessions):
     """Each config across processes: outputs, pool reports, and what was left after close."""
     res = {}
     for config in CONFIGS:
-        cluster = ProcessCluster(
+        cluster = ProcessCluster.of(
             tiny_llama_dir,
             config,
-            engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+            engine=EngineConfig(num_blocks=NUM_BLOCKS),
             timeout_s=10,
             start_method="forkserver",  # torch imported once for every cluster of the session
         )
@@ -107,8 +107,8 @@ def test_prefill_first_across_processes_gives_the_same_tokens(tiny_llama_dir, se
     colocated PD-CC), and changes no token."""
     for config in ("1P1D-CC", "PD-CC"):
         cfg = EngineConfig(num_blocks=NUM_BLOCKS, scheduler="prefill_first")
-        with ProcessCluster(
-            tiny_llama_dir, config, engine_config=cfg, timeout_s=10, start_method="forkserver"
+        with ProcessCluster.of(
+            tiny_llama_dir, config, engine=cfg, timeout_s=10, start_method="forkserver"
         ) as cluster:
             outs = run_turns(cluster, sessions)
             assert tokens(outs) == reference
@@ -144,10 +144,10 @@ def test_pools_balance_on_every_instance(runs, config):
 def test_colocated_routing_keeps_sessions_on_their_cache(tiny_llama_dir, sessions):
     """With the instances idle, each turn goes where its conversation is cached (under
     load the scheduler may trade the hit for the idler instance: that is its job)."""
-    with ProcessCluster(
+    with ProcessCluster.of(
         tiny_llama_dir,
         "PD-CC",
-        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        engine=EngineConfig(num_blocks=NUM_BLOCKS),
         start_method="forkserver",
     ) as cluster:
         history = [[] for _ in sessions]
@@ -217,10 +217,10 @@ def test_prefix_transfer_between_colocated_instances(tiny_llama_dir, sessions):
     ref1 = run_one(llm.engine, first, "a")
     second = first + ref1.token_ids + sessions[0][2]
     ref2 = run_one(llm.engine, second, "b")
-    with ProcessCluster(
+    with ProcessCluster.of(
         tiny_llama_dir,
         "PD-CC",
-        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        engine=EngineConfig(num_blocks=NUM_BLOCKS),
         timeout_s=10,
         start_method="forkserver",
         policy="prompt_tree",
@@ -246,8 +246,8 @@ def test_bad_request_raises_in_the_frontend(tiny_llama_dir):
     """Also the default start method (spawn)."""
     from minimemserve.errors import InvalidRequest
 
-    with ProcessCluster(
-        tiny_llama_dir, "PD", num_colocated=1, engine_config=EngineConfig(num_blocks=32)
+    with ProcessCluster.of(
+        tiny_llama_dir, "PD", num_colocated=1, engine=EngineConfig(num_blocks=32)
     ) as cluster:
         params = SamplingParams(max_tokens=4, temperature=0.0)
         with pytest.raises(InvalidRequest, match="outside the vocabulary"):
@@ -275,7 +275,7 @@ if __name__ == "__main__":
     # ignored signal, across exec)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     cfg = EngineConfig(num_blocks=16)
-    with ProcessCluster(sys.argv[1], "1P1D", engine_config=cfg, start_method="forkserver") as c:
+    with ProcessCluster.of(sys.argv[1], "1P1D", engine=cfg, start_method="forkserver") as c:
         print(" ".join(str(i.process.pid) for i in c.instances.values()), flush=True)
         while True:
             c.step()

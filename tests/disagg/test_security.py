@@ -70,8 +70,8 @@ def _forge(addresses: dict[str, str], victim_file: str) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir):
-    with ProcessCluster(
-        tiny_llama_dir, "1P1D-CC", engine_config=EngineConfig(num_blocks=NUM_BLOCKS), timeout_s=5
+    with ProcessCluster.of(
+        tiny_llama_dir, "1P1D-CC", engine=EngineConfig(num_blocks=NUM_BLOCKS), timeout_s=5
     ) as c:
         yield c
 
@@ -299,11 +299,11 @@ def test_off_loopback_a_peer_without_the_curve_key_gets_nothing(tiny_llama_dir):
     session keys), no frame even reaches the handler (nothing counted), and the cluster keeps
     serving."""
     key = rpc.ClusterKey.generate()
-    with ProcessCluster(
+    with ProcessCluster.of(
         tiny_llama_dir,
         "1P1D-CC",
-        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
-        host="0.0.0.0",
+        engine=EngineConfig(num_blocks=NUM_BLOCKS),
+        cluster_host="0.0.0.0",
         timeout_s=10,
         key=key,
     ) as c:

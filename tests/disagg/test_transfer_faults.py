@@ -96,10 +96,10 @@ def _prompts(n: int) -> list[list[int]]:
 
 
 def _cluster(model_dir, config: str, **kw) -> ProcessCluster:
-    return ProcessCluster(
+    return ProcessCluster.of(
         model_dir,
         config,
-        engine_config=EngineConfig(num_blocks=NUM_BLOCKS),
+        engine=EngineConfig(num_blocks=NUM_BLOCKS),
         timeout_s=TIMEOUT_S,
         heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
         start_method="spawn",

@@ -318,8 +318,8 @@ def test_every_socket_of_the_group_listens_on_loopback_only(tiny_llama_dir):
 
 def test_process_cluster_refuses_tensor_parallel_instances(tiny_llama_dir):
     with pytest.raises(ConfigError, match="in-process"):
-        ProcessCluster(
-            tiny_llama_dir, "1P1D", engine_config=EngineConfig(decode_tensor_parallel_size=2)
+        ProcessCluster.of(
+            tiny_llama_dir, "1P1D", engine=EngineConfig(decode_tensor_parallel_size=2)
         )
 
 

@@ -70,8 +70,8 @@ class ProbeReply(Msg):
     room: bool = True
 
 
-# "auto" or a transport of the KV link table (disagg.links, above this module: the name is
-# checked against the table where it is used, in the frontend and in the instance)
+# "auto" or a transport of the KV link table (minimemserve.links: a table a test may extend,
+# so the name is checked against it where it is used, in the frontend and in the instance)
 Transport = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
 # What one KV link of an instance tells its peers (an agent's metadata and region for NIXL):
 # bytes the control plane passes on unread, decoded and checked by the link's own class.

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from ...config import LOOPBACK
+from ...config import DEFAULT_TIMEOUT_S, LOOPBACK
 from ...errors import InstanceDied, RemoteError, TransferError
 from .auth import (
     LOOPBACK_HOSTS,
@@ -30,7 +30,6 @@ from .messages import Ack, Error, Msg
 
 # The frontend's name on the control plane (instances are named by role: p0, d0, c0, ...).
 FRONTEND = "frontend"
-DEFAULT_TIMEOUT_S = 30.0  # a loopback round trip takes < 1 ms: a peer this late is dead or stuck
 WAIT_SLICE_S = 0.05  # longest poll while awaiting a reply, so heartbeats and dead peers are seen
 SEND_HWM = 10_000  # messages queued towards one peer before sends fail fast
 MAX_DEFERRED = 10_000  # deferred messages a node keeps while it waits; more are refused

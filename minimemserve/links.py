@@ -4,13 +4,13 @@ transport name, the one place the transport names (``--transport`` choices, what
 ``PeerInfo.transport`` may say), what a pair of instances may use and how a peer is reached
 are read from. Adding a transport is one class (its own file) and its line in the table.
 
-- ``shm`` (:class:`~.shm.ShmLink`): a peer on this host; its hbm pool tensor, mapped here from
-  shared memory (CPU) or CUDA IPC (one GPU), written one-sided.
-- ``nixl`` (:class:`~.nixl.NixlLink`): the peer's registered memory written by a NIXL agent
-  (RDMA, or whatever UCX finds between the two hosts).
-- ``gloo`` (:class:`~.transports.GlooLink`): a two-rank ``torch.distributed`` group the pair
-  forms through the frontend's store (gloo on CPU tensors, NCCL on CUDA ones); ``nccl`` asks
-  for the same link on CUDA.
+- ``shm`` (:class:`~.disagg.shm.ShmLink`): a peer on this host; its hbm pool tensor, mapped
+  here from shared memory (CPU) or CUDA IPC (one GPU), written one-sided.
+- ``nixl`` (:class:`~.disagg.nixl.NixlLink`): the peer's registered memory written by a NIXL
+  agent (RDMA, or whatever UCX finds between the two hosts).
+- ``gloo`` (:class:`~.disagg.transports.GlooLink`): a two-rank ``torch.distributed`` group the
+  pair forms through the frontend's store (gloo on CPU tensors, NCCL on CUDA ones); ``nccl``
+  asks for the same link on CUDA.
 
 Under ``auto`` a pair takes the first link of the table that fits it: shared memory on one
 host, else NIXL where both instances have an agent, else gloo.
