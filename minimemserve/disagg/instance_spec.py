@@ -6,8 +6,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-import msgspec
-
 from ..config import EngineConfig, parse_config_name
 from ..links import AUTO, KV_LINKS, candidates, kv_link
 from ..model.loader import read_checkpoint
@@ -25,8 +23,8 @@ class InstanceSpec:
     Ray: its node), ``managed`` (a manager such as Ray restarts it: end when a frontend closes,
     or on a crash), and the KV links it knows (``kv_links``: this process's table when it was
     made; a spawned instance gets its frontend's). The session's part, once a frontend joined
-    it: that frontend's ``join`` and the ``engine_config`` made of it; everything of the
-    session (its name, the frontend, timeouts) is read from them, never copied."""
+    it: that frontend's ``join``; everything of the session (its name, the frontend,
+    timeouts, the engine) is read from it, never copied."""
 
     role: str
     model_dir: str
@@ -44,11 +42,10 @@ class InstanceSpec:
     managed: bool = False
     kv_links: dict[str, str] = field(default_factory=lambda: dict(KV_LINKS), repr=False)
     join: rpc.Join | None = None
-    engine_config: EngineConfig | None = None
 
-    def joined(self, m: rpc.Join, config: EngineConfig) -> InstanceSpec:
-        """This instance in the session ``m`` joins it to, with engine ``config``."""
-        return replace(self, join=m, engine_config=config)
+    def joined(self, m: rpc.Join) -> InstanceSpec:
+        """This instance in the session ``m`` joins it to."""
+        return replace(self, join=m)
 
     @property
     def session_join(self) -> rpc.Join:
@@ -64,6 +61,12 @@ class InstanceSpec:
     heartbeat_s = property(lambda self: self.session_join.heartbeat_s, doc="its beat period")
     linked = property(lambda self: self.session_join.linked, doc="peers move KV into it")
     session = property(lambda self: self.session_join.session, doc="names its pair groups")
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        """Its session's engine: the frontend's, with the sizes set on this host."""
+        return replace(self.session_join.engine, **self.engine_overrides)
+
     frontend_timeout_s = property(
         lambda self: self.session_join.frontend_timeout_s,
         doc="the frontend's silence that ends the session",
@@ -89,7 +92,7 @@ class InstanceSpec:
 def spawned_options(spec: InstanceSpec, address: str) -> InstanceSpec:
     """A spawned instance as a standalone one listening where it did (``address``), with no
     session, so the frontend that declared it dead by mistake can join it again."""
-    return replace(spec, port=int(address.rsplit(":", 1)[1]), join=None, engine_config=None)
+    return replace(spec, port=int(address.rsplit(":", 1)[1]), join=None)
 
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
@@ -111,9 +114,10 @@ def check_join(m: rpc.Join, opts: InstanceSpec) -> InstanceSpec:
         raise ValueError(f"bad instance name {m.name!r}")
     if not m.frontend.startswith("tcp://") or not _NAME.fullmatch(m.session):
         raise ValueError(f"bad frontend address {m.frontend!r} or session {m.session!r}")
+    joined = opts.joined(m)
     try:
-        config = msgspec.convert(m.engine_config | opts.engine_overrides, EngineConfig)
-    except (msgspec.ValidationError, ValueError) as e:
+        config = joined.engine_config
+    except ValueError as e:
         raise ValueError(f"bad engine config: {e}") from None
     whole = [name for name in opts.kv_links if kv_link(name, opts.kv_links).whole_model]
     if config.tp_size(opts.role) != 1 and opts.transport not in whole:
@@ -121,4 +125,4 @@ def check_join(m: rpc.Join, opts: InstanceSpec) -> InstanceSpec:
             f"a standalone instance runs tensor-parallel ranks only over the {'/'.join(whole)} "
             f"transport (--transport {whole[0]})"
         )
-    return opts.joined(m, config)
+    return joined

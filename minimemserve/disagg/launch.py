@@ -7,7 +7,6 @@ group formed through a store hosted here)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import multiprocessing as mp
 import os
 import secrets
@@ -192,7 +191,7 @@ class Launcher:
                 dtype=self.spec.dtype,
                 num_threads=self.spec.cores_per_instance,
                 parent_pid=os.getpid(),
-            ).joined(self.join_message(name), engine_config)
+            ).joined(msgspec.structs.replace(self.join_message(name), engine=engine_config))
             self._spawns[name] = (ctx, spec)
             self.instances[name] = InstanceInfo(name, role, self._start(name))
 
@@ -252,7 +251,7 @@ class Launcher:
             name,
             self.spec.deployment.name,
             self.node.address,
-            dataclasses.asdict(self.spec.engine),
+            self.spec.engine,
             self.spec.timeout_s,
             self.spec.heartbeat_s,
             self.spec.heartbeat_timeout_s,

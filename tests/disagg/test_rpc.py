@@ -14,6 +14,7 @@ import msgspec
 import pytest
 import zmq
 
+from minimemserve.config import EngineConfig
 from minimemserve.disagg import rpc
 from minimemserve.disagg.rpc import (
     Abort,
@@ -110,6 +111,7 @@ def test_every_message_round_trips_as_plain_msgpack() -> None:
         Ack(),
         Heartbeat(),
         Error("PoolExhausted", "no blocks"),
+        rpc.Join("s0", "P0", "1P1D", "tcp://h:1", EngineConfig(num_blocks=8), 1.0, 0.5, 2.0, True),
     ]
     for msg in messages:
         payload = CODEC.encode(rpc.Stream().envelope("push", 3, "P0", "D0", msg))
@@ -144,6 +146,21 @@ def test_every_message_round_trips_as_plain_msgpack() -> None:
                 },
             },
             "max_tokens",
+        ),
+        (
+            {
+                "type": "Join",
+                "session": "s0",
+                "name": "P0",
+                "config": "1P1D",
+                "frontend": "tcp://h:1",
+                "engine": {"block_size": 3},
+                "timeout_s": 1.0,
+                "heartbeat_s": 0.5,
+                "frontend_timeout_s": 2.0,
+                "linked": True,
+            },
+            r"block_size must be a positive power of two.*\$\.msg\.engine",
         ),
     ],
 )

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from ...config import EngineConfig
 from ...request import Request, RequestMetrics, RequestOutput, TokenDelta, TokenLogprob
 from ...sampling import SamplingParams
 
@@ -134,7 +135,8 @@ class Hello(Msg):
 
 class Join(Msg):
     """A frontend takes a standalone instance into its deployment ``config`` as ``name``: it
-    builds its engine with ``engine_config`` (``EngineConfig`` fields), reports ``Ready`` to
+    builds its engine with ``engine`` (checked on receipt as ``EngineConfig`` checks itself;
+    the sizes set on the instance's host override it), reports ``Ready`` to
     ``frontend`` and serves until shut down, or until it hears nothing from the frontend for
     ``frontend_timeout_s``; ``linked``: peers will move KV into its pool."""
 
@@ -142,7 +144,7 @@ class Join(Msg):
     name: str
     config: str
     frontend: str
-    engine_config: dict[str, Any]
+    engine: EngineConfig
     timeout_s: Annotated[float, msgspec.Meta(gt=0)]
     heartbeat_s: Annotated[float, msgspec.Meta(gt=0)]
     frontend_timeout_s: Annotated[float, msgspec.Meta(gt=0)]
