@@ -23,13 +23,13 @@ the table; each imports the module). A link class has, beside the methods of :cl
 reached this way keeps its hbm pool in shared memory), ``whole_model`` (it carries a
 tensor-parallel instance's KV whole), ``devices`` (the device types it moves),
 ``meets_in_store`` (pairs form it through the frontend's store, in order) and three class
-methods: ``unfit(a, b)`` (why instances ``a`` and ``b`` cannot use it, or None),
-``endpoint(spec, pool)`` (this instance's side of the link, or None: an object whose
-``offer()`` is the link's data, bytes its peers are told in ``PeerInfo.links[name]`` and
-only the link reads, and ``close()``) and ``reach(peers, p)`` (connect to peer ``p``, with
-``peers.endpoints[name]`` and ``p.links[name]``: ``peers.add(p, link)``, or
-``peers.on_down(name, why)``). A peer reaching an instance over a link that ``shares_pool``
-is also told its pool's handle."""
+methods: ``unfit(a, b)`` (why instances ``a`` and ``b``, as their ``PeerInfo`` says, cannot
+use it, or None), ``endpoint(spec, pool)`` (this instance's side of the link, or None: an
+object whose ``offer()`` is the link's data, bytes its peers are told in
+``PeerInfo.links[name]`` and only the link reads, and ``close()``) and ``reach(peers, p)``
+(connect to peer ``p``, with ``peers.endpoints[name]`` and ``p.links[name]``:
+``peers.add(p, link)``, or ``peers.on_down(name, why)``). A peer reaching an instance over a
+link that ``shares_pool`` is also told its pool's handle."""
 
 from __future__ import annotations
 

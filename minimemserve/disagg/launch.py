@@ -12,7 +12,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,36 +39,26 @@ HELLO_RETRY_S = 2.0
 
 @dataclass
 class InstanceInfo:
-    """One instance process as the frontend knows it."""
+    """One instance process as the frontend knows it: how peers reach it (``info``: its name
+    and role from the start, the rest from its ``Ready``), and what only the frontend keeps."""
 
-    name: str
-    role: str
+    info: rpc.PeerInfo
     process: Any  # None: started on its own, maybe on another host
-    address: str = ""
-    handle: dict | None = None
     pid: int = 0
     ready: bool = False
-    host: str = ""  # its host's identity (instance.host_identity)
-    transport: str = AUTO  # the KV transport it asks for
-    links: dict[str, bytes] = field(default_factory=dict)  # what its KV links tell peers
     max_model_len: int = 0  # the longest context it holds (from Ready)
     hbm_blocks: int = 0  # the blocks of its hbm pool (from Ready)
 
-    def peer_info(self) -> rpc.PeerInfo:
-        """How its peers reach it."""
-        return rpc.PeerInfo(
-            self.name, self.role, self.address, self.handle, self.host, self.transport, self.links
-        )
 
-    def seen_over(self, way: str) -> rpc.PeerInfo:
-        """How a peer that reaches it over transport ``way`` sees it: that link's data (passed
-        on unread), and its pool's handle if the link shares the pool; nothing else."""
-        handle = self.handle if kv_link(way).shares_pool else None
-        links = {way: self.links[way]} if way in self.links else {}
-        return msgspec.structs.replace(self.peer_info(), transport=way, handle=handle, links=links)
+def seen_over(info: rpc.PeerInfo, way: str) -> rpc.PeerInfo:
+    """How a peer that reaches instance ``info`` over transport ``way`` sees it: that link's
+    data (passed on unread), and its pool's handle if the link shares the pool; nothing else."""
+    handle = info.handle if kv_link(way).shares_pool else None
+    links = {way: info.links[way]} if way in info.links else {}
+    return msgspec.structs.replace(info, transport=way, handle=handle, links=links)
 
 
-def pair_transport(a: InstanceInfo, b: InstanceInfo, forced: str = AUTO) -> str:
+def pair_transport(a: rpc.PeerInfo, b: rpc.PeerInfo, forced: str = AUTO) -> str:
     """How KV moves between ``a`` and ``b``: what the cluster (``forced``) or either asks for,
     else the first link of the table that fits the pair (shared memory when they share a
     host, else NIXL when both have an agent, else torch.distributed: "gloo" names it on CPU
@@ -132,7 +122,7 @@ def reap(instances: Iterable[InstanceInfo], beacon: rpc.Beacon) -> None:
                 if stop is not None:
                     stop()
                 p.join(wait_s)
-        unlink_segment(inst.handle)
+        unlink_segment(inst.info.handle)
 
 
 class Launcher:
@@ -193,7 +183,8 @@ class Launcher:
                 parent_pid=os.getpid(),
             ).joined(msgspec.structs.replace(self.join_message(name), engine=engine_config))
             self._spawns[name] = (ctx, spec)
-            self.instances[name] = InstanceInfo(name, role, self._start(name))
+            info = rpc.PeerInfo(name, role, "", None)  # the rest comes with its Ready
+            self.instances[name] = InstanceInfo(info, self._start(name))
 
     def _start(self, name: str):
         """Start the process of spawned instance ``name`` (it reports ``Ready`` when loaded)."""
@@ -210,7 +201,7 @@ class Launcher:
         inst.process.join(0)  # reap the one that exited
         inst.process = self._start(name)
         inst.ready = False
-        inst.handle = None
+        inst.info.handle = None
 
     def join(self, addresses: Sequence[str], model_config: ModelConfig, timeout_s: float) -> None:
         """Ask each standalone instance what it is, name it by role, and send it the deployment."""
@@ -236,7 +227,7 @@ class Launcher:
         for address, role, _ in found:
             name = f"{NAME_PREFIX[role]}{counts.setdefault(role, 0)}"
             counts[role] += 1
-            self.instances[name] = InstanceInfo(name, role, None, address)
+            self.instances[name] = InstanceInfo(rpc.PeerInfo(name, role, address, None), None)
             self.node.connect(name, address)
             join = self.join_message(name)
             try:
@@ -281,7 +272,7 @@ class Launcher:
     def link(self, timeout_s: float) -> None:
         """Tell every instance its peers and the transport of each pair; pairs that use
         torch.distributed form their groups through a store hosted here."""
-        insts = list(self.instances.values())
+        insts = [i.info for i in self.instances.values()]
         for a in insts:
             self.node.push(a.name, rpc.Peers(self.seen_by(a, insts), self.store_address()))
         for a in insts:  # answered once its pair groups formed
@@ -290,12 +281,12 @@ class Launcher:
             if missing := set(ways) - set(formed):
                 raise TransferError(f"{a.name} formed no KV link with {missing}")
 
-    def seen_by(self, a: InstanceInfo, insts: Sequence[InstanceInfo]) -> list[rpc.PeerInfo]:
+    def seen_by(self, a: rpc.PeerInfo, insts: Sequence[rpc.PeerInfo]) -> list[rpc.PeerInfo]:
         """``a`` and the instances ``insts`` as ``a`` reaches them (transport, pool handle)."""
-        out = [a.peer_info()]
+        out = [a]
         for b in (b for b in insts if b is not a):
             way = pair_transport(a, b, self.spec.transport)
-            out.append(b.seen_over(way))
+            out.append(seen_over(b, way))
             if kv_link(way).meets_in_store and self.store is None:
                 self.store = _host_store(self.spec.cluster_host, self.spec.timeout_s)
         return out
@@ -312,31 +303,25 @@ class Launcher:
             for inst in self.instances.values():
                 if not inst.ready and inst.process is not None and not inst.process.is_alive():
                     raise RuntimeError(
-                        f"instance {inst.name} ({inst.role}) exited during start-up with code "
-                        f"{inst.process.exitcode}; see its stderr above"
+                        f"instance {inst.info.name} ({inst.info.role}) exited during start-up "
+                        f"with code {inst.process.exitcode}; see its stderr above"
                     )
             if time.monotonic() > deadline:
-                late = [i.name for i in self.instances.values() if not i.ready]
+                late = [i.info.name for i in self.instances.values() if not i.ready]
                 raise TimeoutError(f"instances {late} not ready within {timeout_s:g} s")
 
     def on_ready(self, sender: str, msg: rpc.Ready) -> None:
         """An instance reports where it listens and how to map its pool; it is heartbeaten."""
         inst, info = self.instances[sender], msg.info
-        if inst.ready or (info.name, info.role) != (sender, inst.role):
+        if inst.ready or (info.name, info.role) != (sender, inst.info.role):
             raise PermissionError(f"{sender} cannot report ready as {info.name} ({info.role})")
         if info.transport not in transport_names():
             raise ValueError(f"{sender} asks for unknown KV transport {info.transport!r}")
         if info.handle is not None:
             segment_path(info.handle)  # only the project's own segments are ever mapped
-        if inst.process is not None:  # spawned here: where it listens is what it says
-            inst.address = info.address
-        inst.handle, inst.pid, inst.host, inst.transport, inst.links = (
-            info.handle,
-            msg.pid,
-            info.host,
-            info.transport,
-            info.links,
-        )
-        inst.max_model_len, inst.hbm_blocks = msg.max_model_len, msg.hbm_blocks
+        if inst.process is None:  # joined: reached where the frontend found it
+            info = msgspec.structs.replace(info, address=inst.info.address)
+        inst.info = info
+        inst.pid, inst.max_model_len, inst.hbm_blocks = msg.pid, msg.max_model_len, msg.hbm_blocks
         inst.ready = True
-        self.beacon.add(inst.name, inst.address)
+        self.beacon.add(info.name, info.address)

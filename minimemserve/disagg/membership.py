@@ -25,7 +25,7 @@ import time
 from ..errors import ConfigError, TransferError
 from ..scheduler.global_scheduler import GlobalScheduler
 from . import rpc
-from .launch import InstanceInfo, Launcher, unlink_segment
+from .launch import InstanceInfo, Launcher, seen_over, unlink_segment
 from .ledger import Ledger
 
 logger = logging.getLogger(__name__)
@@ -91,13 +91,13 @@ class Membership:
         for name, why in list(self.ended.items()):
             del self.ended[name]
             self.end_session(name, why)
-        for inst in [i for i in self.instances.values() if i.name not in self.dead]:
+        for inst in [i for i in self.instances.values() if i.info.name not in self.dead]:
             if inst.process is not None and not inst.process.is_alive():
                 self._on_death(inst, f"process exited with code {inst.process.exitcode}")
-            elif self.silent(inst.name, self.started) > timeout:
+            elif self.silent(inst.info.name, self.started) > timeout:
                 # should it wake up, it drops this session and rejoins (spawned ones too)
-                self.node.try_push(inst.name, rpc.Shutdown("declared dead: no heartbeat"))
-                self.gone.add(inst.name)
+                self.node.try_push(inst.info.name, rpc.Shutdown("declared dead: no heartbeat"))
+                self.gone.add(inst.info.name)
                 self._on_death(inst, f"no heartbeat for {timeout:g} s")
         for name in list(self.back):
             self._ask_back(self.instances[name])
@@ -133,27 +133,27 @@ class Membership:
 
     def _plan_restart(self, inst: InstanceInfo) -> None:
         """Start spawned ``inst`` again later (its process exited), unless it used its restarts."""
-        made = self.restarts.get(inst.name, 0)
-        up = time.monotonic() - self.up_since.get(inst.name, self.started)
+        name = inst.info.name
+        made = self.restarts.get(name, 0)
+        up = time.monotonic() - self.up_since.get(name, self.started)
         if made and up >= RESTART_RESET_S:
-            made = self.restarts[inst.name] = 0  # it served long enough: a new life
+            made = self.restarts[name] = 0  # it served long enough: a new life
         if made >= MAX_RESTARTS:
-            self.give_up(inst.name, f"it exited after {made} restarts in a row")
+            self.give_up(name, f"it exited after {made} restarts in a row")
             return
         wait = min(RESTART_WAIT_S * 2**made, RESTART_MAX_WAIT_S)
-        self.restart_at[inst.name] = time.monotonic() + wait
-        logger.warning(
-            "instance %s: restart %d of %d in %g s", inst.name, made + 1, MAX_RESTARTS, wait
-        )
+        self.restart_at[name] = time.monotonic() + wait
+        logger.warning("instance %s: restart %d of %d in %g s", name, made + 1, MAX_RESTARTS, wait)
 
     def _restart(self, inst: InstanceInfo) -> None:
         """A new process for spawned ``inst``; it reports ``Ready``, then ``monitor`` revives it."""
-        del self.restart_at[inst.name]
-        self.restarts[inst.name] = self.restarts.get(inst.name, 0) + 1
-        self.up_since[inst.name] = time.monotonic()
-        self.launcher.respawn(inst.name)
-        self.node.dead.pop(inst.name, None)  # the node would refuse to reach the new process
-        self.joining[inst.name] = time.monotonic()
+        name = inst.info.name
+        del self.restart_at[name]
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        self.up_since[name] = time.monotonic()
+        self.launcher.respawn(name)
+        self.node.dead.pop(name, None)  # the node would refuse to reach the new process
+        self.joining[name] = time.monotonic()
 
     def give_up(self, name: str, why: str) -> None:
         """Instance ``name`` will not come back (``why``)."""
@@ -163,8 +163,8 @@ class Membership:
     def beyond_repair(self) -> str | None:
         """Why the deployment cannot serve and will not recover on its own: a role every
         instance of which stays dead; None while every role has one that lives or may return."""
-        for role in dict.fromkeys(i.role for i in self.instances.values()):
-            names = [n for n, i in self.instances.items() if i.role == role]
+        for role in dict.fromkeys(i.info.role for i in self.instances.values()):
+            names = [n for n, i in self.instances.items() if i.info.role == role]
             if all(n in self.given_up for n in names):
                 why = "; ".join(f"{n}: {self.given_up[n]}" for n in names)
                 return f"no {role} instance will come back ({why})"
@@ -197,74 +197,80 @@ class Membership:
     def returned(self, name: str, address: str) -> None:
         """A dead instance its manager restarted, waiting at ``address``: ``monitor`` asks it to
         join again."""
-        self.instances[name].address = address
+        self.instances[name].info.address = address
         self.gone.discard(name)
         self.back.add(name)
 
     def _ask_back(self, inst: InstanceInfo) -> None:
         """Send a Join to a standalone instance that came back."""
-        self.back.discard(inst.name)
-        inst.ready, inst.handle = False, None
-        self.node.connect(inst.name, inst.address)  # frames queued for its old session go
-        join = self.launcher.join_message(inst.name)
-        reason = self.node.dead.pop(inst.name, "")  # the node would refuse to call it
+        name = inst.info.name
+        self.back.discard(name)
+        inst.ready, inst.info.handle = False, None
+        self.node.connect(name, inst.info.address)  # frames queued for its old session go
+        join = self.launcher.join_message(name)
+        reason = self.node.dead.pop(name, "")  # the node would refuse to call it
         try:
-            self.node.call(inst.name, join, timeout_s=self.spec.timeout_s)
+            self.node.call(name, join, timeout_s=self.spec.timeout_s)
         except TransferError as e:
-            logger.warning("instance %s did not rejoin: %s", inst.name, e)
-            self.node.dead[inst.name] = reason
-            self.gone.add(inst.name)
+            logger.warning("instance %s did not rejoin: %s", name, e)
+            self.node.dead[name] = reason
+            self.gone.add(name)
             return
-        self.joining[inst.name] = time.monotonic()
+        self.joining[name] = time.monotonic()
 
     def _revive(self, inst: InstanceInfo) -> None:
         """Take a rejoined instance back: peers reach it again, the scheduler routes to it."""
-        del self.joining[inst.name]
+        name = inst.info.name
+        del self.joining[name]
         if inst.process is not None:  # a new process, where its Ready said it listens
-            self.node.connect(inst.name, inst.address)
+            self.node.connect(name, inst.info.address)
         self.num_rejoins += 1
         scope = f"r{self.num_rejoins}"  # new pair groups: the old ones died with its session
-        others = [i for i in self.instances.values() if i.name not in self.dead]
+        others = [i for i in self.instances.values() if i.info.name not in self.dead]
         try:
             if self.spec.linked:
-                seen = self.launcher.seen_by(inst, [inst, *others])
+                seen = self.launcher.seen_by(inst.info, [inst.info, *(b.info for b in others)])
                 for b, way in zip(others, (info.transport for info in seen[1:])):
-                    info = inst.seen_over(way)
-                    self.node.push(b.name, rpc.PeerUp(info, self.launcher.store_address(), scope))
-                self.node.push(inst.name, rpc.Peers(seen, self.launcher.store_address(), scope))
-                self.node.call(inst.name, rpc.Query("links"), timeout_s=self.spec.timeout_s)
+                    info = seen_over(inst.info, way)
+                    self.node.push(
+                        b.info.name, rpc.PeerUp(info, self.launcher.store_address(), scope)
+                    )
+                self.node.push(name, rpc.Peers(seen, self.launcher.store_address(), scope))
+                self.node.call(name, rpc.Query("links"), timeout_s=self.spec.timeout_s)
         except (TransferError, ConfigError) as e:
-            logger.warning("instance %s could not rejoin: %s", inst.name, e)
-            self.node.dead[inst.name] = self.dead[inst.name]
-            self.gone.add(inst.name)
+            logger.warning("instance %s could not rejoin: %s", name, e)
+            self.node.dead[name] = self.dead[name]
+            self.gone.add(name)
             return
-        del self.dead[inst.name]
-        self.ledger.sessionless.discard(inst.name)
-        self.node.heard[inst.name] = time.monotonic()
-        if inst.role == self.entry_role:
-            self.scheduler.add(inst.name)
-        logger.warning("instance %s (%s) rejoined", inst.name, inst.role)
+        del self.dead[name]
+        self.ledger.sessionless.discard(name)
+        self.node.heard[name] = time.monotonic()
+        if inst.info.role == self.entry_role:
+            self.scheduler.add(name)
+        logger.warning("instance %s (%s) rejoined", name, inst.info.role)
 
     def _on_death(self, inst: InstanceInfo, reason: str) -> None:
-        self.dead[inst.name] = reason
-        self.node.dead[inst.name] = reason
-        self.scheduler.drop(inst.name)
-        logger.error("instance %s (%s) died: %s", inst.name, inst.role, reason)
-        self.launcher.beacon.remove(inst.name)
+        name = inst.info.name
+        self.dead[name] = reason
+        self.node.dead[name] = reason
+        self.scheduler.drop(name)
+        logger.error("instance %s (%s) died: %s", name, inst.info.role, reason)
+        self.launcher.beacon.remove(name)
         if inst.process is not None:
-            unlink_segment(inst.handle)
+            unlink_segment(inst.info.handle)
         for other in self.instances.values():
-            if other.name in self.dead or not other.ready:
+            peer = other.info.name
+            if peer in self.dead or not other.ready:
                 continue
             try:
-                rep = self.node.call(other.name, rpc.PeerDown(inst.name, reason))
+                rep = self.node.call(peer, rpc.PeerDown(name, reason))
             except TransferError as e:
-                logger.warning("could not tell %s that %s died: %s", other.name, inst.name, e)
+                logger.warning("could not tell %s that %s died: %s", peer, name, e)
                 continue
             # hand-offs to or from the dead instance whose notice has not reached us yet
             data = rep.data if isinstance(rep, rpc.Info) else {}
-            self.ledger.moved(data.get("handed", ()), other.name, inst.name)
-            self.ledger.moved(data.get("holding", ()), inst.name, other.name)
-        self.ledger.lost(inst.name, f"InstanceDied: instance {inst.name} died ({reason})")
+            self.ledger.moved(data.get("handed", ()), peer, name)
+            self.ledger.moved(data.get("holding", ()), name, peer)
+        self.ledger.lost(name, f"InstanceDied: instance {name} died ({reason})")
         if inst.process is not None and not inst.process.is_alive():
             self._plan_restart(inst)

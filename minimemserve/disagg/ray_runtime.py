@@ -214,7 +214,7 @@ class RayActors:
             if p.watch is not None and ray.wait([p.watch], timeout=0)[0]:
                 reason = self._why(p.watch)
                 p.watch = None
-                unlink_segment(membership.instances[name].handle)  # if on this host
+                unlink_segment(membership.instances[name].info.handle)  # if on this host
                 membership.declare_dead(name, reason)
                 if self.opts.max_restarts:
                     p.back = p.actor.where.remote()  # answered once Ray restarted it
@@ -341,7 +341,7 @@ class RayCluster(ProcessCluster):
         """Close the frontend, then stop the actors and release their placement groups."""
         super().close()
         for inst in self.instances.values():
-            unlink_segment(inst.handle)  # an actor killed on this host leaves its segment
+            unlink_segment(inst.info.handle)  # an actor killed on this host leaves its segment
         self._stop_ray()
 
     def _stop_ray(self) -> None:

@@ -64,7 +64,7 @@ class Router:
         """Route and send a checked request (``session_id``: its conversation) through the
         ``Frontend``, without waiting for the answer (see the module's docstring); the instance
         it went to."""
-        live = {i.role for i in self.instances.values() if i.name not in self.dead}
+        live = {i.info.role for i in self.instances.values() if i.info.name not in self.dead}
         if not live.issuperset(self.roles):
             raise InstanceDied(f"a role has no live instance left: {self.dead}")
         ids, send = f.req.prompt_token_ids, functools.partial(self._send, rid, f)

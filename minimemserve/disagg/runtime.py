@@ -136,7 +136,7 @@ class ProcessCluster:
             self.launcher.join(spec.instances, model_config, spec.startup_timeout_s)
         entry = milestone.roles[0]
         self.frontend = Frontend(
-            [n for n, i in self.instances.items() if i.role == entry],
+            [n for n, i in self.instances.items() if i.info.role == entry],
             functools.partial(push_prefix, self.node),
             policy=spec.policy,
             block_size=self.engine_config.block_size,
@@ -175,7 +175,7 @@ class ProcessCluster:
         # frontend's own calls, never inside one (a call waits for its reply and heartbeats)
         self.node.deferred = frozenset(self._handlers) - {rpc.Ready, rpc.Heartbeat}
         for inst in self.instances.values():
-            self.node.connect(inst.name, inst.address)
+            self.node.connect(inst.info.name, inst.info.address)
         if spec.linked:
             self.launcher.link(spec.startup_timeout_s)
 
@@ -186,8 +186,8 @@ class ProcessCluster:
             return
         self._closed = True
         for inst in self.instances.values():
-            if inst.name not in self.dead and inst.ready:
-                self.node.try_push(inst.name, rpc.Shutdown(CLOSING))
+            if inst.info.name not in self.dead and inst.ready:
+                self.node.try_push(inst.info.name, rpc.Shutdown(CLOSING))
             elif inst.process is not None and inst.process.is_alive():
                 inst.process.terminate()  # declared dead, maybe waiting to rejoin: no grace
         if any(i.process is None for i in self.instances.values()):
@@ -289,7 +289,7 @@ class ProcessCluster:
         checked here (no instance is asked) against the smallest context and pool of the live
         instances. The instance a request reaches checks the message it receives again: it
         comes over a socket."""
-        if not (live := [i for i in self.instances.values() if i.name not in self.dead]):
+        if not (live := [i for i in self.instances.values() if i.info.name not in self.dead]):
             raise InstanceDied(f"every instance died: {self.dead}")
         limits = tightest(
             [

@@ -65,7 +65,7 @@ def test_decode_death_ends_requests_with_error_and_frees_prefill_blocks(
         rids = [c.add_request(p, params) for p in prompts(3)]
         wait_until_on_decode(c, rids)
         rids += [c.add_request(p, params) for p in prompts(2, seed=1)]  # still on P when D dies
-        segment = c.instances["D0"].handle["name"]
+        segment = c.instances["D0"].info.handle["name"]
         t0 = time.monotonic()
         os.kill(c.instances["D0"].process.pid, signal.SIGKILL)
         outs = c.run_until_done(timeout_s=WAIT_S)

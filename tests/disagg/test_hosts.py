@@ -24,7 +24,7 @@ import zmq
 from minimemserve import SamplingParams, cli
 from minimemserve.config import EngineConfig
 from minimemserve.disagg import rpc
-from minimemserve.disagg.launch import InstanceInfo, pair_transport
+from minimemserve.disagg.launch import pair_transport, seen_over
 from minimemserve.disagg.nixl import nixl_missing
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.errors import ConfigError
@@ -98,7 +98,7 @@ def test_same_tokens_and_bytes_as_single_host(tiny_llama_dir, request, config, t
         ref.check_pools()
     addresses = local.addresses[:2] if config.startswith("PD") else local.addresses[2:]
     with ProcessCluster.of(tiny_llama_dir, config, instances=addresses, key=local.key, **kw) as c:
-        assert all(i.process is None and i.handle is None for i in c.instances.values())
+        assert all(i.process is None and i.info.handle is None for i in c.instances.values())
         assert run_turns(c) == want
         pools, sent, received, kinds = moved(c)
         c.check_pools()
@@ -197,7 +197,7 @@ def test_instances_in_two_network_namespaces(
             key=inst.key,
         ) as c,
     ):
-        p, d = c.instances["P0"], c.instances["D0"]
+        p, d = c.instances["P0"].info, c.instances["D0"].info
         assert p.host != d.host and p.transport == d.transport == transport
         assert run_turns(c) == want
         pools, sent, received, kinds = moved(c)
@@ -481,15 +481,15 @@ def test_losing_a_prefill_instance_while_it_writes_over_nixl(tiny_llama_dir, tmp
 def test_pair_transport_prefers_nixl_between_hosts_where_both_have_an_agent():
     agent = {"nixl": b"the agent's data, opaque to the frontend"}
 
-    def inst(name: str, host: str, transport: str = "auto", links=agent) -> InstanceInfo:
-        return InstanceInfo(name, "prefill", None, host=host, transport=transport, links=links)
+    def inst(name: str, host: str, transport: str = "auto", links=agent) -> rpc.PeerInfo:
+        return rpc.PeerInfo(name, "prefill", "", None, host, transport, links)
 
     assert pair_transport(inst("a", "h1"), inst("b", "h1")) == "shm"
     assert pair_transport(inst("a", "h1"), inst("b", "h2")) == "nixl"
     assert pair_transport(inst("a", "h1"), inst("b", "h2", links={})) == "gloo"
     assert pair_transport(inst("a", "h1"), inst("b", "h1"), "nixl") == "nixl"
-    assert inst("b", "h2").seen_over("gloo").links == {}  # the agent only to NIXL peers
-    assert inst("b", "h2").seen_over("nixl").links == agent
+    assert seen_over(inst("b", "h2"), "gloo").links == {}  # the agent only to NIXL peers
+    assert seen_over(inst("b", "h2"), "nixl").links == agent
     with pytest.raises(ConfigError, match="b has no NIXL agent"):
         pair_transport(inst("a", "h1"), inst("b", "h2", links={}), "nixl")
     with pytest.raises(ConfigError, match="asks for nixl KV transport, b for gloo"):

@@ -14,7 +14,7 @@ from helpers import sharegpt_user_turns
 from minimemserve import LLM, SamplingParams
 from minimemserve.config import EngineConfig
 from minimemserve.disagg import rpc
-from minimemserve.disagg.launch import InstanceInfo, pair_transport
+from minimemserve.disagg.launch import pair_transport
 from minimemserve.disagg.peering import PeerLinks
 from minimemserve.disagg.runtime import ProcessCluster
 from minimemserve.errors import ConfigError
@@ -166,7 +166,7 @@ def test_a_link_with_its_own_peer_data_carries_1p1d_cc(tiny_llama_dir, monkeypat
         transport="landing",
         timeout_s=10,
     ) as cluster:
-        told = {name: inst.links for name, inst in cluster.instances.items()}
+        told = {name: inst.info.links for name, inst in cluster.instances.items()}
         got = turns(cluster, sessions)
         stats = cluster.stats()
         reports = cluster.check_pools(require_idle=True)
@@ -184,9 +184,9 @@ def test_a_link_with_its_own_peer_data_carries_1p1d_cc(tiny_llama_dir, monkeypat
 def test_auto_takes_the_first_link_of_the_table_that_fits_the_pair():
     agent = b"an agent's data"
 
-    def inst(name: str, host: str, transport: str = "auto", nixl=None) -> InstanceInfo:
+    def inst(name: str, host: str, transport: str = "auto", nixl=None) -> rpc.PeerInfo:
         links = {} if nixl is None else {"nixl": nixl}
-        return InstanceInfo(name, "prefill", None, host=host, transport=transport, links=links)
+        return rpc.PeerInfo(name, "prefill", "", None, host, transport, links)
 
     assert pair_transport(inst("a", "h1"), inst("b", "h1")) == "shm"
     assert pair_transport(inst("a", "h1", nixl=agent), inst("b", "h2", nixl=agent)) == "nixl"

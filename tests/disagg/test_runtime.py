@@ -96,7 +96,9 @@ def runs(tiny_llama_dir, sessions):
             "reports": reports,
             "pids": pids,
             "segments": segments,
-            "alive_after": [i.name for i in cluster.instances.values() if i.process.is_alive()],
+            "alive_after": [
+                i.info.name for i in cluster.instances.values() if i.process.is_alive()
+            ],
             "segments_after": shm_segments(pids),
         }
     return res

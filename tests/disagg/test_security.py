@@ -79,7 +79,7 @@ def cluster(tiny_llama_dir):
 def test_forged_messages_from_another_process_are_dropped(cluster, tiny_llama_dir, tmp_path):
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep")
-    addresses = {n: i.address for n, i in cluster.instances.items()}
+    addresses = {n: i.info.address for n, i in cluster.instances.items()}
     addresses["frontend"] = cluster.node.address
     rid = cluster.add_request(prompt(1), PARAMS, request_id="r-victim")
     child = mp.get_context("spawn").Process(target=_forge, args=(addresses, str(victim)))
@@ -102,8 +102,8 @@ def test_forged_messages_from_another_process_are_dropped(cluster, tiny_llama_di
 def test_a_members_invalid_messages_are_refused_at_once(cluster):
     """With the secret (a buggy member), each message is checked field by field."""
     node = rpc.RpcNode("P0", lambda s, m: None, timeout_s=5, codec=cluster.node.codec)
-    node.connect("D0", cluster.instances["D0"].address)
-    node.connect("P0", cluster.instances["P0"].address)
+    node.connect("D0", cluster.instances["D0"].info.address)
+    node.connect("P0", cluster.instances["P0"].info.address)
     bad = {
         "outside the vocabulary": ("D0", forged_messages("/nonexistent")[3][1]),
         "cannot be received": ("D0", rpc.AllocRequest("x", None, NUM_BLOCKS + 1)),
@@ -115,7 +115,7 @@ def test_a_members_invalid_messages_are_refused_at_once(cluster):
     carried = Request("r-kv", prompt(5), PARAMS, 0.0)
     carried.blocks, carried.num_computed = [0], 4
     front = rpc.RpcNode("frontend", lambda s, m: None, timeout_s=5, codec=cluster.node.codec)
-    front.connect("P0", cluster.instances["P0"].address)
+    front.connect("P0", cluster.instances["P0"].info.address)
     try:
         for match, (target, msg) in bad.items():
             with pytest.raises(rpc.RemoteError, match=match):
@@ -230,7 +230,7 @@ def replay(wire: bytes, address: str, times: int) -> list[socket.socket]:
 def release(cluster: ProcessCluster, reply: rpc.AllocReply, codec, curve=None) -> None:
     """The genuine transfer is called off, as P0 would: D0 releases its blocks."""
     member = rpc.RpcNode("P0", lambda s, m: None, timeout_s=5, codec=codec, curve=curve)
-    member.connect("D0", cluster.instances["D0"].address.replace("0.0.0.0", "127.0.0.1"))
+    member.connect("D0", cluster.instances["D0"].info.address.replace("0.0.0.0", "127.0.0.1"))
     member.call("D0", rpc.Abort("captured", reply.matched + reply.new))
     member.close()
 
@@ -245,12 +245,12 @@ def wait_for(what, timeout_s: float = 20.0):
 def test_a_captured_control_frame_replayed_is_dropped_and_counted(cluster):
     """A member's AllocRequest captured on loopback and replayed 200 times to D0 (and once to
     P0 and the frontend): D0 grants nothing more, every replay is counted, pools balance."""
-    codec, d0 = cluster.node.codec, cluster.instances["D0"].address
+    codec, d0 = cluster.node.codec, cluster.instances["D0"].info.address
     before = {n: s["replayed"] for n, s in cluster.stats().items()}
     wire, reply = capture_alloc(d0, codec)
     assert len(reply.new) == 4
     socks = replay(wire, d0, 200)
-    socks += replay(wire, cluster.instances["P0"].address, 1)
+    socks += replay(wire, cluster.instances["P0"].info.address, 1)
     socks += replay(wire, cluster.node.address, 1)
 
     def counted() -> dict[str, int]:
@@ -309,11 +309,13 @@ def test_off_loopback_a_peer_without_the_curve_key_gets_nothing(tiny_llama_dir):
     ) as c:
         port = c.node.address.rsplit(":", 1)[1]
         targets = [f"tcp://127.0.0.1:{port}"]
-        targets += [f"tcp://127.0.0.1:{i.address.rsplit(':', 1)[1]}" for i in c.instances.values()]
+        targets += [
+            f"tcp://127.0.0.1:{i.info.address.rsplit(':', 1)[1]}" for i in c.instances.values()
+        ]
         for address in targets:
             assert not _knock(address, None)
             assert not _knock(address, zmq.curve_keypair()[0])
-        codec, d0 = rpc.Codec(key.secret), c.instances["D0"].address
+        codec, d0 = rpc.Codec(key.secret), c.instances["D0"].info.address
         wire, reply = capture_alloc(d0, codec, key.curve)
         assert len(reply.new) == 4 and wire
         socks = replay(wire, d0, 20)
