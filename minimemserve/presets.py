@@ -31,6 +31,7 @@ import sentencepiece as spm
 import torch
 
 from minimemserve.errors import ConfigError
+from minimemserve.model.config import ModelConfig
 from minimemserve.model.tokenizer import TOKENIZER_FILENAME, Tokenizer
 from minimemserve.sharegpt import sharegpt_text
 
@@ -319,31 +320,37 @@ def _write_tokenizer_config(out_dir: Path, max_positions: int) -> None:
     (out_dir / "tokenizer_config.json").write_text(json.dumps(hf, indent=2) + "\n")
 
 
+# The ModelConfig fields a preset hashes and writes into config.json: the shape, and the
+# constants the presets set (the others keep ModelConfig's and write_random_llama's defaults).
+MODEL_FIELDS = (
+    *SHAPE_FIELDS,
+    "max_position_embeddings",
+    "rope_theta",
+    "tie_word_embeddings",
+    "rms_norm_eps",
+)
+
+
 @dataclass(frozen=True)
 class Preset:
-    """Everything that determines a preset's files; its hash names the cache directory."""
+    """Everything that determines a preset's files; its hash names the cache directory: the
+    ``model`` (its :data:`MODEL_FIELDS`), the weights' ``seed``, the tokenizer's training text
+    (``tokenizer_text``, ``tokenizer_chars`` characters of it) and the ``load_format``."""
 
     name: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    max_position_embeddings: int = 2048
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
+    model: ModelConfig
     seed: int = 0
     tokenizer_chars: int = 4_000_000  # characters the tokenizer is trained on
     tokenizer_text: str = "sharegpt"  # or "synthetic": seeded pseudo-words, no dataset
-    rms_norm_eps: float = 1e-6
     # "dummy": only config.json and the tokenizer are written; engines make random weights
     # of its shapes on their device (EngineConfig.load_format), for real model sizes
     load_format: str = "auto"
 
     def digest(self) -> str:
-        """Short hash of every field (and the format version), stable across runs."""
-        fields = dataclasses.asdict(self) | {"format": PRESET_FORMAT_VERSION}
+        """Short hash of every field, the model's :data:`MODEL_FIELDS` among them (and the
+        format version), stable across runs."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "model"}
+        fields = own | self.model_kwargs() | {"format": PRESET_FORMAT_VERSION}
         for name, default in _LATER_FIELDS.items():  # the hashes from before they existed
             if fields[name] == default:
                 del fields[name]
@@ -352,10 +359,7 @@ class Preset:
 
     def model_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :func:`write_random_llama` for this preset."""
-        fields = dataclasses.asdict(self)
-        for name in ("name", "tokenizer_chars", "tokenizer_text", "load_format"):
-            del fields[name]
-        return fields
+        return {name: getattr(self.model, name) for name in MODEL_FIELDS} | {"seed": self.seed}
 
 
 # Preset fields added after the first presets, with their defaults: hashed only when they
@@ -365,19 +369,20 @@ _LATER_FIELDS = {"tokenizer_text": "sharegpt", "rms_norm_eps": 1e-6, "load_forma
 
 # ~32M parameters: big enough to show real compute, small enough for a 2-core CPU.
 _TINY = Preset(
-    name="tiny",
-    vocab_size=8000,
-    hidden_size=512,
-    intermediate_size=1408,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
+    "tiny",
+    ModelConfig(
+        vocab_size=8000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ),
 )
 
 
 def _llama2_dummy(name: str, hidden: int, inter: int, layers: int, heads: int) -> Preset:
-    return Preset(
-        name=name,
+    model = ModelConfig(
         vocab_size=32000,
         hidden_size=hidden,
         intermediate_size=inter,
@@ -386,6 +391,10 @@ def _llama2_dummy(name: str, hidden: int, inter: int, layers: int, heads: int) -
         num_key_value_heads=heads,
         max_position_embeddings=4096,
         rms_norm_eps=1e-5,
+    )
+    return Preset(
+        name,
+        model,
         tokenizer_chars=2_000_000,
         tokenizer_text="synthetic",
         load_format="dummy",
@@ -394,7 +403,9 @@ def _llama2_dummy(name: str, hidden: int, inter: int, layers: int, heads: int) -
 
 PRESETS: dict[str, Preset] = {
     "tiny": _TINY,
-    "tiny-mha": dataclasses.replace(_TINY, name="tiny-mha", num_key_value_heads=8),
+    "tiny-mha": dataclasses.replace(
+        _TINY, name="tiny-mha", model=dataclasses.replace(_TINY.model, num_key_value_heads=8)
+    ),
     # the tiny model with a tokenizer trained in about a second on seeded pseudo-words: for
     # machines without the ShareGPT package (the GPU check's), with the synthetic workloads
     "tiny-synthetic": dataclasses.replace(
@@ -442,20 +453,20 @@ def training_text(preset: Preset) -> list[str]:
 def _build(preset: Preset, out_dir: Path) -> None:
     tokenizer_path = out_dir / TOKENIZER_FILENAME
     shipped = SHIPPED_TOKENIZERS.get(
-        (preset.tokenizer_text, preset.vocab_size, preset.tokenizer_chars)
+        (preset.tokenizer_text, preset.model.vocab_size, preset.tokenizer_chars)
     )
     if shipped is not None:
         shutil.copyfile(DATA_DIR / shipped, tokenizer_path)
     else:
-        train_tokenizer(tokenizer_path, preset.vocab_size, training_text(preset))
+        train_tokenizer(tokenizer_path, preset.model.vocab_size, training_text(preset))
     if preset.load_format == "dummy":  # config.json alone: written without transformers
-        _check_tokenizer(tokenizer_path, preset.vocab_size)
+        _check_tokenizer(tokenizer_path, preset.model.vocab_size)
         fields = preset.model_kwargs()
         del fields["seed"]
         config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **fields}
         config |= {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "torch_dtype": "bfloat16"}
         (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        _write_tokenizer_config(out_dir, preset.max_position_embeddings)
+        _write_tokenizer_config(out_dir, preset.model.max_position_embeddings)
         return
     write_random_llama(out_dir, **preset.model_kwargs(), tokenizer_model=tokenizer_path)
 

@@ -23,17 +23,6 @@ from minimemserve.presets import (
 )
 from minimemserve.sharegpt import sharegpt_text
 
-SMALL = Preset(
-    name="test-small",
-    vocab_size=400,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    max_position_embeddings=128,
-    tokenizer_chars=50_000,
-)
 SMALL_MODEL = dict(
     vocab_size=400,
     hidden_size=32,
@@ -41,6 +30,11 @@ SMALL_MODEL = dict(
     num_hidden_layers=1,
     num_attention_heads=2,
     num_key_value_heads=1,
+)
+SMALL = Preset(
+    "test-small",
+    ModelConfig(**SMALL_MODEL, max_position_embeddings=128),
+    tokenizer_chars=50_000,
 )
 
 
@@ -91,12 +85,11 @@ def test_write_random_llama_vocab_must_match_tokenizer(tmp_path, sp_tokenizer_pa
 
 def test_preset_table():
     tiny, mha = PRESETS["tiny"], PRESETS["tiny-mha"]
-    assert (tiny.num_attention_heads, tiny.num_key_value_heads) == (8, 4)
-    assert (mha.num_attention_heads, mha.num_key_value_heads) == (8, 8)
+    assert (tiny.model.num_attention_heads, tiny.model.num_key_value_heads) == (8, 4)
+    assert (mha.model.num_attention_heads, mha.model.num_key_value_heads) == (8, 8)
     assert tiny.digest() != mha.digest()
     assert tiny.digest() == Preset(**vars(tiny)).digest()
-    cfg = ModelConfig(**{k: v for k, v in tiny.model_kwargs().items() if k != "seed"})
-    assert 30e6 < cfg.num_parameters() < 34e6
+    assert 30e6 < tiny.model.num_parameters() < 34e6
 
 
 def test_unknown_preset(tmp_path):
@@ -172,7 +165,7 @@ def test_synthetic_preset_needs_no_dataset(tmp_path, monkeypatch):
         SMALL, name="small-synthetic", tokenizer_chars=200_000, tokenizer_text="synthetic"
     )
     path = preset_dir(small, cache_dir=tmp_path)
-    assert Tokenizer.from_dir(path).vocab_size == small.vocab_size
+    assert Tokenizer.from_dir(path).vocab_size == small.model.vocab_size
 
 
 @pytest.mark.parametrize("key", sorted(presets.SHIPPED_TOKENIZERS))
@@ -180,9 +173,9 @@ def test_a_shipped_tokenizer_is_what_its_preset_trains(tmp_path, key):
     """The tokenizer file in the package is byte for byte what training on the preset's text
     gives, so shipping it changes no preset."""
     text, vocab, chars = key
-    preset = dataclasses.replace(
-        PRESETS["tiny"], vocab_size=vocab, tokenizer_chars=chars, tokenizer_text=text
-    )
+    tiny = PRESETS["tiny"]
+    model = dataclasses.replace(tiny.model, vocab_size=vocab)
+    preset = dataclasses.replace(tiny, model=model, tokenizer_chars=chars, tokenizer_text=text)
     trained = train_tokenizer(tmp_path / "t.model", vocab, presets.training_text(preset))
     shipped = presets.DATA_DIR / presets.SHIPPED_TOKENIZERS[key]
     assert trained.read_bytes() == shipped.read_bytes()
@@ -232,7 +225,18 @@ def test_a_dummy_preset_is_llama2s_config_and_a_32000_piece_tokenizer(
 
 def test_fields_added_later_keep_older_presets_hashes():
     tiny = PRESETS["tiny"]
-    assert (
-        tiny.digest() == dataclasses.replace(tiny, rms_norm_eps=1e-6, load_format="auto").digest()
-    )
-    assert tiny.digest() != dataclasses.replace(tiny, rms_norm_eps=1e-5).digest()
+    eps = {e: dataclasses.replace(tiny.model, rms_norm_eps=e) for e in (1e-6, 1e-5)}
+    assert tiny.digest() == dataclasses.replace(tiny, model=eps[1e-6], load_format="auto").digest()
+    assert tiny.digest() != dataclasses.replace(tiny, model=eps[1e-5]).digest()
+
+
+def test_the_presets_keep_their_cache_directories():
+    """A preset's digest names its cache directory: a change of how presets are declared keeps
+    every existing one."""
+    assert {name: p.digest() for name, p in PRESETS.items()} == {
+        "tiny": "53d3923e81",
+        "tiny-mha": "cd92cd45d8",
+        "tiny-synthetic": "a67f7126ab",
+        "llama-2-7b-dummy": "3053406fcd",
+        "llama-2-13b-dummy": "54b8e01bff",
+    }
