@@ -4,8 +4,9 @@ client cannot stretch.
 A connection costs a file descriptor and nothing else: the server limits requests in flight
 (see ``Server.admit``), not connections, so idle sockets cannot keep anyone out. Still, none
 is held for ever by a client that does nothing: a connection must complete a request's head
-within ``HEADER_TIMEOUT_S`` of opening (or of its previous response), and the request's body
-within ``BODY_TIMEOUT_S`` of its head, or it is closed (a late body gets 408 first). A request
+within ``HEADER_TIMEOUT_S`` of opening (or, kept alive after a response, of the first byte of
+the next request; idle, it is closed after ``KEEP_ALIVE_S``), and the request's body within
+``BODY_TIMEOUT_S`` of its head, or it is closed (a late body gets 408 first). A request
 head over ``MAX_HEADER_BYTES`` gets 431 and the connection closes: every byte up to the blank
 line that ends the head counts, also those in the chunk that completes it."""
 
@@ -16,11 +17,13 @@ import http
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-# A request's headers must be complete this long after the connection opened or its previous
-# response went out (a client on a slow link sends a few hundred bytes in well under this).
+# A request's headers must be complete this long after the connection opened or the next
+# request's first byte came (a client on a slow link sends a few hundred bytes well within it).
 HEADER_TIMEOUT_S = 10.0
-# How long a connection may stay idle between a response and the next request (uvicorn's).
-KEEP_ALIVE_S = 5
+# How long a connection may stay idle between a response and the next request: longer than
+# clients keep idle connections in their pools (aiohttp 15 s), so the client closes first and
+# never sends a request into a connection the server is closing.
+KEEP_ALIVE_S = 20
 # A request's body must be complete this long after its head (the largest body the server
 # reads, 16 MiB, at about 0.5 MB/s); a client that dribbles it is closed.
 BODY_TIMEOUT_S = 30.0
@@ -50,6 +53,7 @@ class GuardedHttp(HttpToolsProtocol):
         self._tail = b""  # the last bytes of the head read so far
         self._deadline: asyncio.TimerHandle | None = None  # of the head
         self._body_deadline: asyncio.TimerHandle | None = None
+        self._between = False  # kept alive after a response, no byte of the next request yet
         self._await_head()
 
     def _await_head(self) -> None:
@@ -86,6 +90,9 @@ class GuardedHttp(HttpToolsProtocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        if self._between:  # the next request begins: its head has the header timeout
+            self._between = False
+            self._await_head()
         if self._deadline is not None:  # no complete head yet before these bytes
             size = head_length(self._tail, data)
             self._head_bytes += len(data) if size is None else size
@@ -119,7 +126,7 @@ class GuardedHttp(HttpToolsProtocol):
         pipelined = bool(self.pipeline)  # a request whose head is in: it starts now
         super().on_response_complete()
         if not (pipelined or self.transport.is_closing()):
-            self._await_head()
+            self._between = True  # idle until KEEP_ALIVE_S (uvicorn's timer) or the next bytes
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_clock()

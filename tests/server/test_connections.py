@@ -277,3 +277,32 @@ def test_past_the_limit_a_request_gets_503_with_retry_after(served):
         for t in running:
             t.join(10)
     assert _complete(url) == 200
+
+
+def test_a_kept_alive_connection_waits_for_its_next_request_past_the_header_timeout(
+    served, monkeypatch
+):
+    """After a response, the connection stays open while idle (up to the keep-alive time, longer
+    than clients keep idle connections pooled, so they close first): a request sent after more
+    than the header timeout (here 0.5 s) is served on it. Once the next request's first byte
+    came, its head has the header timeout as before."""
+    monkeypatch.setattr(connections, "HEADER_TIMEOUT_S", 0.5)
+    assert connections.KEEP_ALIVE_S > 15  # aiohttp's pool keeps idle connections 15 s
+    ask = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+    sock = _connect(served.url)
+    try:
+        for _ in range(2):
+            sock.sendall(ask)
+            answer = b""
+            while b'{"status":"ok"}' not in answer:
+                chunk = sock.recv(4096)
+                assert chunk, answer  # the server closed the kept-alive connection
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+            time.sleep(1.0)  # idle twice the header timeout
+        sock.sendall(ask[:3])  # a head begun, then nothing: closed at the header timeout
+        sock.settimeout(3)
+        start = time.monotonic()
+        assert _closed_by_server(sock) and time.monotonic() - start < 2.5
+    finally:
+        sock.close()
