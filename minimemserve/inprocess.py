@@ -8,6 +8,7 @@ send it over); a prefilled one goes to the decode instance holding the most of i
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from pathlib import Path
@@ -134,8 +135,12 @@ class InProcessCluster:
     def validate(self, prompt, params: SamplingParams) -> Checked:
         """Checked once, against the tightest limits of every instance (each must be able to
         hold the request); the instance it is routed to takes it as it is."""
-        limits = tightest([inst.engine.limits for inst in self.instances])
-        return check_once(prompt, params, self.entry[0].engine.tokenizer, limits)
+        return check_once(prompt, params, self.entry[0].engine.tokenizer, self.limits)
+
+    @functools.cached_property
+    def limits(self) -> tuple:
+        """The tightest limits of every instance, once (an instance's never change)."""
+        return tightest([inst.engine.limits for inst in self.instances])
 
     def add_request(
         self,

@@ -124,38 +124,33 @@ class SimPool(MemPool):
         s, self.move_s = self.move_s, 0.0
         return s
 
-    def _sent(self, dst: MemPool, before: int) -> None:
-        self.last = self.on_send(self, dst, self.counters["sent_blocks"] - before)
+    def _booked(self, dst: KVReceiver, send: Callable[[], list[int]]) -> list[int]:
+        """Run ``send`` (a ``MemPool`` send to ``dst``, both pools caught up first) and book
+        its link time when it sent: :attr:`last` is then its :class:`Transfer`."""
+        self.reached(self)
+        self.reached(dst)
+        before, sends = self.counters["sent_blocks"], self.counters["transfers_sent"]
+        got = send()
+        if self.counters["transfers_sent"] != sends:
+            self.last = self.on_send(self, dst, self.counters["sent_blocks"] - before)
+        return got
 
     def transfer(self, dst: KVReceiver, src_blocks: Sequence[int]) -> list[int]:
         """``MemPool.transfer``, its link time booked."""
-        self.reached(self)
-        self.reached(dst)
-        before = self.counters["sent_blocks"]
-        got = super().transfer(dst, src_blocks)
-        self._sent(dst, before)
-        return got
+        send = super().transfer
+        return self._booked(dst, lambda: send(dst, src_blocks))
 
     def transfer_with_insert(
         self, dst: KVReceiver, tokens: Sequence[int], src_blocks: Sequence[int]
     ) -> list[int]:
         """``MemPool.transfer_with_insert``, its link time booked."""
-        self.reached(self)
-        self.reached(dst)
-        before = self.counters["sent_blocks"]
-        got = super().transfer_with_insert(dst, tokens, src_blocks)
-        self._sent(dst, before)
-        return got
+        send = super().transfer_with_insert
+        return self._booked(dst, lambda: send(dst, tokens, src_blocks))
 
     def send_cached(self, dst: KVReceiver, tokens: Sequence[int]) -> list[int]:
         """``MemPool.send_cached``, its link time booked when something was sent."""
-        self.reached(self)
-        self.reached(dst)
-        before, sends = self.counters["sent_blocks"], self.counters["transfers_sent"]
-        got = super().send_cached(dst, tokens)
-        if self.counters["transfers_sent"] != sends:
-            self._sent(dst, before)
-        return got
+        send = super().send_cached
+        return self._booked(dst, lambda: send(dst, tokens))
 
 
 class _TokenIds:
@@ -815,8 +810,12 @@ class SimCluster(DecodeRuns, Replay):
     def validate(self, prompt, params: SamplingParams) -> Checked:
         """Checked once, against the tightest limits of every instance (as in one process);
         the instance it is routed to takes it as it is."""
-        limits = tightest([inst.engine.limits for inst in self.instances])
-        return check_once(prompt, params, self.instances[0].engine.tokenizer, limits)
+        return check_once(prompt, params, self.instances[0].engine.tokenizer, self.limits)
+
+    @functools.cached_property
+    def limits(self) -> tuple:
+        """The tightest limits of every instance, once (an instance's never change)."""
+        return tightest([inst.engine.limits for inst in self.instances])
 
     def _end_step(self, inst: SimInstance) -> None:
         """``inst``'s step computed; it ends once the transfers it began have landed (the
